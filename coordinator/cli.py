@@ -1,0 +1,130 @@
+"""``fleet-coordinator serve``: discover workers, assemble the pipeline, serve the OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+from pydantic import BaseModel
+from pydantic_settings import CliApp, CliSubCommand
+
+from fleet_common import API_SERVICE_TYPE
+from fleet_common.manifest import ManifestError, load_manifest
+
+from .api import create_app
+from .engine import Engine
+from .pipeline import Channels
+from .registry import Registry
+from .settings import CoordinatorSettings
+from .tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+
+async def _announce_api(host: str, port: int, model_id: str):  # noqa: ANN202
+    from zeroconf import InterfaceChoice, IPVersion
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+    loopback = host in ("127.0.0.1", "localhost")
+    ip = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
+    zc = AsyncZeroconf(interfaces=["127.0.0.1"] if loopback else InterfaceChoice.All, ip_version=IPVersion.V4Only)
+    info = AsyncServiceInfo(API_SERVICE_TYPE, f"fleet-{socket.gethostname()}-{port}.{API_SERVICE_TYPE}",
+                            addresses=[socket.inet_aton(ip)], port=port, properties={"model": model_id[:120]},
+                            server=f"{socket.gethostname()}.local.")
+    await zc.async_register_service(info, allow_name_change=True)
+    return zc, info
+
+
+async def serve(settings: CoordinatorSettings) -> None:
+    """Run the coordinator until interrupted. Raises ``ManifestError`` for a bad build folder."""
+    loaded = load_manifest(settings.model)
+    tokenizer = ChatTokenizer(settings.model)
+    channels = Channels()
+    registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
+    local = None
+    if settings.local_workers:
+        from .local import LocalWorkers
+
+        if settings.local_workers != loaded.manifest.num_stages:
+            raise ManifestError(f"--local-workers {settings.local_workers}: this build has "
+                                f"{loaded.manifest.num_stages} stages; start one worker per stage")
+        local = LocalWorkers(settings.model, loaded.manifest.num_stages, settings.worker_threads,
+                             settings.inference_precision)
+        await local.start()
+        for address in local.addresses:
+            registry.add_peer(address)
+    for peer in settings.peer:
+        registry.add_peer(peer)
+    await registry.start(discover=settings.discover)
+    engine = Engine(settings, loaded, registry, tokenizer)
+
+    def health() -> dict:
+        return {
+            "ready": not registry.missing_stages(),
+            "model": engine.model_name,
+            "manifest_sha256": loaded.sha256,
+            "missing_stages": registry.missing_stages(),
+            "workers": [{"address": w.address, "stage": w.info.stage if w.info else None, "healthy": w.healthy,
+                         "refused": w.refused, "sessions": w.info.sessions if w.info else None}
+                        for w in registry.workers.values()],
+        }
+
+    app = create_app(engine, health)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            access_log=False)
+    server = uvicorn.Server(config)
+    zc = None
+    try:
+        async def report_ready() -> None:
+            if await registry.wait_ready(120):
+                log.info("fleet ready: %d stages, %s", loaded.manifest.num_stages, " -> ".join(registry.placement()))
+            else:
+                log.warning("still missing stage(s) %s after 120 s", registry.missing_stages())
+
+        ready_task = asyncio.create_task(report_ready())
+        if settings.announce:
+            zc = await _announce_api(settings.host, settings.port, engine.model_name)
+        await server.serve()
+        ready_task.cancel()
+    finally:
+        if zc is not None:
+            await zc[0].async_unregister_service(zc[1])
+            await zc[0].async_close()
+        await registry.stop()
+        await channels.close()
+        if local is not None:
+            await local.stop()
+
+
+class Serve(CoordinatorSettings):
+    """Discover workers, assemble the pipeline and serve the OpenAI-compatible API."""
+
+    def cli_cmd(self) -> None:
+        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s coordinator %(name)s: %(message)s")
+        try:
+            asyncio.run(serve(CoordinatorSettings(**self.model_dump())))
+        except ManifestError as exc:
+            log.error("%s", exc)
+            sys.exit(2)
+
+
+class FleetCoordinator(BaseModel):
+    """fleet coordinator"""
+
+    serve: CliSubCommand[Serve]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fleet-coordinator`` console script."""
+    CliApp.run(FleetCoordinator, cli_args=argv if argv is not None else sys.argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Generation engine: one request's life from chat messages to streamed text, over the pipeline.
+
+The coordinator owns each session's tokens; workers own only KV state. Prefill is chunked
+(``prefill_chunk`` tokens per step) so a long prompt never builds one huge message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fleet_common.manifest import LoadedManifest
+
+from .errors import ContextLengthExceeded, InvalidRequest, Overloaded
+from .registry import Registry
+from .sampling import choose_token
+from .settings import CoordinatorSettings
+from .tokenizer import ChatTokenizer, IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class FinishReason(str, enum.Enum):
+    """OpenAI ``finish_reason`` values."""
+
+    STOP = "stop"  # end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit reached
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI semantics)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Request:
+    """One generation request; token lists change only through its methods."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def append(self, token: int) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.output_ids.append(token)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status, self.finish_reason, self.finished_at = RequestStatus.FINISHED, reason, time.perf_counter()
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token_at is None else (self.first_token_at - self.created) * 1000
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first per second of decoding (1 / TPOT)."""
+        if self.first_token_at is None or self.finished_at is None or len(self.output_ids) < 2:
+            return None
+        return (len(self.output_ids) - 1) / max(self.finished_at - self.first_token_at, 1e-9)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of generated text; ``finish_reason`` is set on the last one."""
+
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class Engine:
+    """Turns requests into pipeline steps; many requests run concurrently, each its own session."""
+
+    def __init__(self, settings: CoordinatorSettings, loaded: LoadedManifest, registry: Registry,
+                 tokenizer: ChatTokenizer) -> None:
+        self.settings = settings
+        self.manifest = loaded.manifest
+        self.registry = registry
+        self.tokenizer = tokenizer
+        model_context = self.manifest.architecture.max_context
+        self.max_context = min(settings.max_context or model_context, model_context)
+        self.eos_ids = set(self.manifest.eos_token_ids)
+        self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
+        self.model_name = settings.served_model_name or self.manifest.model_id
+
+    def make_request(self, messages: list[dict], params: SamplingParams) -> Request:
+        """Tokenize a chat; raises ``ContextLengthExceeded`` when the prompt leaves no room to answer."""
+        prompt_ids = self.tokenizer.encode_chat(messages)
+        if len(prompt_ids) >= self.max_context:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_context} tokens. However, your messages "
+                f"resulted in {len(prompt_ids)} tokens. Please reduce the length of the messages.", param="messages")
+        if params.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        params.max_tokens = min(params.max_tokens, self.max_context - len(prompt_ids))
+        return Request(f"chatcmpl-{uuid.uuid4().hex[:24]}", prompt_ids, params)
+
+    def _timeout(self, tokens: int) -> float:
+        s = self.settings
+        return s.rpc_timeout_s + tokens * s.per_token_timeout_s * self.manifest.num_stages
+
+    async def generate(self, request: Request) -> AsyncIterator[TextDelta]:
+        """Run ``request`` to completion, yielding text deltas (never a split UTF-8 character).
+
+        Raises ``Overloaded`` when too many requests run, ``PipelineUnavailable`` / ``StageFailure``
+        when the fleet cannot serve it. The session's KV is freed on every stage however it ends
+        (including the consumer closing this generator on client disconnect).
+        """
+        if self._slots.locked():
+            raise Overloaded(f"{self.settings.max_concurrent_requests} requests are already running; retry shortly")
+        async with self._slots:
+            async for delta in self._generate(request):
+                yield delta
+
+    async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
+        s, params = self.settings, request.params
+        pipeline = await self.registry.pipeline()
+        session = request.request_id
+        rng = np.random.default_rng(params.seed)
+        top_k = 1 if params.temperature <= 0 else s.sample_top_k
+        prompt = request.prompt_ids
+        await pipeline.open_session(session, len(prompt) + params.max_tokens, s.rpc_timeout_s)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        text, sent = "", 0
+        hold = max((len(x) for x in params.stop), default=1) - 1
+        try:
+            request.status = RequestStatus.PREFILL
+            out = None
+            for start in range(0, len(prompt), s.prefill_chunk):
+                chunk = prompt[start:start + s.prefill_chunk]
+                last = start + len(chunk) == len(prompt)
+                out = await pipeline.step(session, chunk, start, start, 1 if last else 0, top_k,
+                                          self._timeout(len(chunk)))
+            request.status = RequestStatus.DECODE
+            position = len(prompt)
+            while True:
+                token = choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p, rng)
+                if token in self.eos_ids:
+                    request.finish(FinishReason.STOP)
+                    break
+                request.append(token)
+                text += detok.push(token)
+                if params.stop:
+                    cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
+                              default=-1)
+                    if cut >= 0:
+                        text = text[:cut]
+                        request.finish(FinishReason.STOP)
+                        break
+                if len(request.output_ids) >= params.max_tokens:
+                    request.finish(FinishReason.LENGTH)
+                    break
+                safe = len(text) - hold if params.stop else len(text)
+                if safe > sent:
+                    yield TextDelta(text[sent:safe])
+                    sent = safe
+                out = await pipeline.step(session, [token], position, position, 1, top_k, self._timeout(1))
+                position += 1
+            yield TextDelta(text[sent:], request.finish_reason)
+        except BaseException:
+            request.status = RequestStatus.FAILED
+            raise
+        finally:
+            await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))
+            log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s", session,
+                     request.finish_reason.value if request.finish_reason else request.status.value, len(prompt),
+                     len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
+                     request.decode_tokens_per_s or 0.0)

@@ -1,0 +1,208 @@
+"""Client side of the stage pipeline: sessions across all stages and one step through them.
+
+A step goes coordinator -> stage 0 -> stage 1 -> ... -> last stage, each stage forwarding its hidden
+states straight to the next (``route``); the last stage pushes the result into this coordinator's
+``Subscribe`` stream. So a step over N stages costs N+1 network hops, and the acks that travel back
+up the chain carry only errors, off the critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.wire import GRPC_OPTIONS, from_tensor, to_tensor
+
+from .errors import Overloaded, StageFailure
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step returns: candidates for the last ``N`` positions of the chunk."""
+
+    top_ids: np.ndarray  # [N, k] int32, best first
+    top_logprobs: np.ndarray  # [N, k] float32, log-softmax over the full vocabulary
+
+
+class Channels:
+    """One gRPC channel per worker address, shared by every pipeline of this coordinator."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
+
+    def stub(self, address: str) -> pb_grpc.StageStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            entry = self._stubs[address] = (channel, pb_grpc.StageStub(channel))
+        return entry[1]
+
+    async def drop(self, address: str) -> None:
+        entry = self._stubs.pop(address, None)
+        if entry is not None:
+            await entry[0].close()
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+class Pipeline:
+    """An assembled pipeline: one worker address per stage, and the result stream from the last one.
+
+    ``addresses[i]`` serves stage i. Create with ``await Pipeline.connect(...)``; ``close()`` it when
+    membership changes.
+    """
+
+    def __init__(self, addresses: list[str], channels: Channels, manifest_sha256: str) -> None:
+        self.addresses = list(addresses)
+        self.channels = channels
+        self.manifest_sha256 = manifest_sha256
+        self.subscriber_id = f"coord-{uuid.uuid4().hex[:12]}"
+        self._waiters: dict[tuple[str, int], asyncio.Future] = {}
+        self._steps = itertools.count(1)
+        self._reader: asyncio.Task | None = None
+        self._broken: str | None = None
+
+    @classmethod
+    async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
+                      timeout_s: float = 5.0) -> Pipeline:
+        """Subscribe to the last stage's results; raises ``StageFailure`` if it does not answer in time."""
+        pipeline = cls(addresses, channels, manifest_sha256)
+        ready = asyncio.get_running_loop().create_future()
+        pipeline._reader = asyncio.create_task(pipeline._read_results(ready), name=f"results-{addresses[-1]}")
+        try:
+            await asyncio.wait_for(ready, timeout_s)
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            await pipeline.close()
+            raise StageFailure(f"last stage at {addresses[-1]} did not accept the result stream: {exc}") from exc
+        return pipeline
+
+    @property
+    def healthy(self) -> bool:
+        return self._broken is None
+
+    async def _read_results(self, ready: asyncio.Future) -> None:
+        call = self.channels.stub(self.addresses[-1]).Subscribe(pb.SubscribeRequest(subscriber_id=self.subscriber_id))
+        try:
+            async for result in call:
+                if not result.session_id:  # the stage's "subscribed" handshake
+                    if not ready.done():
+                        ready.set_result(None)
+                    continue
+                waiter = self._waiters.pop((result.session_id, result.step_id), None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(result)
+            reason = "result stream ended"
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+            if not ready.done():
+                ready.set_exception(exc)
+        except asyncio.CancelledError:
+            call.cancel()
+            reason = "pipeline closed"
+        self._broken = f"last stage at {self.addresses[-1]}: {reason}"
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(StageFailure(self._broken))
+        self._waiters.clear()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    # -- sessions ------------------------------------------------------------------------------
+    async def open_session(self, session_id: str, max_context: int, timeout_s: float) -> None:
+        """Open ``session_id`` on every stage at once. Raises ``Overloaded`` when a stage is full,
+        ``StageFailure`` otherwise (the stages that did open are closed again)."""
+        request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
+                                        manifest_sha256=self.manifest_sha256)
+        results = await asyncio.gather(
+            *(self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses),
+            return_exceptions=True,
+        )
+        errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
+        if errors:
+            await self.close_session(session_id, timeout_s)
+            address, exc = errors[0]
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Overloaded(f"worker {address} is full: {exc.details()}")
+            raise StageFailure(f"cannot open a session on worker {address}: {_describe(exc)}")
+
+    async def close_session(self, session_id: str, timeout_s: float) -> None:
+        """Free ``session_id``'s KV on every stage at once; failures are logged, never raised."""
+        request = pb.CloseSessionRequest(session_id=session_id)
+        results = await asyncio.gather(
+            *(self.channels.stub(a).CloseSession(request, timeout=timeout_s) for a in self.addresses),
+            return_exceptions=True,
+        )
+        for address, r in zip(self.addresses, results):
+            if isinstance(r, BaseException):
+                log.warning("session %s: close on %s failed: %s", session_id, address, _describe(r))
+
+    # -- steps ---------------------------------------------------------------------------------
+    async def step(self, session_id: str, tokens: list[int], past_length: int, start_position: int,
+                   logits_count: int, top_k: int, timeout_s: float, hide_slots: list[int] = ()) -> StepOutput | None:
+        """Run ``tokens`` (one chunk) of a session through every stage.
+
+        Returns candidates for the chunk's last ``logits_count`` positions, or None when
+        ``logits_count`` is 0. Raises ``StageFailure`` naming the stage when any stage fails or the
+        step misses its deadline (``timeout_s``).
+        """
+        if self._broken:
+            raise StageFailure(self._broken)
+        step_id = next(self._steps)
+        request = pb.ForwardRequest(
+            session_id=session_id, step_id=step_id, stage=0,
+            input=to_tensor(np.asarray(tokens, dtype=np.int64)[None, :]),
+            past_length=past_length, start_position=start_position, hide_slots=list(hide_slots),
+            route=self.addresses[1:], logits_count=logits_count, top_k=top_k,
+            reply_to=self.subscriber_id, manifest_sha256=self.manifest_sha256,
+        )
+        waiter = None
+        if logits_count:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[(session_id, step_id)] = waiter
+        call = asyncio.ensure_future(self.channels.stub(self.addresses[0]).Forward(request, timeout=timeout_s))
+        try:
+            if waiter is None:
+                await call
+                return None
+            done, _ = await asyncio.wait({call, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if waiter not in done and call in done:
+                call.result()  # raises the chain's error, if any
+                done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
+            if waiter not in done:
+                raise StageFailure(f"step of session {session_id} missed its {timeout_s:.1f} s deadline")
+            result = waiter.result()
+        except grpc.aio.AioRpcError as exc:
+            raise StageFailure(f"pipeline step failed: {_describe(exc)}", ) from exc
+        finally:
+            self._waiters.pop((session_id, step_id), None)
+            if not call.done():
+                call.add_done_callback(_log_late_failure)
+        return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),
+                          from_tensor(result.top_logprobs, dtype="float32", ndim=2))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)
+
+
+def _log_late_failure(call: asyncio.Future) -> None:
+    if not call.cancelled() and call.exception() is not None:
+        log.warning("pipeline ack failed after its result arrived: %s", _describe(call.exception()))

@@ -1,0 +1,208 @@
+"""Worker membership: zeroconf discovery + static peers, health checks, and pipeline assembly.
+
+Placement is recomputed only when membership changes (a worker joins, leaves or fails), never per
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from fleet_common import PROTOCOL_VERSION, SERVICE_TYPE
+from fleet_common import fleet_pb2 as pb
+from fleet_common.discovery import decode_txt
+from fleet_common.manifest import LoadedManifest
+
+from .errors import PipelineUnavailable
+from .pipeline import Channels, Pipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    """What the coordinator knows of one worker address."""
+
+    address: str
+    source: str  # "mdns" or "peer"
+    info: pb.InfoReply | None = None
+    healthy: bool = False
+    refused: str | None = None  # why it may not join (wrong build / protocol)
+    missed: int = 0
+    last_seen: float = 0.0
+
+
+class Registry:
+    """Tracks workers and hands out the current pipeline (stage i -> one healthy worker)."""
+
+    def __init__(self, loaded: LoadedManifest, channels: Channels, health_interval_s: float = 1.0,
+                 missed_limit: int = 3) -> None:
+        self.loaded = loaded
+        self.num_stages = loaded.manifest.num_stages
+        self.channels = channels
+        self.health_interval_s = health_interval_s
+        self.missed_limit = missed_limit
+        self.workers: dict[str, WorkerState] = {}
+        self._static: set[str] = set()
+        self._pipeline: Pipeline | None = None
+        self._assemble_lock = asyncio.Lock()
+        self._zc = None
+        self._browser = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- membership ----------------------------------------------------------------------------
+    def add_peer(self, address: str, source: str = "peer") -> None:
+        """Consider ``address`` (host:port); it joins once its Info RPC matches this build."""
+        if source == "peer":
+            self._static.add(address)
+        if address not in self.workers:
+            self.workers[address] = WorkerState(address, source)
+            log.info("worker candidate %s (%s)", address, source)
+        self._spawn(self._check(address))
+
+    async def _check(self, address: str) -> None:
+        state = self.workers.get(address)
+        if state is None:
+            return
+        try:
+            info = await self.channels.stub(address).Info(pb.InfoRequest(), timeout=max(1.0, self.health_interval_s))
+        except grpc.aio.AioRpcError as exc:
+            state.missed += 1
+            if state.healthy:
+                log.warning("worker %s (stage %s) failed a health check: %s", address,
+                            state.info.stage if state.info else "?", exc.code().name)
+            state.healthy = False
+            await self.channels.drop(address)  # a restarted worker gets a fresh connection
+            if state.missed >= self.missed_limit and address not in self._static:
+                log.warning("worker %s dropped after %d missed health checks", address, state.missed)
+                self.workers.pop(address, None)
+            await self._invalidate_if_uses(address)
+            return
+        state.info, state.missed, state.last_seen = info, 0, time.monotonic()
+        refused = None
+        if info.protocol_version != PROTOCOL_VERSION:
+            refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
+                       f"coordinator speaks {PROTOCOL_VERSION}")
+        elif info.manifest_sha256 != self.loaded.sha256:
+            refused = (f"refusing worker {address} (stage {info.stage}, model {info.model_id!r}): its manifest "
+                       f"{info.manifest_sha256[:12]} differs from the coordinator's {self.loaded.sha256[:12]} "
+                       f"({self.loaded.manifest.model_id!r})")
+        elif info.stage >= self.num_stages:
+            refused = f"refusing worker {address}: stage {info.stage} outside 0..{self.num_stages - 1}"
+        if refused != state.refused:
+            if refused:
+                log.error("%s", refused)
+            state.refused = refused
+        was_healthy = state.healthy
+        state.healthy = refused is None
+        if state.healthy and not was_healthy:
+            log.info("worker %s joined: stage %d layers [%d, %d) on %s", address, info.stage, info.layer_start,
+                     info.layer_end, info.device)
+            if self._pipeline is not None and not self._pipeline.healthy:
+                await self._drop_pipeline()
+
+    async def _invalidate_if_uses(self, address: str) -> None:
+        if self._pipeline is not None and address in self._pipeline.addresses:
+            await self._drop_pipeline()
+
+    async def _drop_pipeline(self) -> None:
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            await pipeline.close()
+
+    def missing_stages(self) -> list[int]:
+        have = {s.info.stage for s in self.workers.values() if s.healthy and s.info is not None}
+        return [i for i in range(self.num_stages) if i not in have]
+
+    def placement(self) -> list[str]:
+        """One healthy worker per stage (the least loaded); raises ``PipelineUnavailable`` naming gaps."""
+        missing = self.missing_stages()
+        if missing:
+            raise PipelineUnavailable(
+                f"no healthy worker for stage(s) {missing} of {self.num_stages}; start `fleet-worker --shard N "
+                f"--model <build>` for each, or pass --peer host:port")
+        chosen = []
+        for stage in range(self.num_stages):
+            candidates = [s for s in self.workers.values() if s.healthy and s.info and s.info.stage == stage]
+            chosen.append(min(candidates, key=lambda s: (s.info.sessions, s.address)).address)
+        return chosen
+
+    async def pipeline(self) -> Pipeline:
+        """The current pipeline, assembled on first use and after membership changes."""
+        async with self._assemble_lock:
+            if self._pipeline is not None and self._pipeline.healthy:
+                return self._pipeline
+            await self._drop_pipeline()
+            addresses = self.placement()
+            self._pipeline = await Pipeline.connect(addresses, self.channels, self.loaded.sha256)
+            log.info("pipeline assembled: %s", " -> ".join(addresses))
+            return self._pipeline
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every stage has a healthy worker; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.missing_stages():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    # -- background ----------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("registry task failed", exc_info=task.exception())
+
+    async def start(self, discover: bool) -> None:
+        """Begin health checks (and zeroconf browsing when ``discover``)."""
+        self._spawn(self._health_loop())
+        if discover:
+            from zeroconf import IPVersion, ServiceStateChange
+            from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+            self._zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
+
+            async def resolve(name: str) -> None:
+                info = AsyncServiceInfo(SERVICE_TYPE, name)
+                if not await info.async_request(self._zc.zeroconf, 3000):
+                    log.debug("could not resolve %s", name)
+                    return
+                for host in info.parsed_addresses(IPVersion.V4Only):
+                    try:
+                        ad = decode_txt(info.properties, host, info.port)
+                    except ValueError as exc:
+                        log.warning("%s", exc)
+                        return
+                    self.add_peer(ad.address, "mdns")
+                    return
+
+            def on_change(zeroconf, service_type, name, state_change) -> None:  # noqa: ANN001
+                if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
+                    self._spawn(resolve(name))
+
+            self._browser = AsyncServiceBrowser(self._zc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(a) for a in list(self.workers)), return_exceptions=True)
+            await asyncio.sleep(self.health_interval_s)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._drop_pipeline()
+        if self._browser is not None:
+            await self._browser.async_cancel()
+        if self._zc is not None:
+            await self._zc.async_close()

@@ -1,0 +1,37 @@
+"""Coordinator settings: one pydantic-settings class; the ``serve`` CLI is generated from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CoordinatorSettings(BaseSettings):
+    """How ``fleet-coordinator serve`` finds workers, runs requests and serves HTTP."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
+
+    model: Path = Field(description="build folder written by fleet-compiler build (manifest, tokenizer)")
+    host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 serves the LAN")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    peer: list[str] = Field(default_factory=list, description="worker host:port to use without mDNS (repeatable)")
+    discover: bool = Field(True, description="browse zeroconf (mDNS) for workers")
+    announce: bool = Field(True, description="announce the HTTP API with zeroconf for fleet-chat")
+    local_workers: int = Field(0, ge=0, le=64, description="start this many workers here, one per stage (0 = none)")
+    worker_threads: int = Field(0, ge=0, description="inference threads of each local worker (0 = default)")
+    inference_precision: Literal["auto", "f32", "bf16", "f16"] = Field(
+        "auto", description="precision hint passed to local workers (f32 = bit-exact with one device)")
+    served_model_name: str = Field("", description="model name in the API (default: the build's model id)")
+    max_tokens_default: int = Field(512, ge=1, description="max_tokens when a request gives none")
+    max_context: int = Field(0, ge=0, description="cap on prompt + completion tokens (0 = the model's context)")
+    prefill_chunk: int = Field(256, ge=1, le=4096, description="prompt tokens per pipeline step during prefill")
+    sample_top_k: int = Field(64, ge=1, le=256, description="candidates the last stage returns per position when sampling")
+    max_concurrent_requests: int = Field(32, ge=1, description="requests generating at once; more get HTTP 429")
+    rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one pipeline step, plus per_token_timeout_s per token")
+    per_token_timeout_s: float = Field(0.05, ge=0, description="extra step deadline per token in the chunk per stage")
+    health_interval_s: float = Field(1.0, gt=0, description="seconds between health checks of each worker")
+    missed_health_checks: int = Field(3, ge=1, description="a worker missing this many checks in a row is dropped")
+    log_level: str = Field("INFO", description="logging level")

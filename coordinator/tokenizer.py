@@ -1,0 +1,80 @@
+"""Tokenizer, chat template and UTF-8-safe incremental detokenization (no torch, no transformers)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from .errors import InvalidRequest
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+class ChatTokenizer:
+    """``tokenizer.json`` (HF tokenizers) + the chat template from ``tokenizer_config.json``.
+
+    Rendering follows transformers' ``apply_chat_template`` (sandboxed Jinja, trim/lstrip blocks).
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = config.get("bos_token") or ""
+        self.eos_token = config.get("eos_token") or ""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(self.chat_template) if self.chat_template else None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it are parsed as special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Prompt text for OpenAI-style ``messages``; raises ``InvalidRequest`` if the template rejects them."""
+        if self._template is None:
+            raise InvalidRequest("this model has no chat template")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as exc:
+            raise InvalidRequest(f"chat template rejected the messages: {exc}", param="messages") from exc
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas that never split a UTF-8 character.
+
+    Byte-level BPE tokens can end inside a multi-byte character; such text decodes to U+FFFD, so a
+    delta is held back until the character completes (the prefix/read-offset scheme of HF's
+    ``TextStreamer`` and vLLM's detokenizer).
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token: int) -> str:
+        """Add one token; return the newly completed text (possibly empty)."""
+        self.ids.append(token)
+        prefix_text = self._tok.decode(self.ids[self._prefix:self._read])
+        full_text = self._tok.decode(self.ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""

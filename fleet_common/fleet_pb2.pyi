@@ -1,0 +1,135 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "shape", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "max_context", "manifest_sha256")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    max_context: int
+    manifest_sha256: str
+    def __init__(self, session_id: _Optional[str] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("stage",)
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    def __init__(self, stage: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("existed", "freed_kv_bytes")
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    FREED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    freed_kv_bytes: int
+    def __init__(self, existed: _Optional[bool] = ..., freed_kv_bytes: _Optional[int] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    PAST_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HIDE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step_id: int
+    stage: int
+    input: Tensor
+    past_length: int
+    start_position: int
+    hide_slots: _containers.RepeatedScalarFieldContainer[int]
+    route: _containers.RepeatedScalarFieldContainer[str]
+    logits_count: int
+    top_k: int
+    reply_to: str
+    manifest_sha256: str
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("compute_ms",)
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    compute_ms: float
+    def __init__(self, compute_ms: _Optional[float] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("subscriber_id",)
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    subscriber_id: str
+    def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("session_id", "step_id", "top_ids", "top_logprobs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step_id: int
+    top_ids: Tensor
+    top_logprobs: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., top_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    OPENVINO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    stage: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    manifest_sha256: str
+    protocol_version: int
+    model_id: str
+    device: str
+    sessions: int
+    max_sessions: int
+    kv_bytes: int
+    busy: int
+    openvino_version: str
+    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ...) -> None: ...

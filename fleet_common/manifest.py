@@ -1,0 +1,142 @@
+"""``manifest.json``: what a compiled fleet model is, and the hashes that pin it.
+
+Written once by ``fleet-compiler build``; read by workers (to load their shard and announce the
+build's identity) and by the coordinator (tokenizer, dims, stage count). The identity of a build is
+the sha256 of the manifest file itself, which covers every other file through its hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class ManifestError(ValueError):
+    """A model directory whose manifest is missing, malformed, or whose files do not match it."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Dimensions of the decoder-only model (from its HF config)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int  # max_position_embeddings: the longest sequence the model was trained for
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One shard: layers ``[start, end)``; stage 0 also owns the embedding, the last the norm + LM head."""
+
+    index: int
+    start: int
+    end: int
+    xml: str  # path relative to the model directory
+    bin: str
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The whole build: architecture, stages, tokenizer and the sha256 of every file."""
+
+    model_id: str
+    architecture: Architecture
+    stages: tuple[StageEntry, ...]
+    openvino_version: str
+    protocol_version: int
+    weights: str  # weight storage precision of the IR, e.g. "fp16"
+    kv_cache_precision: str  # written into each IR's rt_info runtime_options
+    eos_token_ids: tuple[int, ...]
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256 hex
+    format: int = FORMAT_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def kv_bytes_per_token(self, stage: int, bytes_per_value: int = 4) -> int:
+        """KV cache bytes one token occupies in ``stage`` (K and V, all its layers)."""
+        a = self.architecture
+        return 2 * self.stages[stage].num_layers * a.num_key_value_heads * a.head_dim * bytes_per_value
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Parse manifest JSON; raises ``ManifestError`` when fields are missing or of the wrong type."""
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != FORMAT_VERSION:
+                raise ManifestError(f"manifest format {raw.get('format')} is not {FORMAT_VERSION}")
+            return cls(
+                model_id=str(raw["model_id"]),
+                architecture=Architecture(**raw["architecture"]),
+                stages=tuple(StageEntry(**s) for s in raw["stages"]),
+                openvino_version=str(raw["openvino_version"]),
+                protocol_version=int(raw["protocol_version"]),
+                weights=str(raw["weights"]),
+                kv_cache_precision=str(raw["kv_cache_precision"]),
+                eos_token_ids=tuple(int(t) for t in raw["eos_token_ids"]),
+                files=dict(raw["files"]),
+            )
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"malformed manifest: {exc!r}") from exc
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class LoadedManifest:
+    """A manifest with its directory and build identity (the sha256 of ``manifest.json``)."""
+
+    manifest: Manifest
+    directory: Path
+    sha256: str
+
+
+def load_manifest(directory: Path) -> LoadedManifest:
+    """Read ``directory/manifest.json`` (no file hashing; see ``verify_files``).
+
+    Raises ``ManifestError`` when it is missing or malformed.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{path} not found: is {directory} a fleet-compiler build output?")
+    data = path.read_bytes()
+    return LoadedManifest(Manifest.from_json(data.decode()), Path(directory), hashlib.sha256(data).hexdigest())
+
+
+def verify_files(loaded: LoadedManifest, only: list[str] | None = None) -> list[str]:
+    """Hash the build's files (or just ``only``) against the manifest; return one problem per bad file."""
+    problems = []
+    for rel, expected in sorted(loaded.manifest.files.items()):
+        if only is not None and rel not in only:
+            continue
+        path = loaded.directory / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif (actual := sha256_file(path)) != expected:
+            problems.append(f"{rel}: sha256 {actual[:12]}... != manifest {expected[:12]}...")
+    return problems

@@ -1,0 +1,99 @@
+"""``fleet-worker``: serve one shard over gRPC and announce it with zeroconf."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from fleet_common import PROTOCOL_VERSION
+from fleet_common.discovery import WorkerAd
+from fleet_common.manifest import ManifestError, load_manifest, verify_files
+
+from .runner import ShardRunner
+from .server import StageService, create_server
+from .sessions import SessionStore
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) -> None:
+    """Run a worker until SIGINT/SIGTERM (or cancellation). Raises ``ManifestError`` for a bad build."""
+    loaded = load_manifest(settings.model)
+    manifest = loaded.manifest
+    if not 0 <= settings.shard < manifest.num_stages:
+        raise ManifestError(f"--shard {settings.shard} out of range: this build has stages 0..{manifest.num_stages - 1}")
+    entry = manifest.stages[settings.shard]
+    if settings.verify_hashes and (problems := verify_files(loaded, only=[entry.xml, entry.bin])):
+        raise ManifestError("shard files do not match the manifest: " + "; ".join(problems))
+    runner = await asyncio.to_thread(ShardRunner, loaded, settings.shard, settings.device, settings.threads,
+                                     settings.inference_precision)
+    max_context = min(settings.max_context or manifest.architecture.max_context, manifest.architecture.max_context)
+    store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s)
+    service = StageService(runner, store, loaded.sha256, max_context)
+    server, port = create_server(service, settings.host, settings.port)
+    await server.start()
+    if settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("worker bound to %s: its gRPC port is reachable by anyone on this network (no authentication yet)",
+                    settings.host)
+    announcer = None
+    if settings.announce:
+        from .announce import Announcer
+
+        announcer = Announcer(
+            WorkerAd(settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256, PROTOCOL_VERSION,
+                     manifest.model_id, service.worker_id, port),
+            settings.host,
+        )
+        await announcer.start()
+    log.info("worker ready: stage %d of %d, layers [%d, %d), manifest %s, serving on %s:%d",
+             settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256[:12], settings.host, port)
+    if ready is not None:
+        ready.set()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+
+    async def expire_idle() -> None:
+        while True:
+            await asyncio.sleep(min(10.0, settings.idle_timeout_s / 2))
+            for sid in store.expire():
+                log.info("session %s expired after %.0f s idle; KV freed", sid, settings.idle_timeout_s)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            expiry = tg.create_task(expire_idle())
+            await stop.wait()
+            expiry.cancel()
+    finally:
+        log.info("worker stopping")
+        if announcer is not None:
+            await announcer.stop()
+        await server.stop(grace=1.0)
+        await service.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fleet-worker`` console script."""
+    settings = WorkerSettings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="fleet-worker")
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s worker[{settings.shard}] %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except (ManifestError, ValueError, RuntimeError) as exc:
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""gRPC ``fleet.v1.Stage`` service of one worker: sessions, chunk forwarding to the next stage, results
+to the coordinator's subscription, info."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import openvino as ov
+
+from fleet_common import PROTOCOL_VERSION
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.wire import GRPC_OPTIONS, WireError, from_tensor, to_tensor
+
+from .runner import ChunkError, ShardRunner, top_candidates
+from .sessions import SessionError, SessionStore
+
+log = logging.getLogger(__name__)
+
+MAX_TOP_K = 256
+SUBSCRIBER_QUEUE = 1024
+
+
+def _code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name)
+
+
+class StageService(pb_grpc.StageServicer):
+    """Serves one shard. Inference runs on one dedicated thread, so chunks of different sessions
+    queue at this stage and the event loop keeps answering RPCs meanwhile."""
+
+    def __init__(self, runner: ShardRunner, store: SessionStore, manifest_sha256: str, max_context: int) -> None:
+        self.runner = runner
+        self.store = store
+        self.manifest_sha256 = manifest_sha256
+        self.max_context = max_context
+        self.worker_id = uuid.uuid4().hex[:12]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{runner.stage}-infer")
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
+        self._subscribers: dict[str, asyncio.Queue] = {}
+        self._busy = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _check_manifest(self, sha: str) -> str | None:
+        if sha and sha != self.manifest_sha256:
+            return (f"model build mismatch: this worker serves manifest {self.manifest_sha256[:12]}, "
+                    f"the caller has {sha[:12]}")
+        return None
+
+    def _stub(self, address: str) -> pb_grpc.StageStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            entry = (channel, pb_grpc.StageStub(channel))
+            self._channels[address] = entry
+        return entry[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionReply:
+        if msg := self._check_manifest(request.manifest_sha256):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        max_context = min(request.max_context or self.max_context, self.max_context)
+        try:
+            self.store.open(request.session_id, max_context)
+        except SessionError as exc:
+            await context.abort(_code(exc.code), str(exc))
+        log.debug("session %s opened (max_context %d)", request.session_id, max_context)
+        return pb.OpenSessionReply(stage=self.runner.stage)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionReply:
+        session = self.store.close(request.session_id)
+        if session is None:
+            return pb.CloseSessionReply(existed=False)
+        log.debug("session %s closed", request.session_id)
+        return pb.CloseSessionReply(existed=True, freed_kv_bytes=self.runner.kv_bytes(session))
+
+    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardReply:
+        runner = self.runner
+        if msg := self._check_manifest(request.manifest_sha256):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if request.stage != runner.stage:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request for stage {request.stage} reached stage {runner.stage}")
+        if request.top_k > MAX_TOP_K:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_k {request.top_k} > {MAX_TOP_K}")
+        if runner.last and request.logits_count and request.reply_to not in self._subscribers:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no subscriber {request.reply_to!r} at the last stage to receive results")
+        if not runner.last and not request.route:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
+        try:
+            x = from_tensor(request.input, dtype="int64" if runner.first else "float32")
+            session = self.store.get(request.session_id)
+        except WireError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad input tensor: {exc}")
+        except SessionError as exc:
+            await context.abort(_code(exc.code), str(exc))
+
+        self._busy += 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._executor, runner.run, session, x, request.past_length, request.start_position,
+                list(request.hide_slots), request.logits_count,
+            )
+        except (ChunkError, SessionError) as exc:
+            await context.abort(_code(exc.code), f"stage {runner.stage}: {exc}")
+        except RuntimeError as exc:  # OpenVINO raises RuntimeError for infer failures
+            log.exception("session %s: inference failed at stage %d", request.session_id, runner.stage)
+            await context.abort(grpc.StatusCode.INTERNAL, f"stage {runner.stage}: inference failed: {exc}")
+        finally:
+            self._busy -= 1
+
+        if not runner.last:
+            nxt = pb.ForwardRequest()
+            nxt.CopyFrom(request)
+            nxt.stage = runner.stage + 1
+            nxt.input.CopyFrom(to_tensor(result.output))
+            del nxt.route[:]
+            nxt.route.extend(request.route[1:])
+            address = request.route[0]
+            try:
+                await self._stub(address).Forward(nxt, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), f"stage {runner.stage + 1} at {address}: {exc.details()}")
+        elif request.logits_count:
+            logits = result.output[0, -request.logits_count:]  # [N, V]
+            ids, logprobs = top_candidates(logits, request.top_k or 1)
+            queue = self._subscribers.get(request.reply_to)
+            if queue is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"subscriber {request.reply_to!r} left")
+            queue.put_nowait(pb.StepResult(session_id=request.session_id, step_id=request.step_id,
+                                           top_ids=to_tensor(ids), top_logprobs=to_tensor(logprobs)))
+        return pb.ForwardReply(compute_ms=result.compute_ms)
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
+        if not request.subscriber_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id is required")
+        queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_QUEUE)
+        self._subscribers[request.subscriber_id] = queue
+        log.info("subscriber %s attached", request.subscriber_id)
+        try:
+            yield pb.StepResult()  # handshake: the subscription is registered
+            while True:
+                yield await queue.get()
+        finally:
+            if self._subscribers.get(request.subscriber_id) is queue:
+                del self._subscribers[request.subscriber_id]
+            log.info("subscriber %s left", request.subscriber_id)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        manifest = self.runner.loaded.manifest
+        entry = self.runner.entry
+        return pb.InfoReply(
+            worker_id=self.worker_id,
+            stage=self.runner.stage,
+            num_stages=manifest.num_stages,
+            layer_start=entry.start,
+            layer_end=entry.end,
+            manifest_sha256=self.manifest_sha256,
+            protocol_version=PROTOCOL_VERSION,
+            model_id=manifest.model_id,
+            device=self.runner.device,
+            sessions=len(self.store),
+            max_sessions=self.store.max_sessions,
+            kv_bytes=sum(self.runner.kv_bytes(s) for s in self.store.sessions()),
+            busy=self._busy,
+            openvino_version=ov.get_version(),
+        )
+
+
+def create_server(service: StageService, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with ``service`` bound at host:port; returns (server, bound port).
+
+    Raises ``RuntimeError`` when the port cannot be bound."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_StageServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {host}:{port}")
+    return server, bound

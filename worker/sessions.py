@@ -1,0 +1,114 @@
+"""Per-session KV state at one stage: one OpenVINO InferRequest (its state *is* the KV cache) plus the
+visibility of every physical slot. Sessions expire when idle and are capped in number."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class SessionError(Exception):
+    """Base of session-store errors; ``code`` names the gRPC status the server maps it to."""
+
+    code = "INTERNAL"
+
+
+class SessionNotFound(SessionError):
+    code = "NOT_FOUND"
+
+
+class SessionLimit(SessionError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class SessionConflict(SessionError):
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass(eq=False)
+class Session:
+    """One user's KV cache on this stage.
+
+    ``visible[j]`` (int64, 1/0) says whether physical slot ``j`` may be attended to; slots of
+    rejected draft tokens stay in the state with ``visible == 0`` (mask-based rejection).
+    """
+
+    session_id: str
+    request: object  # openvino.InferRequest
+    max_context: int
+    length: int = 0  # physical KV slots in the state
+    visible: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [max_context]
+    last_used: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.visible = np.zeros(self.max_context, dtype=np.int64)
+
+
+class SessionStore:
+    """Open/get/close sessions with a cap and idle expiry; thread-safe.
+
+    ``make_request`` creates a fresh InferRequest from the worker's one CompiledModel.
+    """
+
+    def __init__(self, make_request: Callable[[], object], max_sessions: int, idle_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._make_request = make_request
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, session_id: str, max_context: int) -> Session:
+        """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the cap."""
+        with self._lock:
+            old = self._sessions.pop(session_id, None)
+            if len(self._sessions) >= self.max_sessions:
+                if old is not None:
+                    self._sessions[session_id] = old
+                raise SessionLimit(f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later")
+            request = old.request if old is not None else self._make_request()
+            if old is not None:
+                request.reset_state()
+            session = Session(session_id, request, max_context, last_used=self._clock())
+            self._sessions[session_id] = session
+            return session
+
+    def get(self, session_id: str) -> Session:
+        """The live session; raises ``SessionNotFound`` (never opened, closed, or expired)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise SessionNotFound(f"unknown session {session_id!r} (never opened, closed, or expired when idle)")
+            session.last_used = self._clock()
+            return session
+
+    def close(self, session_id: str) -> Session | None:
+        """Drop a session and free its KV state; returns it, or None if it did not exist."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            with session.lock:
+                session.request.reset_state()
+        return session
+
+    def expire(self) -> list[str]:
+        """Close sessions idle longer than ``idle_timeout_s``; return their ids."""
+        now = self._clock()
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
+        for sid in stale:
+            self.close(sid)
+        return stale
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
