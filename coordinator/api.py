@@ -52,6 +52,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    ignore_eos: bool = Field(False, description="fleet extension (as in vLLM): do not stop at end-of-sequence")
 
 
 def _error_response(exc: FleetError) -> JSONResponse:
@@ -93,7 +94,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
             raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
         params = SamplingParams(
             max_tokens=body.max_completion_tokens or body.max_tokens or engine.settings.max_tokens_default,
-            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=tuple(stop))
+            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         request = engine.make_request(messages, params)
         created = int(time.time())

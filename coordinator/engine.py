@@ -51,6 +51,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks, fixed-length runs)
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Engine:
             position = len(prompt)
             while True:
                 token = choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p, rng)
-                if token in self.eos_ids:
+                if token in self.eos_ids and not params.ignore_eos:
                     request.finish(FinishReason.STOP)
                     break
                 request.append(token)

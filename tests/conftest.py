@@ -1,0 +1,153 @@
+"""Shared fixtures: the real demo model (built once per run) and real fleet processes on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))
+
+
+def _compiler_key() -> str:
+    """Builds are cached per version of the exporter code, so a changed exporter rebuilds."""
+    digest = hashlib.sha256()
+    for name in ("export.py", "build.py", "source.py"):
+        digest.update((ROOT / "compiler" / name).read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@pytest.fixture(scope="session")
+def demo_hf() -> Path:
+    from compiler.source import fetch_demo
+
+    return fetch_demo(MODELS / "SmolLM2-135M-Instruct")
+
+
+def _build(hf: Path, shards: int) -> Path:
+    out = MODELS / f"smollm2-{shards}stage-{_compiler_key()}"
+    if not (out / "manifest.json").is_file():
+        from compiler.build import build
+
+        build(hf, out, shards=shards)
+    return out
+
+
+@pytest.fixture(scope="session")
+def build_1(demo_hf) -> Path:
+    return _build(demo_hf, 1)
+
+
+@pytest.fixture(scope="session")
+def build_2(demo_hf) -> Path:
+    return _build(demo_hf, 2)
+
+
+@pytest.fixture(scope="session")
+def build_3(demo_hf) -> Path:
+    return _build(demo_hf, 3)
+
+
+class Proc:
+    """A real child process whose combined output goes to a log file we can wait on."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args, self.log = args, log
+        self._fh = open(log, "w")
+        self.popen = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                      start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, self.text()):
+                return m
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args[0]} exited ({self.popen.returncode}):\n{self.text()[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{pattern!r} not seen in {self.log} after {timeout} s:\n{self.text()[-3000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+            self.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._fh.close()
+
+
+def start_worker(build: Path, shard: int, log_dir: Path, *extra: str, port: int = 0, name: str = "") -> tuple[Proc, str]:
+    """Start ``fleet-worker`` (f32, announced on loopback); return it and its address once ready."""
+    proc = Proc([str(BIN / "fleet-worker"), "--shard", str(shard), "--model", str(build), "--port", str(port),
+                 "--inference-precision", "f32", "--threads", "1", *extra],
+                log_dir / f"worker{shard}{name}.log")
+    m = proc.wait_for(r"serving on ([\d.]+:\d+)")
+    return proc, m.group(1)
+
+
+def start_coordinator(build: Path, log_dir: Path, *extra: str) -> tuple[Proc, str]:
+    """Start ``fleet-coordinator serve`` on a free port; return it and its base URL once it answers."""
+    from coordinator.local import free_port
+
+    port = free_port()
+    proc = Proc([str(BIN / "fleet-coordinator"), "serve", "--model", str(build), "--port", str(port),
+                 "--no-announce", *extra], log_dir / "coordinator.log")
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_for(r"Uvicorn running")
+    return proc, url
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def chat(url: str, content: str, **kw) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+class Fleet:
+    """Workers (one per stage, found by zeroconf) and a coordinator, all real processes."""
+
+    def __init__(self, build: Path, log_dir: Path, *coord_args: str) -> None:
+        self.build, self.log_dir = build, log_dir
+        self.workers: list[tuple[Proc, str]] = []
+        from fleet_common.manifest import load_manifest
+
+        for shard in range(load_manifest(build).manifest.num_stages):
+            self.workers.append(start_worker(build, shard, log_dir))
+        self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args)
+        wait_ready(self.url)
+
+    def stop(self) -> None:
+        self.coordinator.stop()
+        for proc, _ in self.workers:
+            proc.stop()

@@ -1,0 +1,47 @@
+"""Greedy output of 2- and 3-stage fleets (each stage its own process, found by zeroconf on loopback)
+equals the single-device OpenVINO reference token for token, in f32 (design.md §4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.tokenizer import ChatTokenizer
+from tests.conftest import Fleet, chat
+
+from .reference import WholeModel
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Explain how a bicycle works in simple terms.",
+    "Write a Python function that reverses a string.",
+    "List five fruits and their colors.",
+    "Tell me a short story about a robot who learns to paint.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def reference(build_1) -> dict[str, list[int]]:
+    tokenizer = ChatTokenizer(build_1)
+    model = WholeModel(build_1)
+    return {p: model.greedy(tokenizer.encode_chat([{"role": "user", "content": p}]), NEW_TOKENS) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("stages,coord_args", [(2, ()), (3, ("--prefill-chunk", "16"))], ids=["2-stage", "3-stage-chunked"])
+def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_path):
+    build = request.getfixturevalue(f"build_{stages}")
+    tokenizer = ChatTokenizer(build)
+    fleet = Fleet(build, tmp_path, *coord_args)
+    try:
+        assert "(mdns)" in fleet.coordinator.text(), "workers must be found by zeroconf"
+        for prompt in PROMPTS:
+            r = chat(fleet.url, prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["completion_tokens"] == NEW_TOKENS
+            expected = tokenizer.decode(reference[prompt])
+            assert body["choices"][0]["message"]["content"] == expected, f"{stages}-stage diverged on {prompt!r}"
+    finally:
+        fleet.stop()

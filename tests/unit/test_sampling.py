@@ -1,0 +1,32 @@
+import numpy as np
+
+from coordinator.sampling import choose_token
+
+IDS = np.array([7, 3, 9, 1], dtype=np.int32)
+LOGPROBS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+
+
+def test_greedy_takes_best():
+    assert choose_token(IDS, LOGPROBS, 0.0, 1.0, np.random.default_rng(0)) == 7
+
+
+def test_seeded_sampling_is_reproducible():
+    a = [choose_token(IDS, LOGPROBS, 1.0, 1.0, rng) for rng in [np.random.default_rng(5)] for _ in range(50)]
+    b = [choose_token(IDS, LOGPROBS, 1.0, 1.0, rng) for rng in [np.random.default_rng(5)] for _ in range(50)]
+    assert a == b
+
+
+def test_sampling_follows_distribution_and_top_p():
+    rng = np.random.default_rng(0)
+    draws = [choose_token(IDS, LOGPROBS, 1.0, 1.0, rng) for _ in range(20000)]
+    freq = {t: draws.count(t) / len(draws) for t in IDS.tolist()}
+    assert abs(freq[7] - 0.5) < 0.02 and abs(freq[1] - 0.05) < 0.01
+    # top_p 0.8 keeps only the two best (0.5 + 0.3)
+    draws = {choose_token(IDS, LOGPROBS, 1.0, 0.8, rng) for _ in range(2000)}
+    assert draws == {7, 3}
+
+
+def test_low_temperature_sharpens():
+    rng = np.random.default_rng(0)
+    draws = [choose_token(IDS, LOGPROBS, 0.1, 1.0, rng) for _ in range(1000)]
+    assert draws.count(7) > 990

@@ -1,0 +1,50 @@
+import pytest
+
+from worker.sessions import SessionLimit, SessionNotFound, SessionStore
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class StateHolder:
+    """Stands in for an OpenVINO InferRequest: the store only calls reset_state()."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset_state(self):
+        self.resets += 1
+
+
+def test_cap_and_close():
+    store = SessionStore(StateHolder, max_sessions=2, idle_timeout_s=10)
+    store.open("a", 16)
+    store.open("b", 16)
+    with pytest.raises(SessionLimit, match="2 sessions"):
+        store.open("c", 16)
+    store.open("a", 16)  # reopening an existing session is not a new one
+    assert store.close("a") is not None and store.close("a") is None
+    store.open("c", 16)
+    assert len(store) == 2
+    with pytest.raises(SessionNotFound):
+        store.get("a")
+
+
+def test_idle_expiry():
+    clock = Clock()
+    store = SessionStore(StateHolder, max_sessions=4, idle_timeout_s=10, clock=clock)
+    store.open("old", 8)
+    clock.t = 6
+    store.open("new", 8)
+    clock.t = 12
+    assert store.expire() == ["old"]
+    store.get("new")
+    clock.t = 21
+    assert store.expire() == []
+    clock.t = 23
+    assert store.expire() == ["new"]
