@@ -7,6 +7,8 @@ The shard graph (design.md §4):
   rejected draft token); ``position_ids`` [B, S] i64 *logical* positions; ``beam_idx`` [B] i32;
   last stage only: ``logits_index`` [K] i64, the positions of the chunk whose logits are wanted.
 * outputs: ``hidden_states`` [B, S, H] f32, or ``logits`` [B, K, V] f32 on the last stage.
+  ``export_stage(..., logits_index_input=False)`` drops ``logits_index`` and the last stage emits
+  ``logits`` [B, S, V] for every position: the optimum-intel contract OpenVINO GenAI expects.
 * KV cache: one ReadValue/Assign state pair per layer and per K/V, each read going
   ``ReadValue -> Gather(beam_idx, axis 0) -> Concat -> SDPA``. That exact chain is what the CPU
   plugin's ``StatefulSDPAFusion`` (and the GPU plugin's ``IndirectKVCache``) match; without the
@@ -74,10 +76,11 @@ class _KVConcat:
 class _StageModule(torch.nn.Module):
     """Torch wrapper over decoder layers ``[start, end)`` with explicit KV in/out (made stateful later)."""
 
-    def __init__(self, model: torch.nn.Module, stage: StageSpec) -> None:
+    def __init__(self, model: torch.nn.Module, stage: StageSpec, logits_index_input: bool = True) -> None:
         super().__init__()
         base = model.model
         self.stage = stage
+        self.logits_index_input = logits_index_input
         self.embed_tokens = base.embed_tokens if stage.first else None
         self.layers = torch.nn.ModuleList(base.layers[stage.start : stage.end])
         self.rotary_emb = base.rotary_emb
@@ -115,9 +118,11 @@ class _StageModule(torch.nn.Module):
         presents = [t for kv in cache.present for t in kv]
         if self.lm_head is None:
             return (hidden, *presents)
-        logits_index = args[2 * n]
-        hidden = self.norm(hidden.index_select(1, logits_index))  # [B, K, H]
-        logits = self.lm_head(hidden).float()  # [B, K, V]
+        if self.logits_index_input:
+            logits_index = args[2 * n]  # this local's name becomes the IR Parameter's friendly name
+            hidden = hidden.index_select(1, logits_index)  # [B, K, H]
+        hidden = self.norm(hidden)  # [B, K, H] or [B, S, H]
+        logits = self.lm_head(hidden).float()  # [B, K, V] or [B, S, V]
         return (logits, *presents)
 
 
@@ -151,19 +156,22 @@ def _build_state_initializer(model: ov.Model, batch_source: str) -> None:
     model.validate_nodes_and_infer_types()
 
 
-def export_stage(model: torch.nn.Module, stage: StageSpec, kv_cache_precision: str = "f16") -> ov.Model:
+def export_stage(model: torch.nn.Module, stage: StageSpec, kv_cache_precision: str = "f16", *,
+                 logits_index_input: bool = True) -> ov.Model:
     """Convert layers ``[stage.start, stage.end)`` of ``model`` (an HF ``*ForCausalLM`` in f32) to a
     stateful OpenVINO model with the input/output contract in this module's docstring.
 
     ``kv_cache_precision`` is written to ``rt_info["runtime_options"]["KV_CACHE_PRECISION"]`` as
     optimum-intel does; without it the CPU plugin picks u8 KV and shards drift from the whole model.
+    ``logits_index_input=False`` (last stage only matters): no ``logits_index`` input, logits for
+    every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
     Raises ``ValueError`` for an unsupported architecture.
     """
     cfg = model.config
     if cfg.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {cfg.model_type!r}; supported: {SUPPORTED_ARCHITECTURES}")
     model.config._attn_implementation = "sdpa"
-    wrapper = _StageModule(model, stage).eval()
+    wrapper = _StageModule(model, stage, logits_index_input).eval()
     n = stage.end - stage.start
     kv_heads = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -188,7 +196,7 @@ def export_stage(model: torch.nn.Module, stage: StageSpec, kv_cache_precision: s
         specs.append(
             (name, torch.randn(batch, kv_heads, past, head_dim), ov.PartialShape([-1, kv_heads, -1, head_dim]), ov.Type.f32)
         )
-    if stage.last:
+    if stage.last and logits_index_input:
         specs.append(("logits_index", torch.tensor([seq - 1], dtype=torch.int64), ov.PartialShape([-1]), ov.Type.i64))
 
     with torch.no_grad():

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from .engine import Engine, SamplingParams
 from .errors import FleetError, InvalidRequest, ModelNotFound
@@ -73,6 +74,12 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return _error_response(InvalidRequest(f"invalid request: {param}: {first.get('msg', 'malformed body')}",
                                               param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code)
 
     @app.get("/health")
     async def get_health() -> JSONResponse:

@@ -1,0 +1,124 @@
+"""The OpenAI-compatible API on a real 2-stage fleet: answers, streaming, the openai client, errors."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import BadRequestError, OpenAI
+
+from coordinator.tokenizer import ChatTokenizer
+from tests.conftest import Fleet, chat
+
+pytestmark = pytest.mark.integration
+
+# Prompts whose greedy answers from the demo model contain multi-byte characters (emoji, kana, accents).
+MULTIBYTE = ["Repeat exactly: 北京欢迎你 👍🏽 café", "Translate 'thank you' into Japanese.",
+             "Copy this text: ¡Hola! ¿Qué tal? Ça va très bien, merci. 😀"]
+
+
+@pytest.fixture(scope="module")
+def fleet(build_2, tmp_path_factory):
+    f = Fleet(build_2, tmp_path_factory.mktemp("api"))
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_paris(fleet):
+    r = chat(fleet.url, "What is the capital of France?", max_tokens=32)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_openai_client_non_stream_and_stream(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model="", messages=messages, temperature=0, max_tokens=32)
+    assert "Paris" in full.choices[0].message.content
+    pieces, finish = [], None
+    for event in client.chat.completions.create(model="", messages=messages, temperature=0, max_tokens=32,
+                                                stream=True):
+        for choice in event.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish == "stop"
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+@pytest.mark.parametrize("prompt", MULTIBYTE)
+def test_stream_is_utf8_safe_and_equals_non_stream(client, prompt):
+    messages = [{"role": "user", "content": prompt}]
+    full = client.chat.completions.create(model="", messages=messages, temperature=0, max_tokens=40)
+    text = full.choices[0].message.content
+    pieces = [c.delta.content or "" for e in client.chat.completions.create(
+        model="", messages=messages, temperature=0, max_tokens=40, stream=True,
+        stream_options={"include_usage": True}) for c in e.choices]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert any(ord(ch) > 0x7F for ch in text), f"expected multi-byte characters in {text!r}"
+
+
+def test_tokenizer_round_trip(build_2):
+    tok = ChatTokenizer(build_2)
+    for s in ["Hello, world!", "café naïve Zürich façade", "北京欢迎你 東京 서울", "👍🏽 🚀 family 👨‍👩‍👧", "a  b\n\n\tc 12345"]:
+        assert tok.decode(tok.encode(s)) == s
+    assert tok.encode("Hello")[0] != 1, "no BOS may be added"
+
+
+def test_seeded_sampling_is_reproducible(fleet):
+    kw = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    a = chat(fleet.url, "Name a color.", **kw).json()["choices"][0]["message"]["content"]
+    b = chat(fleet.url, "Name a color.", **kw).json()["choices"][0]["message"]["content"]
+    assert a == b
+
+
+def test_stop_strings_and_length(fleet):
+    r = chat(fleet.url, "Count from 1 to 20, separated by commas.", max_tokens=60, stop=["7"]).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert "7" not in r["choices"][0]["message"]["content"] and "6" in r["choices"][0]["message"]["content"]
+    r = chat(fleet.url, "Count from 1 to 20, separated by commas.", max_tokens=5).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
+
+
+def test_prompt_longer_than_context_is_400(fleet, client):
+    r = chat(fleet.url, "hello " * 9000)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "8192" in err["message"]
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi " * 9000}])
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, "temperature"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+])
+def test_bad_requests_get_openai_errors(fleet, body, param):
+    r = httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert param in (r.json()["error"]["param"] or "")
+
+
+def test_garbage_body_and_unknown_model(fleet):
+    r = httpx.post(f"{fleet.url}/v1/chat/completions", content=b"\xff\xfe not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = chat(fleet.url, "hi", model="gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_health(fleet):
+    h = httpx.get(f"{fleet.url}/health", timeout=10).json()
+    assert h["ready"] and h["missing_stages"] == [] and len(h["workers"]) == 2
