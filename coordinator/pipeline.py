@@ -112,7 +112,7 @@ class Pipeline:
         except asyncio.CancelledError:
             call.cancel()
             reason = "pipeline closed"
-        self._broken = f"last stage at {self.addresses[-1]}: {reason}"
+        self._broken = f"stage {len(self.addresses) - 1} (last) at {self.addresses[-1]}: {reason}"
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(StageFailure(self._broken))
