@@ -261,10 +261,14 @@ def bench_whole(build: Path, prompt_ids: list[list[int]], tokens: int) -> Cell:
 def bench_genai(folder: Path, texts: list[str], prompt_ids: list[list[int]], tokens: int) -> Cell:
     import openvino_genai
 
-    cell = Cell("OpenVINO GenAI LLMPipeline", 1, {"model": str(folder), "device": "CPU", "properties": "default",
-                                                  "threads": "OpenVINO default", "openvino_genai":
-                                                  openvino_genai.__version__})
-    pipe = openvino_genai.LLMPipeline(str(folder), "CPU")
+    # GenAI's default CPU backend (PagedAttention) rewrites the graph with SDPAToPagedAttention, which
+    # leaves our input_ids 2-D and then fails on the flattened prompt; SDPA is also the like-for-like
+    # backend: stateful KV inside the IR, exactly as in the fleet shards.
+    properties = {"ATTENTION_BACKEND": "SDPA"}
+    cell = Cell("OpenVINO GenAI LLMPipeline", 1, {"model": str(folder), "device": "CPU", "properties": properties,
+                                                  "threads": "OpenVINO default",
+                                                  "openvino_genai": openvino_genai.__version__})
+    pipe = openvino_genai.LLMPipeline(str(folder), "CPU", **properties)
     config = openvino_genai.GenerationConfig(max_new_tokens=tokens, ignore_eos=True, do_sample=False,
                                              apply_chat_template=False)  # texts are already chat-rendered
 

