@@ -1,20 +1,22 @@
 """Single-user decode speed of the demo model: fleet (1, 2, 3 stages) vs the whole model, side by side.
 
-Measures, in ONE run so that the ratios are comparable (same machine load, same prompts, greedy,
-``ignore_eos``, same token count, default precision and OpenVINO's default thread count everywhere):
+All rows come from ONE run (same prompts, greedy, ``ignore_eos``, same token count, default precision
+and OpenVINO's default thread count everywhere), so their ratios are comparable:
 
-* ``fleet``: ``python -m coordinator.cli serve --local-workers N`` (one ``fleet-worker`` process per
-  stage on loopback, gRPC between them), driven over HTTP with streaming chat completions. Decode
-  tok/s = (completion_tokens - 1) / (time from the first streamed token to the last), seen by the client.
-* ``whole-model``: the 1-stage build's ``stage_0`` IR in this process, a plain numpy greedy loop.
-* ``genai``: ``openvino_genai.LLMPipeline`` over the same weights, exported without ``logits_index``
-  (optimum-style folder built here), throughput and TPOT from its perf metrics.
+* ``whole-model``: the 1-stage build's ``stage_0`` IR in this process, a numpy greedy loop fed exactly
+  as a worker feeds it. The reference row.
+* ``fleet N-stage``: ``python -m coordinator.cli serve --local-workers N`` (one ``fleet-worker``
+  process per stage, gRPC on loopback), streamed chat completions over HTTP. Decode tok/s =
+  (completion_tokens - 1) / (first streamed token -> last), timed by the client.
+* ``GenAI``: ``openvino_genai.LLMPipeline`` over the same weights, exported without ``logits_index``
+  into an optimum-style folder; decode tok/s and TTFT from its perf metrics.
 
-Each cell is warmed up once, then reports the median over the prompts. Ratios, not absolute times,
-are the point: this 2-core machine may be shared, so the JSON records load averages per cell.
+Every config is set up and warmed up first, then the prompts run round-robin (prompt 1 on every
+config, then prompt 2, ...) so that load from other processes on this small machine hits all rows
+alike; each cell is the median over prompts. The JSON holds each run, the load average per round
+and the machine facts.
 
-    python bench/decode_bench.py [--json PATH] [--tokens 128] [--prompts 3] [--quick]
-        [--hf HF_FOLDER] [--cache models/bench]
+    python bench/decode_bench.py [--json PATH] [--tokens 128] [--prompts 3] [--quick] [--hf DIR] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +53,8 @@ PROMPTS = (
     "Describe the water cycle to a ten-year-old.",
     "Give me a packing list for a weekend hiking trip in the mountains.",
 )
-SHARD_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}  # what worker/runner.py compiles shards with
+SHARD_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}  # as worker/runner.py compiles shards
+SETTLE_S = 0.3  # pause before each timed run: the last one's session close and spinning threads settle
 GENAI_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
 
 
@@ -60,35 +65,37 @@ class Run:
     prompt_tokens: int
     completion_tokens: int
     ttft_ms: float  # request start -> first token
-    decode_tok_s: float  # (completion_tokens - 1) / time after the first token
-    extra: dict = field(default_factory=dict)  # per-config details (e.g. the server's own numbers)
+    decode_tok_s: float  # (completion_tokens - 1) / seconds after the first token
+    extra: dict = field(default_factory=dict)  # per-config details (e.g. the coordinator's own numbers)
+
+
+Runner = Callable[[int], Run]  # prompt index -> one timed generation
 
 
 @dataclass
 class Cell:
-    """One table row: a configuration and its runs (or the error that stopped it)."""
+    """One table row: a configuration, its settings and runs, or the error that stopped it."""
 
     config: str
     stages: int
-    settings: dict
+    settings: dict = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
     error: str | None = None
-    loadavg: dict = field(default_factory=dict)
 
     @property
     def decode_tok_s(self) -> float | None:
-        return statistics.median(r.decode_tok_s for r in self.runs) if self.runs else None
+        return statistics.median(r.decode_tok_s for r in self.runs) if self.runs and not self.error else None
 
     @property
     def ttft_ms(self) -> float | None:
-        return statistics.median(r.ttft_ms for r in self.runs) if self.runs else None
+        return statistics.median(r.ttft_ms for r in self.runs) if self.runs and not self.error else None
 
 
 def messages(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
-# ---------------------------------------------------------------- inputs (cached between runs)
+# ---------------------------------------------------------------- inputs, cached between runs
 
 def ensure_build(hf: Path, cache: Path, shards: int) -> Path:
     out = cache / f"smollm2-{shards}stage"
@@ -111,7 +118,7 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
     from compiler.build import load_source
     from compiler.export import StageSpec, export_stage
 
-    print(f"exporting GenAI folder into {out} ...", flush=True)
+    print(f"exporting the GenAI folder into {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     model, _ = load_source(hf, out)
     layers = model.config.num_hidden_layers
@@ -120,31 +127,23 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
     tokenizer, detokenizer = convert_tokenizer(AutoTokenizer.from_pretrained(hf), with_detokenizer=True)
     ov.save_model(tokenizer, out / "openvino_tokenizer.xml")
     ov.save_model(detokenizer, out / "openvino_detokenizer.xml")
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json"):
-        if (hf / name).is_file():
-            shutil.copy2(hf / name, out / name)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(hf / name, out / name)
     return out
 
 
 # ---------------------------------------------------------------- fleet over HTTP
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM the coordinator's process group (it and its workers), SIGKILL whatever outlives the grace."""
+    """SIGTERM the coordinator's process group (it and its workers); SIGKILL whatever outlives the grace."""
     pgid = proc.pid  # start_new_session=True: the coordinator leads its own group
     try:
         os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        proc.poll()
-        try:
-            os.killpg(pgid, 0)  # raises once no process of the group is left
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader so the group can empty
+            os.killpg(pgid, 0)  # raises ProcessLookupError once no process of the group is left
+            time.sleep(0.2)
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
@@ -166,7 +165,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float =
 
 
 def stream_chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> Run:
-    """One streamed greedy chat completion; times are taken on the client."""
+    """One streamed greedy chat completion, timed on the client."""
     body = {"messages": messages(prompt), "temperature": 0, "ignore_eos": True, "max_tokens": tokens,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -183,125 +182,96 @@ def stream_chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> Run
                 raise RuntimeError(f"stream failed: {event['error']}")
             if "usage" in event:
                 final = event
-                continue
-            choice = event["choices"][0]
-            if first is None and choice["delta"].get("content"):
-                first = time.perf_counter()
-            if choice["finish_reason"] is not None:
+            elif event["choices"][0]["finish_reason"] is not None:
                 end = time.perf_counter()
-    n = final["usage"]["completion_tokens"]
+            elif first is None and event["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+    n = final.get("usage", {}).get("completion_tokens", 0)
     if first is None or end is None or n < 2:
-        raise RuntimeError(f"stream ended early: {n} tokens")
+        raise RuntimeError(f"stream ended early ({n} tokens)")
     return Run(final["usage"]["prompt_tokens"], n, (first - start) * 1000, (n - 1) / (end - first),
-               extra={"server": final.get("fleet", {})})
+               extra={"coordinator": final.get("fleet", {})})
 
 
-def bench_fleet(build: Path, stages: int, prompts: list[str], tokens: int, logs: Path) -> Cell:
+def fleet_runner(stack: ExitStack, build: Path, stages: int, prompts: list[str], tokens: int,
+                 logs: Path) -> tuple[dict, Runner]:
+    """Start a coordinator with ``stages`` local workers; it is stopped when ``stack`` closes."""
     port = free_port()
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--local-workers", str(stages),
            "--port", str(port), "--no-announce", "--no-discover", "--log-level", "WARNING"]
-    cell = Cell(f"fleet {stages}-stage", stages, {"command": " ".join(cmd[1:]), "threads": "OpenVINO default",
-                                                   "workers": f"{stages} processes, gRPC on loopback"})
     log = logs / f"fleet-{stages}stage.log"
+    fh = stack.enter_context(open(log, "w"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    stack.callback(stop_group, proc)
     url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_healthy(url, proc, log)
-            with httpx.Client() as client:
-                stream_chat(client, url, prompts[0], tokens)  # warm-up
-                cell.runs = [stream_chat(client, url, p, tokens) for p in prompts]
-        finally:
-            stop_group(proc)
-    return cell
+    wait_healthy(url, proc, log)
+    client = stack.enter_context(httpx.Client())
+    settings = {"command": " ".join(cmd[1:]), "workers": f"{stages} processes, gRPC on loopback",
+                "threads": "OpenVINO default", "log": str(log)}
+    return settings, lambda i: stream_chat(client, url, prompts[i], tokens)
 
 
 # ---------------------------------------------------------------- in-process baselines
 
 def greedy_whole(request: ov.InferRequest, prompt_ids: list[int], tokens: int) -> Run:
-    """Greedy decode through the 1-stage shard, fed exactly as a worker feeds it."""
+    """Greedy decode through the 1-stage shard: prefill, then one token per infer."""
     request.reset_state()
-    seq = len(prompt_ids)
-    beam_idx = np.zeros(1, dtype=np.int32)
-    start = time.perf_counter()
-    logits = request.infer({
-        "input_ids": np.array([prompt_ids], dtype=np.int64),  # [1, S]
-        "attention_mask": np.ones((1, seq), dtype=np.int64),  # [1, S]
-        "position_ids": np.arange(seq, dtype=np.int64)[None, :],  # [1, S]
-        "beam_idx": beam_idx,
-        "logits_index": np.array([seq - 1], dtype=np.int64),
-    })[0]  # [1, 1, V]
-    token = int(logits[0, -1].argmax())
-    first = time.perf_counter()
-    output = [token]
-    for position in range(seq, seq + tokens - 1):
+    chunk, past = prompt_ids, 0
+    output: list[int] = []
+    start = first = time.perf_counter()
+    while len(output) < tokens:
+        seq = len(chunk)
         logits = request.infer({
-            "input_ids": np.array([[token]], dtype=np.int64),
-            "attention_mask": np.ones((1, position + 1), dtype=np.int64),
-            "position_ids": np.array([[position]], dtype=np.int64),
-            "beam_idx": beam_idx,
-            "logits_index": np.zeros(1, dtype=np.int64),
-        })[0]
-        token = int(logits[0, -1].argmax())
-        output.append(token)
+            "input_ids": np.array([chunk], dtype=np.int64),  # [1, S]
+            "attention_mask": np.ones((1, past + seq), dtype=np.int64),  # [1, P+S]
+            "position_ids": np.arange(past, past + seq, dtype=np.int64)[None, :],  # [1, S]
+            "beam_idx": np.zeros(1, dtype=np.int32),  # [1]
+            "logits_index": np.array([seq - 1], dtype=np.int64),  # [1]
+        })[0]  # [1, 1, V]
+        output.append(int(logits[0, -1].argmax()))
+        if past == 0:
+            first = time.perf_counter()
+        chunk, past = output[-1:], past + seq
     end = time.perf_counter()
-    return Run(seq, len(output), (first - start) * 1000, (len(output) - 1) / (end - first))
+    return Run(len(prompt_ids), len(output), (first - start) * 1000, (len(output) - 1) / (end - first))
 
 
-def bench_whole(build: Path, prompt_ids: list[list[int]], tokens: int) -> Cell:
+def whole_runner(build: Path, prompt_ids: list[list[int]], tokens: int) -> tuple[dict, Runner]:
     xml = build / "stage_0" / "openvino_model.xml"
-    cell = Cell("whole-model (OpenVINO, 1 process)", 1, {"model": str(xml), "config": SHARD_CONFIG,
-                                                         "threads": "OpenVINO default"})
     request = ov.Core().compile_model(str(xml), "CPU", SHARD_CONFIG).create_infer_request()
-    greedy_whole(request, prompt_ids[0], tokens)  # warm-up
-    cell.runs = [greedy_whole(request, ids, tokens) for ids in prompt_ids]
-    return cell
+    settings = {"model": str(xml), "properties": SHARD_CONFIG, "threads": "OpenVINO default"}
+    return settings, lambda i: greedy_whole(request, prompt_ids[i], tokens)
 
 
-def bench_genai(folder: Path, texts: list[str], prompt_ids: list[list[int]], tokens: int) -> Cell:
+def genai_runner(folder: Path, texts: list[str], prompt_ids: list[list[int]], tokens: int) -> tuple[dict, Runner]:
     import openvino_genai
 
     # GenAI's default CPU backend (PagedAttention) rewrites the graph with SDPAToPagedAttention, which
-    # leaves our input_ids 2-D and then fails on the flattened prompt; SDPA is also the like-for-like
-    # backend: stateful KV inside the IR, exactly as in the fleet shards.
+    # leaves our input_ids 2-D and then fails on the flattened prompt. SDPA is also the like-for-like
+    # backend: stateful KV inside the IR, as in the fleet shards.
     properties = {"ATTENTION_BACKEND": "SDPA"}
-    cell = Cell("OpenVINO GenAI LLMPipeline", 1, {"model": str(folder), "device": "CPU", "properties": properties,
-                                                  "threads": "OpenVINO default",
-                                                  "openvino_genai": openvino_genai.__version__})
     pipe = openvino_genai.LLMPipeline(str(folder), "CPU", **properties)
     config = openvino_genai.GenerationConfig(max_new_tokens=tokens, ignore_eos=True, do_sample=False,
                                              apply_chat_template=False)  # texts are already chat-rendered
 
-    def once(text: str, ids: list[int]) -> Run:
-        metrics = pipe.generate([text], config).perf_metrics
-        if metrics.get_num_input_tokens() != len(ids):  # GenAI's tokenizer must see the same prompt
-            raise RuntimeError(f"GenAI tokenized the prompt to {metrics.get_num_input_tokens()} tokens, "
-                               f"fleet to {len(ids)}")
-        return Run(len(ids), metrics.get_num_generated_tokens(), metrics.get_ttft().mean,
+    def run(i: int) -> Run:
+        metrics = pipe.generate([texts[i]], config).perf_metrics
+        if metrics.get_num_input_tokens() != len(prompt_ids[i]):  # GenAI's tokenizer must see the same prompt
+            raise RuntimeError(f"GenAI tokenized prompt {i} to {metrics.get_num_input_tokens()} tokens, "
+                               f"fleet to {len(prompt_ids[i])}")
+        return Run(len(prompt_ids[i]), metrics.get_num_generated_tokens(), metrics.get_ttft().mean,
                    metrics.get_throughput().mean, extra={"tpot_ms": metrics.get_tpot().mean})
 
-    once(texts[0], prompt_ids[0])  # warm-up
-    cell.runs = [once(t, ids) for t, ids in zip(texts, prompt_ids)]
-    return cell
+    settings = {"model": str(folder), "device": "CPU", "properties": properties, "threads": "OpenVINO default",
+                "openvino_genai": openvino_genai.__version__}
+    return settings, run
 
 
 # ---------------------------------------------------------------- driver
 
-def guarded(name: str, fn, *args) -> Cell:  # noqa: ANN001 - fn is any bench_* function
-    """Run one cell; a failing cell becomes a row with its error instead of killing the whole run."""
-    before = os.getloadavg()
-    try:
-        cell = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
-        cell = Cell(name, 0, {}, error=f"{type(exc).__name__}: {exc}")
-    cell.loadavg = {"before": before, "after": os.getloadavg()}
-    print(f"  {cell.config}: " + (f"{cell.decode_tok_s:.1f} tok/s" if cell.runs else f"FAILED {cell.error}"),
-          flush=True)
-    return cell
-
-
 def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
@@ -310,10 +280,9 @@ def cpu_model() -> str:
 def table(cells: list[Cell], reference: float | None) -> str:
     rows = [("config", "stages", "decode tok/s", "TPOT ms", "TTFT ms", "ratio vs whole-model")]
     for c in cells:
-        if not c.runs:
-            rows.append((c.config, str(c.stages or "-"), "failed", "-", "-", "-"))
+        if (tok_s := c.decode_tok_s) is None:
+            rows.append((c.config, str(c.stages), "failed", "-", "-", "-"))
             continue
-        tok_s = c.decode_tok_s
         ratio = f"{tok_s / reference:.2f}" if reference else "-"
         rows.append((c.config, str(c.stages), f"{tok_s:.1f}", f"{1000 / tok_s:.2f}", f"{c.ttft_ms:.0f}", ratio))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -338,12 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     from compiler.source import fetch_demo
 
     cache = args.cache.resolve()
-    logs = cache / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (cache / "logs").mkdir(parents=True, exist_ok=True)
     hf = fetch_demo(args.hf or cache / "SmolLM2-135M-Instruct")
     builds = {n: ensure_build(hf, cache, n) for n in (1, 2, 3)}
     genai_dir = ensure_genai_folder(hf, cache)
-
     prompts = list(PROMPTS[:n_prompts])
     tokenizer = ChatTokenizer(builds[1])
     texts = [tokenizer.render_chat(messages(p)) for p in prompts]
@@ -351,30 +318,60 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode bench: {tokens} tokens x {n_prompts} prompt(s), nproc {os.cpu_count()}, "
           f"openvino {ov.get_version()}", flush=True)
 
-    cells = [guarded("whole-model (OpenVINO, 1 process)", bench_whole, builds[1], prompt_ids, tokens)]
-    cells += [guarded(f"fleet {n}-stage", bench_fleet, builds[n], n, prompts, tokens, logs) for n in (1, 2, 3)]
-    cells.append(guarded("OpenVINO GenAI LLMPipeline", bench_genai, genai_dir, texts, prompt_ids, tokens))
+    setups: list[tuple[Cell, Callable[[], tuple[dict, Runner]]]] = [
+        (Cell("whole-model (OpenVINO, 1 process)", 1), lambda: whole_runner(builds[1], prompt_ids, tokens))]
+    loadavg: list[dict] = []
+    with ExitStack() as stack:  # stops every coordinator (and its workers) however we leave
+        for n in (1, 2, 3):
+            setups.append((Cell(f"fleet {n}-stage", n),
+                           lambda n=n: fleet_runner(stack, builds[n], n, prompts, tokens, cache / "logs")))
+        setups.append((Cell("OpenVINO GenAI LLMPipeline", 1),
+                       lambda: genai_runner(genai_dir, texts, prompt_ids, tokens)))
+        runners: list[tuple[Cell, Runner]] = []
+        for cell, setup in setups:
+            print(f"  setting up {cell.config} ...", flush=True)
+            try:
+                cell.settings, runner = setup()
+                runner(0)  # warm-up
+                runners.append((cell, runner))
+            except Exception as exc:  # noqa: BLE001 - a failing config becomes a failed row, not a dead run
+                cell.error = f"{type(exc).__name__}: {exc}"
+                print(f"  {cell.config} FAILED: {cell.error}", flush=True)
+        for i in range(n_prompts):
+            loadavg.append({"round": i, "before": os.getloadavg()})
+            for cell, runner in runners:
+                if cell.error:
+                    continue
+                time.sleep(SETTLE_S)
+                try:
+                    cell.runs.append(runner(i))
+                except Exception as exc:  # noqa: BLE001 - as above
+                    cell.error = f"{type(exc).__name__}: {exc}"
+                    print(f"  {cell.config} FAILED: {cell.error}", flush=True)
+            loadavg[-1]["after"] = os.getloadavg()
+            print(f"  round {i + 1}/{n_prompts} done, load average {loadavg[-1]['after'][0]:.2f}", flush=True)
 
+    cells = [cell for cell, _ in setups]
     reference = cells[0].decode_tok_s
     print()
     print(table(cells, reference))
     if args.json:
         report = {
             "benchmark": "decode_bench", "model": "SmolLM2-135M-Instruct", "tokens": tokens, "prompts": prompts,
-            "decode": "median over prompts of (completion_tokens - 1) / time after the first token",
-            "machine": {"nproc": os.cpu_count(), "cpu": cpu_model(),
-                        "platform": platform.platform(), "python": platform.python_version(),
-                        "openvino": ov.get_version(),
-                        "cpu_bf16": "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")},
+            "decode": "median over prompts of (completion_tokens - 1) / seconds after the first token",
+            "machine": {"nproc": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
+                        "python": platform.python_version(), "openvino": ov.get_version(),
+                        "cpu_capabilities": ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")},
+            "loadavg_per_round": loadavg,
             "cells": [{**asdict(c), "decode_tok_s": c.decode_tok_s, "ttft_ms": c.ttft_ms,
-                       "tpot_ms": 1000 / c.decode_tok_s if c.runs else None,
-                       "ratio_vs_whole_model": c.decode_tok_s / reference if c.runs and reference else None}
+                       "tpot_ms": 1000 / c.decode_tok_s if c.decode_tok_s else None,
+                       "ratio_vs_whole_model": c.decode_tok_s / reference if c.decode_tok_s and reference else None}
                       for c in cells],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
-    return 0 if all(c.runs for c in cells) else 1
+    return 0 if all(c.decode_tok_s for c in cells) else 1
 
 
 if __name__ == "__main__":

