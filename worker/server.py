@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MAX_TOP_K = 256
 SUBSCRIBER_QUEUE = 1024
+DOWNSTREAM_TIMEOUT_S = 120.0  # cap on a forwarded step's deadline, so nothing waits forever
 
 
 def _code(name: str) -> grpc.StatusCode:
@@ -131,7 +132,9 @@ class StageService(pb_grpc.StageServicer):
             nxt.route.extend(request.route[1:])
             address = request.route[0]
             try:
-                await self._stub(address).Forward(nxt, timeout=context.time_remaining())
+                remaining = context.time_remaining()  # None when the caller set no deadline
+                timeout = DOWNSTREAM_TIMEOUT_S if remaining is None else min(remaining, DOWNSTREAM_TIMEOUT_S)
+                await self._stub(address).Forward(nxt, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), f"stage {runner.stage + 1} at {address}: {exc.details()}")
         elif request.logits_count:
