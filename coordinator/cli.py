@@ -90,13 +90,15 @@ async def serve(settings: CoordinatorSettings) -> None:
         await server.serve()
         ready_task.cancel()
     finally:
-        if zc is not None:
-            await zc[0].async_unregister_service(zc[1])
-            await zc[0].async_close()
-        await registry.stop()
-        await channels.close()
-        if local is not None:
-            await local.stop()
+        try:
+            if local is not None:
+                await local.stop()
+        finally:
+            if zc is not None:
+                await zc[0].async_unregister_service(zc[1])
+                await zc[0].async_close()
+            await registry.stop()
+            await channels.close()
 
 
 class Serve(CoordinatorSettings):

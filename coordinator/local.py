@@ -7,12 +7,22 @@ process on loopback; a child that exits is restarted (with backoff) until the co
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it when the coordinator dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,7 +52,7 @@ class LocalWorkers:
         cmd = [sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.ports[stage]), "--threads", str(self.threads),
                "--inference-precision", self.inference_precision, "--no-announce"]
-        self._procs[stage] = await asyncio.create_subprocess_exec(*cmd)
+        self._procs[stage] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with_parent)
         log.info("local worker for stage %d started (pid %d, port %d)", stage, self._procs[stage].pid,
                  self.ports[stage])
 
