@@ -1,20 +1,19 @@
 """Single-user decode speed of the demo model: fleet (1, 2, 3 stages) vs the whole model, side by side.
 
-All rows come from ONE run (same prompts, greedy, ``ignore_eos``, same token count, default precision
-and OpenVINO's default thread count everywhere), so their ratios are comparable:
+All rows come from ONE run (same chat prompts, greedy, ``ignore_eos``, same token count, default
+precision and OpenVINO's default thread count everywhere), so their ratios are comparable:
 
-* ``whole-model``: the 1-stage build's ``stage_0`` IR in this process, a numpy greedy loop fed exactly
-  as a worker feeds it. The reference row.
-* ``fleet N-stage``: ``python -m coordinator.cli serve --local-workers N`` (one ``fleet-worker``
-  process per stage, gRPC on loopback), streamed chat completions over HTTP. Decode tok/s =
-  (completion_tokens - 1) / (first streamed token -> last), timed by the client.
-* ``GenAI``: ``openvino_genai.LLMPipeline`` over the same weights, exported without ``logits_index``
-  into an optimum-style folder; decode tok/s and TTFT from its perf metrics.
+* ``whole-model``: the 1-stage build's ``stage_0`` IR in this process, a numpy greedy loop fed as a
+  worker feeds it. The reference row.
+* ``fleet N-stage``: ``python -m coordinator.cli serve --local-workers N`` (a ``fleet-worker`` process
+  per stage, gRPC on loopback), streamed chat completions; decode tok/s = (completion_tokens - 1) /
+  (first streamed token -> last), timed by the client.
+* ``GenAI``: ``openvino_genai.LLMPipeline`` on the same weights (exported without ``logits_index``
+  into an optimum-style folder); decode tok/s and TTFT from its perf metrics.
 
-Every config is set up and warmed up first, then the prompts run round-robin (prompt 1 on every
-config, then prompt 2, ...) so that load from other processes on this small machine hits all rows
-alike; each cell is the median over prompts. The JSON holds each run, the load average per round
-and the machine facts.
+Configs are set up and warmed up first, then prompts run round-robin across configs so that load
+from other processes hits all rows alike; a cell is the median over prompts. The JSON holds every
+run, the load average per round and machine facts.
 
     python bench/decode_bench.py [--json PATH] [--tokens 128] [--prompts 3] [--quick] [--hf DIR] [--cache DIR]
 """
@@ -66,6 +65,7 @@ class Run:
     completion_tokens: int
     ttft_ms: float  # request start -> first token
     decode_tok_s: float  # (completion_tokens - 1) / seconds after the first token
+    text: str = ""  # the completion: same prompt, greedy, so rows agree unless they round differently
     extra: dict = field(default_factory=dict)  # per-config details (e.g. the coordinator's own numbers)
 
 
@@ -120,15 +120,15 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
 
     print(f"exporting the GenAI folder into {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(hf / name, out / name)
     model, _ = load_source(hf, out)
     layers = model.config.num_hidden_layers
     ov_model = export_stage(model, StageSpec(0, 0, layers, layers), logits_index_input=False)
     ov.save_model(ov_model, out / "openvino_model.xml", compress_to_fp16=True)
     tokenizer, detokenizer = convert_tokenizer(AutoTokenizer.from_pretrained(hf), with_detokenizer=True)
     ov.save_model(tokenizer, out / "openvino_tokenizer.xml")
-    ov.save_model(detokenizer, out / "openvino_detokenizer.xml")
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(hf / name, out / name)
+    ov.save_model(detokenizer, out / "openvino_detokenizer.xml")  # written last: GENAI_FILES marks completion
     return out
 
 
@@ -171,6 +171,7 @@ def stream_chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> Run
     start = time.perf_counter()
     first = end = None
     final: dict = {}
+    text = []
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
@@ -184,12 +185,13 @@ def stream_chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> Run
                 final = event
             elif event["choices"][0]["finish_reason"] is not None:
                 end = time.perf_counter()
-            elif first is None and event["choices"][0]["delta"].get("content"):
-                first = time.perf_counter()
+            elif content := event["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter()
+                text.append(content)
     n = final.get("usage", {}).get("completion_tokens", 0)
     if first is None or end is None or n < 2:
         raise RuntimeError(f"stream ended early ({n} tokens)")
-    return Run(final["usage"]["prompt_tokens"], n, (first - start) * 1000, (n - 1) / (end - first),
+    return Run(final["usage"]["prompt_tokens"], n, (first - start) * 1000, (n - 1) / (end - first), "".join(text),
                extra={"coordinator": final.get("fleet", {})})
 
 
@@ -213,7 +215,7 @@ def fleet_runner(stack: ExitStack, build: Path, stages: int, prompts: list[str],
 
 # ---------------------------------------------------------------- in-process baselines
 
-def greedy_whole(request: ov.InferRequest, prompt_ids: list[int], tokens: int) -> Run:
+def greedy_whole(request: ov.InferRequest, prompt_ids: list[int], tokens: int, tokenizer: ChatTokenizer) -> Run:
     """Greedy decode through the 1-stage shard: prefill, then one token per infer."""
     request.reset_state()
     chunk, past = prompt_ids, 0
@@ -233,14 +235,16 @@ def greedy_whole(request: ov.InferRequest, prompt_ids: list[int], tokens: int) -
             first = time.perf_counter()
         chunk, past = output[-1:], past + seq
     end = time.perf_counter()
-    return Run(len(prompt_ids), len(output), (first - start) * 1000, (len(output) - 1) / (end - first))
+    return Run(len(prompt_ids), len(output), (first - start) * 1000, (len(output) - 1) / (end - first),
+               tokenizer.decode(output))
 
 
 def whole_runner(build: Path, prompt_ids: list[list[int]], tokens: int) -> tuple[dict, Runner]:
+    tokenizer = ChatTokenizer(build)
     xml = build / "stage_0" / "openvino_model.xml"
     request = ov.Core().compile_model(str(xml), "CPU", SHARD_CONFIG).create_infer_request()
     settings = {"model": str(xml), "properties": SHARD_CONFIG, "threads": "OpenVINO default"}
-    return settings, lambda i: greedy_whole(request, prompt_ids[i], tokens)
+    return settings, lambda i: greedy_whole(request, prompt_ids[i], tokens, tokenizer)
 
 
 def genai_runner(folder: Path, texts: list[str], prompt_ids: list[list[int]], tokens: int) -> tuple[dict, Runner]:
@@ -255,12 +259,13 @@ def genai_runner(folder: Path, texts: list[str], prompt_ids: list[list[int]], to
                                              apply_chat_template=False)  # texts are already chat-rendered
 
     def run(i: int) -> Run:
-        metrics = pipe.generate([texts[i]], config).perf_metrics
+        result = pipe.generate([texts[i]], config)
+        metrics = result.perf_metrics
         if metrics.get_num_input_tokens() != len(prompt_ids[i]):  # GenAI's tokenizer must see the same prompt
             raise RuntimeError(f"GenAI tokenized prompt {i} to {metrics.get_num_input_tokens()} tokens, "
                                f"fleet to {len(prompt_ids[i])}")
         return Run(len(prompt_ids[i]), metrics.get_num_generated_tokens(), metrics.get_ttft().mean,
-                   metrics.get_throughput().mean, extra={"tpot_ms": metrics.get_tpot().mean})
+                   metrics.get_throughput().mean, result.texts[0], extra={"tpot_ms": metrics.get_tpot().mean})
 
     settings = {"model": str(folder), "device": "CPU", "properties": properties, "threads": "OpenVINO default",
                 "openvino_genai": openvino_genai.__version__}
@@ -269,25 +274,49 @@ def genai_runner(folder: Path, texts: list[str], prompt_ids: list[list[int]], to
 
 # ---------------------------------------------------------------- driver
 
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def fail(cell: Cell, exc: Exception) -> None:
+    cell.error = f"{type(exc).__name__}: {exc}"
+    print(f"  {cell.config} FAILED: {cell.error}", flush=True)
+
+
+def measure(setups: list[tuple[Cell, Callable[[], tuple[dict, Runner]]]], n_prompts: int) -> list[dict]:
+    """Set up and warm up every config, then run prompt i on every config in turn; fills the cells.
+
+    A config that fails becomes a failed row instead of ending the run. Returns the load average per round.
+    """
+    runners: list[tuple[Cell, Runner]] = []
+    for cell, setup in setups:
+        print(f"  setting up {cell.config} ...", flush=True)
+        try:
+            cell.settings, runner = setup()
+            runner(0)  # warm-up
+            runners.append((cell, runner))
+        except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+            fail(cell, exc)
+    loadavg = []
+    for i in range(n_prompts):
+        before = os.getloadavg()
+        for cell, runner in runners:
+            if cell.error is None:
+                time.sleep(SETTLE_S)
+                try:
+                    cell.runs.append(runner(i))
+                except Exception as exc:  # noqa: BLE001 - as above
+                    fail(cell, exc)
+        loadavg.append({"round": i, "before": before, "after": os.getloadavg()})
+        print(f"  round {i + 1}/{n_prompts} done, load average {loadavg[-1]['after'][0]:.2f}", flush=True)
+    return loadavg
 
 
 def table(cells: list[Cell], reference: float | None) -> str:
-    rows = [("config", "stages", "decode tok/s", "TPOT ms", "TTFT ms", "ratio vs whole-model")]
+    lines = [f"{'config':<34} | stages | decode tok/s | TPOT ms | TTFT ms | ratio vs whole-model", "-" * 96]
     for c in cells:
         if (tok_s := c.decode_tok_s) is None:
-            rows.append((c.config, str(c.stages), "failed", "-", "-", "-"))
+            lines.append(f"{c.config:<34} | {c.stages:>6} | {'failed':>12} | {'-':>7} | {'-':>7} | {'-':>20}")
             continue
         ratio = f"{tok_s / reference:.2f}" if reference else "-"
-        rows.append((c.config, str(c.stages), f"{tok_s:.1f}", f"{1000 / tok_s:.2f}", f"{c.ttft_ms:.0f}", ratio))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
+        lines.append(f"{c.config:<34} | {c.stages:>6} | {tok_s:>12.1f} | {1000 / tok_s:>7.2f} | {c.ttft_ms:>7.0f} | "
+                     f"{ratio:>20}")
     return "\n".join(lines)
 
 
@@ -304,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if tokens < 2 or not 1 <= n_prompts <= len(PROMPTS):
         parser.error(f"need --tokens >= 2 and 1 <= --prompts <= {len(PROMPTS)}")
 
+    # SIGTERM (e.g. a timeout wrapper) must unwind like Ctrl-C so the coordinators get stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from compiler.source import fetch_demo
 
     cache = args.cache.resolve()
@@ -318,52 +349,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode bench: {tokens} tokens x {n_prompts} prompt(s), nproc {os.cpu_count()}, "
           f"openvino {ov.get_version()}", flush=True)
 
-    setups: list[tuple[Cell, Callable[[], tuple[dict, Runner]]]] = [
-        (Cell("whole-model (OpenVINO, 1 process)", 1), lambda: whole_runner(builds[1], prompt_ids, tokens))]
-    loadavg: list[dict] = []
+    cells = [Cell("whole-model (OpenVINO, 1 process)", 1), *(Cell(f"fleet {n}-stage", n) for n in (1, 2, 3)),
+             Cell("OpenVINO GenAI LLMPipeline", 1)]
     with ExitStack() as stack:  # stops every coordinator (and its workers) however we leave
-        for n in (1, 2, 3):
-            setups.append((Cell(f"fleet {n}-stage", n),
-                           lambda n=n: fleet_runner(stack, builds[n], n, prompts, tokens, cache / "logs")))
-        setups.append((Cell("OpenVINO GenAI LLMPipeline", 1),
-                       lambda: genai_runner(genai_dir, texts, prompt_ids, tokens)))
-        runners: list[tuple[Cell, Runner]] = []
-        for cell, setup in setups:
-            print(f"  setting up {cell.config} ...", flush=True)
-            try:
-                cell.settings, runner = setup()
-                runner(0)  # warm-up
-                runners.append((cell, runner))
-            except Exception as exc:  # noqa: BLE001 - a failing config becomes a failed row, not a dead run
-                cell.error = f"{type(exc).__name__}: {exc}"
-                print(f"  {cell.config} FAILED: {cell.error}", flush=True)
-        for i in range(n_prompts):
-            loadavg.append({"round": i, "before": os.getloadavg()})
-            for cell, runner in runners:
-                if cell.error:
-                    continue
-                time.sleep(SETTLE_S)
-                try:
-                    cell.runs.append(runner(i))
-                except Exception as exc:  # noqa: BLE001 - as above
-                    cell.error = f"{type(exc).__name__}: {exc}"
-                    print(f"  {cell.config} FAILED: {cell.error}", flush=True)
-            loadavg[-1]["after"] = os.getloadavg()
-            print(f"  round {i + 1}/{n_prompts} done, load average {loadavg[-1]['after'][0]:.2f}", flush=True)
-
-    cells = [cell for cell, _ in setups]
+        setups = [lambda: whole_runner(builds[1], prompt_ids, tokens),
+                  *(lambda n=n: fleet_runner(stack, builds[n], n, prompts, tokens, cache / "logs") for n in (1, 2, 3)),
+                  lambda: genai_runner(genai_dir, texts, prompt_ids, tokens)]
+        loadavg = measure(list(zip(cells, setups)), n_prompts)
     reference = cells[0].decode_tok_s
-    print()
-    print(table(cells, reference))
+    print("\n" + table(cells, reference))
+    # Same prompts, greedy: a row whose text differs did different work (or rounds differently, e.g. bf16).
+    same = {c.config: [r.text == w.text for r, w in zip(c.runs, cells[0].runs)] for c in cells[1:]}
+    if differ := [name for name, flags in same.items() if not all(flags)]:
+        print(f"note: completions differ from the whole model's in: {', '.join(differ)}")
     if args.json:
+        core = ov.Core()
         report = {
             "benchmark": "decode_bench", "model": "SmolLM2-135M-Instruct", "tokens": tokens, "prompts": prompts,
             "decode": "median over prompts of (completion_tokens - 1) / seconds after the first token",
-            "machine": {"nproc": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
-                        "python": platform.python_version(), "openvino": ov.get_version(),
-                        "cpu_capabilities": ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")},
+            "machine": {"nproc": os.cpu_count(), "cpu": core.get_property("CPU", "FULL_DEVICE_NAME"),
+                        "cpu_capabilities": core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
+                        "platform": platform.platform(), "openvino": ov.get_version()},
             "loadavg_per_round": loadavg,
             "cells": [{**asdict(c), "decode_tok_s": c.decode_tok_s, "ttft_ms": c.ttft_ms,
+                       "same_text_as_whole_model": same.get(c.config),
                        "tpot_ms": 1000 / c.decode_tok_s if c.decode_tok_s else None,
                        "ratio_vs_whole_model": c.decode_tok_s / reference if c.decode_tok_s and reference else None}
                       for c in cells],

@@ -7,6 +7,7 @@ The coordinator owns each session's tokens; workers own only KV state. Prefill i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -136,8 +137,8 @@ class Engine:
         """
         if self._slots.locked():
             raise Overloaded(f"{self.settings.max_concurrent_requests} requests are already running; retry shortly")
-        async with self._slots:
-            async for delta in self._generate(request):
+        async with self._slots, contextlib.aclosing(self._generate(request)) as deltas:
+            async for delta in deltas:
                 yield delta
 
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
