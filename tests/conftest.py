@@ -104,13 +104,13 @@ def start_worker(build: Path, shard: int, log_dir: Path, *extra: str, port: int 
     return proc, m.group(1)
 
 
-def start_coordinator(build: Path, log_dir: Path, *extra: str) -> tuple[Proc, str]:
+def start_coordinator(build: Path, log_dir: Path, *extra: str, announce: bool = False) -> tuple[Proc, str]:
     """Start ``fleet-coordinator serve`` on a free port; return it and its base URL once it answers."""
     from coordinator.local import free_port
 
     port = free_port()
     proc = Proc([str(BIN / "fleet-coordinator"), "serve", "--model", str(build), "--port", str(port),
-                 "--no-announce", *extra], log_dir / "coordinator.log")
+                 "--announce" if announce else "--no-announce", *extra], log_dir / "coordinator.log")
     url = f"http://127.0.0.1:{port}"
     proc.wait_for(r"Uvicorn running")
     return proc, url
@@ -137,14 +137,14 @@ def chat(url: str, content: str, **kw) -> httpx.Response:
 class Fleet:
     """Workers (one per stage, found by zeroconf) and a coordinator, all real processes."""
 
-    def __init__(self, build: Path, log_dir: Path, *coord_args: str) -> None:
+    def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False) -> None:
         self.build, self.log_dir = build, log_dir
         self.workers: list[tuple[Proc, str]] = []
         from fleet_common.manifest import load_manifest
 
         for shard in range(load_manifest(build).manifest.num_stages):
             self.workers.append(start_worker(build, shard, log_dir))
-        self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args)
+        self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args, announce=announce)
         wait_ready(self.url)
 
     def stop(self) -> None:

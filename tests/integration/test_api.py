@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
 from coordinator.tokenizer import ChatTokenizer
-from tests.conftest import Fleet, chat
+from tests.conftest import BIN, Fleet, chat
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +20,7 @@ MULTIBYTE = ["Repeat exactly: 北京欢迎你 👍🏽 café", "Translate 'thank
 
 @pytest.fixture(scope="module")
 def fleet(build_2, tmp_path_factory):
-    f = Fleet(build_2, tmp_path_factory.mktemp("api"))
+    f = Fleet(build_2, tmp_path_factory.mktemp("api"), announce=True)
     yield f
     f.stop()
 
@@ -122,3 +124,12 @@ def test_garbage_body_and_unknown_model(fleet):
 def test_health(fleet):
     h = httpx.get(f"{fleet.url}/health", timeout=10).json()
     assert h["ready"] and h["missing_stages"] == [] and len(h["workers"]) == 2
+
+
+def test_chat_client_finds_the_coordinator_by_zeroconf(fleet):
+    out = subprocess.run([str(BIN / "fleet-chat"), "-p", "What is the capital of France?", "-p", "And of Italy?"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert fleet.url in out.stderr  # "connected to <url>": found by mDNS, not told
+    assert "Paris" in out.stdout and "Rome" in out.stdout  # two turns, history kept
+    assert out.stderr.count("tok/s") == 2
