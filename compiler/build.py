@@ -39,6 +39,20 @@ def load_source(src: Path, workdir: Path):  # noqa: ANN201 - returns (hf model, 
     return model.eval(), src
 
 
+def _prepare_output(out: Path) -> None:
+    """Clear a previous build in ``out`` (so no stale stage ships); refuse a non-empty non-build folder."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / MANIFEST_NAME).is_file():
+        raise ValueError(f"{out} is not empty and holds no fleet build; choose another -o folder")
+    log.info("replacing the previous build in %s", out)
+    for path in out.iterdir():
+        if path.is_dir() and path.name.startswith("stage_"):
+            shutil.rmtree(path)
+        elif path.name == MANIFEST_NAME or path.name in TOKENIZER_FILES:
+            path.unlink()
+
+
 def build(
     src: Path,
     out: Path,
@@ -54,6 +68,7 @@ def build(
     Raises ``ValueError`` for a bad layer spec or unsupported architecture.
     """
     out = Path(out)
+    _prepare_output(out)
     with tempfile.TemporaryDirectory() as tmp:
         model, hf_dir = load_source(Path(src), Path(tmp))
         cfg = model.config
@@ -104,5 +119,5 @@ def build(
         files=files,
     )
     (out / MANIFEST_NAME).write_text(manifest.to_json())
-    log.info("wrote %d stages to %s", len(stages), out)
+    log.info("wrote %d stage(s) to %s", len(stages), out)
     return manifest

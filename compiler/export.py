@@ -22,6 +22,7 @@ the chunk (physical slot ``P + i``) sees slot ``j`` iff ``j <= P + i`` and ``att
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,7 +200,10 @@ def export_stage(model: torch.nn.Module, stage: StageSpec, kv_cache_precision: s
     if stage.last and logits_index_input:
         specs.append(("logits_index", torch.tensor([seq - 1], dtype=torch.int64), ov.PartialShape([-1]), ov.Type.i64))
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # tracing notes on shapes that are constant by construction (mask dtype limits, SDPA flags)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         ov_model = ov.convert_model(
             wrapper,
             example_input=tuple(s[1] for s in specs),

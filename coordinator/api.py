@@ -71,9 +71,12 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(InvalidRequest("request body is not valid JSON"))
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error_response(InvalidRequest(f"invalid request: {param}: {first.get('msg', 'malformed body')}",
-                                              param=param))
+        if param is None:
+            return _error_response(InvalidRequest(f"request body must be a JSON object: {first.get('msg', '')}"))
+        return _error_response(InvalidRequest(f"invalid {param}: {first.get('msg', 'bad value')}", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:

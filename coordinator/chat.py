@@ -41,21 +41,30 @@ def discover_api(timeout_s: float = 3.0) -> str | None:
     return found[0] if found else None
 
 
+class ContextFull(RuntimeError):
+    """The conversation no longer fits the model's context."""
+
+
 def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> str:
-    """Send the conversation, print the answer as it streams, then a tokens/s line; return the answer."""
+    """Send the conversation, print the answer as it streams, then a tokens/s line; return the answer.
+
+    Raises ``ContextFull`` when the server says the conversation is too long, ``RuntimeError`` for
+    other API errors and ``httpx.HTTPError`` for transport failures."""
     body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream_options": {"include_usage": True}}
     if args.seed is not None:
         body["seed"] = args.seed
-    parts, usage, t0, t_first = [], None, time.perf_counter(), None
+    parts, usage, finish, t0, t_first = [], None, None, time.perf_counter(), None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
             try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError):
-                message = response.text
-            raise RuntimeError(f"HTTP {response.status_code}: {message}")
+                error = response.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                error = {"message": response.text}
+            if error.get("code") == "context_length_exceeded":
+                raise ContextFull(error["message"])
+            raise RuntimeError(f"HTTP {response.status_code}: {error.get('message')}")
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -65,17 +74,33 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: arg
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices", []):
+                finish = choice.get("finish_reason") or finish
                 text = choice["delta"].get("content")
                 if text:
                     t_first = t_first or time.perf_counter()
                     parts.append(text)
                     print(text, end="", flush=True)
+    print(flush=True)
     elapsed = time.perf_counter() - t0
     n = usage["completion_tokens"] if usage else len(parts)
     ttft = (t_first - t0) if t_first else elapsed
     rate = (n - 1) / (elapsed - ttft) if n > 1 and elapsed > ttft else 0.0
-    print(f"\n[{n} tokens, {rate:.1f} tok/s, first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
+    cut = ", cut at --max-tokens" if finish == "length" else ""
+    print(f"[{n} tokens{cut}, {rate:.1f} tok/s, first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
     return "".join(parts)
+
+
+def ask(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> str:
+    """``stream_reply``, dropping the oldest turns (never the system prompt) while the context is full."""
+    while True:
+        try:
+            return stream_reply(client, url, messages, args)
+        except ContextFull:
+            first = 1 if messages and messages[0]["role"] == "system" else 0
+            if len(messages) - first <= 1:
+                raise RuntimeError("this message alone is longer than the model's context") from None
+            del messages[first:first + 2]
+            print("[conversation too long for the model: dropped the oldest turn]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet-chat", description=__doc__)
     parser.add_argument("--url", help="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
     parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-tokens", type=int, default=512, help="longest answer in tokens (default: 512)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--seed", type=int, help="sampling seed, for reproducible answers")
     parser.add_argument("-p", "--prompt", action="append", help="ask this and exit (repeat for several turns)")
     args = parser.parse_args(argv)
 
@@ -94,10 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         print("fleet-chat: no coordinator found with zeroconf; pass --url http://HOST:PORT", file=sys.stderr)
         return 2
     url = url.rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = iter(args.prompt) if args.prompt else None
-    print(f"fleet-chat: connected to {url} (empty line or Ctrl-D quits)", file=sys.stderr)
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+        try:
+            model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            print(f"fleet-chat: no fleet coordinator answers at {url}: {exc}", file=sys.stderr)
+            return 2
+        print(f"fleet-chat: connected to {url} ({model}); empty line or Ctrl-D quits", file=sys.stderr)
         while True:
             if prompts is not None:
                 user = next(prompts, None)
@@ -107,16 +139,25 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 try:
                     user = input("> ")
-                except EOFError:
+                except (EOFError, KeyboardInterrupt):
+                    print()
                     return 0
             if not user.strip():
                 return 0
             messages.append({"role": "user", "content": user})
             try:
-                answer = stream_reply(client, url, messages, args)
+                answer = ask(client, url, messages, args)
+            except KeyboardInterrupt:
+                print("\n[interrupted]", file=sys.stderr)
+                messages.pop()
+                if prompts is not None:
+                    return 130
+                continue
             except (RuntimeError, httpx.HTTPError) as exc:
                 print(f"\nfleet-chat: {exc}", file=sys.stderr)
                 messages.pop()
+                if prompts is not None:
+                    return 1
                 continue
             messages.append({"role": "assistant", "content": answer})
 

@@ -8,10 +8,11 @@ import socket
 import sys
 
 import uvicorn
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import CliApp, CliSubCommand
 
 from fleet_common import API_SERVICE_TYPE
+from fleet_common.cli import describe_validation_error
 from fleet_common.manifest import ManifestError, load_manifest
 
 from .api import create_app
@@ -114,9 +115,9 @@ class Serve(CoordinatorSettings):
 
 
 class FleetCoordinator(BaseModel):
-    """fleet coordinator"""
+    """fleet-coordinator: run the coordinator of a fleet."""
 
-    serve: CliSubCommand[Serve]
+    serve: CliSubCommand[Serve] = Field(description="discover workers, assemble the pipeline, serve the OpenAI API")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -124,7 +125,11 @@ class FleetCoordinator(BaseModel):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fleet-coordinator`` console script."""
-    CliApp.run(FleetCoordinator, cli_args=argv if argv is not None else sys.argv[1:])
+    try:
+        CliApp.run(FleetCoordinator, cli_args=argv if argv is not None else sys.argv[1:])
+    except ValidationError as exc:
+        print(f"fleet-coordinator: error: {describe_validation_error(exc, skip=('serve',))}", file=sys.stderr)
+        return 2
     return 0
 
 

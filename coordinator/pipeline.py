@@ -74,6 +74,7 @@ class Pipeline:
         self._steps = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._broken: str | None = None
+        self._close_reason = "pipeline closed"
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -111,14 +112,17 @@ class Pipeline:
                 ready.set_exception(exc)
         except asyncio.CancelledError:
             call.cancel()
-            reason = "pipeline closed"
-        self._broken = f"stage {len(self.addresses) - 1} (last) at {self.addresses[-1]}: {reason}"
+            reason = None
+        last = f"stage {len(self.addresses) - 1} (last) at {self.addresses[-1]}"
+        self._broken = self._close_reason if reason is None else f"{last}: {reason}"
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(StageFailure(self._broken))
         self._waiters.clear()
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "pipeline closed") -> None:
+        """Stop the result stream; steps still waiting fail with ``StageFailure(reason)``."""
+        self._close_reason = reason
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -205,4 +209,5 @@ def _describe(exc: BaseException) -> str:
 
 def _log_late_failure(call: asyncio.Future) -> None:
     if not call.cancelled() and call.exception() is not None:
-        log.warning("pipeline ack failed after its result arrived: %s", _describe(call.exception()))
+        # e.g. the session was closed (client gone) before the ack came back up the chain
+        log.debug("pipeline ack failed after its result arrived: %s", _describe(call.exception()))

@@ -81,7 +81,9 @@ class Registry:
             if state.missed >= self.missed_limit and address not in self._static:
                 log.warning("worker %s dropped after %d missed health checks", address, state.missed)
                 self.workers.pop(address, None)
-            await self._invalidate_if_uses(address)
+            stage = state.info.stage if state.info else "?"
+            await self._invalidate_if_uses(address, f"stage {stage} at {address} stopped answering "
+                                                    f"health checks ({exc.code().name})")
             return
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
         refused = None
@@ -106,14 +108,14 @@ class Registry:
             if self._pipeline is not None and not self._pipeline.healthy:
                 await self._drop_pipeline()
 
-    async def _invalidate_if_uses(self, address: str) -> None:
+    async def _invalidate_if_uses(self, address: str, reason: str) -> None:
         if self._pipeline is not None and address in self._pipeline.addresses:
-            await self._drop_pipeline()
+            await self._drop_pipeline(reason)
 
-    async def _drop_pipeline(self) -> None:
+    async def _drop_pipeline(self, reason: str = "pipeline closed") -> None:
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
-            await pipeline.close()
+            await pipeline.close(reason)
 
     def missing_stages(self) -> list[int]:
         have = {s.info.stage for s in self.workers.values() if s.healthy and s.info is not None}

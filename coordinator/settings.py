@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,7 +24,7 @@ class CoordinatorSettings(BaseSettings):
     worker_threads: int = Field(0, ge=0, description="inference threads of each local worker (0 = default)")
     inference_precision: Literal["auto", "f32", "bf16", "f16"] = Field(
         "auto", description="precision hint passed to local workers (f32 = bit-exact with one device)")
-    served_model_name: str = Field("", description="model name in the API (default: the build's model id)")
+    served_model_name: str = Field("", description="model name in the API; empty = the build's model id")
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when a request gives none")
     max_context: int = Field(0, ge=0, description="cap on prompt + completion tokens (0 = the model's context)")
     prefill_chunk: int = Field(256, ge=1, le=4096, description="prompt tokens per pipeline step during prefill")
@@ -35,3 +35,12 @@ class CoordinatorSettings(BaseSettings):
     health_interval_s: float = Field(1.0, gt=0, description="seconds between health checks of each worker")
     missed_health_checks: int = Field(3, ge=1, description="a worker missing this many checks in a row is dropped")
     log_level: str = Field("INFO", description="logging level")
+
+    @field_validator("peer")
+    @classmethod
+    def _peers_are_host_port(cls, peers: list[str]) -> list[str]:
+        for peer in peers:
+            host, _, port = peer.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"peer {peer!r} is not host:port")
+        return peers

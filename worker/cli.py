@@ -7,7 +7,10 @@ import logging
 import signal
 import sys
 
+from pydantic import ValidationError
+
 from fleet_common import PROTOCOL_VERSION
+from fleet_common.cli import describe_validation_error
 from fleet_common.discovery import WorkerAd
 from fleet_common.manifest import ManifestError, load_manifest, verify_files
 
@@ -82,7 +85,11 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fleet-worker`` console script."""
-    settings = WorkerSettings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="fleet-worker")
+    try:
+        settings = WorkerSettings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="fleet-worker")
+    except ValidationError as exc:
+        print(f"fleet-worker: error: {describe_validation_error(exc)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s worker[{settings.shard}] %(name)s: %(message)s")
     try:

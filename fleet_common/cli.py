@@ -1,0 +1,14 @@
+"""Turning settings validation errors into one-line CLI errors (no tracebacks for bad flags)."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+def describe_validation_error(exc: ValidationError, skip: tuple[str, ...] = ()) -> str:
+    """``--port: Input should be less than or equal to 65535; --shard: Field required`` for a settings error."""
+    parts = []
+    for err in exc.errors():
+        name = "--" + "-".join(str(p) for p in err.get("loc", ()) if isinstance(p, str) and p not in skip).replace("_", "-")
+        parts.append(f"{name}: {err.get('msg', 'invalid value')}")
+    return "; ".join(parts) or str(exc)
