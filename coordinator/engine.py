@@ -34,6 +34,7 @@ class RequestStatus(enum.Enum):
     DECODE = "decode"
     FINISHED = "finished"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # the client went away
 
 
 class FinishReason(str, enum.Enum):
@@ -186,6 +187,9 @@ class Engine:
                 out = await pipeline.step(session, [token], position, position, 1, top_k, self._timeout(1))
                 position += 1
             yield TextDelta(text[sent:], request.finish_reason)
+        except (asyncio.CancelledError, GeneratorExit):
+            request.status = RequestStatus.CANCELLED
+            raise
         except BaseException:
             request.status = RequestStatus.FAILED
             raise

@@ -64,7 +64,14 @@ class ShardRunner:
                 config["KV_CACHE_PRECISION"] = "f32"
         self.kv_value_bytes = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}.get(kv_precision, 2)
         t0 = time.perf_counter()
-        self.compiled = ov.Core().compile_model(str(loaded.directory / self.entry.xml), device, config)
+        core = ov.Core()
+        try:
+            self.compiled = core.compile_model(str(loaded.directory / self.entry.xml), device, config)
+        except RuntimeError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
+            first_line = lines[-1] if lines else repr(exc)
+            raise RuntimeError(f"cannot compile stage {stage} on {device} (this machine has "
+                               f"{', '.join(core.available_devices)}): {first_line}") from exc
         self.compile_s = time.perf_counter() - t0
         log.info("stage %d layers [%d, %d) compiled on %s in %.1f s (%s)", stage, self.entry.start,
                  self.entry.end, device, self.compile_s, config)
