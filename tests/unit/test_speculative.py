@@ -1,0 +1,92 @@
+"""Speculative verification is lossless: greedy exactly, sampling in distribution (and a broken
+residual is caught by the same check)."""
+
+import numpy as np
+import pytest
+
+from coordinator import speculative
+from coordinator.sampling import SparseDist, target_distribution
+from coordinator.speculative import ngram_draft, verify
+
+VOCAB = 6
+
+
+def dist(probs) -> SparseDist:
+    probs = np.asarray(probs, dtype=np.float64)
+    return SparseDist(np.arange(len(probs)), probs / probs.sum())
+
+
+def test_greedy_accepts_the_matching_prefix_then_corrects():
+    targets = [SparseDist.point(t) for t in (5, 7, 9, 11)]
+    drafts = [SparseDist.point(t) for t in (5, 7, 8)]
+    assert verify([5, 7, 8], drafts, targets, np.random.default_rng(0)) == [5, 7, 9]
+    assert verify([5, 7, 9], [SparseDist.point(t) for t in (5, 7, 9)], targets, np.random.default_rng(0)) == [5, 7, 9, 11]
+    assert verify([4, 7, 9], drafts, targets, np.random.default_rng(0)) == [5]
+
+
+def test_target_distribution_matches_plain_sampling():
+    ids = np.array([7, 3, 9, 1])
+    logprobs = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    assert target_distribution(ids, logprobs, 0.0, 1.0).ids.tolist() == [7]
+    d = target_distribution(ids, logprobs, 1.0, 0.8)
+    assert d.ids.tolist() == [7, 3] and np.allclose(d.probs, [0.625, 0.375])
+
+
+def first_two_tokens(draw, n: int, seed: int = 0) -> np.ndarray:
+    """Empirical joint distribution [VOCAB, VOCAB] of the first two emitted tokens."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((VOCAB, VOCAB))
+    for _ in range(n):
+        a, b = draw(rng)
+        counts[a, b] += 1
+    return counts / n
+
+
+# the target p: position 0 has p0; after token a, position 1 has p1[a]
+P0 = dist([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])
+P1 = [dist(np.roll([0.4, 0.3, 0.1, 0.1, 0.05, 0.05], a)) for a in range(VOCAB)]
+Q0 = dist([0.1, 0.4, 0.1, 0.3, 0.05, 0.05])  # a deliberately different draft
+Q1 = [dist(np.roll([0.1, 0.1, 0.5, 0.1, 0.1, 0.1], a)) for a in range(VOCAB)]
+EXACT = np.array([[P0.probs[a] * P1[a].probs[b] for b in range(VOCAB)] for a in range(VOCAB)])
+
+
+def speculative_pair(rng):
+    """Draft two tokens from q, verify them against p, emit until two tokens exist."""
+    d0 = Q0.sample(rng)
+    d1 = Q1[d0].sample(rng)
+    # the target distribution after position 1 does not matter for the first two tokens
+    out = verify([d0, d1], [Q0, Q1[d0]], [P0, P1[d0], P0], rng)
+    if len(out) == 1:  # rejected at position 0: the next token comes from p given the corrected one
+        out.append(P1[out[0]].sample(rng))
+    return out[0], out[1]
+
+
+def total_variation(a: np.ndarray, b: np.ndarray) -> float:
+    return 0.5 * float(np.abs(a - b).sum())
+
+
+N = 40_000
+BOUND = 0.02  # TV of N samples over 36 cells from their own distribution is ~0.01 here
+
+
+def test_speculative_sampling_preserves_the_target_distribution():
+    assert total_variation(first_two_tokens(speculative_pair, N), EXACT) < BOUND
+
+
+def test_the_check_catches_a_wrong_residual(monkeypatch):
+    # resampling from p instead of max(0, p - q) on rejection is the classic bug: it must fail the bound
+    monkeypatch.setattr(speculative, "residual", lambda p, q: p)
+    assert total_variation(first_two_tokens(speculative_pair, N), EXACT) > BOUND
+
+
+def test_verify_checks_lengths():
+    with pytest.raises(ValueError, match="2 drafts need"):
+        verify([1, 2], [P0, P0], [P0, P0], np.random.default_rng(0))
+
+
+def test_ngram_draft():
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert ngram_draft(tokens, 3) == [4, 9, 1]  # "1 2 3" seen before, followed by 4 9 1
+    assert ngram_draft(tokens, 1) == [4]
+    assert ngram_draft([5, 6, 7], 4) == []
+    assert ngram_draft([8, 8, 8], 2) == [8]  # latest earlier match of "8 8" is at 0, followed by one 8
