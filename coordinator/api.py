@@ -115,7 +115,8 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
             return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
         def stats() -> dict:
-            return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s}
+            return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
+                    "drafted_tokens": request.drafted, "accepted_tokens": request.accepted}
 
         if not body.stream:
             try:

@@ -21,7 +21,8 @@ from fleet_common.manifest import LoadedManifest
 
 from .errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from .registry import Registry
-from .sampling import choose_token
+from .sampling import SparseDist, choose_token, target_distribution
+from .speculative import ngram_draft, verify
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -69,6 +70,8 @@ class Request:
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # of those, accepted by the target
 
     def append(self, token: int) -> None:
         if self.first_token_at is None:
@@ -149,7 +152,11 @@ class Engine:
         rng = np.random.default_rng(params.seed)
         top_k = 1 if params.temperature <= 0 else s.sample_top_k
         prompt = request.prompt_ids
-        await pipeline.open_session(session, len(prompt) + params.max_tokens, s.rpc_timeout_s)
+        drafting = s.draft == "ngram"
+        # physical KV slots: rejected drafts keep theirs (masked, never trimmed), hence the slack
+        slots = min(self.max_context + (s.spec_slack if drafting else 0),
+                    len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0))
+        await pipeline.open_session(session, slots, s.rpc_timeout_s)
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
@@ -162,30 +169,55 @@ class Engine:
                 out = await pipeline.step(session, chunk, start, start, 1 if last else 0, top_k,
                                           self._timeout(len(chunk)))
             request.status = RequestStatus.DECODE
-            position = len(prompt)
-            while True:
-                token = choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p, rng)
-                if token in self.eos_ids and not params.ignore_eos:
-                    request.finish(FinishReason.STOP)
-                    break
-                request.append(token)
-                text += detok.push(token)
-                if params.stop:
-                    cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
-                              default=-1)
-                    if cut >= 0:
-                        text = text[:cut]
+            logical = physical = len(prompt)  # visible tokens / occupied KV slots at every stage
+            hide: list[int] = []  # slots of rejected drafts, hidden from the next step on
+            decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p, rng)]
+            while request.finish_reason is None:
+                for token in decided:
+                    if token in self.eos_ids and not params.ignore_eos:
                         request.finish(FinishReason.STOP)
                         break
-                if len(request.output_ids) >= params.max_tokens:
-                    request.finish(FinishReason.LENGTH)
+                    request.append(token)
+                    text += detok.push(token)
+                    if params.stop:
+                        cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
+                                  default=-1)
+                        if cut >= 0:
+                            text = text[:cut]
+                            request.finish(FinishReason.STOP)
+                            break
+                    if len(request.output_ids) >= params.max_tokens:
+                        request.finish(FinishReason.LENGTH)
+                        break
+                if request.finish_reason is not None:
                     break
                 safe = len(text) - hold if params.stop else len(text)
                 if safe > sent:
                     yield TextDelta(text[sent:safe])
                     sent = safe
-                out = await pipeline.step(session, [token], position, position, 1, top_k, self._timeout(1))
-                position += 1
+                if physical + 1 > slots:
+                    request.finish(FinishReason.LENGTH)
+                    break
+                # feed the newest token; earlier ones in `decided` were fed as accepted drafts
+                k = min(s.spec_k, params.max_tokens - len(request.output_ids), slots - physical - 1) if drafting else 0
+                draft = ngram_draft(prompt + request.output_ids, k) if k > 0 else []
+                chunk = [decided[-1], *draft]
+                out = await pipeline.step(session, chunk, physical, logical, len(chunk), top_k,
+                                          self._timeout(len(chunk)), hide_slots=hide)
+                if draft:
+                    targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
+                                                   params.top_p) for i in range(len(chunk))]
+                    decided = verify(draft, [SparseDist.point(t) for t in draft], targets, rng)
+                    accepted = len(decided) - 1
+                    request.drafted += len(draft)
+                    request.accepted += accepted
+                    hide = list(range(physical + 1 + accepted, physical + len(chunk)))
+                else:
+                    decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,
+                                            params.top_p, rng)]
+                    accepted, hide = 0, []
+                physical += len(chunk)
+                logical += 1 + accepted
             yield TextDelta(text[sent:], request.finish_reason)
         except (asyncio.CancelledError, GeneratorExit):
             request.status = RequestStatus.CANCELLED
@@ -195,7 +227,7 @@ class Engine:
             raise
         finally:
             await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))
-            log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s", session,
-                     request.finish_reason.value if request.finish_reason else request.status.value, len(prompt),
-                     len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
-                     request.decode_tokens_per_s or 0.0)
+            log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted",
+                     session, request.finish_reason.value if request.finish_reason else request.status.value,
+                     len(prompt), len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
+                     request.decode_tokens_per_s or 0.0, request.accepted, request.drafted)

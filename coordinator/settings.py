@@ -34,6 +34,10 @@ class CoordinatorSettings(BaseSettings):
     per_token_timeout_s: float = Field(0.05, ge=0, description="extra step deadline per token in the chunk per stage")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between health checks of each worker")
     missed_health_checks: int = Field(3, ge=1, description="a worker missing this many checks in a row is dropped")
+    draft: Literal["none", "ngram"] = Field(
+        "none", description="speculative decoding draft source: ngram = prompt lookup in the session's own context")
+    spec_k: int = Field(4, ge=1, le=16, description="draft tokens verified per step when --draft is set")
+    spec_slack: int = Field(512, ge=0, description="extra KV slots per session for rejected drafts (kept, masked)")
     log_level: str = Field("INFO", description="logging level")
 
     @field_validator("peer")

@@ -29,7 +29,11 @@ def reference(build_1) -> dict[str, list[int]]:
     return {p: model.greedy(tokenizer.encode_chat([{"role": "user", "content": p}]), NEW_TOKENS) for p in PROMPTS}
 
 
-@pytest.mark.parametrize("stages,coord_args", [(2, ()), (3, ("--prefill-chunk", "16"))], ids=["2-stage", "3-stage-chunked"])
+@pytest.mark.parametrize("stages,coord_args", [
+    (2, ()),
+    (3, ("--prefill-chunk", "16")),
+    (2, ("--draft", "ngram", "--spec-k", "4")),  # speculative, mask-based rejection across the pipeline
+], ids=["2-stage", "3-stage-chunked", "2-stage-ngram-k4"])
 def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_path):
     build = request.getfixturevalue(f"build_{stages}")
     tokenizer = ChatTokenizer(build)
@@ -43,5 +47,8 @@ def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_
             assert body["usage"]["completion_tokens"] == NEW_TOKENS
             expected = tokenizer.decode(reference[prompt])
             assert body["choices"][0]["message"]["content"] == expected, f"{stages}-stage diverged on {prompt!r}"
+        if "--draft" in coord_args:
+            stats = body["fleet"]
+            assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats  # some accepted, some rejected
     finally:
         fleet.stop()
