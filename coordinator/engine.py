@@ -22,7 +22,7 @@ from fleet_common.manifest import LoadedManifest
 from .errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from .registry import Registry
 from .sampling import SparseDist, choose_token, target_distribution
-from .speculative import ngram_draft, verify
+from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -115,6 +115,7 @@ class Engine:
         self.eos_ids = set(self.manifest.eos_token_ids)
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
         self.model_name = settings.served_model_name or self.manifest.model_id
+        self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
 
     def make_request(self, messages: list[dict], params: SamplingParams) -> Request:
         """Tokenize a chat; raises ``ContextLengthExceeded`` when the prompt leaves no room to answer."""
@@ -171,6 +172,7 @@ class Engine:
             request.status = RequestStatus.DECODE
             logical = physical = len(prompt)  # visible tokens / occupied KV slots at every stage
             hide: list[int] = []  # slots of rejected drafts, hidden from the next step on
+            policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
             decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p, rng)]
             while request.finish_reason is None:
                 for token in decided:
@@ -199,11 +201,14 @@ class Engine:
                     request.finish(FinishReason.LENGTH)
                     break
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
-                k = min(s.spec_k, params.max_tokens - len(request.output_ids), slots - physical - 1) if drafting else 0
+                k = min(policy.choose(), params.max_tokens - len(request.output_ids), slots - physical - 1) \
+                    if drafting else 0
                 draft = ngram_draft(prompt + request.output_ids, k) if k > 0 else []
                 chunk = [decided[-1], *draft]
+                t0 = time.perf_counter()
                 out = await pipeline.step(session, chunk, physical, logical, len(chunk), top_k,
                                           self._timeout(len(chunk)), hide_slots=hide)
+                self.step_costs.observe(len(chunk), time.perf_counter() - t0)
                 if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
                                                    params.top_p) for i in range(len(chunk))]
@@ -211,6 +216,7 @@ class Engine:
                     accepted = len(decided) - 1
                     request.drafted += len(draft)
                     request.accepted += accepted
+                    policy.observe(len(draft), accepted)
                     hide = list(range(physical + 1 + accepted, physical + len(chunk)))
                 else:
                     decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,

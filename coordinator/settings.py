@@ -36,7 +36,9 @@ class CoordinatorSettings(BaseSettings):
     missed_health_checks: int = Field(3, ge=1, description="a worker missing this many checks in a row is dropped")
     draft: Literal["none", "ngram"] = Field(
         "none", description="speculative decoding draft source: ngram = prompt lookup in the session's own context")
-    spec_k: int = Field(4, ge=1, le=16, description="draft tokens verified per step when --draft is set")
+    spec_k: int = Field(0, ge=0, le=16, description="draft tokens per step with --draft; 0 = adaptive (per session, "
+                        "from its acceptance rate and the measured step times)")
+    spec_k_max: int = Field(8, ge=1, le=16, description="largest K the adaptive choice may pick")
     spec_slack: int = Field(512, ge=0, description="extra KV slots per session for rejected drafts (kept, masked)")
     log_level: str = Field("INFO", description="logging level")
 

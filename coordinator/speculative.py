@@ -69,3 +69,91 @@ def ngram_draft(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: in
             if np.array_equal(arr[j:j + n], tail):
                 return arr[j + n: j + n + k].tolist()
     return []
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens emitted by one verify step with ``k`` drafts when each draft is accepted
+    independently with probability ``acceptance``: (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, eq. 1)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class StepCosts:
+    """Measured wall time (seconds) of one pipeline step by chunk length, as an exponential moving
+    average. Shared by all sessions: it is a property of the fleet and its links, not of a session."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, length: int, seconds: float) -> None:
+        old = self._seconds.get(length)
+        self._seconds[length] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def estimate(self, length: int) -> float | None:
+        """Seconds for a step of ``length`` tokens: measured, else extrapolated from the nearest
+        shorter measured length (+5% per extra token, optimistic so that unmeasured K get tried)."""
+        if length in self._seconds:
+            return self._seconds[length]
+        shorter = [n for n in self._seconds if n < length]
+        if not shorter:
+            return None
+        base = max(shorter)
+        return self._seconds[base] * (1.0 + 0.05 * (length - base))
+
+
+class AdaptiveK:
+    """Chooses a session's draft length K to maximize expected tokens per second.
+
+    The acceptance rate is a decayed Beta estimate from this session's verify outcomes; step costs
+    come from the shared ``StepCosts``. A slow link makes every step cost about the same, so longer
+    drafts pay; a poor draft lowers the acceptance rate and K falls, to 0 (plain decoding) when
+    drafting does not pay. ``fixed`` pins K (``--spec-k``).
+    """
+
+    def __init__(self, costs: StepCosts, k_max: int, fixed: int | None = None, prior: tuple[float, float] = (3.0, 2.0),
+                 decay: float = 0.9, probe_every: int = 16) -> None:
+        self.costs = costs
+        self.k_max = k_max
+        self.fixed = fixed
+        self.accepted, self.rejected = prior
+        self.decay = decay
+        self.probe_every = probe_every
+        self._since_draft = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Record one verify step: ``accepted`` of ``drafted`` drafts (stops at the first rejection)."""
+        if drafted == 0:
+            return
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
+
+    def choose(self) -> int:
+        """K for the next step (0 = plain decoding)."""
+        if self.fixed is not None:
+            return self.fixed
+        base = self.costs.estimate(1)
+        if base is None:
+            return 0  # measure a plain step first
+        best_k, best_rate = 0, 1.0 / base
+        for k in range(1, self.k_max + 1):
+            cost = self.costs.estimate(k + 1)
+            if cost is None:
+                cost = base * (1.0 + 0.05 * k)
+            rate = expected_tokens(self.acceptance, k) / cost
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            # drafting looks unprofitable; probe now and then so a changed context can win it back
+            self._since_draft += 1
+            if self._since_draft >= self.probe_every:
+                self._since_draft = 0
+                return 1
+        else:
+            self._since_draft = 0
+        return best_k

@@ -90,3 +90,49 @@ def test_ngram_draft():
     assert ngram_draft(tokens, 1) == [4]
     assert ngram_draft([5, 6, 7], 4) == []
     assert ngram_draft([8, 8, 8], 2) == [8]  # latest earlier match of "8 8" is at 0, followed by one 8
+
+
+from coordinator.speculative import AdaptiveK, StepCosts, expected_tokens  # noqa: E402
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+
+def costs(per_token: float, fixed: float) -> StepCosts:
+    c = StepCosts()
+    for n in range(1, 10):
+        c.observe(n, fixed + per_token * n)
+    return c
+
+
+def trained(policy: AdaptiveK, accept_rate: float, steps: int = 60) -> AdaptiveK:
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        k = max(policy.choose(), 1)
+        accepted = 0
+        while accepted < k and rng.random() < accept_rate:
+            accepted += 1
+        policy.observe(k, accepted)
+    return policy
+
+
+def test_good_drafts_draft_long_poor_drafts_stop():
+    flat = costs(per_token=0.001, fixed=0.030)  # verify windows nearly free (design.md §4)
+    assert trained(AdaptiveK(flat, 8), 0.9).choose() >= 6
+    assert trained(AdaptiveK(flat, 8), 0.05).choose() == 0
+
+
+def test_slow_links_draft_more():
+    fast_link = costs(per_token=0.006, fixed=0.010)
+    slow_link = costs(per_token=0.006, fixed=0.110)  # +100 ms of network per step
+    k_fast = trained(AdaptiveK(fast_link, 8), 0.6).choose()
+    k_slow = trained(AdaptiveK(slow_link, 8), 0.6).choose()
+    assert k_slow > k_fast
+
+
+def test_fixed_k_and_cold_start():
+    assert AdaptiveK(StepCosts(), 8, fixed=3).choose() == 3
+    assert AdaptiveK(StepCosts(), 8).choose() == 0  # no plain step measured yet
