@@ -150,7 +150,12 @@ class Engine:
         s, params = self.settings, request.params
         pipeline = await self.registry.pipeline()
         session = request.request_id
-        rng = np.random.default_rng(params.seed)
+        # one generator per logical position, seeded by (seed, position): a seeded run is reproducible
+        # whatever the draft lengths were (see speculative.verify)
+        seed = (params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
+
+        def rng_at(position: int) -> np.random.Generator:
+            return np.random.default_rng([seed, position])
         top_k = 1 if params.temperature <= 0 else s.sample_top_k
         prompt = request.prompt_ids
         drafting = s.draft == "ngram"
@@ -173,7 +178,8 @@ class Engine:
             logical = physical = len(prompt)  # visible tokens / occupied KV slots at every stage
             hide: list[int] = []  # slots of rejected drafts, hidden from the next step on
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
-            decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p, rng)]
+            decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p,
+                                    rng_at(len(prompt)))]
             while request.finish_reason is None:
                 for token in decided:
                     if token in self.eos_ids and not params.ignore_eos:
@@ -212,7 +218,8 @@ class Engine:
                 if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
                                                    params.top_p) for i in range(len(chunk))]
-                    decided = verify(draft, [SparseDist.point(t) for t in draft], targets, rng)
+                    decided = verify(draft, [SparseDist.point(t) for t in draft], targets,
+                                     [rng_at(logical + 1 + i) for i in range(len(chunk))])
                     accepted = len(decided) - 1
                     request.drafted += len(draft)
                     request.accepted += accepted
@@ -220,7 +227,7 @@ class Engine:
                     hide = list(range(physical + 1 + accepted, physical + len(chunk)))
                 else:
                     decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,
-                                            params.top_p, rng)]
+                                            params.top_p, rng_at(logical + 1))]
                     accepted, hide = 0, []
                 physical += len(chunk)
                 logical += 1 + accepted

@@ -26,7 +26,10 @@ class SparseDist:
         return float(self.probs[hit[0]]) if hit.size else 0.0
 
     def sample(self, rng: np.random.Generator) -> int:
-        return int(self.ids[rng.choice(len(self.probs), p=self.probs)])
+        """Inverse-CDF draw over the ids in ascending order: canonical, so rounding-level changes in
+        the candidates' ranking (e.g. a 1-token step vs a verify window) do not change the draw."""
+        order = np.argsort(self.ids, kind="stable")
+        return int(self.ids[order[rng.choice(len(order), p=self.probs[order])]])
 
 
 def target_distribution(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_p: float) -> SparseDist:

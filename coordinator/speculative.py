@@ -32,26 +32,37 @@ def residual(p: SparseDist, q: SparseDist) -> SparseDist:
 
 
 def verify(draft_tokens: Sequence[int], draft_dists: Sequence[SparseDist], target_dists: Sequence[SparseDist],
-           rng: np.random.Generator) -> list[int]:
+           rngs: Sequence[np.random.Generator]) -> list[int]:
     """Accept a prefix of the drafts and add one token: the tokens to emit, 1..K+1 of them.
 
     ``draft_tokens`` [K] were proposed from ``draft_dists`` [K] (q); ``target_dists`` [K+1] (p) are the
-    target's distributions at each draft position plus the one after the last draft.
+    target's distributions at each draft position plus the one after the last draft; ``rngs`` [K+1]
+    one generator per position (the engine seeds them by (seed, position), so a seeded run does not
+    depend on K). A point-mass draft (prompt lookup) is verified by drawing y ~ p and accepting iff
+    y == x: accepted with probability p(x), and a rejected y is distributed as the residual, so this
+    is speculative sampling that emits exactly the tokens plain sampling would with the same rngs.
     Raises ``ValueError`` when the lengths do not line up.
     """
     k = len(draft_tokens)
-    if len(draft_dists) != k or len(target_dists) != k + 1:
-        raise ValueError(f"{k} drafts need {k} draft and {k + 1} target distributions, "
-                         f"got {len(draft_dists)} and {len(target_dists)}")
+    if len(draft_dists) != k or len(target_dists) != k + 1 or len(rngs) != k + 1:
+        raise ValueError(f"{k} drafts need {k} draft, {k + 1} target distributions and {k + 1} rngs, "
+                         f"got {len(draft_dists)}, {len(target_dists)} and {len(rngs)}")
     out: list[int] = []
-    for token, q, p in zip(draft_tokens, draft_dists, target_dists):
+    for token, q, p, rng in zip(draft_tokens, draft_dists, target_dists, rngs):
+        if len(q.ids) == 1:
+            y = p.sample(rng) if len(p.ids) > 1 else int(p.ids[0])
+            out.append(y)
+            if y != int(token):
+                return out
+            continue
         px, qx = p.prob(token), q.prob(token)
         if qx > 0.0 and rng.random() < min(1.0, px / qx):
             out.append(int(token))
             continue
         out.append(residual(p, q).sample(rng))
         return out
-    out.append(target_dists[k].sample(rng))
+    last = target_dists[k]
+    out.append(last.sample(rngs[k]) if len(last.ids) > 1 else int(last.ids[0]))
     return out
 
 

@@ -19,9 +19,9 @@ def dist(probs) -> SparseDist:
 def test_greedy_accepts_the_matching_prefix_then_corrects():
     targets = [SparseDist.point(t) for t in (5, 7, 9, 11)]
     drafts = [SparseDist.point(t) for t in (5, 7, 8)]
-    assert verify([5, 7, 8], drafts, targets, np.random.default_rng(0)) == [5, 7, 9]
-    assert verify([5, 7, 9], [SparseDist.point(t) for t in (5, 7, 9)], targets, np.random.default_rng(0)) == [5, 7, 9, 11]
-    assert verify([4, 7, 9], drafts, targets, np.random.default_rng(0)) == [5]
+    assert verify([5, 7, 8], drafts, targets, [np.random.default_rng(0)] * 4) == [5, 7, 9]
+    assert verify([5, 7, 9], [SparseDist.point(t) for t in (5, 7, 9)], targets, [np.random.default_rng(0)] * 4) == [5, 7, 9, 11]
+    assert verify([4, 7, 9], drafts, targets, [np.random.default_rng(0)] * 4) == [5]
 
 
 def test_target_distribution_matches_plain_sampling():
@@ -55,7 +55,7 @@ def speculative_pair(rng):
     d0 = Q0.sample(rng)
     d1 = Q1[d0].sample(rng)
     # the target distribution after position 1 does not matter for the first two tokens
-    out = verify([d0, d1], [Q0, Q1[d0]], [P0, P1[d0], P0], rng)
+    out = verify([d0, d1], [Q0, Q1[d0]], [P0, P1[d0], P0], [rng] * 3)
     if len(out) == 1:  # rejected at position 0: the next token comes from p given the corrected one
         out.append(P1[out[0]].sample(rng))
     return out[0], out[1]
@@ -81,7 +81,18 @@ def test_the_check_catches_a_wrong_residual(monkeypatch):
 
 def test_verify_checks_lengths():
     with pytest.raises(ValueError, match="2 drafts need"):
-        verify([1, 2], [P0, P0], [P0, P0], np.random.default_rng(0))
+        verify([1, 2], [P0, P0], [P0, P0], [np.random.default_rng(0)] * 3)
+
+
+def test_point_mass_drafts_emit_exactly_what_plain_sampling_would():
+    """Prompt-lookup drafts: with per-position rngs, speculation changes nothing in a seeded run."""
+    targets = [P1[a] for a in range(4)]
+    for seed in range(200):
+        plain = [targets[i].sample(np.random.default_rng([seed, i])) for i in range(4)]
+        for draft in ([plain[0], plain[1], 5], [2, 2, 2], plain[:3]):
+            rngs = [np.random.default_rng([seed, i]) for i in range(4)]
+            out = verify(draft, [SparseDist.point(t) for t in draft], targets, rngs)
+            assert out == plain[:len(out)]
 
 
 def test_ngram_draft():
