@@ -116,7 +116,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
 
         def stats() -> dict:
             return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
-                    "drafted_tokens": request.drafted, "accepted_tokens": request.accepted}
+                    **request.speculation_stats()}
 
         if not body.stream:
             try:

@@ -72,6 +72,21 @@ class Request:
     finished_at: float | None = None
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0  # of those, accepted by the target
+    verify_steps: int = 0  # decode steps that carried drafts
+    draft_ms: float = 0.0  # time spent proposing drafts
+    verify_ms: float = 0.0  # wall time of the steps that verified drafts
+
+    def speculation_stats(self) -> dict:
+        """Acceptance metrics of this request (empty counts when it did not speculate)."""
+        return {
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            # tokens emitted per verify step: accepted drafts + the target's own token
+            "mean_accepted_length": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None,
+            "draft_ms": round(self.draft_ms, 3),
+            "verify_ms": round(self.verify_ms, 3),
+        }
 
     def append(self, token: int) -> None:
         if self.first_token_at is None:
@@ -209,12 +224,18 @@ class Engine:
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids), slots - physical - 1) \
                     if drafting else 0
+                t0 = time.perf_counter()
                 draft = ngram_draft(prompt + request.output_ids, k) if k > 0 else []
                 chunk = [decided[-1], *draft]
-                t0 = time.perf_counter()
+                t1 = time.perf_counter()
                 out = await pipeline.step(session, chunk, physical, logical, len(chunk), top_k,
                                           self._timeout(len(chunk)), hide_slots=hide)
-                self.step_costs.observe(len(chunk), time.perf_counter() - t0)
+                t2 = time.perf_counter()
+                self.step_costs.observe(len(chunk), t2 - t1)
+                if draft:
+                    request.draft_ms += (t1 - t0) * 1000
+                    request.verify_ms += (t2 - t1) * 1000
+                    request.verify_steps += 1
                 if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
                                                    params.top_p) for i in range(len(chunk))]
@@ -240,7 +261,9 @@ class Engine:
             raise
         finally:
             await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))
-            log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted",
+            log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
+                     "in %d verify steps (draft %.1f ms, verify %.1f ms)",
                      session, request.finish_reason.value if request.finish_reason else request.status.value,
                      len(prompt), len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
-                     request.decode_tokens_per_s or 0.0, request.accepted, request.drafted)
+                     request.decode_tokens_per_s or 0.0, request.accepted, request.drafted, request.verify_steps,
+                     request.draft_ms, request.verify_ms)

@@ -51,5 +51,6 @@ def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_
         if "--draft" in coord_args:
             stats = body["fleet"]
             assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats  # some accepted, some rejected
+            assert 0 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1 and stats["verify_ms"] > 0
     finally:
         fleet.stop()
