@@ -76,6 +76,14 @@ class Request:
     draft_ms: float = 0.0  # time spent proposing drafts
     verify_ms: float = 0.0  # wall time of the steps that verified drafts
 
+    def record_verify(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """Count one decode step that verified ``drafted`` drafts, ``accepted`` of them accepted."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+
     def speculation_stats(self) -> dict:
         """Acceptance metrics of this request (empty counts when it did not speculate)."""
         return {
@@ -174,9 +182,9 @@ class Engine:
         top_k = 1 if params.temperature <= 0 else s.sample_top_k
         prompt = request.prompt_ids
         drafting = s.draft == "ngram"
-        # physical KV slots: rejected drafts keep theirs (masked, never trimmed), hence the slack
-        slots = min(self.max_context + (s.spec_slack if drafting else 0),
-                    len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0))
+        # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
+        # theirs (masked, never trimmed), hence the slack
+        slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
         await pipeline.open_session(session, slots, s.rpc_timeout_s)
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
@@ -233,17 +241,12 @@ class Engine:
                 t2 = time.perf_counter()
                 self.step_costs.observe(len(chunk), t2 - t1)
                 if draft:
-                    request.draft_ms += (t1 - t0) * 1000
-                    request.verify_ms += (t2 - t1) * 1000
-                    request.verify_steps += 1
-                if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
                                                    params.top_p) for i in range(len(chunk))]
                     decided = verify(draft, [SparseDist.point(t) for t in draft], targets,
                                      [rng_at(logical + 1 + i) for i in range(len(chunk))])
                     accepted = len(decided) - 1
-                    request.drafted += len(draft)
-                    request.accepted += accepted
+                    request.record_verify(len(draft), accepted, (t1 - t0) * 1000, (t2 - t1) * 1000)
                     policy.observe(len(draft), accepted)
                     hide = list(range(physical + 1 + accepted, physical + len(chunk)))
                 else:

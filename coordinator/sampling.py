@@ -19,15 +19,20 @@ class SparseDist:
 
     @classmethod
     def point(cls, token: int) -> SparseDist:
+        """All mass on ``token`` (greedy targets, prompt-lookup drafts)."""
         return cls(np.array([token], dtype=np.int64), np.ones(1))
 
     def prob(self, token: int) -> float:
+        """Probability of ``token`` (0.0 outside the support)."""
         hit = np.flatnonzero(self.ids == token)
         return float(self.probs[hit[0]]) if hit.size else 0.0
 
     def sample(self, rng: np.random.Generator) -> int:
         """Inverse-CDF draw over the ids in ascending order: canonical, so rounding-level changes in
-        the candidates' ranking (e.g. a 1-token step vs a verify window) do not change the draw."""
+        the candidates' ranking (e.g. a 1-token step vs a verify window) do not change the draw.
+        A point mass returns its id without drawing (greedy uses no randomness)."""
+        if len(self.ids) == 1:
+            return int(self.ids[0])
         order = np.argsort(self.ids, kind="stable")
         return int(self.ids[order[rng.choice(len(order), p=self.probs[order])]])
 
@@ -57,6 +62,4 @@ def choose_token(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_
 
     Temperature 0 is greedy (``ids[0]``, no randomness used). Deterministic for a given ``rng`` state.
     """
-    if temperature <= 0.0 or len(ids) == 1:
-        return int(ids[0])
     return target_distribution(ids, logprobs, temperature, top_p).sample(rng)

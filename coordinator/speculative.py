@@ -50,7 +50,7 @@ def verify(draft_tokens: Sequence[int], draft_dists: Sequence[SparseDist], targe
     out: list[int] = []
     for token, q, p, rng in zip(draft_tokens, draft_dists, target_dists, rngs):
         if len(q.ids) == 1:
-            y = p.sample(rng) if len(p.ids) > 1 else int(p.ids[0])
+            y = p.sample(rng)
             out.append(y)
             if y != int(token):
                 return out
@@ -61,8 +61,7 @@ def verify(draft_tokens: Sequence[int], draft_dists: Sequence[SparseDist], targe
             continue
         out.append(residual(p, q).sample(rng))
         return out
-    last = target_dists[k]
-    out.append(last.sample(rngs[k]) if len(last.ids) > 1 else int(last.ids[0]))
+    out.append(target_dists[k].sample(rngs[k]))
     return out
 
 

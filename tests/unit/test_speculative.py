@@ -6,7 +6,7 @@ import pytest
 
 from coordinator import speculative
 from coordinator.sampling import SparseDist, target_distribution
-from coordinator.speculative import ngram_draft, verify
+from coordinator.speculative import AdaptiveK, StepCosts, expected_tokens, ngram_draft, verify
 
 VOCAB = 6
 
@@ -102,8 +102,6 @@ def test_ngram_draft():
     assert ngram_draft([5, 6, 7], 4) == []
     assert ngram_draft([8, 8, 8], 2) == [8]  # latest earlier match of "8 8" is at 0, followed by one 8
 
-
-from coordinator.speculative import AdaptiveK, StepCosts, expected_tokens  # noqa: E402
 
 
 def test_expected_tokens():
