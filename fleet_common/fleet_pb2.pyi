@@ -80,6 +80,26 @@ class ForwardReply(_message.Message):
     compute_ms: float
     def __init__(self, compute_ms: _Optional[float] = ...) -> None: ...
 
+class CompactRequest(_message.Message):
+    __slots__ = ("session_id", "past_length", "hide_slots", "manifest_sha256")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAST_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HIDE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    past_length: int
+    hide_slots: _containers.RepeatedScalarFieldContainer[int]
+    manifest_sha256: str
+    def __init__(self, session_id: _Optional[str] = ..., past_length: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+
+class CompactReply(_message.Message):
+    __slots__ = ("length", "compute_ms")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    compute_ms: float
+    def __init__(self, length: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
 class SubscribeRequest(_message.Message):
     __slots__ = ("subscriber_id",)
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -103,7 +123,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version")
+    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +138,7 @@ class InfoReply(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     OPENVINO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPACTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     stage: int
     num_stages: int
@@ -132,4 +153,5 @@ class InfoReply(_message.Message):
     kv_bytes: int
     busy: int
     openvino_version: str
-    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ...) -> None: ...
+    compactions: int
+    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ...) -> None: ...

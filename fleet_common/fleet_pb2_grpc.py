@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=fleet__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=fleet__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.Compact = channel.unary_unary(
+                '/fleet.v1.Stage/Compact',
+                request_serializer=fleet__pb2.CompactRequest.SerializeToString,
+                response_deserializer=fleet__pb2.CompactReply.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/fleet.v1.Stage/Subscribe',
                 request_serializer=fleet__pb2.SubscribeRequest.SerializeToString,
@@ -77,6 +82,12 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Compact(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +122,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=fleet__pb2.ForwardRequest.FromString,
                     response_serializer=fleet__pb2.ForwardReply.SerializeToString,
+            ),
+            'Compact': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compact,
+                    request_deserializer=fleet__pb2.CompactRequest.FromString,
+                    response_serializer=fleet__pb2.CompactReply.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -204,6 +220,33 @@ class Stage:
             '/fleet.v1.Stage/Forward',
             fleet__pb2.ForwardRequest.SerializeToString,
             fleet__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.Stage/Compact',
+            fleet__pb2.CompactRequest.SerializeToString,
+            fleet__pb2.CompactReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,9 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.wire import GRPC_OPTIONS, WireError, from_tensor, to_tensor
 
-from .runner import ChunkError, ShardRunner, top_candidates
+from fleet_common.runtime import ChunkError, top_candidates
+
+from .runner import ShardRunner
 from .sessions import SessionError, SessionStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class StageService(pb_grpc.StageServicer):
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._busy = 0
+        self.compactions = 0
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_manifest(self, sha: str) -> str | None:
@@ -147,6 +150,19 @@ class StageService(pb_grpc.StageServicer):
                                            top_ids=to_tensor(ids), top_logprobs=to_tensor(logprobs)))
         return pb.ForwardReply(compute_ms=result.compute_ms)
 
+    async def Compact(self, request: pb.CompactRequest, context: grpc.aio.ServicerContext) -> pb.CompactReply:
+        if msg := self._check_manifest(request.manifest_sha256):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        try:
+            session = self.store.get(request.session_id)
+            length, ms = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.runner.compact, session, request.past_length, list(request.hide_slots))
+        except (ChunkError, SessionError) as exc:
+            await context.abort(_code(exc.code), f"stage {self.runner.stage}: {exc}")
+        self.compactions += 1
+        log.debug("session %s compacted to %d slots in %.1f ms", request.session_id, length, ms)
+        return pb.CompactReply(length=length, compute_ms=ms)
+
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         if not request.subscriber_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id is required")
@@ -180,6 +196,7 @@ class StageService(pb_grpc.StageServicer):
             kv_bytes=sum(self.runner.kv_bytes(s) for s in self.store.sessions()),
             busy=self._busy,
             openvino_version=ov.get_version(),
+            compactions=self.compactions,
         )
 
 

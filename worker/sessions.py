@@ -1,14 +1,13 @@
-"""Per-session KV state at one stage: one OpenVINO InferRequest (its state *is* the KV cache) plus the
-visibility of every physical slot. Sessions expire when idle and are capped in number."""
+"""The sessions of one worker: each a ``KVSession`` (one InferRequest whose state *is* the KV cache,
+plus the visibility of every physical slot). Sessions expire when idle and are capped in number."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import numpy as np
+from fleet_common.runtime import KVSession
 
 
 class SessionError(Exception):
@@ -25,30 +24,6 @@ class SessionLimit(SessionError):
     code = "RESOURCE_EXHAUSTED"
 
 
-class SessionConflict(SessionError):
-    code = "FAILED_PRECONDITION"
-
-
-@dataclass(eq=False)
-class Session:
-    """One user's KV cache on this stage.
-
-    ``visible[j]`` (int64, 1/0) says whether physical slot ``j`` may be attended to; slots of
-    rejected draft tokens stay in the state with ``visible == 0`` (mask-based rejection).
-    """
-
-    session_id: str
-    request: object  # openvino.InferRequest
-    max_context: int
-    length: int = 0  # physical KV slots in the state
-    visible: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [max_context]
-    last_used: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.visible = np.zeros(self.max_context, dtype=np.int64)
-
-
 class SessionStore:
     """Open/get/close sessions with a cap and idle expiry; thread-safe.
 
@@ -61,13 +36,13 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, KVSession] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: str, max_context: int) -> Session:
+    def open(self, session_id: str, max_context: int) -> KVSession:
         """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the cap."""
         with self._lock:
             old = self._sessions.pop(session_id, None)
@@ -78,11 +53,11 @@ class SessionStore:
             request = old.request if old is not None else self._make_request()
             if old is not None:
                 request.reset_state()
-            session = Session(session_id, request, max_context, last_used=self._clock())
+            session = KVSession(session_id, request, max_context, last_used=self._clock())
             self._sessions[session_id] = session
             return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str) -> KVSession:
         """The live session; raises ``SessionNotFound`` (never opened, closed, or expired)."""
         with self._lock:
             session = self._sessions.get(session_id)
@@ -91,7 +66,7 @@ class SessionStore:
             session.last_used = self._clock()
             return session
 
-    def close(self, session_id: str) -> Session | None:
+    def close(self, session_id: str) -> KVSession | None:
         """Drop a session and free its KV state; returns it, or None if it did not exist."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
@@ -109,6 +84,6 @@ class SessionStore:
             self.close(sid)
         return stale
 
-    def sessions(self) -> list[Session]:
+    def sessions(self) -> list[KVSession]:
         with self._lock:
             return list(self._sessions.values())

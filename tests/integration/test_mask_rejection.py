@@ -42,3 +42,12 @@ def test_hidden_slots_equal_never_fed(build_2):
     assert stores[0].get("rejected").length == n + 4  # rejected KV stays in the state, never trimmed
     assert clean.argmax() == rejected.argmax()
     np.testing.assert_allclose(rejected, clean, atol=1e-4)
+
+    # compaction rewrites the state without the hidden slots: same logits afterwards, fewer slots
+    for runner, store in zip(runners, stores):
+        length, _ = runner.compact(store.get("rejected"), n + 4, [])
+        assert length == n + 2
+        assert store.get("rejected").compactions == 1
+    after_clean = step("clean", [30], n + 2, n + 2)
+    after_compact = step("rejected", [30], n + 2, n + 2)
+    np.testing.assert_allclose(after_compact, after_clean, atol=1e-4)
