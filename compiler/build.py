@@ -12,6 +12,7 @@ import openvino as ov
 from fleet_common import PROTOCOL_VERSION
 from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEntry, sha256_file
 
+from .draft import draft_name, export_draft
 from .export import StageSpec, export_stage
 from .plan import even_split, parse_layers
 
@@ -47,7 +48,7 @@ def _prepare_output(out: Path) -> None:
         raise ValueError(f"{out} is not empty and holds no fleet build; choose another -o folder")
     log.info("replacing the previous build in %s", out)
     for path in out.iterdir():
-        if path.is_dir() and path.name.startswith("stage_"):
+        if path.is_dir() and (path.name.startswith("stage_") or path.name == "drafts"):
             shutil.rmtree(path)
         elif path.name == MANIFEST_NAME or path.name in TOKENIZER_FILES:
             path.unlink()
@@ -60,14 +61,20 @@ def build(
     layers: str | None = None,
     kv_cache_precision: str = "f16",
     model_id: str | None = None,
+    drafts: tuple[str, ...] = (),
 ) -> Manifest:
     """Export ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
     Writes ``stage_<i>/openvino_model.{xml,bin}`` (weights stored fp16), the tokenizer files and
-    ``manifest.json`` with the sha256 of every file. Returns the manifest.
-    Raises ``ValueError`` for a bad layer spec or unsupported architecture.
+    ``manifest.json`` with the sha256 of every file, plus each of ``drafts`` (``self-int4`` or a
+    model path, compiler/draft.py) under ``drafts/<name>/``. Returns the manifest.
+    Raises ``ValueError`` for a bad layer spec, unsupported architecture or a draft whose
+    vocabulary differs from the target's.
     """
     out = Path(out)
+    names = [draft_name(d) for d in drafts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two drafts share a name: {names}")
     _prepare_output(out)
     with tempfile.TemporaryDirectory() as tmp:
         model, hf_dir = load_source(Path(src), Path(tmp))
@@ -75,6 +82,8 @@ def build(
         num_layers = cfg.num_hidden_layers
         ranges = parse_layers(layers, num_layers) if layers else even_split(num_layers, shards)
         out.mkdir(parents=True, exist_ok=True)
+        # drafts first: a draft with another vocabulary fails the build before the long part
+        draft_entries = [export_draft(spec, model, hf_dir, out, kv_cache_precision, Path(tmp)) for spec in drafts]
         stages = []
         for index, (start, end) in enumerate(ranges):
             ov_model = export_stage(model, StageSpec(index, start, end, num_layers), kv_cache_precision)
@@ -117,6 +126,7 @@ def build(
         kv_cache_precision=kv_cache_precision,
         eos_token_ids=tuple(eos_ids),
         files=files,
+        drafts=tuple(draft_entries),
     )
     (out / MANIFEST_NAME).write_text(manifest.to_json())
     log.info("wrote %d stage(s) to %s", len(stages), out)

@@ -19,9 +19,12 @@ def _cmd_fetch_demo(args: argparse.Namespace) -> int:
 def _cmd_build(args: argparse.Namespace) -> int:
     from .build import build
 
-    manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, kv_cache_precision=args.kv_cache_precision)
+    manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, kv_cache_precision=args.kv_cache_precision,
+                     drafts=tuple(args.draft))
     for s in manifest.stages:
         print(f"stage {s.index}: layers [{s.start}, {s.end}) -> {args.out / s.xml}")
+    for d in manifest.drafts:
+        print(f"draft {d.name}: {d.num_layers} layers, {d.weights} -> {args.out / d.xml}")
     print(f"manifest: {args.out / 'manifest.json'} ({len(manifest.files)} files hashed)")
     return 0
 
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", help="explicit ranges, e.g. 0:12,12:30 (overrides --shards)")
     p.add_argument("--kv-cache-precision", default="f16", choices=["f16", "bf16", "f32", "u8"],
                    help="KV cache precision written into each IR's runtime options")
+    p.add_argument("--draft", action="append", default=[], metavar="SPEC",
+                   help="also compile a draft model for speculative decoding (repeatable): self-int4 (NNCF "
+                        "INT4 copy of the target) or an HF folder / .gguf sharing the target's tokenizer")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     p.set_defaults(func=_cmd_build)
 

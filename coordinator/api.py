@@ -116,7 +116,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
 
         def stats() -> dict:
             return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
-                    **request.speculation_stats()}
+                    "draft": engine.draft_source, **request.speculation_stats()}
 
         if not body.stream:
             try:

@@ -45,6 +45,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels()
     registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
+    engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
     local = None
     if settings.local_workers:
         from .local import LocalWorkers
@@ -60,7 +61,6 @@ async def serve(settings: CoordinatorSettings) -> None:
     for peer in settings.peer:
         registry.add_peer(peer)
     await registry.start(discover=settings.discover)
-    engine = Engine(settings, loaded, registry, tokenizer)
 
     def health() -> dict:
         return {
@@ -100,6 +100,7 @@ async def serve(settings: CoordinatorSettings) -> None:
                 await zc[0].async_close()
             await registry.stop()
             await channels.close()
+            engine.close()
 
 
 class Serve(CoordinatorSettings):

@@ -19,9 +19,10 @@ import numpy as np
 
 from fleet_common.manifest import LoadedManifest
 
-from .errors import ContextLengthExceeded, InvalidRequest, Overloaded
+from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, StageFailure
 from .registry import Registry
 from .sampling import SparseDist, choose_token, target_distribution
+from .draft import DraftModel
 from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
@@ -75,6 +76,7 @@ class Request:
     verify_steps: int = 0  # decode steps that carried drafts
     draft_ms: float = 0.0  # time spent proposing drafts
     verify_ms: float = 0.0  # wall time of the steps that verified drafts
+    compactions: int = 0  # KV compactions (one state rewrite per stage each)
 
     def record_verify(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """Count one decode step that verified ``drafted`` drafts, ``accepted`` of them accepted."""
@@ -94,6 +96,7 @@ class Request:
             "mean_accepted_length": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None,
             "draft_ms": round(self.draft_ms, 3),
             "verify_ms": round(self.verify_ms, 3),
+            "compactions": self.compactions,
         }
 
     def append(self, token: int) -> None:
@@ -139,6 +142,20 @@ class Engine:
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
         self.model_name = settings.served_model_name or self.manifest.model_id
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
+        self.draft_source = settings.draft
+        if self.draft_source == "auto":
+            self.draft_source = self.manifest.drafts[0].name if self.manifest.drafts else "none"
+        self.draft_model: DraftModel | None = None
+        if self.draft_source not in ("none", "ngram"):
+            self.draft_model = DraftModel(loaded, self.draft_source, settings.draft_threads,
+                                          settings.inference_precision, settings.prefill_chunk, settings.sample_top_k,
+                                          settings.compact_share, settings.compact_min_slots)
+        log.info("speculative decoding: draft %s, K %s", self.draft_source,
+                 settings.spec_k or f"adaptive (max {settings.spec_k_max})")
+
+    def close(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.close()
 
     def make_request(self, messages: list[dict], params: SamplingParams) -> Request:
         """Tokenize a chat; raises ``ContextLengthExceeded`` when the prompt leaves no room to answer."""
@@ -179,27 +196,37 @@ class Engine:
 
         def rng_at(position: int) -> np.random.Generator:
             return np.random.default_rng([seed, position])
+
+        def draft_rng_at(position: int) -> np.random.Generator:  # independent of the target's draws
+            return np.random.default_rng([seed, position, 1])
         top_k = 1 if params.temperature <= 0 else s.sample_top_k
         prompt = request.prompt_ids
-        drafting = s.draft == "ngram"
+        drafting = self.draft_source != "none"
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
-        # theirs (masked, never trimmed), hence the slack
+        # theirs (masked, never trimmed) until a compaction, hence the slack
         slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
         await pipeline.open_session(session, slots, s.rpc_timeout_s)
+        drafter = self.draft_model.open(session, slots) if self.draft_model is not None else None
+        draft_prefill = None
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
         try:
             request.status = RequestStatus.PREFILL
+            if drafter is not None:  # the draft prefills here while the stages prefill
+                draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, prompt))
             out = None
             for start in range(0, len(prompt), s.prefill_chunk):
                 chunk = prompt[start:start + s.prefill_chunk]
                 last = start + len(chunk) == len(prompt)
                 out = await pipeline.step(session, chunk, start, start, 1 if last else 0, top_k,
                                           self._timeout(len(chunk)))
+            if draft_prefill is not None:
+                await draft_prefill
             request.status = RequestStatus.DECODE
             logical = physical = len(prompt)  # visible tokens / occupied KV slots at every stage
             hide: list[int] = []  # slots of rejected drafts, hidden from the next step on
+            invisible = 0  # hidden slots in the state
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
             decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p,
                                     rng_at(len(prompt)))]
@@ -226,14 +253,26 @@ class Engine:
                 if safe > sent:
                     yield TextDelta(text[sent:safe])
                     sent = safe
-                if physical + 1 > slots:
-                    request.finish(FinishReason.LENGTH)
-                    break
+                k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
+                if invisible and (invisible >= max(s.compact_min_slots, s.compact_share * physical)
+                                  or physical + 1 + k > slots):
+                    # one state rewrite per stage drops the rejected drafts' slots
+                    physical = await pipeline.compact(session, physical, hide, s.rpc_timeout_s)
+                    request.compactions += 1
+                    hide, invisible = [], 0
+                    if physical != logical:
+                        raise StageFailure(f"session {session}: {physical} slots after compaction, "
+                                           f"{logical} visible tokens expected")
+                k = max(0, min(k, slots - physical - 1))
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
-                k = min(policy.choose(), params.max_tokens - len(request.output_ids), slots - physical - 1) \
-                    if drafting else 0
                 t0 = time.perf_counter()
-                draft = ngram_draft(prompt + request.output_ids, k) if k > 0 else []
+                draft, qs = [], []
+                if k and drafter is not None:
+                    draft, qs = await self.draft_model.run(drafter.propose, prompt + request.output_ids, k,
+                                                           params.temperature, params.top_p, draft_rng_at)
+                elif k:
+                    draft = ngram_draft(prompt + request.output_ids, k)
+                    qs = [SparseDist.point(t) for t in draft]
                 chunk = [decided[-1], *draft]
                 t1 = time.perf_counter()
                 out = await pipeline.step(session, chunk, physical, logical, len(chunk), top_k,
@@ -243,16 +282,17 @@ class Engine:
                 if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
                                                    params.top_p) for i in range(len(chunk))]
-                    decided = verify(draft, [SparseDist.point(t) for t in draft], targets,
-                                     [rng_at(logical + 1 + i) for i in range(len(chunk))])
+                    decided = verify(draft, qs, targets, [rng_at(logical + 1 + i) for i in range(len(chunk))])
                     accepted = len(decided) - 1
                     request.record_verify(len(draft), accepted, (t1 - t0) * 1000, (t2 - t1) * 1000)
+                    self.step_costs.observe_draft(len(draft), t1 - t0)
                     policy.observe(len(draft), accepted)
                     hide = list(range(physical + 1 + accepted, physical + len(chunk)))
                 else:
                     decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,
                                             params.top_p, rng_at(logical + 1))]
                     accepted, hide = 0, []
+                invisible += len(hide)
                 physical += len(chunk)
                 logical += 1 + accepted
             yield TextDelta(text[sent:], request.finish_reason)
@@ -263,10 +303,12 @@ class Engine:
             request.status = RequestStatus.FAILED
             raise
         finally:
+            if draft_prefill is not None and not draft_prefill.done():
+                draft_prefill.cancel()
             await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))
             log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
-                     "in %d verify steps (draft %.1f ms, verify %.1f ms)",
+                     "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions",
                      session, request.finish_reason.value if request.finish_reason else request.status.value,
                      len(prompt), len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
                      request.decode_tokens_per_s or 0.0, request.accepted, request.drafted, request.verify_steps,
-                     request.draft_ms, request.verify_ms)
+                     request.draft_ms, request.verify_ms, request.compactions)

@@ -156,6 +156,24 @@ class Pipeline:
             if isinstance(r, BaseException):
                 log.warning("session %s: close on %s failed: %s", session_id, address, _describe(r))
 
+    async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float) -> int:
+        """Drop the session's invisible KV slots (after hiding ``hide_slots``) on every stage at once;
+        returns the new physical length. Raises ``StageFailure`` when a stage fails or the stages
+        disagree on the result."""
+        request = pb.CompactRequest(session_id=session_id, past_length=past_length, hide_slots=list(hide_slots),
+                                    manifest_sha256=self.manifest_sha256)
+        results = await asyncio.gather(
+            *(self.channels.stub(a).Compact(request, timeout=timeout_s) for a in self.addresses),
+            return_exceptions=True,
+        )
+        for index, (address, r) in enumerate(zip(self.addresses, results)):
+            if isinstance(r, BaseException):
+                raise StageFailure(f"stage {index} at {address}: compaction failed: {_describe(r)}")
+        lengths = {r.length for r in results}
+        if len(lengths) != 1:
+            raise StageFailure(f"session {session_id}: stages disagree after compaction: {sorted(lengths)}")
+        return lengths.pop()
+
     # -- steps ---------------------------------------------------------------------------------
     async def step(self, session_id: str, tokens: list[int], past_length: int, start_position: int,
                    logits_count: int, top_k: int, timeout_s: float, hide_slots: list[int] = ()) -> StepOutput | None:

@@ -34,12 +34,18 @@ class CoordinatorSettings(BaseSettings):
     per_token_timeout_s: float = Field(0.05, ge=0, description="extra step deadline per token in the chunk per stage")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between health checks of each worker")
     missed_health_checks: int = Field(3, ge=1, description="a worker missing this many checks in a row is dropped")
-    draft: Literal["none", "ngram"] = Field(
-        "none", description="speculative decoding draft source: ngram = prompt lookup in the session's own context")
+    draft: str = Field(
+        "auto", description="speculative decoding draft: a draft model of the build by name (e.g. self-int4, see "
+        "fleet-compiler build --draft), ngram (prompt lookup in the session's own context), none, or auto "
+        "(the build's first draft model, else none)")
+    draft_threads: int = Field(0, ge=0, description="inference threads of the draft model (0 = default)")
     spec_k: int = Field(0, ge=0, le=16, description="draft tokens per step with --draft; 0 = adaptive (per session, "
                         "from its acceptance rate and the measured step times)")
     spec_k_max: int = Field(8, ge=1, le=16, description="largest K the adaptive choice may pick")
     spec_slack: int = Field(512, ge=0, description="extra KV slots per session for rejected drafts (kept, masked)")
+    compact_share: float = Field(0.5, gt=0, le=1, description="compact a session's KV (one state rewrite per stage) "
+                                 "when invisible slots of rejected drafts reach this share of its slots ...")
+    compact_min_slots: int = Field(64, ge=1, description="... and at least this many slots (or when it is full)")
     log_level: str = Field("INFO", description="logging level")
 
     @field_validator("peer")

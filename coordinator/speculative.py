@@ -96,6 +96,14 @@ class StepCosts:
     def __init__(self, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
         self._seconds: dict[int, float] = {}
+        self.draft_seconds_per_token = 0.0  # proposing one draft token (0 for prompt lookup)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        """Record the time the draft took to propose ``tokens`` tokens."""
+        if tokens > 0:
+            per = seconds / tokens
+            old = self.draft_seconds_per_token
+            self.draft_seconds_per_token = per if old == 0.0 else old + self.smoothing * (per - old)
 
     def observe(self, length: int, seconds: float) -> None:
         old = self._seconds.get(length)
@@ -117,7 +125,8 @@ class AdaptiveK:
     """Chooses a session's draft length K to maximize expected tokens per second.
 
     The acceptance rate is a decayed Beta estimate from this session's verify outcomes; step costs
-    come from the shared ``StepCosts``. A slow link makes every step cost about the same, so longer
+    and the draft's cost per token come from the shared ``StepCosts``. A step with K drafts costs
+    K draft tokens plus one pipeline step of K+1 tokens. A slow link makes every step cost about the same, so longer
     drafts pay; a poor draft lowers the acceptance rate and K falls, to 0 (plain decoding) when
     drafting does not pay. ``fixed`` pins K (``--spec-k``).
     """
@@ -155,6 +164,7 @@ class AdaptiveK:
             cost = self.costs.estimate(k + 1)
             if cost is None:
                 cost = base * (1.0 + 0.05 * k)
+            cost += k * self.costs.draft_seconds_per_token
             rate = expected_tokens(self.acceptance, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate

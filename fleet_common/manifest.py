@@ -50,6 +50,19 @@ class StageEntry:
 
 
 @dataclass(frozen=True)
+class DraftEntry:
+    """A whole draft model for speculative decoding, run by the coordinator (compiler/draft.py)."""
+
+    name: str  # "self-int4" or the draft source's name; chosen with ``fleet-coordinator serve --draft``
+    xml: str
+    bin: str
+    num_layers: int
+    weights: str  # "int4", "fp16", ...
+    vocab_size: int
+    max_context: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The whole build: architecture, stages, tokenizer and the sha256 of every file."""
 
@@ -62,6 +75,7 @@ class Manifest:
     kv_cache_precision: str  # written into each IR's rt_info runtime_options
     eos_token_ids: tuple[int, ...]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256 hex
+    drafts: tuple[DraftEntry, ...] = ()
     format: int = FORMAT_VERSION
 
     @property
@@ -72,6 +86,14 @@ class Manifest:
         """KV cache bytes one token occupies in ``stage`` (K and V, all its layers)."""
         a = self.architecture
         return 2 * self.stages[stage].num_layers * a.num_key_value_heads * a.head_dim * bytes_per_value
+
+    def draft(self, name: str) -> DraftEntry:
+        """The draft called ``name``; raises ``ManifestError`` listing the ones this build has."""
+        for d in self.drafts:
+            if d.name == name:
+                return d
+        have = ", ".join(d.name for d in self.drafts) or "none (build with fleet-compiler build --draft)"
+        raise ManifestError(f"this build has no draft {name!r}; it has: {have}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -93,6 +115,7 @@ class Manifest:
                 kv_cache_precision=str(raw["kv_cache_precision"]),
                 eos_token_ids=tuple(int(t) for t in raw["eos_token_ids"]),
                 files=dict(raw["files"]),
+                drafts=tuple(DraftEntry(**d) for d in raw.get("drafts", ())),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc

@@ -145,3 +145,15 @@ def test_slow_links_draft_more():
 def test_fixed_k_and_cold_start():
     assert AdaptiveK(StepCosts(), 8, fixed=3).choose() == 3
     assert AdaptiveK(StepCosts(), 8).choose() == 0  # no plain step measured yet
+
+
+def test_costly_draft_drafts_less_than_free_draft():
+    """A draft model as slow per token as a pipeline step cannot pay for itself on a fast link, but
+    does on a slow one; prompt lookup (free) keeps drafting on the fast link."""
+    fast = costs(per_token=0.001, fixed=0.025)
+    slow = costs(per_token=0.001, fixed=0.150)
+    for c in (fast, slow):
+        c.observe_draft(4, 4 * 0.025)
+    assert trained(AdaptiveK(fast, 8), 0.75).choose() == 0
+    assert trained(AdaptiveK(slow, 8), 0.75).choose() >= 3
+    assert trained(AdaptiveK(costs(per_token=0.001, fixed=0.025), 8), 0.75).choose() >= 3

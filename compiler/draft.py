@@ -1,0 +1,106 @@
+"""Draft models for speculative decoding, compiled whole for the coordinator.
+
+Two kinds (``fleet-compiler build ... --draft SPEC``, repeatable):
+
+* ``self-int4``: the target itself with NNCF 4-bit weight compression (data-free, symmetric,
+  group size 64, every linear layer; embeddings/LM head at int8, NNCF's backup mode). Same
+  tokenizer by construction; cheaper to run because decoding is memory-bound.
+* a separate small model (HF folder or ``.gguf``) that shares the target's tokenizer. A draft whose
+  vocabulary differs is refused: its token ids would mean other strings.
+
+Both export as one stateful IR (all layers, embedding and LM head) with the same input contract as
+the shards (compiler/export.py), so the coordinator runs them with ``fleet_common.runtime``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import openvino as ov
+
+from fleet_common.manifest import DraftEntry
+
+from .export import StageSpec, export_stage
+
+log = logging.getLogger(__name__)
+
+SELF_INT4 = "self-int4"
+INT4_GROUP_SIZE = 64
+
+
+class VocabularyMismatch(ValueError):
+    """The draft's tokenizer does not map the same strings to the same ids as the target's."""
+
+
+def _vocabulary(hf_dir: Path) -> dict[str, int]:
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        raise VocabularyMismatch(f"{hf_dir} has no tokenizer.json, so its vocabulary cannot be checked "
+                                 "against the target's; a draft must share the target's tokenizer")
+    tok = json.loads(path.read_text())
+    vocab = dict(tok.get("model", {}).get("vocab", {}))
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+    return vocab
+
+
+def check_vocabulary(target_dir: Path, target_vocab_size: int, draft_dir: Path, draft_vocab_size: int) -> None:
+    """Raise ``VocabularyMismatch`` (naming the first difference) unless both tokenizers map every
+    string to the same id and both LM heads have the same number of rows."""
+    target, draft = _vocabulary(target_dir), _vocabulary(draft_dir)
+    if draft_vocab_size != target_vocab_size:
+        raise VocabularyMismatch(f"draft {draft_dir.name} has {draft_vocab_size} logits per position, the target "
+                                 f"{target_vocab_size}: speculative decoding needs the same vocabulary")
+    if draft != target:
+        diff = sorted(set(draft.items()) ^ set(target.items()), key=lambda kv: kv[1])[0]
+        raise VocabularyMismatch(
+            f"draft {draft_dir.name}'s tokenizer differs from the target's ({len(draft)} vs {len(target)} tokens; "
+            f"first difference: {diff[0]!r} -> id {draft.get(diff[0])} in the draft, {target.get(diff[0])} in the "
+            "target): speculative decoding needs the same tokenizer")
+
+
+def draft_name(spec: str) -> str:
+    """The name a draft is served under (``--draft NAME`` at the coordinator)."""
+    if spec == SELF_INT4:
+        return SELF_INT4
+    path = Path(spec)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.suffix == ".gguf" else path.resolve().name)
+
+
+def compress_int4(model: ov.Model) -> ov.Model:
+    """NNCF data-free INT4 (symmetric, group size 64) weight compression of every linear layer."""
+    import nncf
+
+    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=INT4_GROUP_SIZE,
+                                 ratio=1.0)
+
+
+def export_draft(spec: str, target_model, target_hf_dir: Path, out: Path, kv_cache_precision: str,  # noqa: ANN001
+                 workdir: Path) -> DraftEntry:
+    """Export draft ``spec`` (``self-int4`` or a model path) to ``out/drafts/<name>/``.
+
+    ``target_model`` is the loaded HF target (f32), ``target_hf_dir`` its folder (tokenizer).
+    Raises ``VocabularyMismatch`` for a draft with another tokenizer, ``FileNotFoundError`` /
+    ``ValueError`` for an unusable source.
+    """
+    from .build import load_source
+
+    name = draft_name(spec)
+    if spec == SELF_INT4:
+        model, weights = target_model, "int4"
+    else:
+        model, hf_dir = load_source(Path(spec), workdir / name)
+        check_vocabulary(target_hf_dir, target_model.config.vocab_size, hf_dir, model.config.vocab_size)
+        weights = "fp16"
+    layers = model.config.num_hidden_layers
+    ov_model = export_stage(model, StageSpec(0, 0, layers, layers), kv_cache_precision)
+    if weights == "int4":
+        ov_model = compress_int4(ov_model)
+    rel = f"drafts/{name}/openvino_model"
+    (out / f"drafts/{name}").mkdir(parents=True, exist_ok=True)
+    ov.save_model(ov_model, out / f"{rel}.xml", compress_to_fp16=True)
+    log.info("draft %s: %d layers, %s weights -> %s", name, layers, weights, out / f"{rel}.xml")
+    return DraftEntry(name=name, xml=f"{rel}.xml", bin=f"{rel}.bin", num_layers=layers, weights=weights,
+                      vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)

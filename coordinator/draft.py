@@ -1,0 +1,142 @@
+"""Model drafts run by the coordinator: one compiled draft model, one KV session per request.
+
+The draft keeps its own KV cache with mask-based rejection, like the stages: drafts it fed and the
+target rejected stay in its state, hidden. Before each proposal it reconciles with the request's
+context (the tokens the target decided), so it needs no feedback beyond that context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from fleet_common.manifest import DraftEntry, LoadedManifest
+from fleet_common.runtime import KVSession, compact, compile_ir, run_chunk, top_candidates
+
+from .sampling import SparseDist, target_distribution
+
+log = logging.getLogger(__name__)
+
+
+class DraftSession:
+    """One request's state in the draft model.
+
+    Invariant: the visible slots hold ``context[:n]`` in order; ``pending`` are the (token, slot)
+    pairs of drafts fed in the last proposal beyond ``n``, not yet known to be accepted.
+    """
+
+    def __init__(self, kv: KVSession, prefill_chunk: int, top_k: int, compact_share: float, compact_min_slots: int):
+        self.kv = kv
+        self.n = 0
+        self.pending: list[tuple[int, int]] = []
+        self.prefill_chunk = prefill_chunk
+        self.top_k = top_k
+        self.compact_share = compact_share
+        self.compact_min_slots = compact_min_slots
+
+    def _feed(self, tokens: list[int], logits: bool) -> np.ndarray | None:
+        """Append ``tokens`` at logical positions n.. (chunked); logits [V] of the last one if asked."""
+        out = None
+        for start in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[start:start + self.prefill_chunk]
+            want = logits and start + len(chunk) == len(tokens)
+            x = np.asarray([chunk], dtype=np.int64)
+            index = np.array([len(chunk) - 1], dtype=np.int64)
+            y, _ = run_chunk(self.kv, "input_ids", x, self.kv.length, self.n + start, [], index)
+            out = y[0, -1] if want else None
+        return out
+
+    def _reconcile(self, context: list[int]) -> None:
+        """Keep the pending drafts the target accepted (a prefix matching ``context``); hide the rest."""
+        matched = 0
+        for token, _ in self.pending:
+            if self.n + matched < len(context) and context[self.n + matched] == token:
+                matched += 1
+            else:
+                break
+        self.kv.visible[[slot for _, slot in self.pending[matched:]]] = 0
+        self.n += matched
+        self.pending = []
+        invisible = self.kv.length - self.n
+        if invisible >= max(self.compact_min_slots, self.compact_share * self.kv.length):
+            compact(self.kv, self.kv.length, [])
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Feed the prompt (run while the target prefills)."""
+        self._feed(prompt, logits=False)
+        self.n = len(prompt)
+
+    def propose(self, context: list[int], k: int, temperature: float, top_p: float,
+                rng_at: Callable[[int], np.random.Generator]) -> tuple[list[int], list[SparseDist]]:
+        """Draft up to ``k`` tokens continuing ``context`` (prompt + output so far).
+
+        Returns (tokens [<=k], their draft distributions q [<=k]): point masses at temperature 0,
+        else the draft's top-k after the same temperature/top-p as the target. ``rng_at(position)``
+        gives the generator for the draft token at that logical position. Fewer than ``k`` (maybe
+        none) when the draft's context would overflow.
+        """
+        self._reconcile(context)
+        new = context[self.n:]
+        room = self.kv.max_context - self.kv.length
+        if len(new) + k - 1 > room:  # compact once, then give up drafting if still full
+            compact(self.kv, self.kv.length, [])
+            room = self.kv.max_context - self.kv.length
+            k = min(k, room - len(new) + 1)
+            if k <= 0:
+                return [], []
+        logits = self._feed(new, logits=True)
+        self.n += len(new)
+        tokens: list[int] = []
+        dists: list[SparseDist] = []
+        for i in range(k):
+            ids, logprobs = top_candidates(logits[None, :], 1 if temperature <= 0 else self.top_k)
+            q = target_distribution(ids[0], logprobs[0], temperature, top_p)
+            token = q.sample(rng_at(self.n + i))
+            tokens.append(token)
+            dists.append(q)
+            if i + 1 < k:
+                slot = self.kv.length
+                logits = self._feed_draft(token, self.n + i)
+                self.pending.append((token, slot))
+        return tokens, dists
+
+    def _feed_draft(self, token: int, position: int) -> np.ndarray:
+        x = np.asarray([[token]], dtype=np.int64)
+        y, _ = run_chunk(self.kv, "input_ids", x, self.kv.length, position, [], np.zeros(1, dtype=np.int64))
+        return y[0, -1]
+
+
+class DraftModel:
+    """The build's draft model compiled once in the coordinator; requests get ``DraftSession``s.
+
+    Inference runs on one dedicated thread (``run``), off the event loop. Raises ``ManifestError`` for a
+    draft the build does not have, ``RuntimeError`` when it cannot compile.
+    """
+
+    def __init__(self, loaded: LoadedManifest, name: str, threads: int = 0, inference_precision: str = "auto",
+                 prefill_chunk: int = 256, top_k: int = 64, compact_share: float = 0.5,
+                 compact_min_slots: int = 64) -> None:
+        self.entry: DraftEntry = loaded.manifest.draft(name)
+        self.name = name
+        self.compiled, _, compile_s = compile_ir(loaded.directory / self.entry.xml, "CPU", threads,
+                                                 inference_precision, loaded.manifest.kv_cache_precision)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self._options = (prefill_chunk, top_k, compact_share, compact_min_slots)
+        log.info("draft %s (%d layers, %s weights) compiled in %.1f s", name, self.entry.num_layers,
+                 self.entry.weights, compile_s)
+
+    def open(self, session_id: str, max_slots: int) -> DraftSession:
+        """A fresh draft session of at most ``max_slots`` KV slots (capped by the draft's context)."""
+        kv = KVSession(session_id, self.compiled.create_infer_request(), min(max_slots, self.entry.max_context))
+        return DraftSession(kv, *self._options)
+
+    async def run(self, fn: Callable, *args):  # noqa: ANN201 - returns fn's result
+        """Run ``fn(*args)`` (a ``DraftSession`` method) on the draft thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
