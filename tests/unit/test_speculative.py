@@ -157,3 +157,15 @@ def test_costly_draft_drafts_less_than_free_draft():
     assert trained(AdaptiveK(fast, 8), 0.75).choose() == 0
     assert trained(AdaptiveK(slow, 8), 0.75).choose() >= 3
     assert trained(AdaptiveK(costs(per_token=0.001, fixed=0.025), 8), 0.75).choose() >= 3
+
+
+def test_step_costs_follow_a_changed_link():
+    """After the link slows down (+100 ms per step), the estimate follows within a few steps, even
+    though every step since had the same length, and the policy drafts at least as long as before."""
+    c = costs(per_token=0.002, fixed=0.020)
+    assert abs(c.estimate(5) - (0.020 + 0.002 * 5)) < 1e-3
+    k_fast = trained(AdaptiveK(c, 8), 0.8).choose()
+    for _ in range(20):
+        c.observe(5, 0.120 + 0.002 * 5)
+    assert abs(c.estimate(5) - 0.130) < 5e-3
+    assert trained(AdaptiveK(c, 8), 0.8).choose() > k_fast

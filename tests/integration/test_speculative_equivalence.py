@@ -1,0 +1,93 @@
+"""Greedy with speculation equals greedy without it, token for token, in f32: every draft source
+(prompt lookup, the self-int4 model, a separate early-exit model), K in {1, 2, 4, 8}, on 2- and
+3-stage fleets of the demo model, with compaction of rejected slots switched on early.
+
+Every cell starts its own coordinator against the same workers. By default each cell decodes one of
+the 10 prompts (rotating, so each stage count sees all 10); ``FLEET_FULL_MATRIX=1`` runs all 10
+prompts in every cell (10 x 128 tokens x 4 K x 3 sources x 2 stage counts).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from coordinator.tokenizer import ChatTokenizer
+from tests.conftest import DRAFTS, chat, start_coordinator, start_worker, wait_ready
+
+from .reference import WholeModel
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Explain how a bicycle works in simple terms.",
+    "Write a Python function that reverses a string.",
+    "List five fruits and their colors.",
+    "Tell me a short story about a robot who learns to paint.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Why is the sky blue? Explain step by step.",
+    "Write a haiku about the sea.",
+    "What are the three states of matter? Give an example of each.",
+    "Summarize the rules of chess in a few sentences.",
+]
+NEW_TOKENS = 128
+SOURCES = ("ngram", *DRAFTS)
+KS = (1, 2, 4, 8)
+FULL = os.environ.get("FLEET_FULL_MATRIX") == "1"
+
+
+@pytest.fixture(scope="module")
+def reference(build_1):
+    tokenizer = ChatTokenizer(build_1)
+    model = WholeModel(build_1)
+    cache: dict[str, list[int]] = {}
+
+    def greedy(prompt: str) -> list[int]:
+        if prompt not in cache:
+            cache[prompt] = model.greedy(tokenizer.encode_chat([{"role": "user", "content": prompt}]), NEW_TOKENS)
+        return cache[prompt]
+    return greedy
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
+    build = request.getfixturevalue(f"build_{stages}")
+    tokenizer = ChatTokenizer(build)
+    workers = [start_worker(build, shard, tmp_path) for shard in range(stages)]
+    peers = [arg for _, address in workers for arg in ("--peer", address)]
+    totals = {"drafted": 0, "accepted": 0, "compactions": 0}
+    try:
+        cell = 0
+        for source in SOURCES:
+            for k in KS:
+                log_dir = tmp_path / f"{source}-k{k}"
+                log_dir.mkdir()
+                coordinator, url = start_coordinator(
+                    build, log_dir, *peers, "--no-discover", "--draft", source, "--spec-k", str(k),
+                    "--inference-precision", "f32", "--compact-min-slots", "32")
+                try:
+                    wait_ready(url)
+                    prompts = PROMPTS if FULL else [PROMPTS[cell % len(PROMPTS)]]
+                    for prompt in prompts:
+                        r = chat(url, prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+                        assert r.status_code == 200, r.text
+                        body = r.json()
+                        got = body["choices"][0]["message"]["content"]
+                        assert got == tokenizer.decode(reference(prompt)), \
+                            f"{stages}-stage, draft {source}, K={k} diverged on {prompt!r}"
+                        stats = body["fleet"]
+                        assert stats["draft"] == source and stats["drafted_tokens"] > 0, stats
+                        totals["drafted"] += stats["drafted_tokens"]
+                        totals["accepted"] += stats["accepted_tokens"]
+                        totals["compactions"] += stats["compactions"]
+                finally:
+                    coordinator.stop()
+                cell += 1
+    finally:
+        for proc, _ in workers:
+            proc.stop()
+    # the matrix exercised acceptance, mask-based rejection and compaction, not just one of them
+    assert 0 < totals["accepted"] < totals["drafted"], totals
+    assert totals["compactions"] > 0, totals
