@@ -152,6 +152,7 @@ class AdaptiveK:
         self.accepted, self.rejected = prior
         self.decay = decay
         self.probe_every = probe_every
+        self._probe_interval = probe_every
         self._since_draft = 0
 
     @property
@@ -179,11 +180,14 @@ class AdaptiveK:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
-            # drafting looks unprofitable; probe now and then so a changed context can win it back
+            # drafting looks unprofitable; probe now and then so a changed context can win it back,
+            # less often each time a probe does not (16, 32, ... 256 steps)
             self._since_draft += 1
-            if self._since_draft >= self.probe_every:
+            if self._since_draft >= self._probe_interval:
                 self._since_draft = 0
+                self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
                 return 1
         else:
             self._since_draft = 0
+            self._probe_interval = self.probe_every
         return best_k
