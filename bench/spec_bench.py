@@ -5,8 +5,8 @@
     hidden slots through the next step's attention) vs a physical trim (rewrite every KV state
     tensor without the 4 slots, the only way to shrink an OpenVINO stateful KV in place). Also the
     amortized cost of our compaction (one rewrite per >= 64 hidden slots, i.e. per >= 16 rejections).
-(b) Decode tokens/s with speculation off and on, per draft source (ngram, self-int4, the 8-layer
-    early-exit model), adaptive K, over 8 prompt categories, with acceptance rates, on a 2-stage
+(b) Decode tokens/s with speculation off and on, per draft source (ngram, self-int8, self-int4,
+    the 8-layer early-exit model), adaptive K, over 8 prompt categories, with acceptance rates, on a 2-stage
     fleet (a worker process per stage, gRPC on loopback) ...
 (c) ... with a one-way delay per hop of 0, 10 and 50 ms: a delaying TCP proxy (bench/delay_proxy.py)
     in front of each worker, so coordinator -> stage 0 -> stage 1 -> coordinator (the result stream)
@@ -53,7 +53,7 @@ CATEGORIES = {
     "translation": "Translate into French: 'The weather is nice today, so we are going to the beach.'",
 }
 EARLY_EXIT_LAYERS = 8
-SOURCES = ("none", "ngram", "self-int4", f"SmolLM2-early{EARLY_EXIT_LAYERS}")
+SOURCES = ("none", "ngram", "self-int8", "self-int4", f"SmolLM2-early{EARLY_EXIT_LAYERS}")
 CONTEXTS = (128, 1024, 2048)
 REJECTED = 4
 CARRY_PROBE = 128  # hidden slots used to measure the per-slot attention cost of carrying them
@@ -148,12 +148,12 @@ def ensure_build(hf: Path, cache: Path) -> Path:
     draft = cache / f"SmolLM2-early{EARLY_EXIT_LAYERS}"
     if not (draft / "config.json").is_file():
         early_exit_model(hf, EARLY_EXIT_LAYERS, draft)
-    out = cache / "smollm2-2stage-drafts"
+    out = cache / "smollm2-2stage-drafts2"
     if not (out / "manifest.json").is_file():
         from compiler.build import build
 
         print(f"building the 2-stage model with drafts into {out} ...", flush=True)
-        build(hf, out, shards=2, drafts=("self-int4", str(draft)))
+        build(hf, out, shards=2, drafts=("self-int8", "self-int4", str(draft)))
     return out
 
 

@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-precision", default="f16", choices=["f16", "bf16", "f32", "u8"],
                    help="KV cache precision written into each IR's runtime options")
     p.add_argument("--draft", action="append", default=[], metavar="SPEC",
-                   help="also compile a draft model for speculative decoding (repeatable): self-int4 (NNCF "
-                        "INT4 copy of the target) or an HF folder / .gguf sharing the target's tokenizer")
+                   help="also compile a draft model for speculative decoding (repeatable): self-int4 or "
+                        "self-int8 (NNCF INT4/INT8 copy of the target) or an HF folder / .gguf sharing the "
+                        "target's tokenizer")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     p.set_defaults(func=_cmd_build)
 

@@ -8,6 +8,7 @@ question with ``fleet-chat`` (streams the answer, prints tokens/s), then stop ev
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -38,9 +39,12 @@ def main() -> int:
     build = args.models / f"smollm2-{args.shards}stage"
     step(f"fetch the demo model into {hf}")
     subprocess.run([BIN / "fleet-compiler", "fetch-demo", "-o", hf], check=True)
-    if not (build / "manifest.json").is_file():
-        step(f"compile {args.shards} shards into {build}")
-        subprocess.run([BIN / "fleet-compiler", "build", hf, "--shards", str(args.shards), "-o", build], check=True)
+    if not (build / "manifest.json").is_file() or not json.loads((build / "manifest.json").read_text()).get("drafts"):
+        # self-int8 first: the coordinator serves the build's first draft (see compiler/draft.py for why
+        # not int4 on CPUs without fast int4 kernels)
+        step(f"compile {args.shards} shards and the self-int8 / self-int4 drafts (NNCF copies) into {build}")
+        subprocess.run([BIN / "fleet-compiler", "build", hf, "--shards", str(args.shards), "--draft", "self-int8",
+                        "--draft", "self-int4", "-o", build], check=True)
     step("check the build: hashes and fused stateful attention per stage")
     subprocess.run([BIN / "fleet-compiler", "inspect", build], check=True)
 

@@ -76,3 +76,46 @@ def test_build_from_gguf_with_explicit_layers(demo_hf, tmp_path):
     assert run_cli("inspect", str(out)).returncode == 0
     bad = run_cli("build", str(gguf), "--layers", "0:12,13:30", "-o", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "contiguous" in bad.stderr
+
+
+def test_build_records_its_drafts(build_2):
+    from fleet_common.manifest import load_manifest
+
+    manifest = load_manifest(build_2).manifest
+    drafts = {d.name: d for d in manifest.drafts}
+    assert drafts["self-int4"].weights == "int4" and drafts["self-int4"].num_layers == 30
+    assert drafts["SmolLM2-early8"].num_layers == 8 and drafts["SmolLM2-early8"].weights == "fp16"
+    # the INT4 copy is much smaller than the fp16 shards it mirrors
+    int4 = (build_2 / drafts["self-int4"].bin).stat().st_size
+    fp16 = sum((build_2 / s.bin).stat().st_size for s in manifest.stages)
+    assert int4 < 0.6 * fp16
+    assert all(manifest.files[d.xml] and manifest.files[d.bin] for d in drafts.values())  # hashed
+
+
+def test_draft_with_another_vocabulary_is_refused(demo_hf, tmp_path):
+    """A draft whose tokenizer maps a string to another id, or whose LM head has another size, is
+    refused with a message naming the difference; the CLI fails before exporting any stage."""
+    from compiler.draft import VocabularyMismatch, check_vocabulary
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    tok = json.loads((demo_hf / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(VocabularyMismatch, match="'hello'|'world'"):
+        check_vocabulary(demo_hf, 49152, other, 49152)
+    with pytest.raises(VocabularyMismatch, match="32000 logits per position, the target 49152"):
+        check_vocabulary(demo_hf, 49152, demo_hf, 32000)
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = tmp_path / "tiny-draft"
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).to(torch.float32).save_pretrained(tiny)
+    shutil.copy(demo_hf / "tokenizer.json", tiny / "tokenizer.json")
+    out = run_cli("build", str(demo_hf), "--shards", "2", "--draft", str(tiny), "-o", str(tmp_path / "build"))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "tiny-draft has 1000 logits per position, the target 49152" in out.stderr
+    assert not (tmp_path / "build" / "stage_0").exists()
