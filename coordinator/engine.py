@@ -208,6 +208,8 @@ class Engine:
         slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
         await pipeline.open_session(session, slots, s.rpc_timeout_s)
         drafter = self.draft_model.open(session, slots) if self.draft_model is not None else None
+        if drafter is not None and len(prompt) + s.spec_k_max + 1 > drafter.kv.max_context:
+            drafter, drafting = None, False  # the prompt does not fit the draft model's context
         draft_prefill = None
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
@@ -271,7 +273,7 @@ class Engine:
                 if k and drafter is not None:
                     draft, qs = await self.draft_model.run(drafter.propose, prompt + request.output_ids, k,
                                                            params.temperature, params.top_p, draft_rng_at)
-                elif k:
+                elif k and self.draft_source == "ngram":
                     draft = ngram_draft(prompt + request.output_ids, k)
                     qs = [SparseDist.point(t) for t in draft]
                 chunk = [decided[-1], *draft]
