@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +36,7 @@ class DraftSession:
         self.pending: list[tuple[int, int]] = []
         self.prefill_chunk = prefill_chunk
         self.top_k = top_k
+        self.seconds_per_token: float | None = None  # last proposal's cost per draft token, catch-up excluded
         self.compact_share = compact_share
         self.compact_min_slots = compact_min_slots
 
@@ -90,10 +92,13 @@ class DraftSession:
             k = min(k, room - len(new) + 1)
             if k <= 0:
                 return [], []
+        t0 = time.perf_counter()
         logits = self._feed(new, logits=True)
+        first_s = time.perf_counter() - t0
         self.n += len(new)
         tokens: list[int] = []
         dists: list[SparseDist] = []
+        t0 = time.perf_counter()
         for i in range(k):
             ids, logprobs = top_candidates(logits[None, :], 1 if temperature <= 0 else self.top_k)
             q = target_distribution(ids[0], logprobs[0], temperature, top_p)
@@ -104,6 +109,14 @@ class DraftSession:
                 slot = self.kv.length
                 logits = self._feed_draft(token, self.n + i)
                 self.pending.append((token, slot))
+        # what a draft token costs: the single-token forwards; the first forward also fed the tokens the
+        # draft had not seen (many after a stretch of plain decoding), so it counts only when short
+        if k > 1:
+            self.seconds_per_token = (time.perf_counter() - t0) / (k - 1)
+        elif len(new) <= 2:
+            self.seconds_per_token = first_s
+        else:
+            self.seconds_per_token = None
         return tokens, dists
 
     def _feed_draft(self, token: int, position: int) -> np.ndarray:

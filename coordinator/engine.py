@@ -288,7 +288,10 @@ class Engine:
                     decided = verify(draft, qs, targets, [rng_at(logical + 1 + i) for i in range(len(chunk))])
                     accepted = len(decided) - 1
                     request.record_verify(len(draft), accepted, (t1 - t0) * 1000, (t2 - t1) * 1000)
-                    self.step_costs.observe_draft(len(draft), t1 - t0)
+                    if drafter is None:
+                        self.step_costs.observe_draft(len(draft), t1 - t0)
+                    elif drafter.seconds_per_token is not None:
+                        self.step_costs.observe_draft(1, drafter.seconds_per_token)
                     policy.observe(len(draft), accepted)
                     hide = list(range(physical + 1 + accepted, physical + len(chunk)))
                 else:

@@ -1,0 +1,99 @@
+"""Many users at once on a real 2-stage fleet: 8 concurrent greedy streams each equal their solo
+output token for token (f32); cancelling one mid-stream frees its KV on every stage at once (seen
+through the workers' Info RPC) and does not disturb the others."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from tests.conftest import Fleet, chat
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Explain how a bicycle works in simple terms.",
+    "Write a Python function that reverses a string.",
+    "List five fruits and their colors.",
+    "Tell me a short story about a robot who learns to paint.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "What are the three states of matter?",
+]
+NEW_TOKENS = 48
+
+
+def stream(url: str, prompt: str, out: dict, key, stop_after: int | None = None, started: threading.Event | None = None):
+    """Stream one greedy completion into ``out[key]``; with ``stop_after``, hang up after that many chunks."""
+    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": NEW_TOKENS,
+            "ignore_eos": True, "stream": True}
+    text, chunks = [], 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+            if delta:
+                text.append(delta)
+                chunks += 1
+                if started is not None and chunks == 1:
+                    started.set()
+                if stop_after is not None and chunks >= stop_after:
+                    break  # leaving the with-block closes the connection: the client went away
+    out[key] = "".join(text)
+
+
+def stage_info(fleet: Fleet) -> list[pb.InfoReply]:
+    infos = []
+    for _, address in fleet.workers:
+        with grpc.insecure_channel(address) as channel:
+            infos.append(pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=10))
+    return infos
+
+
+@pytest.fixture(scope="module")
+def fleet(build_2, tmp_path_factory):
+    fleet = Fleet(build_2, tmp_path_factory.mktemp("concurrency"))
+    yield fleet
+    fleet.stop()
+
+
+def test_concurrent_streams_equal_solo_and_cancel_frees_kv(fleet):
+    solo = {p: chat(fleet.url, p, max_tokens=NEW_TOKENS, ignore_eos=True).json()["choices"][0]["message"]["content"]
+            for p in PROMPTS}
+
+    together: dict = {}
+    started = threading.Event()
+    threads = [threading.Thread(target=stream, args=(fleet.url, p, together, p)) for p in PROMPTS]
+    # a ninth stream, on the first prompt, that hangs up after 3 chunks
+    cancelled = threading.Thread(target=stream, args=(fleet.url, PROMPTS[0], together, "cancelled", 3, started))
+    for t in [*threads, cancelled]:
+        t.start()
+    cancelled.join(120)
+    assert started.is_set()
+    # the hung-up session is closed on every stage while the 8 others are still open and decoding
+    deadline = time.monotonic() + 10
+    while True:
+        infos = stage_info(fleet)
+        alive = all(t.is_alive() for t in threads)
+        if all(i.sessions == len(PROMPTS) for i in infos):
+            break
+        assert alive and time.monotonic() < deadline, [i.sessions for i in infos]
+        time.sleep(0.05)
+    assert alive, "a stream finished before the check; the check needs all 8 open"
+    for t in threads:
+        t.join(300)
+    for p in PROMPTS:
+        assert together[p] == solo[p], f"concurrent output diverged on {p!r}"
+    assert solo[PROMPTS[0]].startswith(together["cancelled"])
+    infos = stage_info(fleet)
+    assert [i.sessions for i in infos] == [0, 0] and [i.kv_bytes for i in infos] == [0, 0]
