@@ -141,6 +141,8 @@ class Engine:
         self.max_context = min(settings.max_context or model_context, model_context)
         self.eos_ids = set(self.manifest.eos_token_ids)
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
+        self._queued = 0  # requests waiting for a slot
+        self._closed = asyncio.Condition()  # notified whenever a session is closed (its KV freed)
         self.model_name = settings.served_model_name or self.manifest.model_id
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
         self.draft_source = settings.draft
@@ -177,15 +179,48 @@ class Engine:
     async def generate(self, request: Request) -> AsyncIterator[TextDelta]:
         """Run ``request`` to completion, yielding text deltas (never a split UTF-8 character).
 
-        Raises ``Overloaded`` when too many requests run, ``PipelineUnavailable`` / ``StageFailure``
+        Waits in a bounded queue for a request slot and for KV room on every stage; raises
+        ``Overloaded`` (HTTP 429) when the queue is full or the wait exceeds ``queue_timeout_s``,
+        ``PipelineUnavailable`` / ``StageFailure``
         when the fleet cannot serve it. The session's KV is freed on every stage however it ends
         (including the consumer closing this generator on client disconnect).
         """
-        if self._slots.locked():
-            raise Overloaded(f"{self.settings.max_concurrent_requests} requests are already running; retry shortly")
-        async with self._slots, contextlib.aclosing(self._generate(request)) as deltas:
-            async for delta in deltas:
-                yield delta
+        s = self.settings
+        if self._slots.locked() and self._queued >= s.max_queued_requests:
+            raise Overloaded(f"{s.max_concurrent_requests} requests are running and {self._queued} are queued "
+                             "(--max-queued-requests); retry shortly")
+        self._queued += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), s.queue_timeout_s)
+        except TimeoutError:
+            raise Overloaded(f"waited {s.queue_timeout_s:.0f} s for one of {s.max_concurrent_requests} request "
+                             "slots (--max-concurrent-requests); retry later") from None
+        finally:
+            self._queued -= 1
+        try:
+            async with contextlib.aclosing(self._generate(request)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            self._slots.release()
+
+    async def _open_session(self, pipeline, session: str, slots: int) -> None:  # noqa: ANN001
+        """Open ``session`` with ``slots`` KV slots on every stage, waiting (up to ``queue_timeout_s``)
+        while a stage has no room: admission control by the workers' KV budgets. Raises ``Overloaded``."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.queue_timeout_s
+        while True:
+            try:
+                await pipeline.open_session(session, slots, s.rpc_timeout_s)
+                return
+            except Overloaded as exc:
+                if loop.time() >= deadline:
+                    raise Overloaded(f"no stage room for this request's KV after {s.queue_timeout_s:.0f} s in the "
+                                     f"queue: {exc.message}") from None
+                async with self._closed:  # a session closing somewhere may make room
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._closed.wait(), max(0.0, deadline - loop.time()))
 
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
@@ -206,7 +241,7 @@ class Engine:
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
         # theirs (masked, never trimmed) until a compaction, hence the slack
         slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
-        await pipeline.open_session(session, slots, s.rpc_timeout_s)
+        await self._open_session(pipeline, session, slots)
         drafter = self.draft_model.open(session, slots) if self.draft_model is not None else None
         if drafter is not None and len(prompt) + s.spec_k_max + 1 > drafter.kv.max_context:
             drafter, drafting = None, False  # the prompt does not fit the draft model's context
@@ -312,6 +347,8 @@ class Engine:
             if draft_prefill is not None and not draft_prefill.done():
                 draft_prefill.cancel()
             await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))
+            async with self._closed:
+                self._closed.notify_all()
             log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
                      "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions",
                      session, request.finish_reason.value if request.finish_reason else request.status.value,

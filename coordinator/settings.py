@@ -29,7 +29,10 @@ class CoordinatorSettings(BaseSettings):
     max_context: int = Field(0, ge=0, description="cap on prompt + completion tokens (0 = the model's context)")
     prefill_chunk: int = Field(256, ge=1, le=4096, description="prompt tokens per pipeline step during prefill")
     sample_top_k: int = Field(64, ge=1, le=256, description="candidates the last stage returns per position when sampling")
-    max_concurrent_requests: int = Field(32, ge=1, description="requests generating at once; more get HTTP 429")
+    max_concurrent_requests: int = Field(32, ge=1, description="requests generating at once; more wait in the queue")
+    max_queued_requests: int = Field(64, ge=0, description="requests waiting for a slot or for KV room on the "
+                                     "stages; more get HTTP 429")
+    queue_timeout_s: float = Field(60.0, gt=0, description="longest wait in the queue before HTTP 429")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one pipeline step, plus per_token_timeout_s per token")
     per_token_timeout_s: float = Field(0.05, ge=0, description="extra step deadline per token in the chunk per stage")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between health checks of each worker")

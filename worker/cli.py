@@ -22,6 +22,17 @@ from .settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (Linux); 8 GiB where it cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
 async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) -> None:
     """Run a worker until SIGINT/SIGTERM (or cancellation). Raises ``ManifestError`` for a bad build."""
     loaded = load_manifest(settings.model)
@@ -34,7 +45,10 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
     runner = await asyncio.to_thread(ShardRunner, loaded, settings.shard, settings.device, settings.threads,
                                      settings.inference_precision)
     max_context = min(settings.max_context or manifest.architecture.max_context, manifest.architecture.max_context)
-    store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s)
+    budget = settings.kv_budget_mb << 20 or available_memory() // 2
+    store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s,
+                         kv_bytes_per_slot=manifest.kv_bytes_per_token(settings.shard, runner.kv_value_bytes),
+                         kv_budget_bytes=budget)
     service = StageService(runner, store, loaded.sha256, max_context)
     server, port = create_server(service, settings.host, settings.port)
     await server.start()
@@ -51,8 +65,9 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
             settings.host,
         )
         await announcer.start()
-    log.info("worker ready: stage %d of %d, layers [%d, %d), manifest %s, serving on %s:%d",
-             settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256[:12], settings.host, port)
+    log.info("worker ready: stage %d of %d, layers [%d, %d), manifest %s, KV budget %d MiB (%d slots), serving on %s:%d",
+             settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256[:12], budget >> 20,
+             budget // store.kv_bytes_per_slot, settings.host, port)
     if ready is not None:
         ready.set()
 

@@ -197,6 +197,8 @@ class StageService(pb_grpc.StageServicer):
             busy=self._busy,
             openvino_version=ov.get_version(),
             compactions=self.compactions,
+            kv_reserved_bytes=self.store.kv_reserved_bytes,
+            kv_budget_bytes=self.store.kv_budget_bytes,
         )
 
 

@@ -25,14 +25,19 @@ class SessionLimit(SessionError):
 
 
 class SessionStore:
-    """Open/get/close sessions with a cap and idle expiry; thread-safe.
+    """Open/get/close sessions with a cap, a KV memory budget and idle expiry; thread-safe.
 
-    ``make_request`` creates a fresh InferRequest from the worker's one CompiledModel.
+    ``make_request`` creates a fresh InferRequest from the worker's one CompiledModel. A session
+    reserves ``max_context * kv_bytes_per_slot`` bytes of ``kv_budget_bytes`` (0 = no budget) when it
+    opens, so one admitted session can always grow to its max context.
     """
 
     def __init__(self, make_request: Callable[[], object], max_sessions: int, idle_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_bytes_per_slot: int = 0,
+                 kv_budget_bytes: int = 0) -> None:
         self._make_request = make_request
+        self.kv_bytes_per_slot = kv_bytes_per_slot
+        self.kv_budget_bytes = kv_budget_bytes
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
@@ -42,14 +47,31 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property
+    def kv_reserved_bytes(self) -> int:
+        """KV bytes reserved by open sessions (each for its max context)."""
+        with self._lock:
+            return sum(s.max_context for s in self._sessions.values()) * self.kv_bytes_per_slot
+
     def open(self, session_id: str, max_context: int) -> KVSession:
-        """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the cap."""
+        """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the session cap or
+        when its KV for ``max_context`` slots does not fit the budget."""
+        mib = 1 << 20
         with self._lock:
             old = self._sessions.pop(session_id, None)
+            reserved = sum(s.max_context for s in self._sessions.values()) * self.kv_bytes_per_slot
+            need = max_context * self.kv_bytes_per_slot
+            problem = None
             if len(self._sessions) >= self.max_sessions:
+                problem = f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later"
+            elif self.kv_budget_bytes and reserved + need > self.kv_budget_bytes:
+                problem = (f"KV budget full: the session needs {need / mib:.1f} MiB for {max_context} slots, "
+                           f"{(self.kv_budget_bytes - reserved) / mib:.1f} MiB of the worker's "
+                           f"{self.kv_budget_bytes / mib:.0f} MiB (--kv-budget-mb) are free; retry later")
+            if problem:
                 if old is not None:
                     self._sessions[session_id] = old
-                raise SessionLimit(f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later")
+                raise SessionLimit(problem)
             request = old.request if old is not None else self._make_request()
             if old is not None:
                 request.reset_state()

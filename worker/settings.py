@@ -25,6 +25,8 @@ class WorkerSettings(BaseSettings):
     )
     max_sessions: int = Field(64, ge=1, le=4096, description="sessions held at once; more get RESOURCE_EXHAUSTED")
     max_context: int = Field(0, ge=0, description="cap on physical KV slots per session; 0 = the model's context")
+    kv_budget_mb: int = Field(0, ge=0, description="KV cache memory sessions may reserve (each for its max context); "
+                              "more get RESOURCE_EXHAUSTED; 0 = half of the memory available at start")
     idle_timeout_s: float = Field(600.0, gt=0, description="a session unused this long is dropped and its KV freed")
     announce: bool = Field(True, description="announce this worker with zeroconf (mDNS)")
     verify_hashes: bool = Field(True, description="sha256-check the shard files against the manifest at start")

@@ -48,3 +48,16 @@ def test_idle_expiry():
     assert store.expire() == []
     clock.t = 23
     assert store.expire() == ["new"]
+
+
+def test_kv_budget_reserves_max_context():
+    store = SessionStore(StateHolder, max_sessions=8, idle_timeout_s=10, kv_bytes_per_slot=1024,
+                         kv_budget_bytes=100 * 1024)
+    store.open("a", 60)
+    with pytest.raises(SessionLimit, match=r"KV budget full: .* for 41 slots"):
+        store.open("b", 41)
+    store.open("b", 40)
+    assert store.kv_reserved_bytes == 100 * 1024
+    store.open("a", 60)  # reopening replaces its own reservation
+    store.close("a")
+    store.open("c", 60)
