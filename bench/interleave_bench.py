@@ -1,0 +1,199 @@
+"""Many users on one fleet: aggregate and per-user decode tokens/s and TTFT for 1, 2, 4, 8 concurrent
+users on 1-, 2- and 3-stage fleets of the demo model, beside the whole model in one process.
+
+Each worker is pinned to its own core (``taskset``, core = stage mod nproc) with one inference
+thread, standing in for separate PCs; the coordinator is not pinned. The baseline is the 1-stage
+build's whole-model IR in one process on one core, one thread, one user (a numpy greedy loop fed as
+a worker feeds it). Greedy, ``ignore_eos``, the same token count for everyone; users start together.
+
+* aggregate tok/s = all completion tokens / wall time from the first request to the last token
+* per-user tok/s = median over users of (tokens - 1) / (first token -> last token)
+* TTFT = median over users of request start -> first streamed token
+
+    python bench/interleave_bench.py [--json PATH] [--tokens 64] [--users 1,2,4,8] [--stages 1,2,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+
+import httpx  # noqa: E402
+import openvino as ov  # noqa: E402
+
+from bench.decode_bench import ensure_build, wait_healthy  # noqa: E402
+from bench.spec_bench import start, wait_line  # noqa: E402
+from coordinator.local import free_port  # noqa: E402
+
+PROMPTS = (
+    "Explain how a rainbow forms, step by step.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main differences between Python lists and tuples?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me a packing list for a weekend hiking trip in the mountains.",
+    "Why do cats purr? Give three theories.",
+    "Write a limerick about a programmer who loves coffee.",
+    "How does a refrigerator keep food cold?",
+)
+
+
+def baseline(build: Path, tokens: int) -> dict:
+    """Whole model, one process pinned to core 0, one thread, one user: decode tok/s and TTFT."""
+    code = f"""
+import os, sys, time, json
+import numpy as np, openvino as ov
+sys.path.insert(0, {str(ROOT)!r})
+from coordinator.tokenizer import ChatTokenizer
+os.sched_setaffinity(0, {{0}})
+build = {str(build)!r}
+tok = ChatTokenizer(build)
+req = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU",
+    {{"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "INFERENCE_NUM_THREADS": 1}}).create_infer_request()
+rates, ttfts = [], []
+for prompt in {list(PROMPTS[:3])!r} * 2:
+    ids = tok.encode_chat([{{"role": "user", "content": prompt}}])
+    req.reset_state()
+    chunk, past, out = ids, 0, []
+    start = time.perf_counter()
+    while len(out) < {tokens}:
+        seq = len(chunk)
+        logits = req.infer({{"input_ids": np.array([chunk], dtype=np.int64),
+            "attention_mask": np.ones((1, past + seq), dtype=np.int64),
+            "position_ids": np.arange(past, past + seq, dtype=np.int64)[None],
+            "beam_idx": np.zeros(1, dtype=np.int32), "logits_index": np.array([seq - 1], dtype=np.int64)}})[0]
+        out.append(int(logits[0, -1].argmax()))
+        if past == 0:
+            first = time.perf_counter()
+        chunk, past = out[-1:], past + seq
+    rates.append((len(out) - 1) / (time.perf_counter() - first))
+    ttfts.append((first - start) * 1000)
+print(json.dumps({{"decode_tok_s": sorted(rates)[len(rates) // 2], "ttft_ms": sorted(ttfts)[len(ttfts) // 2]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict) -> None:
+    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
+            "max_tokens": tokens, "stream": True}
+    start = time.perf_counter()
+    first = last = None
+    n = 0
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                first = first or time.perf_counter()
+                last = time.perf_counter()
+                n += 1
+    result.update(ttft_ms=(first - start) * 1000, decode_tok_s=(tokens - 1) / max(last - first, 1e-9), end=last,
+                  chunks=n)
+
+
+def run_users(url: str, users: int, tokens: int) -> dict:
+    results = [dict() for _ in range(users)]
+    with httpx.Client(limits=httpx.Limits(max_connections=64)) as client:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, results[i]))
+                   for i in range(users)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    wall = max(r["end"] for r in results) - t0
+    return {"users": users, "aggregate_tok_s": users * tokens / wall,
+            "per_user_tok_s": statistics.median(r["decode_tok_s"] for r in results),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in results), "wall_s": wall}
+
+
+def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, logs: Path) -> list[dict]:
+    ncpu = os.cpu_count() or 1
+    cells = []
+    with ExitStack() as stack:
+        addresses = []
+        for stage in range(stages):
+            port = free_port()
+            log = logs / f"interleave-{stages}stage-worker{stage}.log"
+            proc = start(["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard", str(stage),
+                          "--model", str(build), "--port", str(port), "--threads", "1", "--no-announce"], log, stack)
+            wait_line(log, "serving on", proc)
+            addresses.append(f"127.0.0.1:{port}")
+        port = free_port()
+        log = logs / f"interleave-{stages}stage-coordinator.log"
+        peers = [a for address in addresses for a in ("--peer", address)]
+        proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
+                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *peers], log, stack)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        run_users(url, 1, 8)  # warm-up
+        for users in users_list:
+            cell = {"stages": stages, "pinning": [f"stage {s} -> core {s % ncpu}" for s in range(stages)],
+                    **run_users(url, users, tokens)}
+            cells.append(cell)
+            print(f"  {stages}-stage, {users} users: {cell['aggregate_tok_s']:.1f} tok/s aggregate, "
+                  f"{cell['per_user_tok_s']:.1f} per user, TTFT {cell['ttft_ms']:.0f} ms", flush=True)
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--users", default="1,2,4,8")
+    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    args = parser.parse_args(argv)
+    users_list = [int(u) for u in args.users.split(",")]
+    stage_list = [int(s) for s in args.stages.split(",")]
+    from compiler.source import fetch_demo
+
+    cache = args.cache.resolve()
+    (cache / "logs").mkdir(parents=True, exist_ok=True)
+    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
+    builds = {n: ensure_build(hf, cache, n) for n in sorted({1, *stage_list})}
+    print(f"interleave bench: {args.tokens} tokens per user, users {users_list}, stages {stage_list}, "
+          f"nproc {os.cpu_count()}", flush=True)
+    base = baseline(builds[1], args.tokens)
+    print(f"  whole model, 1 process, 1 core, 1 user: {base['decode_tok_s']:.1f} tok/s, TTFT {base['ttft_ms']:.0f} ms",
+          flush=True)
+    cells = []
+    for stages in stage_list:
+        cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs")
+    ref = base["decode_tok_s"]
+    lines = [f"{'config':<28} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
+             f"{'TTFT ms':>8}", "-" * 96,
+             f"{'whole model, 1 core':<28} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | {base['ttft_ms']:>8.0f}"]
+    for c in cells:
+        name = f"fleet {c['stages']}-stage"
+        lines.append(f"{name:<28} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | "
+                     f"{c['aggregate_tok_s'] / ref:>10.2f} | {c['per_user_tok_s']:>14.1f} | {c['ttft_ms']:>8.0f}")
+    print("\n" + "\n".join(lines))
+    for c in cells:
+        if c["stages"] == 2 and c["users"] in (2, 4):
+            goal = 1.8 if c["users"] == 2 else 1.9
+            print(f"target: 2 stages, {c['users']} users = {c['aggregate_tok_s'] / ref:.2f}x baseline (goal >= {goal}x)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "benchmark": "interleave_bench", "tokens": args.tokens, "baseline": base, "cells": cells,
+            "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
+        }, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
