@@ -49,7 +49,7 @@ class KVSession:
     """
 
     session_id: str
-    request: ov.InferRequest
+    request: ov.InferRequest | None  # None once closed
     max_context: int  # physical slots the session may grow to
     length: int = 0  # physical KV slots in the state
     visible: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [max_context]
@@ -112,6 +112,8 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
     """
     seq = x.shape[1]
     with session.lock:
+        if session.request is None:
+            raise SessionConflict(f"session {session.session_id!r} was closed")
         past = session.length
         if past_length != past:
             raise SessionConflict(f"session {session.session_id!r} holds {past} KV slots, the request "
@@ -148,6 +150,8 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int]) -> tupl
     disagrees with the session and ``ChunkError`` for hide slots outside it.
     """
     with session.lock:
+        if session.request is None:
+            raise SessionConflict(f"session {session.session_id!r} was closed")
         if past_length != session.length:
             raise SessionConflict(f"session {session.session_id!r} holds {session.length} KV slots, the "
                                   f"request assumed {past_length}")

@@ -2,7 +2,8 @@
 
 A real worker of the 1-stage build (f32: 46,080 KV bytes per token) gets sessions of 512 tokens each
 through its gRPC API; its resident memory (VmRSS) grows by about 512 x 46,080 B = 22.5 MiB per
-session, against ~540 MB of f32 weights a per-session model copy would add."""
+session, against ~540 MB of f32 weights a per-session model copy would add; closing the sessions
+gives that memory back."""
 
 from __future__ import annotations
 
@@ -54,9 +55,15 @@ def test_session_costs_its_kv_not_a_model(build_1, tmp_path):
             for i in range(SESSIONS):
                 stub.CloseSession(pb.CloseSessionRequest(session_id=f"s{i}"), timeout=10)
             after_close = rss_bytes(proc.popen.pid)
+            for i in range(SESSIONS):
+                fill(f"t{i}")
+            regrowth = rss_bytes(proc.popen.pid) - after_close
     finally:
         proc.stop()
     print(f"per session: {per_session / 2**20:.1f} MiB RSS, KV {kv_per_session / 2**20:.1f} MiB, "
-          f"weights {weights / 2**20:.0f} MiB; after closing: {(after_close - before) / 2**20:+.1f} MiB")
+          f"weights {weights / 2**20:.0f} MiB; after closing: {(after_close - before) / 2**20:+.1f} MiB; "
+          f"{SESSIONS} new sessions then: {regrowth / 2**20:+.1f} MiB")
     assert 0.5 * kv_per_session < per_session < 2.0 * kv_per_session
     assert per_session < 0.1 * weights
+    assert after_close - before < kv_per_session  # closing gave the KV back (the worker trims its heap)
+    assert 0.5 * kv_per_session < regrowth / SESSIONS < 2.0 * kv_per_session
