@@ -226,8 +226,8 @@ class Engine:
         s, params = self.settings, request.params
         pipeline = await self.registry.pipeline()
         session = request.request_id
-        # one generator per logical position, seeded by (seed, position): a seeded run is reproducible
-        # whatever the draft lengths were (see speculative.verify)
+        # one generator per logical position, seeded by (seed, position): a seeded run is reproducible,
+        # with point-mass drafts (greedy, ngram) whatever the draft lengths were (see speculative.verify)
         seed = (params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
 
         def rng_at(position: int) -> np.random.Generator:
