@@ -186,17 +186,20 @@ class Engine:
         (including the consumer closing this generator on client disconnect).
         """
         s = self.settings
-        if self._slots.locked() and self._queued >= s.max_queued_requests:
+        if not self._slots.locked():
+            await self._slots.acquire()  # free: returns without suspending
+        elif self._queued >= s.max_queued_requests:
             raise Overloaded(f"{s.max_concurrent_requests} requests are running and {self._queued} are queued "
                              "(--max-queued-requests); retry shortly")
-        self._queued += 1
-        try:
-            await asyncio.wait_for(self._slots.acquire(), s.queue_timeout_s)
-        except TimeoutError:
-            raise Overloaded(f"waited {s.queue_timeout_s:.0f} s for one of {s.max_concurrent_requests} request "
-                             "slots (--max-concurrent-requests); retry later") from None
-        finally:
-            self._queued -= 1
+        else:
+            self._queued += 1
+            try:
+                await asyncio.wait_for(self._slots.acquire(), s.queue_timeout_s)
+            except TimeoutError:
+                raise Overloaded(f"waited {s.queue_timeout_s:.0f} s for one of {s.max_concurrent_requests} request "
+                                 "slots (--max-concurrent-requests); retry later") from None
+            finally:
+                self._queued -= 1
         try:
             async with contextlib.aclosing(self._generate(request)) as deltas:
                 async for delta in deltas:
