@@ -22,8 +22,12 @@ class WholeModel:
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation of ``prompt_ids`` (no early stop at end-of-sequence)."""
+        return self.greedy_with_margins(prompt_ids, max_new_tokens)[0]
+
+    def greedy_with_margins(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation and, per token, the gap between the top two logits (how near a tie)."""
         request = self.compiled.create_infer_request()
-        ids, out, past = np.asarray([prompt_ids], dtype=np.int64), [], 0
+        ids, out, margins, past = np.asarray([prompt_ids], dtype=np.int64), [], [], 0
         for _ in range(max_new_tokens):
             seq = ids.shape[1]
             logits = request.infer({
@@ -34,7 +38,9 @@ class WholeModel:
                 "logits_index": np.array([seq - 1], dtype=np.int64),
             })[0]
             token = int(logits[0, -1].argmax())
+            top2 = np.partition(logits[0, -1], -2)[-2:]
+            margins.append(float(abs(top2[1] - top2[0])))
             out.append(token)
             past += seq
             ids = np.array([[token]], dtype=np.int64)
-        return out
+        return out, margins

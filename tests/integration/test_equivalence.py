@@ -9,6 +9,7 @@ from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import Fleet, chat
 
 from .reference import WholeModel
+from .test_speculative_equivalence import check_equal
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,8 @@ NEW_TOKENS = 64
 def reference(build_1) -> dict[str, list[int]]:
     tokenizer = ChatTokenizer(build_1)
     model = WholeModel(build_1)
-    return {p: model.greedy(tokenizer.encode_chat([{"role": "user", "content": p}]), NEW_TOKENS) for p in PROMPTS}
+    return {p: model.greedy_with_margins(tokenizer.encode_chat([{"role": "user", "content": p}]), NEW_TOKENS)
+            for p in PROMPTS}
 
 
 @pytest.mark.parametrize("stages,coord_args", [
@@ -45,8 +47,12 @@ def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["usage"]["completion_tokens"] == NEW_TOKENS
-            expected = tokenizer.decode(reference[prompt])
-            assert body["choices"][0]["message"]["content"] == expected, f"{stages}-stage diverged on {prompt!r}"
+            tokens, margins = reference[prompt]
+            got = body["choices"][0]["message"]["content"]
+            if "--draft" in coord_args:  # masked (rejected) slots round differently: near-ties may flip
+                check_equal(got, tokens, margins, tokenizer, f"{stages}-stage on {prompt!r}")
+            else:
+                assert got == tokenizer.decode(tokens), f"{stages}-stage diverged on {prompt!r}"
         if "--draft" in coord_args:
             stats = body["fleet"]
             assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats  # some accepted, some rejected

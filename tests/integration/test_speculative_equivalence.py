@@ -2,6 +2,11 @@
 (prompt lookup, the self-int4 model, a separate early-exit model), K in {1, 2, 4, 8}, on 2- and
 3-stage fleets of the demo model, with compaction of rejected slots switched on early.
 
+Hidden slots are exact zeros after the softmax, but attention over a longer, partly masked KV (and
+verify windows of several tokens) sums in another order: logits differ from plain decoding by up to
+~6e-5 (f32, measured). So a divergence is accepted only at a near-tie, where the reference's top-two
+logits are within ``NEAR_TIE`` at the first differing token; anything else fails.
+
 Every cell starts its own coordinator against the same workers. By default each cell decodes one of
 the 10 prompts (rotating, so each stage count sees all 10); ``FLEET_FULL_MATRIX=1`` runs all 10
 prompts in every cell (10 x 128 tokens x 4 K x 3 sources x 2 stage counts).
@@ -36,19 +41,33 @@ NEW_TOKENS = 128
 SOURCES = ("ngram", *DRAFTS)
 KS = (1, 2, 4, 8)
 FULL = os.environ.get("FLEET_FULL_MATRIX") == "1"
+NEAR_TIE = 2e-4  # logits; the masked-vs-unmasked rounding measured here is <= 6e-5
 
 
 @pytest.fixture(scope="module")
 def reference(build_1):
     tokenizer = ChatTokenizer(build_1)
     model = WholeModel(build_1)
-    cache: dict[str, list[int]] = {}
+    cache: dict[str, tuple[list[int], list[float]]] = {}
 
-    def greedy(prompt: str) -> list[int]:
+    def greedy(prompt: str) -> tuple[list[int], list[float]]:
         if prompt not in cache:
-            cache[prompt] = model.greedy(tokenizer.encode_chat([{"role": "user", "content": prompt}]), NEW_TOKENS)
+            ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            cache[prompt] = model.greedy_with_margins(ids, NEW_TOKENS)
         return cache[prompt]
     return greedy
+
+
+def check_equal(got: str, tokens: list[int], margins: list[float], tokenizer: ChatTokenizer, what: str) -> bool:
+    """True if ``got`` is the reference text; False if it first differs at a near-tie (allowed, counted);
+    fails the test otherwise."""
+    if got == tokenizer.decode(tokens):
+        return True
+    first = next((j for j in range(len(tokens)) if not got.startswith(tokenizer.decode(tokens[: j + 1]))), None)
+    assert first is not None, f"{what}: output longer than the reference"
+    assert margins[first] < NEAR_TIE, (f"{what} diverged at token {first}, where the reference's top-two logits "
+                                       f"are {margins[first]:.2e} apart (not a near-tie)")
+    return False
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -57,7 +76,7 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
     tokenizer = ChatTokenizer(build)
     workers = [start_worker(build, shard, tmp_path) for shard in range(stages)]
     peers = [arg for _, address in workers for arg in ("--peer", address)]
-    totals = {"drafted": 0, "accepted": 0, "compactions": 0}
+    totals = {"drafted": 0, "accepted": 0, "compactions": 0, "near_ties": 0}
     try:
         cell = 0
         for source in SOURCES:
@@ -75,8 +94,10 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
                         assert r.status_code == 200, r.text
                         body = r.json()
                         got = body["choices"][0]["message"]["content"]
-                        assert got == tokenizer.decode(reference(prompt)), \
-                            f"{stages}-stage, draft {source}, K={k} diverged on {prompt!r}"
+                        tokens, margins = reference(prompt)
+                        if not check_equal(got, tokens, margins, tokenizer,
+                                           f"{stages}-stage, draft {source}, K={k} on {prompt!r}"):
+                            totals["near_ties"] += 1
                         stats = body["fleet"]
                         assert stats["draft"] == source and stats["drafted_tokens"] > 0, stats
                         totals["drafted"] += stats["drafted_tokens"]
@@ -91,3 +112,4 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
     # the matrix exercised acceptance, mask-based rejection and compaction, not just one of them
     assert 0 < totals["accepted"] < totals["drafted"], totals
     assert totals["compactions"] > 0, totals
+    print(f"{stages}-stage: {totals}")
