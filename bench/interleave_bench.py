@@ -10,6 +10,10 @@ a worker feeds it). Greedy, ``ignore_eos``, the same token count for everyone; u
 * per-user tok/s = median over users of (tokens - 1) / (first token -> last token)
 * TTFT = median over users of request start -> first streamed token
 
+Each fleet runs twice: ``interleave`` (``--max-batch 1``: every session its own KV state, steps of
+different users overlap across the stages) and ``batch groups`` (the default: sessions of a group
+share one infer call per stage, and groups interleave).
+
     python bench/interleave_bench.py [--json PATH] [--tokens 64] [--users 1,2,4,8] [--stages 1,2,3]
 """
 
@@ -119,7 +123,10 @@ def run_users(url: str, users: int, tokens: int) -> dict:
             "ttft_ms": statistics.median(r["ttft_ms"] for r in results), "wall_s": wall}
 
 
-def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, logs: Path) -> list[dict]:
+MODES = {"interleave": ["--max-batch", "1"], "batch groups": []}  # without / with batching at a stage
+
+
+def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, logs: Path, mode: str) -> list[dict]:
     ncpu = os.cpu_count() or 1
     cells = []
     with ExitStack() as stack:
@@ -132,18 +139,19 @@ def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, lo
             wait_line(log, "serving on", proc)
             addresses.append(f"127.0.0.1:{port}")
         port = free_port()
-        log = logs / f"interleave-{stages}stage-coordinator.log"
+        log = logs / f"interleave-{stages}stage-{mode.replace(' ', '-')}-coordinator.log"
         peers = [a for address in addresses for a in ("--peer", address)]
         proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *peers], log, stack)
+                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *MODES[mode],
+                      *peers], log, stack)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log)
         run_users(url, 1, 8)  # warm-up
         for users in users_list:
-            cell = {"stages": stages, "pinning": [f"stage {s} -> core {s % ncpu}" for s in range(stages)],
+            cell = {"stages": stages, "mode": mode, "pinning": [f"stage {s} -> core {s % ncpu}" for s in range(stages)],
                     **run_users(url, users, tokens)}
             cells.append(cell)
-            print(f"  {stages}-stage, {users} users: {cell['aggregate_tok_s']:.1f} tok/s aggregate, "
+            print(f"  {stages}-stage {mode}, {users} users: {cell['aggregate_tok_s']:.1f} tok/s aggregate, "
                   f"{cell['per_user_tok_s']:.1f} per user, TTFT {cell['ttft_ms']:.0f} ms", flush=True)
     return cells
 
@@ -171,20 +179,22 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     cells = []
     for stages in stage_list:
-        cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs")
+        for mode in MODES:
+            cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs", mode)
     ref = base["decode_tok_s"]
-    lines = [f"{'config':<28} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
+    lines = [f"{'config':<30} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
              f"{'TTFT ms':>8}", "-" * 96,
-             f"{'whole model, 1 core':<28} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | {base['ttft_ms']:>8.0f}"]
+             f"{'whole model, 1 core':<30} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | {base['ttft_ms']:>8.0f}"]
     for c in cells:
-        name = f"fleet {c['stages']}-stage"
-        lines.append(f"{name:<28} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | "
+        name = f"fleet {c['stages']}-stage, {c['mode']}"
+        lines.append(f"{name:<30} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | "
                      f"{c['aggregate_tok_s'] / ref:>10.2f} | {c['per_user_tok_s']:>14.1f} | {c['ttft_ms']:>8.0f}")
     print("\n" + "\n".join(lines))
     for c in cells:
         if c["stages"] == 2 and c["users"] in (2, 4):
             goal = 1.8 if c["users"] == 2 else 1.9
-            print(f"target: 2 stages, {c['users']} users = {c['aggregate_tok_s'] / ref:.2f}x baseline (goal >= {goal}x)")
+            print(f"target: 2 stages, {c['mode']}, {c['users']} users = {c['aggregate_tok_s'] / ref:.2f}x baseline "
+                  f"(goal >= {goal}x)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

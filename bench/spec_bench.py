@@ -98,8 +98,8 @@ def rejection_costs(build: Path, repeats: int) -> list[dict]:
                 for state, data in zip(ses.request.query_state(), states):
                     state.state = ov.Tensor(data)
                 ses.length = context
-                ses.visible[:] = 0
-                ses.visible[:context] = 1
+                ses.visible[0, :] = 0
+                ses.visible[0, :context] = 1
 
         # trim: the state holds context + REJECTED slots; rewrite it without the last REJECTED
         trim, update, step_plain, step_masked = [], [], [], []
@@ -115,14 +115,14 @@ def rejection_costs(build: Path, repeats: int) -> list[dict]:
             feed(rng.integers(0, 40000, REJECTED))
             t0 = time.perf_counter()
             for ses in sessions:
-                ses.visible[context:context + REJECTED] = 0
+                ses.visible[0, context:context + REJECTED] = 0
             update.append((time.perf_counter() - t0) * 1000)
             # ... whose hidden slots every later step carries through attention: measured per slot
             # with CARRY_PROBE hidden slots (one slot is below timer noise), scaled to REJECTED
             restore()
             feed(rng.integers(0, 40000, CARRY_PROBE), hide=[])
             for ses in sessions:
-                ses.visible[context:context + CARRY_PROBE] = 0
+                ses.visible[0, context:context + CARRY_PROBE] = 0
             t0 = time.perf_counter()
             feed(rng.integers(0, 40000, 1))
             step_masked.append((time.perf_counter() - t0) * 1000)

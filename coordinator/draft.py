@@ -60,7 +60,7 @@ class DraftSession:
                 matched += 1
             else:
                 break
-        self.kv.visible[[slot for _, slot in self.pending[matched:]]] = 0
+        self.kv.visible[0, [slot for _, slot in self.pending[matched:]]] = 0
         self.n += matched
         self.pending = []
         invisible = self.kv.length - self.n

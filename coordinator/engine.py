@@ -19,6 +19,7 @@ import numpy as np
 
 from fleet_common.manifest import LoadedManifest
 
+from .batching import Batcher, Member
 from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, StageFailure
 from .registry import Registry
 from .sampling import SparseDist, choose_token, target_distribution
@@ -145,6 +146,9 @@ class Engine:
         self._closed = asyncio.Condition()  # notified whenever a session is closed (its KV freed)
         self.model_name = settings.served_model_name or self.manifest.model_id
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
+        self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
+                               settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
+                               self._timeout, settings.batch_wait_ms / 1000)
         self.draft_source = settings.draft
         if self.draft_source == "auto":
             self.draft_source = self.manifest.drafts[0].name if self.manifest.drafts else "none"
@@ -249,6 +253,8 @@ class Engine:
         if drafter is not None and len(prompt) + s.spec_k_max + 1 > drafter.kv.max_context:
             drafter, drafting = None, False  # the prompt does not fit the draft model's context
         draft_prefill = None
+        member = group = None
+        joined_compactions = 0
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
@@ -265,9 +271,7 @@ class Engine:
             if draft_prefill is not None:
                 await draft_prefill
             request.status = RequestStatus.DECODE
-            logical = physical = len(prompt)  # visible tokens / occupied KV slots at every stage
-            hide: list[int] = []  # slots of rejected drafts, hidden from the next step on
-            invisible = 0  # hidden slots in the state
+            logical = len(prompt)  # visible tokens at every stage
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
             decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p,
                                     rng_at(len(prompt)))]
@@ -294,17 +298,12 @@ class Engine:
                 if safe > sent:
                     yield TextDelta(text[sent:safe])
                     sent = safe
+                if group is None:  # decode in a batch group: one infer call per stage for all its sessions
+                    member = Member(session, slots, logical)
+                    group = self.batcher.assign(pipeline)
+                    await group.join(member)
+                    joined_compactions = group.compactions
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
-                if invisible and (invisible >= max(s.compact_min_slots, s.compact_share * physical)
-                                  or physical + 1 + k > slots):
-                    # one state rewrite per stage drops the rejected drafts' slots
-                    physical = await pipeline.compact(session, physical, hide, s.rpc_timeout_s)
-                    request.compactions += 1
-                    hide, invisible = [], 0
-                    if physical != logical:
-                        raise StageFailure(f"session {session}: {physical} slots after compaction, "
-                                           f"{logical} visible tokens expected")
-                k = max(0, min(k, slots - physical - 1))
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
                 t0 = time.perf_counter()
                 draft, qs = [], []
@@ -316,8 +315,7 @@ class Engine:
                     qs = [SparseDist.point(t) for t in draft]
                 chunk = [decided[-1], *draft]
                 t1 = time.perf_counter()
-                out = await pipeline.step(session, chunk, physical, logical, len(chunk), top_k,
-                                          self._timeout(len(chunk)), hide_slots=hide)
+                out = await group.step(member, chunk, logical, len(chunk), top_k)
                 t2 = time.perf_counter()
                 self.step_costs.observe(len(chunk), t2 - t1)
                 if draft:
@@ -331,13 +329,11 @@ class Engine:
                     elif drafter.seconds_per_token is not None:
                         self.step_costs.observe_draft(1, drafter.seconds_per_token)
                     policy.observe(len(draft), accepted)
-                    hide = list(range(physical + 1 + accepted, physical + len(chunk)))
+                    group.reject(member, len(draft) - accepted)  # hidden from the next step on, never trimmed
                 else:
                     decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,
                                             params.top_p, rng_at(logical + 1))]
-                    accepted, hide = 0, []
-                invisible += len(hide)
-                physical += len(chunk)
+                    accepted = 0
                 logical += 1 + accepted
             yield TextDelta(text[sent:], request.finish_reason)
         except (asyncio.CancelledError, GeneratorExit):
@@ -349,7 +345,10 @@ class Engine:
         finally:
             if draft_prefill is not None and not draft_prefill.done():
                 draft_prefill.cancel()
-            await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))
+            if group is not None:
+                request.compactions = group.compactions - joined_compactions
+                group.leave(member)  # its KV row is dropped by the group's next step (or the group closes)
+            await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))  # unless merged into the group
             async with self._closed:
                 self._closed.notify_all()
             log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "

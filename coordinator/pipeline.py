@@ -156,12 +156,13 @@ class Pipeline:
             if isinstance(r, BaseException):
                 log.warning("session %s: close on %s failed: %s", session_id, address, _describe(r))
 
-    async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float) -> int:
-        """Drop the session's invisible KV slots (after hiding ``hide_slots``) on every stage at once;
-        returns the new physical length. Raises ``StageFailure`` when a stage fails or the stages
-        disagree on the result."""
+    async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float,
+                      hide_rows: list[int] = ()) -> int:
+        """Drop the session's invisible KV slots (after hiding ``hide_slots`` of ``hide_rows``) on every
+        stage at once; returns the new physical length. Raises ``StageFailure`` when a stage fails or
+        the stages disagree on the result."""
         request = pb.CompactRequest(session_id=session_id, past_length=past_length, hide_slots=list(hide_slots),
-                                    manifest_sha256=self.manifest_sha256)
+                                    hide_rows=list(hide_rows), manifest_sha256=self.manifest_sha256)
         results = await asyncio.gather(
             *(self.channels.stub(a).Compact(request, timeout=timeout_s) for a in self.addresses),
             return_exceptions=True,
@@ -174,25 +175,51 @@ class Pipeline:
             raise StageFailure(f"session {session_id}: stages disagree after compaction: {sorted(lengths)}")
         return lengths.pop()
 
-    # -- steps ---------------------------------------------------------------------------------
-    async def step(self, session_id: str, tokens: list[int], past_length: int, start_position: int,
-                   logits_count: int, top_k: int, timeout_s: float, hide_slots: list[int] = ()) -> StepOutput | None:
-        """Run ``tokens`` (one chunk) of a session through every stage.
+    async def merge(self, session_id: str, sources: list[str], max_context: int, timeout_s: float) -> int:
+        """Make batch group ``session_id`` of the ``sources`` sessions on every stage at once (see the
+        ``Merge`` RPC); returns its physical length. Raises ``StageFailure`` when a stage fails or the
+        stages disagree."""
+        request = pb.MergeRequest(session_id=session_id, sources=list(sources), max_context=max_context,
+                                  manifest_sha256=self.manifest_sha256)
+        results = await asyncio.gather(
+            *(self.channels.stub(a).Merge(request, timeout=timeout_s) for a in self.addresses),
+            return_exceptions=True,
+        )
+        for index, (address, r) in enumerate(zip(self.addresses, results)):
+            if isinstance(r, BaseException):
+                raise StageFailure(f"stage {index} at {address}: merge into a batch group failed: {_describe(r)}")
+        shapes = {(r.length, r.rows) for r in results}
+        if len(shapes) != 1:
+            raise StageFailure(f"batch group {session_id}: stages disagree after merge: {sorted(shapes)}")
+        return shapes.pop()[0]
 
-        Returns candidates for the chunk's last ``logits_count`` positions, or None when
-        ``logits_count`` is 0. Raises ``StageFailure`` naming the stage when any stage fails or the
-        step misses its deadline (``timeout_s``).
+    # -- steps ---------------------------------------------------------------------------------
+    async def step(self, session_id: str, tokens: list[int] | np.ndarray, past_length: int,
+                   start_position: int | list[int], logits_count: int, top_k: int, timeout_s: float,
+                   hide_slots: list[int] = (), hide_rows: list[int] = (), pads: list[int] = (),
+                   keep_rows: list[int] = ()) -> StepOutput | None:
+        """Run ``tokens`` (one chunk: [S] for a session, [B, S] int64 for a batch group) through every stage.
+
+        A group gives per-row ``start_position`` and ``pads`` and may drop rows (``keep_rows``); see
+        the ``ForwardRequest`` fields. Returns candidates for the chunk's last ``logits_count``
+        positions ([B * N, k], row-major), or None when ``logits_count`` is 0. Raises ``StageFailure``
+        naming the stage when any stage fails or the step misses its deadline (``timeout_s``).
         """
         if self._broken:
             raise StageFailure(self._broken)
         step_id = next(self._steps)
         request = pb.ForwardRequest(
             session_id=session_id, step_id=step_id, stage=0,
-            input=to_tensor(np.asarray(tokens, dtype=np.int64)[None, :]),
-            past_length=past_length, start_position=start_position, hide_slots=list(hide_slots),
+            input=to_tensor(np.atleast_2d(np.asarray(tokens, dtype=np.int64))),
+            past_length=past_length, hide_slots=list(hide_slots), hide_rows=list(hide_rows), row_pads=list(pads),
+            keep_rows=list(keep_rows),
             route=self.addresses[1:], logits_count=logits_count, top_k=top_k,
             reply_to=self.subscriber_id, manifest_sha256=self.manifest_sha256,
         )
+        if isinstance(start_position, int):
+            request.start_position = start_position
+        else:
+            request.row_start_positions.extend(start_position)
         waiter = None
         if logits_count:
             waiter = asyncio.get_running_loop().create_future()

@@ -49,6 +49,12 @@ class CoordinatorSettings(BaseSettings):
     compact_share: float = Field(0.5, gt=0, le=1, description="compact a session's KV (one state rewrite per stage) "
                                  "when invisible slots of rejected drafts reach this share of its slots ...")
     compact_min_slots: int = Field(64, ge=1, description="... and at least this many slots (or when it is full)")
+    max_batch: int = Field(8, ge=1, le=64, description="sessions decoding together in one infer call per stage "
+                           "(a batch group); 1 = no batching")
+    batch_groups: int = Field(0, ge=0, le=64, description="batch groups in flight, interleaved across the stages "
+                              "(0 = one per stage); more are opened only when all are full")
+    batch_wait_ms: float = Field(200.0, gt=0, description="longest a batch group's step waits for a member's chunk; "
+                                 "a member later than that sits the step out (a slow client never stalls the others)")
     log_level: str = Field("INFO", description="logging level")
 
     @field_validator("peer")

@@ -47,7 +47,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., freed_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256")
+    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256", "row_start_positions", "row_pads", "hide_rows", "keep_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,10 @@ class ForwardRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROW_PADS_FIELD_NUMBER: _ClassVar[int]
+    HIDE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step_id: int
     stage: int
@@ -72,7 +76,11 @@ class ForwardRequest(_message.Message):
     top_k: int
     reply_to: str
     manifest_sha256: str
-    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    row_start_positions: _containers.RepeatedScalarFieldContainer[int]
+    row_pads: _containers.RepeatedScalarFieldContainer[int]
+    hide_rows: _containers.RepeatedScalarFieldContainer[int]
+    keep_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., row_start_positions: _Optional[_Iterable[int]] = ..., row_pads: _Optional[_Iterable[int]] = ..., hide_rows: _Optional[_Iterable[int]] = ..., keep_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("compute_ms",)
@@ -81,16 +89,18 @@ class ForwardReply(_message.Message):
     def __init__(self, compute_ms: _Optional[float] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
-    __slots__ = ("session_id", "past_length", "hide_slots", "manifest_sha256")
+    __slots__ = ("session_id", "past_length", "hide_slots", "manifest_sha256", "hide_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAST_LENGTH_FIELD_NUMBER: _ClassVar[int]
     HIDE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HIDE_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     past_length: int
     hide_slots: _containers.RepeatedScalarFieldContainer[int]
     manifest_sha256: str
-    def __init__(self, session_id: _Optional[str] = ..., past_length: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    hide_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., past_length: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., manifest_sha256: _Optional[str] = ..., hide_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompactReply(_message.Message):
     __slots__ = ("length", "compute_ms")
@@ -99,6 +109,26 @@ class CompactReply(_message.Message):
     length: int
     compute_ms: float
     def __init__(self, length: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class MergeRequest(_message.Message):
+    __slots__ = ("session_id", "sources", "max_context", "manifest_sha256")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    max_context: int
+    manifest_sha256: str
+    def __init__(self, session_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+
+class MergeReply(_message.Message):
+    __slots__ = ("length", "rows")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    rows: int
+    def __init__(self, length: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("subscriber_id",)
@@ -123,7 +153,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes")
+    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +171,7 @@ class InfoReply(_message.Message):
     COMPACTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     stage: int
     num_stages: int
@@ -158,4 +189,5 @@ class InfoReply(_message.Message):
     compactions: int
     kv_reserved_bytes: int
     kv_budget_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...
+    sequences: int
+    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...

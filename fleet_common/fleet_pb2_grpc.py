@@ -54,6 +54,11 @@ class StageStub:
                 request_serializer=fleet__pb2.CompactRequest.SerializeToString,
                 response_deserializer=fleet__pb2.CompactReply.FromString,
                 _registered_method=True)
+        self.Merge = channel.unary_unary(
+                '/fleet.v1.Stage/Merge',
+                request_serializer=fleet__pb2.MergeRequest.SerializeToString,
+                response_deserializer=fleet__pb2.MergeReply.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/fleet.v1.Stage/Subscribe',
                 request_serializer=fleet__pb2.SubscribeRequest.SerializeToString,
@@ -93,6 +98,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Merge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Subscribe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,6 +138,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Compact,
                     request_deserializer=fleet__pb2.CompactRequest.FromString,
                     response_serializer=fleet__pb2.CompactReply.SerializeToString,
+            ),
+            'Merge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Merge,
+                    request_deserializer=fleet__pb2.MergeRequest.FromString,
+                    response_serializer=fleet__pb2.MergeReply.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -247,6 +263,33 @@ class Stage:
             '/fleet.v1.Stage/Compact',
             fleet__pb2.CompactRequest.SerializeToString,
             fleet__pb2.CompactReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Merge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.Stage/Merge',
+            fleet__pb2.MergeRequest.SerializeToString,
+            fleet__pb2.MergeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,27 +42,36 @@ class SessionConflict(ChunkError):
 
 @dataclass(eq=False)
 class KVSession:
-    """One sequence's KV cache in one compiled model.
+    """The KV cache of ``rows`` sequences in one compiled model: one InferRequest whose state tensors
+    are [rows, kv_heads, length, head_dim].
 
-    ``visible[j]`` (int64, 1/0) says whether physical slot ``j`` may be attended to; slots of
-    rejected draft tokens stay in the state with ``visible == 0`` until ``compact``.
+    A session usually holds one sequence; a *batch group* (``merge``) holds several that step together
+    in one infer call, sharing the physical length (shorter rows are padded with invisible slots).
+    ``visible[r, j]`` (int64, 1/0) says whether row ``r`` may attend to physical slot ``j``; slots of
+    rejected draft tokens and of padding stay in the state with ``visible == 0`` until ``compact``.
     """
 
     session_id: str
     request: ov.InferRequest | None  # None once closed
     max_context: int  # physical slots the session may grow to
-    length: int = 0  # physical KV slots in the state
-    visible: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [max_context]
+    rows: int = 1
+    reserved: list[int] = field(default_factory=list)  # KV slots each row reserved (admission), [rows]
+    length: int = 0  # physical KV slots in the state (shared by all rows)
+    visible: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [rows, max_context]
     last_used: float = 0.0
     compactions: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.visible = np.zeros(self.max_context, dtype=np.int64)
+        if self.visible.shape != (self.rows, self.max_context):
+            self.visible = np.zeros((self.rows, self.max_context), dtype=np.int64)
+        if len(self.reserved) != self.rows:
+            self.reserved = [self.max_context] * self.rows
 
     @property
     def visible_length(self) -> int:
-        return int(self.visible[: self.length].sum())
+        """Visible slots of row 0 (of the only row, for a plain session)."""
+        return int(self.visible[0, : self.length].sum())
 
     def reset(self) -> None:
         """Empty the state (the InferRequest is kept for reuse)."""
@@ -99,77 +108,167 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
     return compiled, KV_VALUE_BYTES.get(kv_cache_precision, 2), time.perf_counter() - t0
 
 
-def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: int, start_position: int,
-              hide_slots: list[int], logits_index: np.ndarray | None) -> tuple[np.ndarray, float]:
-    """Run one chunk of ``session`` and advance its KV state (caller validated ``x``'s shape/dtype).
+def _check_open(session: KVSession, past_length: int) -> None:
+    if session.request is None:
+        raise SessionConflict(f"session {session.session_id!r} was closed")
+    if past_length != session.length:
+        raise SessionConflict(f"session {session.session_id!r} holds {session.length} KV slots, the request "
+                              f"assumed {past_length}")
 
-    ``x``: token ids [1, S] int64 or hidden states [1, S, H] float32, fed as ``input_name``.
-    ``hide_slots``: physical slots < ``past_length`` to make invisible from now on.
+
+def _hide_index(session: KVSession, hide_slots: list[int], hide_rows: list[int] | None,
+                rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, slots) index arrays of the slots to hide; raises ``ChunkError`` for ones outside the past."""
+    slots = np.asarray(hide_slots, dtype=np.int64)
+    which = np.zeros_like(slots) if not hide_rows else np.asarray(hide_rows, dtype=np.int64)
+    if which.shape != slots.shape:
+        raise ChunkError(f"{len(hide_rows)} hide_rows for {len(hide_slots)} hide_slots")
+    bad = slots[(slots < 0) | (slots >= session.length)]
+    if bad.size:
+        raise ChunkError(f"hide_slots {bad[:4].tolist()} are not in the session's past (length {session.length})")
+    if which.size and (which.min() < 0 or which.max() >= rows):
+        raise ChunkError(f"hide_rows must be in [0, {rows})")
+    return which, slots
+
+
+def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: int,
+              start_position: int | list[int], hide_slots: list[int], logits_index: np.ndarray | None,
+              hide_rows: list[int] | None = None, pads: list[int] | None = None,
+              keep_rows: list[int] | None = None) -> tuple[np.ndarray, float]:
+    """Run one chunk of every row of ``session`` and advance its KV state (caller validated ``x``).
+
+    ``x``: token ids [B, S] int64 or hidden states [B, S, H] float32, fed as ``input_name``; B is the
+    session's row count (after ``keep_rows``).
+    ``keep_rows``: rows of the state to keep, in their new order, before the chunk runs (fed as
+    ``beam_idx``, the Gather each KV read starts with: a departed sequence's row is dropped for free).
+    ``start_position``: logical position of each row's first real token (one int for all rows).
+    ``pads``: left padding per row: the row's first ``pads[r]`` chunk tokens are fillers whose slots
+    are invisible from the start (so rows with shorter chunks end where the others do); a row padded
+    all the way (``pads[r] == S``) sits the step out.
+    ``hide_slots`` / ``hide_rows``: physical slots < ``past_length`` of those rows (row 0 when
+    ``hide_rows`` is empty) to make invisible from now on.
     ``logits_index`` [N] int64 (models with an LM head): chunk positions whose logits to compute.
-    Returns (first output copied: hidden [1, S, H] or logits [1, N, V] float32, inference ms).
+    Returns (first output copied: hidden [B, S, H] or logits [B, N, V] float32, inference ms).
     Raises ``SessionConflict`` when ``past_length`` disagrees with the session, ``ContextOverflow``
-    past its ``max_context`` and ``ChunkError`` for bad hide slots; the state is untouched then.
+    past its ``max_context`` and ``ChunkError`` for bad rows, pads or hide slots; the state is
+    untouched then.
     """
-    seq = x.shape[1]
+    batch, seq = x.shape[0], x.shape[1]
     with session.lock:
-        if session.request is None:
-            raise SessionConflict(f"session {session.session_id!r} was closed")
+        _check_open(session, past_length)
         past = session.length
-        if past_length != past:
-            raise SessionConflict(f"session {session.session_id!r} holds {past} KV slots, the request "
-                                  f"assumed {past_length}")
         if past + seq > session.max_context:
             raise ContextOverflow(f"session {session.session_id!r} would reach {past + seq} KV slots, "
                                   f"over its max context {session.max_context}")
-        bad = [s for s in hide_slots if s >= past]
-        if bad:
-            raise ChunkError(f"hide_slots {bad[:4]} are not in the session's past (length {past})")
-        session.visible[list(hide_slots)] = 0
-        session.visible[past:past + seq] = 1
+        rows = np.arange(session.rows, dtype=np.int32) if not keep_rows else np.asarray(keep_rows, dtype=np.int32)
+        if keep_rows and (len(set(keep_rows)) != len(keep_rows) or rows.min() < 0 or rows.max() >= session.rows):
+            raise ChunkError(f"keep_rows {list(keep_rows)[:8]} must be distinct rows of the session's {session.rows}")
+        if batch != len(rows):
+            raise ChunkError(f"chunk has {batch} rows, the session {len(rows)}")
+        pad = np.zeros(batch, dtype=np.int64) if not pads else np.asarray(pads, dtype=np.int64)
+        if pad.shape != (batch,) or pad.min() < 0 or pad.max() > seq or pad.min() == seq:
+            raise ChunkError(f"pads must give each of the {batch} rows a padding in [0, {seq}], "
+                             "and at least one row a real token")
+        start = np.broadcast_to(np.asarray(start_position, dtype=np.int64), (batch,))
+        which, slots = _hide_index(session, hide_slots, hide_rows, batch)
+        visible = session.visible[rows] if keep_rows else session.visible
+        visible[which, slots] = 0
+        offsets = np.arange(seq, dtype=np.int64)[None, :]
+        visible[:, past:past + seq] = offsets >= pad[:, None]
+        positions = np.maximum(start[:, None] + offsets - pad[:, None], start[:, None])  # fillers repeat the start
         inputs = {
             input_name: x,
-            "attention_mask": session.visible[None, : past + seq],
-            "position_ids": np.arange(start_position, start_position + seq, dtype=np.int64)[None, :],
-            "beam_idx": np.zeros(1, dtype=np.int32),
+            "attention_mask": visible[:, : past + seq],
+            "position_ids": positions,
+            "beam_idx": rows,
         }
         if logits_index is not None:
             inputs["logits_index"] = logits_index
         t0 = time.perf_counter()
         output = session.request.infer(inputs)[0].copy()
         elapsed = (time.perf_counter() - t0) * 1000
-        session.length = past + seq
+        if keep_rows:
+            session.reserved = [session.reserved[r] for r in rows]
+        session.visible, session.rows, session.length = visible, batch, past + seq
     return output, elapsed
 
 
-def compact(session: KVSession, past_length: int, hide_slots: list[int]) -> tuple[int, float]:
-    """Drop the invisible slots of ``session`` (after hiding ``hide_slots``): one rewrite of every KV
-    state tensor [1, kv_heads, slots, head_dim], keeping visible slots in order. Positions are not
-    touched (keys are stored rotated), so attention over the result is unchanged.
+def compact(session: KVSession, past_length: int, hide_slots: list[int],
+            hide_rows: list[int] | None = None) -> tuple[int, float]:
+    """Drop the invisible slots of ``session`` (after hiding ``hide_slots`` of ``hide_rows``): one
+    rewrite of every KV state tensor [rows, kv_heads, slots, head_dim], keeping each row's visible
+    slots in order; rows with fewer visible slots are padded at the end with invisible ones.
+    Positions are not touched (keys are stored rotated), so attention over the result is unchanged.
 
     Returns (new physical length, milliseconds). Raises ``SessionConflict`` when ``past_length``
     disagrees with the session and ``ChunkError`` for hide slots outside it.
     """
     with session.lock:
-        if session.request is None:
-            raise SessionConflict(f"session {session.session_id!r} was closed")
-        if past_length != session.length:
-            raise SessionConflict(f"session {session.session_id!r} holds {session.length} KV slots, the "
-                                  f"request assumed {past_length}")
-        bad = [s for s in hide_slots if s >= session.length]
-        if bad:
-            raise ChunkError(f"hide_slots {bad[:4]} are not in the session's past (length {session.length})")
+        _check_open(session, past_length)
+        which, slots = _hide_index(session, hide_slots, hide_rows, session.rows)
         t0 = time.perf_counter()
-        session.visible[list(hide_slots)] = 0
-        keep = np.flatnonzero(session.visible[: session.length])
-        if len(keep) < session.length:
+        session.visible[which, slots] = 0
+        keeps = [np.flatnonzero(session.visible[r, : session.length]) for r in range(session.rows)]
+        length = max(len(k) for k in keeps)
+        if length < session.length:
             for state in session.request.query_state():
-                kv = state.state.data  # [1, kv_heads, slots, head_dim]
-                state.state = ov.Tensor(np.ascontiguousarray(kv[:, :, keep, :]))
+                kv = state.state.data  # [rows, kv_heads, slots, head_dim]
+                packed = np.zeros((kv.shape[0], kv.shape[1], length, kv.shape[3]), dtype=kv.dtype)
+                for r, keep in enumerate(keeps):
+                    packed[r, :, : len(keep)] = kv[r, :, keep, :].transpose(1, 0, 2)
+                state.state = ov.Tensor(packed)
             session.visible[:] = 0
-            session.visible[: len(keep)] = 1
-            session.length = len(keep)
+            for r, keep in enumerate(keeps):
+                session.visible[r, : len(keep)] = 1
+            session.length = length
             session.compactions += 1
         return session.length, (time.perf_counter() - t0) * 1000
+
+
+def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, max_context: int) -> KVSession:
+    """One batch-group session holding the rows of ``sources`` in order (each source's rows keep
+    their order): every KV state tensor is concatenated along the batch axis, shorter sources padded
+    at the end with invisible slots. A single source is renamed without copying (``request`` unused).
+
+    Each row keeps the reservation it had. The sources are closed (their ``request`` set to None). ``max_context`` must cover every
+    source's length; raises ``ContextOverflow`` otherwise and ``SessionConflict`` for a closed source.
+    """
+    locks = [s.lock for s in sources]
+    for lock in locks:
+        lock.acquire()
+    try:
+        for s in sources:
+            _check_open(s, s.length)
+        length = max(s.length for s in sources)
+        if length > max_context:
+            raise ContextOverflow(f"merged length {length} exceeds max context {max_context}")
+        rows = sum(s.rows for s in sources)
+        visible = np.zeros((rows, max_context), dtype=np.int64)
+        r = 0
+        for s in sources:
+            visible[r:r + s.rows, : s.length] = s.visible[:, : s.length]
+            r += s.rows
+        if len(sources) == 1:
+            request = sources[0].request
+        else:
+            request.reset_state()
+            parts = [{st.name: st.state.data for st in s.request.query_state()} for s in sources]
+            for state in request.query_state():
+                arrays = [p[state.name] for p in parts]
+                head = arrays[0]
+                merged = np.zeros((rows, head.shape[1], length, head.shape[3]), dtype=head.dtype)
+                r = 0
+                for s, a in zip(sources, arrays):
+                    merged[r:r + s.rows, :, : s.length] = a
+                    r += s.rows
+                state.state = ov.Tensor(merged)
+        for s in sources:
+            s.request = None
+        return KVSession(session_id, request, max_context, rows=rows, length=length, visible=visible,
+                         reserved=[r for s in sources for r in s.reserved])
+    finally:
+        for lock in locks:
+            lock.release()
 
 
 def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -51,29 +51,31 @@ class ShardRunner:
         return self.compiled.create_infer_request()
 
     def kv_bytes(self, session: KVSession) -> int:
-        """Approximate KV cache bytes held by ``session`` at this stage."""
-        return session.length * self.loaded.manifest.kv_bytes_per_token(self.stage, self.kv_value_bytes)
+        """Approximate KV cache bytes held by ``session`` (all its rows) at this stage."""
+        return session.length * session.rows * self.loaded.manifest.kv_bytes_per_token(self.stage, self.kv_value_bytes)
 
-    def run(self, session: KVSession, x: np.ndarray, past_length: int, start_position: int,
-            hide_slots: list[int], logits_count: int) -> ChunkResult:
-        """Run one chunk of ``session`` through this stage and advance its KV state.
+    def run(self, session: KVSession, x: np.ndarray, past_length: int, start_position: int | list[int],
+            hide_slots: list[int], logits_count: int, hide_rows: list[int] | None = None,
+            pads: list[int] | None = None, keep_rows: list[int] | None = None) -> ChunkResult:
+        """Run one chunk of ``session`` (each of its rows) through this stage and advance its KV state.
 
-        ``x``: token ids [1, S] int64 (stage 0) or hidden states [1, S, H] float32.
-        ``hide_slots``: physical slots < ``past_length`` to make invisible from now on.
+        ``x``: token ids [B, S] int64 (stage 0) or hidden states [B, S, H] float32, B = the session's
+        rows (after ``keep_rows``). ``hide_slots`` / ``hide_rows``: physical slots < ``past_length`` to
+        make invisible from now on; ``pads``, ``keep_rows``: see ``fleet_common.runtime.run_chunk``.
         ``logits_count`` (last stage): logits for the chunk's last N positions (at least 1 computed).
         Raises ``ChunkError`` (or its subclasses ``ContextOverflow``, ``SessionConflict``) for input
         that does not fit; the state is untouched then.
         """
         if self.first:
-            if x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1:
-                raise ChunkError(f"stage 0 takes token ids [1, S] int64, got {list(x.shape)} {x.dtype}")
+            if x.dtype != np.int64 or x.ndim != 2:
+                raise ChunkError(f"stage 0 takes token ids [B, S] int64, got {list(x.shape)} {x.dtype}")
             if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
                 raise ChunkError(f"token id out of range [0, {self.vocab_size})")
-        elif x.dtype != np.float32 or x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
-            raise ChunkError(f"stage {self.stage} takes hidden states [1, S, {self.hidden_size}] float32, "
+        elif x.dtype != np.float32 or x.ndim != 3 or x.shape[2] != self.hidden_size:
+            raise ChunkError(f"stage {self.stage} takes hidden states [B, S, {self.hidden_size}] float32, "
                              f"got {list(x.shape)} {x.dtype}")
         seq = x.shape[1]
-        if seq == 0:
+        if seq == 0 or x.shape[0] == 0:
             raise ChunkError("empty chunk")
         if logits_count > seq:
             raise ChunkError(f"logits_count {logits_count} exceeds chunk length {seq}")
@@ -82,9 +84,10 @@ class ShardRunner:
             keep = max(logits_count, 1)
             index = np.arange(seq - keep, seq, dtype=np.int64)
         output, elapsed = run_chunk(session, "input_ids" if self.first else "hidden_states", x, past_length,
-                                    start_position, hide_slots, index)
+                                    start_position, hide_slots, index, hide_rows, pads, keep_rows)
         return ChunkResult(output, elapsed)
 
-    def compact(self, session: KVSession, past_length: int, hide_slots: list[int]) -> tuple[int, float]:
+    def compact(self, session: KVSession, past_length: int, hide_slots: list[int],
+                hide_rows: list[int] | None = None) -> tuple[int, float]:
         """Drop ``session``'s invisible slots here; see ``fleet_common.runtime.compact``."""
-        return compact(session, past_length, hide_slots)
+        return compact(session, past_length, hide_slots, hide_rows)

@@ -115,8 +115,9 @@ class StageService(pb_grpc.StageServicer):
         self._busy += 1
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, runner.run, session, x, request.past_length, request.start_position,
-                list(request.hide_slots), request.logits_count,
+                self._executor, runner.run, session, x, request.past_length,
+                list(request.row_start_positions) or request.start_position, list(request.hide_slots),
+                request.logits_count, list(request.hide_rows), list(request.row_pads), list(request.keep_rows),
             )
         except (ChunkError, SessionError) as exc:
             await context.abort(_code(exc.code), f"stage {runner.stage}: {exc}")
@@ -141,8 +142,8 @@ class StageService(pb_grpc.StageServicer):
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), f"stage {runner.stage + 1} at {address}: {exc.details()}")
         elif request.logits_count:
-            logits = result.output[0, -request.logits_count:]  # [N, V]
-            ids, logprobs = top_candidates(logits, request.top_k or 1)
+            logits = result.output[:, -request.logits_count:]  # [B, N, V]
+            ids, logprobs = top_candidates(logits.reshape(-1, logits.shape[-1]), request.top_k or 1)
             queue = self._subscribers.get(request.reply_to)
             if queue is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"subscriber {request.reply_to!r} left")
@@ -156,12 +157,28 @@ class StageService(pb_grpc.StageServicer):
         try:
             session = self.store.get(request.session_id)
             length, ms = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.compact, session, request.past_length, list(request.hide_slots))
+                self._executor, self.runner.compact, session, request.past_length, list(request.hide_slots),
+                list(request.hide_rows))
         except (ChunkError, SessionError) as exc:
             await context.abort(_code(exc.code), f"stage {self.runner.stage}: {exc}")
         self.compactions += 1
         log.debug("session %s compacted to %d slots in %.1f ms", request.session_id, length, ms)
         return pb.CompactReply(length=length, compute_ms=ms)
+
+    async def Merge(self, request: pb.MergeRequest, context: grpc.aio.ServicerContext) -> pb.MergeReply:
+        if msg := self._check_manifest(request.manifest_sha256):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        max_context = min(request.max_context or self.max_context, self.max_context)
+        try:  # on the inference thread: the sources' states must not change while they are copied
+            group = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.store.merge, request.session_id, list(request.sources), max_context)
+        except (ChunkError, SessionError) as exc:
+            await context.abort(_code(exc.code), f"stage {self.runner.stage}: {exc}")
+        log.debug("sessions %s merged into %s (%d rows, %d slots)", list(request.sources), request.session_id,
+                  group.rows, group.length)
+        return pb.MergeReply(length=group.length, rows=group.rows)
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         if not request.subscriber_id:
@@ -192,6 +209,7 @@ class StageService(pb_grpc.StageServicer):
             model_id=manifest.model_id,
             device=self.runner.device,
             sessions=len(self.store),
+            sequences=sum(s.rows for s in self.store.sessions()),
             max_sessions=self.store.max_sessions,
             kv_bytes=sum(self.runner.kv_bytes(s) for s in self.store.sessions()),
             busy=self._busy,

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fleet_common.runtime import KVSession
+from fleet_common.runtime import KVSession, merge
 
 
 def _libc_trim():  # noqa: ANN202
@@ -32,6 +32,10 @@ class SessionError(Exception):
     """Base of session-store errors; ``code`` names the gRPC status the server maps it to."""
 
     code = "INTERNAL"
+
+
+class BadMerge(SessionError):
+    code = "INVALID_ARGUMENT"
 
 
 class SessionNotFound(SessionError):
@@ -69,7 +73,10 @@ class SessionStore:
     def kv_reserved_bytes(self) -> int:
         """KV bytes reserved by open sessions (each for its max context)."""
         with self._lock:
-            return sum(s.max_context for s in self._sessions.values()) * self.kv_bytes_per_slot
+            return self._reserved_slots() * self.kv_bytes_per_slot
+
+    def _reserved_slots(self, skip: tuple[str, ...] = ()) -> int:
+        return sum(sum(s.reserved) for sid, s in self._sessions.items() if sid not in skip)
 
     def open(self, session_id: str, max_context: int) -> KVSession:
         """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the session cap or
@@ -77,7 +84,7 @@ class SessionStore:
         mib = 1 << 20
         with self._lock:
             old = self._sessions.pop(session_id, None)
-            reserved = sum(s.max_context for s in self._sessions.values()) * self.kv_bytes_per_slot
+            reserved = self._reserved_slots() * self.kv_bytes_per_slot
             need = max_context * self.kv_bytes_per_slot
             problem = None
             if len(self._sessions) >= self.max_sessions:
@@ -96,6 +103,32 @@ class SessionStore:
             session = KVSession(session_id, request, max_context, last_used=self._clock())
             self._sessions[session_id] = session
             return session
+
+    def merge(self, session_id: str, sources: list[str], max_context: int) -> KVSession:
+        """Replace the ``sources`` sessions by one batch group ``session_id`` holding their rows in
+        order (``fleet_common.runtime.merge``); each row keeps the KV reservation it was admitted with,
+        so grouping never changes admission.
+
+        Raises ``SessionNotFound`` for an unknown source, ``BadMerge`` for
+        repeated sources or a group id that names another live session, ``ContextOverflow`` when a
+        source is longer than ``max_context``."""
+        with self._lock:
+            if len(set(sources)) != len(sources) or not sources:
+                raise BadMerge(f"merge sources must be distinct and non-empty, got {sources}")
+            missing = [sid for sid in sources if sid not in self._sessions]
+            if missing:
+                raise SessionNotFound(f"unknown session {missing[0]!r} (never opened, closed, or expired when idle)")
+            if session_id in self._sessions and session_id not in sources:
+                raise BadMerge(f"session {session_id!r} exists and is not one of the merged sessions")
+            parts = [self._sessions[sid] for sid in sources]
+            request = self._make_request() if len(parts) > 1 else None
+            group = merge(session_id, parts, request, max_context)
+            group.last_used = self._clock()
+            for sid in sources:
+                del self._sessions[sid]
+            self._sessions[session_id] = group
+        release_free_memory()
+        return group
 
     def get(self, session_id: str) -> KVSession:
         """The live session; raises ``SessionNotFound`` (never opened, closed, or expired)."""

@@ -81,13 +81,14 @@ def test_concurrent_streams_equal_solo_and_cancel_frees_kv(fleet):
     cancelled.join(120)
     assert started.is_set()
     # the hung-up session is closed on every stage while the 8 others are still open and decoding
+    # (decode steps run in batch groups: one KV state with one row per session at each stage)
     deadline = time.monotonic() + 10
     while True:
         infos = stage_info(fleet)
         alive = all(t.is_alive() for t in threads)
-        if all(i.sessions == len(PROMPTS) for i in infos):
+        if all(i.sequences == len(PROMPTS) for i in infos):
             break
-        assert alive and time.monotonic() < deadline, [i.sessions for i in infos]
+        assert alive and time.monotonic() < deadline, [i.sequences for i in infos]
         time.sleep(0.05)
     assert alive, "a stream finished before the check; the check needs all 8 open"
     for t in threads:
@@ -97,3 +98,4 @@ def test_concurrent_streams_equal_solo_and_cancel_frees_kv(fleet):
     assert solo[PROMPTS[0]].startswith(together["cancelled"])
     infos = stage_info(fleet)
     assert [i.sessions for i in infos] == [0, 0] and [i.kv_bytes for i in infos] == [0, 0]
+    assert [i.kv_reserved_bytes for i in infos] == [0, 0]

@@ -109,7 +109,7 @@ def speculative_samples(target: Target, draft: DraftSession, k: int) -> np.ndarr
         ps = target.step([PROMPT[-1], *tokens], n - 1)
         emitted = speculative.verify(tokens, qs, ps, [np.random.default_rng([seed, n + i]) for i in range(k + 1)])
         if len(emitted) == 1:  # the next token by plain decoding, as the engine's following step would
-            target.kv.visible[n:target.kv.length] = 0
+            target.kv.visible[0, n:target.kv.length] = 0
             emitted.append(target.step([emitted[0]], n)[-1].sample(np.random.default_rng([seed, n + 1])))
         out[seed] = emitted[:2]
     return out

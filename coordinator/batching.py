@@ -1,0 +1,293 @@
+"""Batch groups: sessions that decode in lock-step, one infer call per stage for all of them.
+
+A stage's decode step is weight-bound on these PCs: at batch 2 one call costs 1.12-1.27x batch 1
+and batch 4 1.4-1.8x (seq 1, contexts 128-1024, one thread, ``bench/batch_probe.py``), while copying
+two sessions' KV into a batched request and back costs 8-51 ms, more than the step itself. So a
+group's KV lives in *one* stateful request per stage with one row per session (``Merge`` RPC, once
+when a session joins after its solo prefill), rows step together, and
+
+* rows with shorter chunks (a plain step beside a K-token verify) are padded on the left with filler
+  tokens whose slots are invisible from the start, so every row's real tokens end at the chunk's end;
+* a session that leaves is dropped from the state by the next step's ``keep_rows`` (the ``beam_idx``
+  Gather each KV read starts with), at no cost; the last one to leave closes the group;
+* rejected drafts and fillers stay in the state, masked (design §5), until ``Compact`` repacks
+  every row once their share is large;
+* a step waits for every member's chunk, but at most ``wait_s`` after the first: a member that is
+  late (its client reads slowly, say) sits that step out on a fully padded row, and the group stops
+  waiting for it until it submits again. No session can stall the others.
+
+Groups give interleaving too: the coordinator keeps ``groups`` of them (default: one per stage), so
+while stage 1 runs group A's step, stage 0 runs group B's (the paper's two-stream interleave,
+Berenbaum & Venkatachalam, arXiv 2608.19147 §5), and batching fills each step beyond one row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import StageFailure
+from .pipeline import Pipeline, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Member:
+    """One session's row in a group: ``visible`` tokens of it are in the KV state."""
+
+    session_id: str
+    slots: int  # physical KV slots the session needs on its own (prompt + completion + draft slack)
+    visible: int  # tokens of the session in the state (its logical length)
+    hide: list[int] = field(default_factory=list)  # slots of its row to hide from the next step on
+    late: bool = False  # missed the last step: the group does not wait for it until it is back
+    end: int = 0  # physical slot after its last chunk
+
+
+@dataclass
+class _Submission:
+    tokens: list[int]
+    start_position: int
+    logits_count: int
+    top_k: int
+    future: asyncio.Future
+
+
+class BatchGroup:
+    """Sessions stepping together as one KV state with one row per session on every stage.
+
+    Members call ``join`` (after their solo prefill), then ``step`` once per decode step and ``reject``
+    after verifying drafts, and ``leave`` however they end. A step runs when every member has
+    submitted one. Errors: ``StageFailure`` (the group is then broken for every member).
+    """
+
+    def __init__(self, pipeline: Pipeline, slack: int, compact_share: float, compact_min_slots: int,
+                 timeout_s, max_rows: int, wait_s: float) -> None:  # noqa: ANN001 - timeout_s: tokens -> seconds
+        self.pipeline = pipeline
+        self.group_id = f"group-{uuid.uuid4().hex[:16]}"
+        self.slack = slack  # extra slots so that the longest row plus the longest chunk always fit
+        self.compact_share, self.compact_min_slots = compact_share, compact_min_slots
+        self.timeout_s = timeout_s
+        self.max_rows = max_rows
+        self.wait_s = wait_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._waited = False  # the wait for the members' chunks ran out
+        self.members: list[Member] = []  # active members
+        self.rows: list[Member] = []  # the row order of the state at the stages (may hold departed ones)
+        self.length = 0  # physical KV slots of the state at every stage
+        self.max_context = 0
+        self.compactions = 0
+        self.steps = 0
+        self.broken: BaseException | None = None
+        self._joining: list[tuple[Member, asyncio.Future]] = []
+        self._pending: dict[Member, _Submission] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def load(self) -> int:
+        return len(self.members) + len(self._joining)
+
+    @property
+    def open(self) -> bool:
+        return self.broken is None and self.load < self.max_rows and self.pipeline.healthy
+
+    async def join(self, member: Member) -> None:
+        """Move ``member``'s prefilled solo session into the group (between steps). Raises
+        ``StageFailure`` or ``Overloaded`` (no stage KV room for the group); the member's solo session
+        is left as it was then."""
+        if self.broken is not None:
+            raise StageFailure(f"batch group failed: {self.broken}")
+        future = asyncio.get_running_loop().create_future()
+        self._joining.append((member, future))
+        self._kick()
+        await future
+
+    async def step(self, member: Member, tokens: list[int], start_position: int, logits_count: int,
+                   top_k: int) -> StepOutput:
+        """Run ``tokens`` of ``member`` (logical positions from ``start_position``) in the group's next
+        step; returns candidates for its last ``logits_count`` tokens."""
+        if self.broken is not None:
+            raise StageFailure(f"batch group failed: {self.broken}")
+        future = asyncio.get_running_loop().create_future()
+        self._pending[member] = _Submission(tokens, start_position, logits_count, top_k, future)
+        self._kick()
+        return await future
+
+    def reject(self, member: Member, count: int) -> None:
+        """Hide the last ``count`` tokens ``member`` sent in the step that just ran (rejected drafts)."""
+        member.visible -= count
+        member.hide.extend(range(member.end - count, member.end))
+
+    def leave(self, member: Member) -> None:
+        """Take ``member`` out; its row is dropped by the next step, or the group closes if it was last."""
+        self._joining = [(m, f) for m, f in self._joining if m is not member]
+        if member in self.members:
+            self.members.remove(member)
+        self._pending.pop(member, None)
+        self._kick()
+
+    # -- the group's one worker task --------------------------------------------------------------
+    def _ready(self) -> bool:
+        if self._joining:
+            return True
+        if not self.members:
+            return bool(self.rows)  # close the state at the stages
+        if not self._pending:
+            return False
+        return self._waited or all(m in self._pending for m in self.members if not m.late)
+
+    def _expire(self) -> None:
+        self._timer, self._waited = None, True
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._task is not None or self.broken is not None:
+            return
+        if self._ready():
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._waited = None, False
+            self._task = asyncio.create_task(self._run(), name=self.group_id)
+        elif self._pending and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.wait_s, self._expire)
+
+    async def _run(self) -> None:
+        try:
+            if self._joining:
+                await self._merge()
+            elif not self.members:
+                await self._close()
+            else:
+                await self._step()
+        except BaseException as exc:  # noqa: BLE001 - every waiter learns of it
+            self.broken = exc if not isinstance(exc, asyncio.CancelledError) else StageFailure("group cancelled")
+            for _, future in self._joining:
+                if not future.done():
+                    future.set_exception(StageFailure(f"batch group failed: {self.broken}"))
+            for sub in self._pending.values():
+                if not sub.future.done():
+                    sub.future.set_exception(exc if isinstance(exc, StageFailure)
+                                             else StageFailure(f"batch group failed: {exc!r}"))
+            self._joining, self._pending = [], {}
+            if not isinstance(exc, (StageFailure, asyncio.CancelledError)):
+                log.exception("%s failed", self.group_id)
+            await asyncio.shield(self.pipeline.close_session(self.group_id, 5.0))
+        finally:
+            self._task = None
+            self._kick()
+
+    async def _merge(self) -> None:
+        joining, self._joining = self._joining, []
+        new = [m for m, _ in joining]
+        need = max([m.slots for m in new] + [m.slots for m in self.members]) + self.slack
+        max_context = max(self.max_context, need)
+        sources = ([self.group_id] if self.rows else []) + [m.session_id for m in new]
+        try:
+            length = await self.pipeline.merge(self.group_id, sources, max_context, self.timeout_s(0))
+        except BaseException as exc:
+            for _, future in joining:
+                if not future.done():
+                    future.set_exception(exc)
+            if self.rows:  # the group's state is unknown now
+                raise
+            return
+        self.rows += new
+        self.members += new
+        self.length, self.max_context = length, max_context
+        for _, future in joining:
+            if not future.done():
+                future.set_result(None)
+
+    async def _close(self) -> None:
+        self.rows, self.length, self.max_context = [], 0, 0
+        await asyncio.shield(self.pipeline.close_session(self.group_id, self.timeout_s(0)))
+
+    async def _compact(self) -> None:
+        for r, m in enumerate(self.rows):  # departed rows are emptied: the next step drops them
+            if m not in self.members:
+                m.hide = list(range(self.length))
+        hide_rows = [r for r, m in enumerate(self.rows) for _ in m.hide]
+        hide_slots = [s for m in self.rows for s in m.hide]
+        self.length = await self.pipeline.compact(self.group_id, self.length, hide_slots, self.timeout_s(0),
+                                                  hide_rows=hide_rows)
+        for m in self.rows:
+            m.hide = []
+        self.compactions += 1
+
+    async def _step(self) -> None:
+        members = list(self.members)
+        subs = [self._pending.pop(m, None) for m in members]  # None: late, sits this step out
+        seq = max(len(s.tokens) for s in subs if s is not None)
+        reclaim = self.length - max(m.visible for m in members)
+        if self.length + seq > self.max_context or (
+                reclaim > 0 and reclaim >= max(self.compact_min_slots, self.compact_share * self.length)):
+            await self._compact()
+        keep = [self.rows.index(m) for m in members] if self.rows != members else []
+        hide_rows = [r for r, m in enumerate(members) for _ in m.hide]
+        hide_slots = [s for m in members for s in m.hide]
+        filler = next(s.tokens[0] for s in subs if s is not None)
+        pads = [seq - len(s.tokens) if s is not None else seq for s in subs]
+        tokens = np.array([[filler] * pad + (s.tokens if s is not None else []) for s, pad in zip(subs, pads)],
+                          dtype=np.int64)
+        starts = [s.start_position if s is not None else m.visible for m, s in zip(members, subs)]
+        count = max(s.logits_count for s in subs if s is not None)
+        top_k = max(s.top_k for s in subs if s is not None)
+        try:
+            out = await self.pipeline.step(
+                self.group_id, tokens, self.length, starts, count, top_k, self.timeout_s(seq * len(subs)),
+                hide_slots=hide_slots, hide_rows=hide_rows, pads=pads, keep_rows=keep)
+        except BaseException as exc:
+            error = exc if isinstance(exc, StageFailure) else StageFailure(f"batch group step failed: {exc!r}")
+            for s in subs:  # a member whose step failed is not pending any more
+                if s is not None and not s.future.done():
+                    s.future.set_exception(error)
+            raise
+        self.rows = members
+        self.length += seq
+        self.steps += 1
+        ids = out.top_ids.reshape(len(members), count, -1)
+        logprobs = out.top_logprobs.reshape(len(members), count, -1)
+        for r, (m, s) in enumerate(zip(members, subs)):
+            m.hide = []
+            m.late = s is None
+            if s is None:
+                continue
+            m.visible += len(s.tokens)
+            m.end = self.length
+            n = s.logits_count
+            if not s.future.done():
+                s.future.set_result(StepOutput(ids[r, count - n:], logprobs[r, count - n:]))
+
+
+class Batcher:
+    """Places sessions into batch groups: up to ``groups`` groups (more only when all are full), each
+    of at most ``max_rows`` sessions, a new session joining the least-loaded open group."""
+
+    def __init__(self, groups: int, max_rows: int, slack: int, compact_share: float, compact_min_slots: int,
+                 timeout_s, wait_s: float) -> None:  # noqa: ANN001
+        self.target_groups, self.max_rows, self.wait_s = groups, max_rows, wait_s
+        self.slack, self.compact_share, self.compact_min_slots = slack, compact_share, compact_min_slots
+        self.timeout_s = timeout_s
+        self.groups: list[BatchGroup] = []
+        self._ids = itertools.count()
+
+    def assign(self, pipeline: Pipeline) -> BatchGroup:
+        """The group a new session of ``pipeline`` should join."""
+        self.groups = [g for g in self.groups if g.broken is None and g.pipeline is pipeline
+                       and (g.load or g.rows or g._task is not None)]
+        open_groups = [g for g in self.groups if g.open]
+        if len(self.groups) < self.target_groups or not open_groups:
+            group = BatchGroup(pipeline, self.slack, self.compact_share, self.compact_min_slots, self.timeout_s,
+                               self.max_rows, self.wait_s)
+            self.groups.append(group)
+            return group
+        return min(open_groups, key=lambda g: g.load)
+
+    def stats(self) -> list[dict]:
+        return [{"group": g.group_id, "sessions": len(g.members), "slots": g.length, "steps": g.steps,
+                 "compactions": g.compactions} for g in self.groups]
