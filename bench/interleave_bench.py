@@ -95,6 +95,7 @@ def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict)
     start = time.perf_counter()
     first = last = None
     n = 0
+    times = result.setdefault("times", [])
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
@@ -102,6 +103,7 @@ def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict)
             if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
                 first = first or time.perf_counter()
                 last = time.perf_counter()
+                times.append(last)
                 n += 1
     result.update(ttft_ms=(first - start) * 1000, decode_tok_s=(tokens - 1) / max(last - first, 1e-9), end=last,
                   chunks=n)
@@ -124,6 +126,60 @@ def run_users(url: str, users: int, tokens: int) -> dict:
 
 
 MODES = {"interleave": ["--max-batch", "1"], "batch groups": []}  # without / with batching at a stage
+
+LONG_PROMPT = ("Summarize the following notes in one sentence. " + " ".join(
+    f"Note {i}: the committee met on day {i} and agreed to review item {i * 7 % 23} before the next session."
+    for i in range(80)))  # about 1,800 tokens
+
+
+def fairness_cells(build: Path, logs: Path, chunks: tuple[int, ...] = (64, 256, 4096)) -> list[dict]:
+    """Three users decode on a 2-stage fleet while a fourth arrives with a ~1,800-token prompt: the
+    decoders' longest gap between tokens while it prefills, and its TTFT, per ``--prefill-chunk``."""
+    ncpu = os.cpu_count() or 1
+    cells = []
+    for chunk in chunks:
+        with ExitStack() as stack:
+            addresses = []
+            for stage in range(2):
+                port = free_port()
+                log = logs / f"fairness-worker{stage}.log"
+                proc = start(["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard",
+                              str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
+                              "--no-announce"], log, stack)
+                wait_line(log, "serving on", proc)
+                addresses.append(f"127.0.0.1:{port}")
+            port = free_port()
+            log = logs / f"fairness-chunk{chunk}-coordinator.log"
+            peers = [a for address in addresses for a in ("--peer", address)]
+            proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port",
+                          str(port), "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING",
+                          "--prefill-chunk", str(chunk), *peers], log, stack)
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, log)
+            run_users(url, 1, 8)  # warm-up
+            results = [dict() for _ in range(4)]
+            with httpx.Client(limits=httpx.Limits(max_connections=16)) as client:
+                threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i], 160, results[i]))
+                           for i in range(3)]
+                for t in threads:
+                    t.start()
+                time.sleep(1.5)
+                arrived = time.perf_counter()
+                user(client, url, LONG_PROMPT, 4, results[3])
+                for t in threads:
+                    t.join()
+            window_end = results[3]["times"][0]
+            gaps = [b - a for r in results[:3] for a, b in zip(r["times"], r["times"][1:])]
+            during = [b - a for r in results[:3] for a, b in zip(r["times"], r["times"][1:])
+                      if b >= arrived and a <= window_end]
+            cell = {"prefill_chunk": chunk, "newcomer_ttft_ms": results[3]["ttft_ms"],
+                    "decoder_gap_p50_ms": statistics.median(gaps) * 1000,
+                    "decoder_max_gap_during_prefill_ms": max(during, default=0.0) * 1000}
+            cells.append(cell)
+            print(f"  fairness, --prefill-chunk {chunk}: newcomer TTFT {cell['newcomer_ttft_ms']:.0f} ms, decoders' "
+                  f"median gap {cell['decoder_gap_p50_ms']:.0f} ms, longest gap while it prefills "
+                  f"{cell['decoder_max_gap_during_prefill_ms']:.0f} ms", flush=True)
+    return cells
 
 
 def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, logs: Path, mode: str) -> list[dict]:
@@ -156,6 +212,59 @@ def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, lo
     return cells
 
 
+def wait_port(port: int, proc, log: Path, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited; log tail:\n{log.read_text(errors='replace')[-2000:]}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"port {port} not open after {timeout_s:.0f} s; see {log}")
+
+
+def llama_cpp_cells(bin_dir: Path, gguf: Path, stages: int, users_list: list[int], tokens: int,
+                    logs: Path) -> list[dict]:
+    """llama.cpp's RPC fleet on the same cores: one ``ggml-rpc-server`` per stage pinned like our
+    workers (one thread), ``llama-server`` (continuous batching, ``-np`` slots) holding no layers
+    (``-ngl 99`` offloads all to the RPC devices, split by layer) and unpinned like our coordinator.
+    One stage = ``llama-server`` alone on core 0 with one thread."""
+    ncpu = os.cpu_count() or 1
+    cells = []
+    slots = max(users_list)
+    with ExitStack() as stack:
+        rpc = []
+        if stages > 1:
+            for stage in range(stages):
+                port = free_port()
+                log = logs / f"llamacpp-{stages}stage-rpc{stage}.log"
+                proc = start(["taskset", "-c", str(stage % ncpu), str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1",
+                              "-p", str(port), "-t", "1"], log, stack)
+                wait_port(port, proc, log)
+                rpc.append(f"127.0.0.1:{port}")
+        port = free_port()
+        log = logs / f"llamacpp-{stages}stage-server.log"
+        cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
+               "-t", "1", "-np", str(slots), "-c", str(slots * 512), "--no-webui"]
+        if rpc:
+            cmd += ["--rpc", ",".join(rpc), "-ngl", "99"]
+        else:
+            cmd = ["taskset", "-c", "0", *cmd]
+        proc = start(cmd, log, stack)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        run_users(url, 1, 8)  # warm-up
+        for users in users_list:
+            cell = {"stages": stages, "mode": f"llama.cpp {gguf.stem.split('.')[-1]}", **run_users(url, users, tokens)}
+            cells.append(cell)
+            print(f"  {stages}-stage {cell['mode']}, {users} users: {cell['aggregate_tok_s']:.1f} tok/s aggregate, "
+                  f"{cell['per_user_tok_s']:.1f} per user, TTFT {cell['ttft_ms']:.0f} ms", flush=True)
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -163,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", default="1,2,4,8")
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--llama-cpp", type=Path, metavar="BIN_DIR",
+                        help="also run llama.cpp's RPC fleet: folder with ggml-rpc-server and llama-server, built "
+                        "from PyPI's llama-cpp-python sdist (vendor/llama.cpp, cmake -DGGML_RPC=ON)")
+    parser.add_argument("--gguf", type=Path, action="append", default=[],
+                        help="GGUF(s) of the demo model for --llama-cpp (repeatable)")
+    parser.add_argument("--modes", default=",".join(MODES), help="fleet modes to run")
+    parser.add_argument("--no-fairness", action="store_true", help="skip the long-prompt fairness runs")
     args = parser.parse_args(argv)
     users_list = [int(u) for u in args.users.split(",")]
     stage_list = [int(s) for s in args.stages.split(",")]
@@ -179,17 +295,30 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     cells = []
     for stages in stage_list:
-        for mode in MODES:
-            cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs", mode)
+        for mode in args.modes.split(","):
+            if mode:
+                cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs", mode)
+        if args.llama_cpp:
+            for gguf in args.gguf:
+                cells += llama_cpp_cells(args.llama_cpp, gguf, stages, users_list, args.tokens, cache / "logs")
+    fairness = [] if args.no_fairness else fairness_cells(builds[2] if 2 in builds else ensure_build(hf, cache, 2),
+                                                           cache / "logs")
     ref = base["decode_tok_s"]
     lines = [f"{'config':<30} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
              f"{'TTFT ms':>8}", "-" * 96,
              f"{'whole model, 1 core':<30} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | {base['ttft_ms']:>8.0f}"]
     for c in cells:
-        name = f"fleet {c['stages']}-stage, {c['mode']}"
+        name = (f"fleet {c['stages']}-stage, {c['mode']}" if not c["mode"].startswith("llama")
+                else f"{c['mode']}, {c['stages']}-stage")
         lines.append(f"{name:<30} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | "
                      f"{c['aggregate_tok_s'] / ref:>10.2f} | {c['per_user_tok_s']:>14.1f} | {c['ttft_ms']:>8.0f}")
     print("\n" + "\n".join(lines))
+    if fairness:
+        print(f"\n{'2-stage, 3 decoding + 1 long prompt':<36} | {'newcomer TTFT ms':>16} | {'decoders median gap ms':>22} | "
+              f"{'longest gap during its prefill ms':>33}")
+        for f in fairness:
+            print(f"{'--prefill-chunk ' + str(f['prefill_chunk']):<36} | {f['newcomer_ttft_ms']:>16.0f} | "
+                  f"{f['decoder_gap_p50_ms']:>22.0f} | {f['decoder_max_gap_during_prefill_ms']:>33.0f}")
     for c in cells:
         if c["stages"] == 2 and c["users"] in (2, 4):
             goal = 1.8 if c["users"] == 2 else 1.9
@@ -199,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "benchmark": "interleave_bench", "tokens": args.tokens, "baseline": base, "cells": cells,
+            "fairness": fairness,
             "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
         }, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -21,7 +21,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.wire import GRPC_OPTIONS, from_tensor, to_tensor
 
-from .errors import Overloaded, StageFailure
+from .errors import InvalidRequest, Overloaded, StageFailure
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class Pipeline:
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, session_id: str, max_context: int, timeout_s: float) -> None:
         """Open ``session_id`` on every stage at once. Raises ``Overloaded`` when a stage is full,
-        ``StageFailure`` otherwise (the stages that did open are closed again)."""
+        ``InvalidRequest`` when the session could never fit a stage's KV budget, ``StageFailure``
+        otherwise (the stages that did open are closed again)."""
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
                                         manifest_sha256=self.manifest_sha256)
         results = await asyncio.gather(
@@ -143,6 +144,9 @@ class Pipeline:
             address, exc = errors[0]
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise Overloaded(f"worker {address} is full: {exc.details()}")
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                raise InvalidRequest(f"this request can never be served by worker {address}: {exc.details()}; "
+                                     "lower max_tokens or shorten the prompt", param="max_tokens")
             raise StageFailure(f"cannot open a session on worker {address}: {_describe(exc)}")
 
     async def close_session(self, session_id: str, timeout_s: float) -> None:

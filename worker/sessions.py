@@ -38,6 +38,12 @@ class BadMerge(SessionError):
     code = "INVALID_ARGUMENT"
 
 
+class SessionTooLarge(SessionError):
+    """The session's KV would not fit the worker's whole budget even when it is empty."""
+
+    code = "OUT_OF_RANGE"
+
+
 class SessionNotFound(SessionError):
     code = "NOT_FOUND"
 
@@ -80,13 +86,20 @@ class SessionStore:
 
     def open(self, session_id: str, max_context: int) -> KVSession:
         """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the session cap or
-        when its KV for ``max_context`` slots does not fit the budget."""
+        when its KV for ``max_context`` slots does not fit the budget now, ``SessionTooLarge`` when it
+        would not fit even an empty worker."""
         mib = 1 << 20
         with self._lock:
             old = self._sessions.pop(session_id, None)
             reserved = self._reserved_slots() * self.kv_bytes_per_slot
             need = max_context * self.kv_bytes_per_slot
             problem = None
+            if self.kv_budget_bytes and need > self.kv_budget_bytes:
+                if old is not None:
+                    self._sessions[session_id] = old
+                raise SessionTooLarge(f"the session needs {need / mib:.1f} MiB of KV for {max_context} slots, more "
+                                      f"than this worker's whole budget of {self.kv_budget_bytes / mib:.0f} MiB "
+                                      "(--kv-budget-mb)")
             if len(self._sessions) >= self.max_sessions:
                 problem = f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later"
             elif self.kv_budget_bytes and reserved + need > self.kv_budget_bytes:

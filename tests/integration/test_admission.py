@@ -5,6 +5,7 @@ clear message, never an error from deep inside."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import grpc
 import pytest
@@ -80,5 +81,19 @@ def test_full_queue_is_429(workers):
         assert sorted(r.status_code for r in replies) == [200, 429], [r.text for r in replies]
         error = next(r for r in replies if r.status_code == 429).json()["error"]
         assert "1 requests are running and 0 are queued" in error["message"], error
+    finally:
+        proc.stop()
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once(workers):
+    proc, url = coordinator(workers, "too-large")
+    try:
+        t0 = time.monotonic()
+        reply = chat(url, PROMPT, max_tokens=400)  # ~435 slots: more than a whole 4 MiB budget (182 slots)
+        assert reply.status_code == 400, reply.text
+        assert time.monotonic() - t0 < 10  # refused, not queued until --queue-timeout-s (60 s)
+        error = reply.json()["error"]
+        assert error["param"] == "max_tokens" and "whole budget" in error["message"], error
+        assert chat(url, PROMPT, max_tokens=TOKENS, ignore_eos=True).status_code == 200  # nothing leaked
     finally:
         proc.stop()
