@@ -83,6 +83,7 @@ class BatchGroup:
         self.max_context = 0
         self.compactions = 0
         self.steps = 0
+        self.last_rows = 0  # members that took part in the last step
         self.broken: BaseException | None = None
         self._joining: list[tuple[Member, asyncio.Future]] = []
         self._pending: dict[Member, _Submission] = {}
@@ -250,6 +251,7 @@ class BatchGroup:
         self.rows = members
         self.length += seq
         self.steps += 1
+        self.last_rows = sum(s is not None for s in subs)
         ids = out.top_ids.reshape(len(members), count, -1)
         logprobs = out.top_logprobs.reshape(len(members), count, -1)
         for r, (m, s) in enumerate(zip(members, subs)):

@@ -78,6 +78,7 @@ class Request:
     draft_ms: float = 0.0  # time spent proposing drafts
     verify_ms: float = 0.0  # wall time of the steps that verified drafts
     compactions: int = 0  # KV compactions (one state rewrite per stage each)
+    batch_max: int = 0  # most sessions that shared one of its decode steps (its batch group's size)
 
     def record_verify(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """Count one decode step that verified ``drafted`` drafts, ``accepted`` of them accepted."""
@@ -99,6 +100,7 @@ class Request:
             "draft_ms": round(self.draft_ms, 3),
             "verify_ms": round(self.verify_ms, 3),
             "compactions": self.compactions,
+            "batch_max": self.batch_max,
         }
 
     def append(self, token: int) -> None:
@@ -317,6 +319,7 @@ class Engine:
                 t1 = time.perf_counter()
                 out = await group.step(member, chunk, logical, len(chunk), top_k)
                 t2 = time.perf_counter()
+                request.batch_max = max(request.batch_max, group.last_rows)
                 self.step_costs.observe(len(chunk), t2 - t1)
                 if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,

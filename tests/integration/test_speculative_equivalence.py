@@ -113,3 +113,36 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
     assert 0 < totals["accepted"] < totals["drafted"], totals
     assert totals["compactions"] > 0, totals
     print(f"{stages}-stage: {totals}")
+
+
+def test_concurrent_speculative_sessions_in_one_batch_group(reference, build_2, tmp_path):
+    """Five greedy sessions with prompt-lookup drafts share one batch group (``--batch-groups 1``):
+    their chunks differ in length every step (left padding), rejections and compactions happen per
+    row, and each output still equals plain greedy decoding."""
+    import concurrent.futures
+
+    tokenizer = ChatTokenizer(build_2)
+    workers = [start_worker(build_2, shard, tmp_path) for shard in range(2)]
+    peers = [arg for _, address in workers for arg in ("--peer", address)]
+    coordinator, url = start_coordinator(build_2, tmp_path, *peers, "--no-discover", "--draft", "ngram",
+                                         "--spec-k", "4", "--batch-groups", "1", "--inference-precision", "f32",
+                                         "--compact-min-slots", "32")
+    try:
+        wait_ready(url)
+        prompts = PROMPTS[:5]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda p: chat(url, p, max_tokens=NEW_TOKENS, ignore_eos=True), prompts))
+        batched = 0
+        for prompt, r in zip(prompts, replies):
+            assert r.status_code == 200, r.text
+            tokens, margins = reference(prompt)
+            check_equal(r.json()["choices"][0]["message"]["content"], tokens, margins, tokenizer,
+                        f"batched ngram session on {prompt!r}")
+            stats = r.json()["fleet"]
+            assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats
+            batched = max(batched, stats["batch_max"])
+        assert batched >= 3, "the sessions did not share steps"
+    finally:
+        coordinator.stop()
+        for proc, _ in workers:
+            proc.stop()
