@@ -97,13 +97,19 @@ def messages(prompt: str) -> list[dict]:
 
 # ---------------------------------------------------------------- inputs, cached between runs
 
-def ensure_build(hf: Path, cache: Path, shards: int) -> Path:
-    out = cache / f"smollm2-{shards}stage"
+def ensure_build(hf: Path, cache: Path, shards: int, layers: str | None = None) -> Path:
+    """The demo built into ``cache`` (default split, or explicit ``layers``), built once per exporter
+    version (a hash of the compiler's export, build and plan code is part of the folder name)."""
+    import hashlib
+
+    key = hashlib.sha256(b"".join((ROOT / "compiler" / n).read_bytes() for n in ("export.py", "build.py", "plan.py")))
+    name = f"smollm2-{shards}stage" + (f"-{layers.replace(':', '_').replace(',', '-')}" if layers else "")
+    out = cache / f"{name}-{key.hexdigest()[:8]}"
     if not (out / "manifest.json").is_file():
         from compiler.build import build
 
         print(f"building {shards}-stage model into {out} ...", flush=True)
-        build(hf, out, shards=shards)
+        build(hf, out, shards=shards, layers=layers)
     return out
 
 

@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="GGUF(s) of the demo model for --llama-cpp (repeatable)")
     parser.add_argument("--modes", default=",".join(MODES), help="fleet modes to run")
     parser.add_argument("--no-fairness", action="store_true", help="skip the long-prompt fairness runs")
+    parser.add_argument("--no-even", action="store_true", help="skip the 2-stage even-split (15+15 layers) runs")
     args = parser.parse_args(argv)
     users_list = [int(u) for u in args.users.split(",")]
     stage_list = [int(s) for s in args.stages.split(",")]
@@ -298,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             if mode:
                 cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs", mode)
+        if stages == 2 and not args.no_even:  # the split before the compiler counted the LM head
+            even = ensure_build(hf, cache, 2, "0:15,15:30")
+            for cell in fleet_cells(even, 2, users_list, args.tokens, cache / "logs", "batch groups"):
+                cells.append({**cell, "mode": "batch groups, even split 15+15"})
         if args.llama_cpp:
             for gguf in args.gguf:
                 cells += llama_cpp_cells(args.llama_cpp, gguf, stages, users_list, args.tokens, cache / "logs")

@@ -14,7 +14,7 @@ from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEn
 
 from .draft import draft_name, export_draft
 from .export import StageSpec, export_stage
-from .plan import even_split, parse_layers
+from .plan import balanced_split, decode_weights, parse_layers
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,14 @@ def build(
         model, hf_dir = load_source(Path(src), Path(tmp))
         cfg = model.config
         num_layers = cfg.num_hidden_layers
-        ranges = parse_layers(layers, num_layers) if layers else even_split(num_layers, shards)
+        if layers:
+            ranges = parse_layers(layers, num_layers)
+        else:  # balance the stages' weight reads per token: the LM head counts on the last stage
+            heads = cfg.num_attention_heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            layer_cost, head_cost = decode_weights(cfg.hidden_size, heads, getattr(cfg, "num_key_value_heads", heads),
+                                                   head_dim, cfg.intermediate_size, cfg.vocab_size)
+            ranges = balanced_split(num_layers, shards, layer_cost, head_cost)
         out.mkdir(parents=True, exist_ok=True)
         # drafts first: a draft with another vocabulary fails the build before the long part
         draft_entries = [export_draft(spec, model, hf_dir, out, kv_cache_precision, Path(tmp)) for spec in drafts]

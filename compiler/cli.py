@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("build", help="export layer-range shards as stateful OpenVINO IR")
     p.add_argument("src", type=Path, help="Hugging Face model folder or .gguf file")
-    p.add_argument("--shards", type=int, default=2, help="number of stages (even split)")
+    p.add_argument("--shards", type=int, default=2, help="number of stages; layers are split to balance weight reads per token, the LM head counting on the last stage")
     p.add_argument("--layers", help="explicit ranges, e.g. 0:12,12:30 (overrides --shards)")
     p.add_argument("--kv-cache-precision", default="f16", choices=["f16", "bf16", "f32", "u8"],
                    help="KV cache precision written into each IR's runtime options")
