@@ -100,11 +100,16 @@ def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict)
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
         for line in r.iter_lines():
-            if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
                 first = first or time.perf_counter()
                 last = time.perf_counter()
                 times.append(last)
                 n += 1
+    if first is None:
+        raise RuntimeError(f"{url}: the stream carried no content")
     result.update(ttft_ms=(first - start) * 1000, decode_tok_s=(tokens - 1) / max(last - first, 1e-9), end=last,
                   chunks=n)
 
@@ -125,7 +130,10 @@ def run_users(url: str, users: int, tokens: int) -> dict:
             "ttft_ms": statistics.median(r["ttft_ms"] for r in results), "wall_s": wall}
 
 
-MODES = {"interleave": ["--max-batch", "1"], "batch groups": []}  # without / with batching at a stage
+# without batching at a stage, with batch groups (default: one more group than stages), and with one
+# group per stage
+MODES = {"interleave": lambda stages: ["--max-batch", "1"], "batch groups": lambda stages: [],
+         "batch groups, G=stages": lambda stages: ["--batch-groups", str(stages)]}
 
 LONG_PROMPT = ("Summarize the following notes in one sentence. " + " ".join(
     f"Note {i}: the committee met on day {i} and agreed to review item {i * 7 % 23} before the next session."
@@ -198,7 +206,7 @@ def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, lo
         log = logs / f"interleave-{stages}stage-{mode.replace(' ', '-')}-coordinator.log"
         peers = [a for address in addresses for a in ("--peer", address)]
         proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *MODES[mode],
+                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *MODES[mode](stages),
                       *peers], log, stack)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log)

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/models``, ``/health``)."""
+"""OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/models``, ``/health``) and Prometheus
+``/metrics``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Literal
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
@@ -88,6 +90,10 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     async def get_health() -> JSONResponse:
         status = health()
         return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -16,7 +16,8 @@ when a session joins after its solo prefill), rows step together, and
   late (its client reads slowly, say) sits that step out on a fully padded row, and the group stops
   waiting for it until it submits again. No session can stall the others.
 
-Groups give interleaving too: the coordinator keeps ``groups`` of them (default: one per stage), so
+Groups give interleaving too: the coordinator keeps ``groups`` of them (default: one more than
+stages, as the coordinator's own work and the network are one more stage of the cycle), so
 while stage 1 runs group A's step, stage 0 runs group B's (the paper's two-stream interleave,
 Berenbaum & Venkatachalam, arXiv 2608.19147 §5), and batching fills each step beyond one row.
 """

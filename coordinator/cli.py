@@ -73,6 +73,14 @@ async def serve(settings: CoordinatorSettings) -> None:
                         for w in registry.workers.values()],
         }
 
+    def state() -> dict:
+        return {"queued": engine._queued, "running": engine.running, "workers": [
+            {"address": w.address, "stage": w.info.stage, "healthy": int(w.healthy), "sessions": w.info.sessions,
+             "sequences": w.info.sequences, "kv_bytes": w.info.kv_bytes, "kv_reserved_bytes": w.info.kv_reserved_bytes,
+             "kv_budget_bytes": w.info.kv_budget_bytes, "busy": w.info.busy}
+            for w in list(registry.workers.values()) if w.info is not None]}
+
+    engine.metrics.watch(state)
     app = create_app(engine, health)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             access_log=False)

@@ -20,6 +20,7 @@ import numpy as np
 from fleet_common.manifest import LoadedManifest
 
 from .batching import Batcher, Member
+from .metrics import CoordinatorMetrics
 from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, StageFailure
 from .registry import Registry
 from .sampling import SparseDist, choose_token, target_distribution
@@ -145,10 +146,12 @@ class Engine:
         self.eos_ids = set(self.manifest.eos_token_ids)
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
         self._queued = 0  # requests waiting for a slot
+        self.running = 0  # requests generating
+        self.metrics = CoordinatorMetrics()
         self._closed = asyncio.Condition()  # notified whenever a session is closed (its KV freed)
         self.model_name = settings.served_model_name or self.manifest.model_id
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
-        self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
+        self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages + 1, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
                                self._timeout, settings.batch_wait_ms / 1000)
         self.draft_source = settings.draft
@@ -195,6 +198,7 @@ class Engine:
         if not self._slots.locked():
             await self._slots.acquire()  # free: returns without suspending
         elif self._queued >= s.max_queued_requests:
+            self.metrics.requests.labels("refused").inc()
             raise Overloaded(f"{s.max_concurrent_requests} requests are running and {self._queued} are queued "
                              "(--max-queued-requests); retry shortly")
         else:
@@ -202,15 +206,18 @@ class Engine:
             try:
                 await asyncio.wait_for(self._slots.acquire(), s.queue_timeout_s)
             except TimeoutError:
+                self.metrics.requests.labels("refused").inc()
                 raise Overloaded(f"waited {s.queue_timeout_s:.0f} s for one of {s.max_concurrent_requests} request "
                                  "slots (--max-concurrent-requests); retry later") from None
             finally:
                 self._queued -= 1
+        self.running += 1
         try:
             async with contextlib.aclosing(self._generate(request)) as deltas:
                 async for delta in deltas:
                     yield delta
         finally:
+            self.running -= 1
             self._slots.release()
 
     async def _open_session(self, pipeline, session: str, slots: int) -> None:  # noqa: ANN001
@@ -234,6 +241,8 @@ class Engine:
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
         pipeline = await self.registry.pipeline()
+        if pipeline.observe_link is None:
+            pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
         session = request.request_id
         # one generator per logical position, seeded by (seed, position): a seeded run is reproducible,
         # with point-mass drafts (greedy, ngram) whatever the draft lengths were (see speculative.verify)
@@ -268,8 +277,10 @@ class Engine:
             for start in range(0, len(prompt), s.prefill_chunk):
                 chunk = prompt[start:start + s.prefill_chunk]
                 last = start + len(chunk) == len(prompt)
+                t0 = time.perf_counter()
                 out = await pipeline.step(session, chunk, start, start, 1 if last else 0, top_k,
                                           self._timeout(len(chunk)))
+                self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
             if draft_prefill is not None:
                 await draft_prefill
             request.status = RequestStatus.DECODE
@@ -321,6 +332,7 @@ class Engine:
                 t2 = time.perf_counter()
                 request.batch_max = max(request.batch_max, group.last_rows)
                 self.step_costs.observe(len(chunk), t2 - t1)
+                self.metrics.step.labels("decode").observe(t2 - t1)
                 if draft:
                     targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
                                                    params.top_p) for i in range(len(chunk))]
@@ -342,8 +354,9 @@ class Engine:
         except (asyncio.CancelledError, GeneratorExit):
             request.status = RequestStatus.CANCELLED
             raise
-        except BaseException:
+        except BaseException as exc:
             request.status = RequestStatus.FAILED
+            self.metrics.errors.labels(type(exc).__name__).inc()
             raise
         finally:
             if draft_prefill is not None and not draft_prefill.done():
@@ -354,6 +367,7 @@ class Engine:
             await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))  # unless merged into the group
             async with self._closed:
                 self._closed.notify_all()
+            self.metrics.finished(request)
             log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
                      "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions",
                      session, request.finish_reason.value if request.finish_reason else request.status.value,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class Pipeline:
         self._reader: asyncio.Task | None = None
         self._broken: str | None = None
         self._close_reason = "pipeline closed"
+        self.observe_link = None  # (link name, seconds) -> None: hop latency to stage 0, for metrics
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -228,7 +230,10 @@ class Pipeline:
         if logits_count:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters[(session_id, step_id)] = waiter
+        sent = time.perf_counter()
         call = asyncio.ensure_future(self.channels.stub(self.addresses[0]).Forward(request, timeout=timeout_s))
+        if self.observe_link is not None:
+            call.add_done_callback(lambda c: self._link_done(c, sent))
         try:
             if waiter is None:
                 await call
@@ -248,6 +253,12 @@ class Pipeline:
                 call.add_done_callback(_log_late_failure)
         return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),
                           from_tensor(result.top_logprobs, dtype="float32", ndim=2))
+
+
+    def _link_done(self, call: asyncio.Future, sent: float) -> None:
+        if not call.cancelled() and call.exception() is None:
+            elapsed = time.perf_counter() - sent - call.result().handle_ms / 1000
+            self.observe_link("coordinator->stage0", max(0.0, elapsed))
 
 
 def _describe(exc: BaseException) -> str:

@@ -52,7 +52,8 @@ class CoordinatorSettings(BaseSettings):
     max_batch: int = Field(8, ge=1, le=64, description="sessions decoding together in one infer call per stage "
                            "(a batch group); 1 = no batching")
     batch_groups: int = Field(0, ge=0, le=64, description="batch groups in flight, interleaved across the stages "
-                              "(0 = one per stage); more are opened only when all are full")
+                              "(0 = one more than stages: the coordinator and the network are a stage too); more "
+                              "are opened only when all are full")
     batch_wait_ms: float = Field(200.0, gt=0, description="longest a batch group's step waits for a member's chunk; "
                                  "a member later than that sits the step out (a slow client never stalls the others)")
     log_level: str = Field("INFO", description="logging level")

@@ -83,10 +83,12 @@ class ForwardRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., row_start_positions: _Optional[_Iterable[int]] = ..., row_pads: _Optional[_Iterable[int]] = ..., hide_rows: _Optional[_Iterable[int]] = ..., keep_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("compute_ms",)
+    __slots__ = ("compute_ms", "handle_ms")
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
     compute_ms: float
-    def __init__(self, compute_ms: _Optional[float] = ...) -> None: ...
+    handle_ms: float
+    def __init__(self, compute_ms: _Optional[float] = ..., handle_ms: _Optional[float] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
     __slots__ = ("session_id", "past_length", "hide_slots", "manifest_sha256", "hide_rows")

@@ -50,6 +50,9 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
                          kv_bytes_per_slot=manifest.kv_bytes_per_token(settings.shard, runner.kv_value_bytes),
                          kv_budget_bytes=budget)
     service = StageService(runner, store, loaded.sha256, max_context)
+    if settings.metrics_port:
+        service.metrics.serve(settings.host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     server, port = create_server(service, settings.host, settings.port)
     await server.start()
     if settings.host not in ("127.0.0.1", "localhost", "::1"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ from fleet_common.wire import GRPC_OPTIONS, WireError, from_tensor, to_tensor
 
 from fleet_common.runtime import ChunkError, top_candidates
 
+from .metrics import WorkerMetrics
 from .runner import ShardRunner
 from .sessions import SessionError, SessionStore
 
@@ -48,6 +50,12 @@ class StageService(pb_grpc.StageServicer):
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._busy = 0
         self.compactions = 0
+        self.metrics = WorkerMetrics(runner.stage)
+        self.metrics.watch(lambda: {
+            "sessions": len(self.store), "sequences": sum(s.rows for s in self.store.sessions()),
+            "kv_bytes": sum(self.runner.kv_bytes(s) for s in self.store.sessions()),
+            "kv_reserved_bytes": self.store.kv_reserved_bytes, "kv_budget_bytes": self.store.kv_budget_bytes,
+            "busy": self._busy, "compactions": self.compactions})
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_manifest(self, sha: str) -> str | None:
@@ -69,17 +77,21 @@ class StageService(pb_grpc.StageServicer):
             await channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.errors.labels(code.name).inc()
+        await context.abort(code, message)
+
     # -- RPCs ----------------------------------------------------------------------------------
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionReply:
         if msg := self._check_manifest(request.manifest_sha256):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         if not request.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
         max_context = min(request.max_context or self.max_context, self.max_context)
         try:
             self.store.open(request.session_id, max_context)
         except SessionError as exc:
-            await context.abort(_code(exc.code), str(exc))
+            await self._abort(context, _code(exc.code), str(exc))
         log.debug("session %s opened (max_context %d)", request.session_id, max_context)
         return pb.OpenSessionReply(stage=self.runner.stage)
 
@@ -91,26 +103,27 @@ class StageService(pb_grpc.StageServicer):
         return pb.CloseSessionReply(existed=True, freed_kv_bytes=self.runner.kv_bytes(session))
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardReply:
+        arrived = time.perf_counter()
         runner = self.runner
         if msg := self._check_manifest(request.manifest_sha256):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         if request.stage != runner.stage:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request for stage {request.stage} reached stage {runner.stage}")
         if request.top_k > MAX_TOP_K:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_k {request.top_k} > {MAX_TOP_K}")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k {request.top_k} > {MAX_TOP_K}")
         if runner.last and request.logits_count and request.reply_to not in self._subscribers:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no subscriber {request.reply_to!r} at the last stage to receive results")
         if not runner.last and not request.route:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
         try:
             x = from_tensor(request.input, dtype="int64" if runner.first else "float32")
             session = self.store.get(request.session_id)
         except WireError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad input tensor: {exc}")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad input tensor: {exc}")
         except SessionError as exc:
-            await context.abort(_code(exc.code), str(exc))
+            await self._abort(context, _code(exc.code), str(exc))
 
         self._busy += 1
         try:
@@ -120,12 +133,15 @@ class StageService(pb_grpc.StageServicer):
                 request.logits_count, list(request.hide_rows), list(request.row_pads), list(request.keep_rows),
             )
         except (ChunkError, SessionError) as exc:
-            await context.abort(_code(exc.code), f"stage {runner.stage}: {exc}")
+            await self._abort(context, _code(exc.code), f"stage {runner.stage}: {exc}")
         except RuntimeError as exc:  # OpenVINO raises RuntimeError for infer failures
             log.exception("session %s: inference failed at stage %d", request.session_id, runner.stage)
-            await context.abort(grpc.StatusCode.INTERNAL, f"stage {runner.stage}: inference failed: {exc}")
+            await self._abort(context, grpc.StatusCode.INTERNAL, f"stage {runner.stage}: inference failed: {exc}")
         finally:
             self._busy -= 1
+        self.metrics.infer.observe(result.compute_ms / 1000)
+        self.metrics.chunks.inc()
+        self.metrics.tokens.inc(x.shape[0] * x.shape[1])
 
         if not runner.last:
             nxt = pb.ForwardRequest()
@@ -138,51 +154,54 @@ class StageService(pb_grpc.StageServicer):
             try:
                 remaining = context.time_remaining()  # None when the caller set no deadline
                 timeout = DOWNSTREAM_TIMEOUT_S if remaining is None else min(remaining, DOWNSTREAM_TIMEOUT_S)
-                await self._stub(address).Forward(nxt, timeout=timeout)
+                sent = time.perf_counter()
+                reply = await self._stub(address).Forward(nxt, timeout=timeout)
+                self.metrics.link.labels(f"stage{runner.stage}->stage{runner.stage + 1}").observe(
+                    max(0.0, time.perf_counter() - sent - reply.handle_ms / 1000))
             except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), f"stage {runner.stage + 1} at {address}: {exc.details()}")
+                await self._abort(context, exc.code(), f"stage {runner.stage + 1} at {address}: {exc.details()}")
         elif request.logits_count:
             logits = result.output[:, -request.logits_count:]  # [B, N, V]
             ids, logprobs = top_candidates(logits.reshape(-1, logits.shape[-1]), request.top_k or 1)
             queue = self._subscribers.get(request.reply_to)
             if queue is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"subscriber {request.reply_to!r} left")
+                await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"subscriber {request.reply_to!r} left")
             queue.put_nowait(pb.StepResult(session_id=request.session_id, step_id=request.step_id,
                                            top_ids=to_tensor(ids), top_logprobs=to_tensor(logprobs)))
-        return pb.ForwardReply(compute_ms=result.compute_ms)
+        return pb.ForwardReply(compute_ms=result.compute_ms, handle_ms=(time.perf_counter() - arrived) * 1000)
 
     async def Compact(self, request: pb.CompactRequest, context: grpc.aio.ServicerContext) -> pb.CompactReply:
         if msg := self._check_manifest(request.manifest_sha256):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         try:
             session = self.store.get(request.session_id)
             length, ms = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.runner.compact, session, request.past_length, list(request.hide_slots),
                 list(request.hide_rows))
         except (ChunkError, SessionError) as exc:
-            await context.abort(_code(exc.code), f"stage {self.runner.stage}: {exc}")
+            await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
         self.compactions += 1
         log.debug("session %s compacted to %d slots in %.1f ms", request.session_id, length, ms)
         return pb.CompactReply(length=length, compute_ms=ms)
 
     async def Merge(self, request: pb.MergeRequest, context: grpc.aio.ServicerContext) -> pb.MergeReply:
         if msg := self._check_manifest(request.manifest_sha256):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         if not request.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
         max_context = min(request.max_context or self.max_context, self.max_context)
         try:  # on the inference thread: the sources' states must not change while they are copied
             group = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.store.merge, request.session_id, list(request.sources), max_context)
         except (ChunkError, SessionError) as exc:
-            await context.abort(_code(exc.code), f"stage {self.runner.stage}: {exc}")
+            await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
         log.debug("sessions %s merged into %s (%d rows, %d slots)", list(request.sources), request.session_id,
                   group.rows, group.length)
         return pb.MergeReply(length=group.length, rows=group.rows)
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         if not request.subscriber_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id is required")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id is required")
         queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_QUEUE)
         self._subscribers[request.subscriber_id] = queue
         log.info("subscriber %s attached", request.subscriber_id)

@@ -30,4 +30,6 @@ class WorkerSettings(BaseSettings):
     idle_timeout_s: float = Field(600.0, gt=0, description="a session unused this long is dropped and its KV freed")
     announce: bool = Field(True, description="announce this worker with zeroconf (mDNS)")
     verify_hashes: bool = Field(True, description="sha256-check the shard files against the manifest at start")
+    metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (same host); "
+                              "0 = off")
     log_level: str = Field("INFO", description="logging level")

@@ -1,0 +1,25 @@
+"""Prometheus metrics shared by both roles (``prometheus_client``; one registry per process object, so
+several coordinators or workers in one process never collide).
+
+Series names follow Prometheus conventions: ``_total`` counters, ``_seconds`` histograms, base
+units. Tokens/s is ``rate(fleet_completion_tokens_total[1m])``; the acceptance rate is
+``fleet_spec_accepted_tokens_total / fleet_spec_drafted_tokens_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# a hop on a LAN is ~0.2-5 ms, over a WAN 10-200 ms; a step is 5 ms to a few seconds (long prefill)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def link_histogram(registry: CollectorRegistry) -> Histogram:
+    """``fleet_link_seconds{link}``: one RPC hop's time minus the time the callee spent handling it
+    (network, serialization and queues, not compute), per link such as ``coordinator->stage0``."""
+    return Histogram("fleet_link_seconds", "RPC hop time minus the callee's handling time, per link", ["link"],
+                     buckets=LATENCY_BUCKETS, registry=registry)
+
+
+def error_counter(registry: CollectorRegistry) -> Counter:
+    return Counter("fleet_errors", "Errors by kind (exception class or gRPC status)", ["kind"], registry=registry)

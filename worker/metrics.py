@@ -1,0 +1,50 @@
+"""A worker's Prometheus metrics, served over HTTP with ``fleet-worker --metrics-port``.
+
+Chunks and tokens processed, inference time per chunk, the hop to the next stage (``fleet_link_seconds``,
+the call's time minus the next stage's handling time), errors by gRPC status, and, read at scrape
+time, sessions, sequences, KV bytes held, reserved and budgeted, and chunks in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fleet_common.metrics import LATENCY_BUCKETS, error_counter, link_histogram
+
+
+class WorkerMetrics:
+    def __init__(self, stage: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.stage = str(stage)
+        self.chunks = Counter("fleet_worker_chunks", "Chunks (steps of a session or batch group) run here", registry=r)
+        self.tokens = Counter("fleet_worker_tokens", "Token positions run through this stage", registry=r)
+        self.infer = Histogram("fleet_worker_infer_seconds", "Inference time of one chunk at this stage",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.link = link_histogram(r)
+        self.errors = error_counter(r)
+
+    def watch(self, state: Callable[[], dict[str, float]]) -> None:
+        """Export ``state()``'s values as ``fleet_worker_<key>`` gauges at each scrape."""
+        self.registry.register(_StateCollector(state, self.stage))
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve ``/metrics`` on ``host:port`` from a background thread. Raises ``OSError`` if the
+        port cannot be bound."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: Callable[[], dict[str, float]], stage: str) -> None:
+        self.state, self.stage = state, stage
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for key, value in self.state().items():
+            family = GaugeMetricFamily(f"fleet_worker_{key}", f"{key.replace('_', ' ')} at this stage",
+                                       labels=["stage"])
+            family.add_metric([self.stage], float(value))
+            yield family
