@@ -130,10 +130,10 @@ def run_users(url: str, users: int, tokens: int) -> dict:
             "ttft_ms": statistics.median(r["ttft_ms"] for r in results), "wall_s": wall}
 
 
-# without batching at a stage, with batch groups (default: one more group than stages), and with one
-# group per stage
+# without batching at a stage, with batch groups (default: one group per stage), and with one group
+# more (the coordinator and the network as one more stage of the cycle)
 MODES = {"interleave": lambda stages: ["--max-batch", "1"], "batch groups": lambda stages: [],
-         "batch groups, G=stages": lambda stages: ["--batch-groups", str(stages)]}
+         "batch groups G=stages+1": lambda stages: ["--batch-groups", str(stages + 1)]}
 
 LONG_PROMPT = ("Summarize the following notes in one sentence. " + " ".join(
     f"Note {i}: the committee met on day {i} and agreed to review item {i * 7 % 23} before the next session."
@@ -167,7 +167,7 @@ def fairness_cells(build: Path, logs: Path, chunks: tuple[int, ...] = (64, 256, 
             run_users(url, 1, 8)  # warm-up
             results = [dict() for _ in range(4)]
             with httpx.Client(limits=httpx.Limits(max_connections=16)) as client:
-                threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i], 160, results[i]))
+                threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i], 640, results[i]))
                            for i in range(3)]
                 for t in threads:
                     t.start()

@@ -16,8 +16,7 @@ when a session joins after its solo prefill), rows step together, and
   late (its client reads slowly, say) sits that step out on a fully padded row, and the group stops
   waiting for it until it submits again. No session can stall the others.
 
-Groups give interleaving too: the coordinator keeps ``groups`` of them (default: one more than
-stages, as the coordinator's own work and the network are one more stage of the cycle), so
+Groups give interleaving too: the coordinator keeps ``groups`` of them (default: one per stage), so
 while stage 1 runs group A's step, stage 0 runs group B's (the paper's two-stream interleave,
 Berenbaum & Venkatachalam, arXiv 2608.19147 §5), and batching fills each step beyond one row.
 """
@@ -48,6 +47,7 @@ class Member:
     hide: list[int] = field(default_factory=list)  # slots of its row to hide from the next step on
     late: bool = False  # missed the last step: the group does not wait for it until it is back
     end: int = 0  # physical slot after its last chunk
+    left: bool = False
 
 
 @dataclass
@@ -87,12 +87,13 @@ class BatchGroup:
         self.last_rows = 0  # members that took part in the last step
         self.broken: BaseException | None = None
         self._joining: list[tuple[Member, asyncio.Future]] = []
+        self._merging: list[Member] = []  # joining members whose Merge is in flight (counted in load)
         self._pending: dict[Member, _Submission] = {}
         self._task: asyncio.Task | None = None
 
     @property
     def load(self) -> int:
-        return len(self.members) + len(self._joining)
+        return len(self.members) + len(self._joining) + len(self._merging)
 
     @property
     def open(self) -> bool:
@@ -127,6 +128,7 @@ class BatchGroup:
 
     def leave(self, member: Member) -> None:
         """Take ``member`` out; its row is dropped by the next step, or the group closes if it was last."""
+        member.left = True
         self._joining = [(m, f) for m, f in self._joining if m is not member]
         if member in self.members:
             self.members.remove(member)
@@ -186,6 +188,13 @@ class BatchGroup:
     async def _merge(self) -> None:
         joining, self._joining = self._joining, []
         new = [m for m, _ in joining]
+        self._merging = new
+        try:
+            await self._merge_rows(joining, new)
+        finally:
+            self._merging = []
+
+    async def _merge_rows(self, joining: list[tuple[Member, asyncio.Future]], new: list[Member]) -> None:
         need = max([m.slots for m in new] + [m.slots for m in self.members]) + self.slack
         max_context = max(self.max_context, need)
         sources = ([self.group_id] if self.rows else []) + [m.session_id for m in new]
@@ -198,8 +207,8 @@ class BatchGroup:
             if self.rows:  # the group's state is unknown now
                 raise
             return
-        self.rows += new
-        self.members += new
+        self.rows += new  # a member that left during the merge keeps a row until the next step drops it
+        self.members += [m for m in new if not m.left]
         self.length, self.max_context = length, max_context
         for _, future in joining:
             if not future.done():

@@ -151,7 +151,7 @@ class Engine:
         self._closed = asyncio.Condition()  # notified whenever a session is closed (its KV freed)
         self.model_name = settings.served_model_name or self.manifest.model_id
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
-        self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages + 1, settings.max_batch,
+        self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
                                self._timeout, settings.batch_wait_ms / 1000)
         self.draft_source = settings.draft

@@ -27,7 +27,9 @@ class CoordinatorSettings(BaseSettings):
     served_model_name: str = Field("", description="model name in the API; empty = the build's model id")
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when a request gives none")
     max_context: int = Field(0, ge=0, description="cap on prompt + completion tokens (0 = the model's context)")
-    prefill_chunk: int = Field(256, ge=1, le=4096, description="prompt tokens per pipeline step during prefill")
+    prefill_chunk: int = Field(64, ge=1, le=4096, description="prompt tokens per pipeline step during prefill (small "
+                               "chunks let other users' decode steps in between: measured, a 1,800-token prompt "
+                               "stalls decoders up to 0.9 s at 64, 3.0 s at 256, for the same TTFT)")
     sample_top_k: int = Field(64, ge=1, le=256, description="candidates the last stage returns per position when sampling")
     max_concurrent_requests: int = Field(32, ge=1, description="requests generating at once; more wait in the queue")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a slot or for KV room on the "
@@ -52,8 +54,8 @@ class CoordinatorSettings(BaseSettings):
     max_batch: int = Field(8, ge=1, le=64, description="sessions decoding together in one infer call per stage "
                            "(a batch group); 1 = no batching")
     batch_groups: int = Field(0, ge=0, le=64, description="batch groups in flight, interleaved across the stages "
-                              "(0 = one more than stages: the coordinator and the network are a stage too); more "
-                              "are opened only when all are full")
+                              "(0 = one per stage; measured better than one more at 2-4 users); more are opened "
+                              "only when all are full")
     batch_wait_ms: float = Field(200.0, gt=0, description="longest a batch group's step waits for a member's chunk; "
                                  "a member later than that sits the step out (a slow client never stalls the others)")
     log_level: str = Field("INFO", description="logging level")
