@@ -12,9 +12,9 @@ when a session joins after its solo prefill), rows step together, and
   Gather each KV read starts with), at no cost; the last one to leave closes the group;
 * rejected drafts and fillers stay in the state, masked (design §5), until ``Compact`` repacks
   every row once their share is large;
-* a step waits for every member's chunk, but at most ``wait_s`` after the first: a member that is
-  late (its client reads slowly, say) sits that step out on a fully padded row, and the group stops
-  waiting for it until it submits again. No session can stall the others.
+* a step waits for every member's chunk; a member that has not sent one ``wait_s`` after the first
+  came and is not drafting (its client reads slowly, say) sits that step out on a fully padded row,
+  and the group stops waiting for it until it submits again. No session can stall the others.
 
 Groups give interleaving too: the coordinator keeps ``groups`` of them (default: one per stage), so
 while stage 1 runs group A's step, stage 0 runs group B's (the paper's two-stream interleave,
@@ -48,6 +48,7 @@ class Member:
     late: bool = False  # missed the last step: the group does not wait for it until it is back
     end: int = 0  # physical slot after its last chunk
     left: bool = False
+    drafting: bool = False  # proposing its next chunk's drafts: work the group waits for
 
 
 @dataclass
@@ -143,7 +144,10 @@ class BatchGroup:
             return bool(self.rows)  # close the state at the stages
         if not self._pending:
             return False
-        return self._waited or all(m in self._pending for m in self.members if not m.late)
+        missing = [m for m in self.members if m not in self._pending and not m.late]
+        # past the wait, go without members that are not drafting (stuck handing text to a client
+        # that reads slowly, say); one that is drafting is work the group waits for
+        return not missing or (self._waited and not any(m.drafting for m in missing))
 
     def _expire(self) -> None:
         self._timer, self._waited = None, True
@@ -206,6 +210,8 @@ class BatchGroup:
                     future.set_exception(exc)
             if self.rows:  # the group's state is unknown now
                 raise
+            # stages where the rename went through hold the session under the group's id
+            await asyncio.shield(self.pipeline.close_session(self.group_id, self.timeout_s(0)))
             return
         self.rows += new  # a member that left during the merge keeps a row until the next step drops it
         self.members += [m for m in new if not m.left]

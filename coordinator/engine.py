@@ -309,7 +309,7 @@ class Engine:
                     break
                 safe = len(text) - hold if params.stop else len(text)
                 if safe > sent:
-                    yield TextDelta(text[sent:safe])
+                    yield TextDelta(text[sent:safe])  # a slow client blocks here; its group goes on without it
                     sent = safe
                 if group is None:  # decode in a batch group: one infer call per stage for all its sessions
                     member = Member(session, slots, logical)
@@ -321,8 +321,12 @@ class Engine:
                 t0 = time.perf_counter()
                 draft, qs = [], []
                 if k and drafter is not None:
-                    draft, qs = await self.draft_model.run(drafter.propose, prompt + request.output_ids, k,
-                                                           params.temperature, params.top_p, draft_rng_at)
+                    member.drafting = True  # the group waits for this (and only this) past --batch-wait-ms
+                    try:
+                        draft, qs = await self.draft_model.run(drafter.propose, prompt + request.output_ids, k,
+                                                               params.temperature, params.top_p, draft_rng_at)
+                    finally:
+                        member.drafting = False
                 elif k and self.draft_source == "ngram":
                     draft = ngram_draft(prompt + request.output_ids, k)
                     qs = [SparseDist.point(t) for t in draft]

@@ -152,7 +152,7 @@ def test_group_over_real_workers_equals_solo_and_a_stalled_member_stalls_nobody(
                     got[sid].append(int(out.top_ids[-1, 0]))
 
             await asyncio.gather(decode("a", 3), decode("b", 3))  # together
-            await asyncio.wait_for(decode("a", 5), 20)  # b stalls: a goes on without it
+            await asyncio.wait_for(decode("a", 5), 20)  # b stalls (not drafting): a goes on without it
             assert members["b"].late
             await asyncio.gather(decode("a", 3), decode("b", 8))  # b is back
             assert got == ref

@@ -28,7 +28,7 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "What are the three states of matter?",
 ]
-NEW_TOKENS = 48
+NEW_TOKENS = 128  # long enough that all 8 are still decoding when the ninth hangs up
 
 
 def stream(url: str, prompt: str, out: dict, key, stop_after: int | None = None, started: threading.Event | None = None):
