@@ -24,7 +24,7 @@ Berenbaum & Venkatachalam, arXiv 2608.19147 §5), and batching fills each step b
 from __future__ import annotations
 
 import asyncio
-import itertools
+import functools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -102,8 +102,7 @@ class BatchGroup:
 
     async def join(self, member: Member) -> None:
         """Move ``member``'s prefilled solo session into the group (between steps). Raises
-        ``StageFailure`` or ``Overloaded`` (no stage KV room for the group); the member's solo session
-        is left as it was then."""
+        ``StageFailure`` when a stage refuses the merge."""
         if self.broken is not None:
             raise StageFailure(f"batch group failed: {self.broken}")
         future = asyncio.get_running_loop().create_future()
@@ -228,8 +227,7 @@ class BatchGroup:
         for r, m in enumerate(self.rows):  # departed rows are emptied: the next step drops them
             if m not in self.members:
                 m.hide = list(range(self.length))
-        hide_rows = [r for r, m in enumerate(self.rows) for _ in m.hide]
-        hide_slots = [s for m in self.rows for s in m.hide]
+        hide_rows, hide_slots = _hides(self.rows)
         self.length = await self.pipeline.compact(self.group_id, self.length, hide_slots, self.timeout_s(0),
                                                   hide_rows=hide_rows)
         for m in self.rows:
@@ -245,8 +243,7 @@ class BatchGroup:
                 reclaim > 0 and reclaim >= max(self.compact_min_slots, self.compact_share * self.length)):
             await self._compact()
         keep = [self.rows.index(m) for m in members] if self.rows != members else []
-        hide_rows = [r for r, m in enumerate(members) for _ in m.hide]
-        hide_slots = [s for m in members for s in m.hide]
+        hide_rows, hide_slots = _hides(members)
         filler = next(s.tokens[0] for s in subs if s is not None)
         pads = [seq - len(s.tokens) if s is not None else seq for s in subs]
         tokens = np.array([[filler] * pad + (s.tokens if s is not None else []) for s, pad in zip(subs, pads)],
@@ -282,17 +279,22 @@ class BatchGroup:
                 s.future.set_result(StepOutput(ids[r, count - n:], logprobs[r, count - n:]))
 
 
+def _hides(rows: list[Member]) -> tuple[list[int], list[int]]:
+    """(row index, slot) pairs of every row's pending hides, as the two parallel lists the RPCs take."""
+    return [r for r, m in enumerate(rows) for _ in m.hide], [s for m in rows for s in m.hide]
+
+
 class Batcher:
     """Places sessions into batch groups: up to ``groups`` groups (more only when all are full), each
     of at most ``max_rows`` sessions, a new session joining the least-loaded open group."""
 
     def __init__(self, groups: int, max_rows: int, slack: int, compact_share: float, compact_min_slots: int,
                  timeout_s, wait_s: float) -> None:  # noqa: ANN001
-        self.target_groups, self.max_rows, self.wait_s = groups, max_rows, wait_s
-        self.slack, self.compact_share, self.compact_min_slots = slack, compact_share, compact_min_slots
-        self.timeout_s = timeout_s
+        self.target_groups = groups
+        self._new_group = functools.partial(BatchGroup, slack=slack, compact_share=compact_share,
+                                            compact_min_slots=compact_min_slots, timeout_s=timeout_s,
+                                            max_rows=max_rows, wait_s=wait_s)
         self.groups: list[BatchGroup] = []
-        self._ids = itertools.count()
 
     def assign(self, pipeline: Pipeline) -> BatchGroup:
         """The group a new session of ``pipeline`` should join."""
@@ -300,12 +302,7 @@ class Batcher:
                        and (g.load or g.rows or g._task is not None)]
         open_groups = [g for g in self.groups if g.open]
         if len(self.groups) < self.target_groups or not open_groups:
-            group = BatchGroup(pipeline, self.slack, self.compact_share, self.compact_min_slots, self.timeout_s,
-                               self.max_rows, self.wait_s)
+            group = self._new_group(pipeline)
             self.groups.append(group)
             return group
         return min(open_groups, key=lambda g: g.load)
-
-    def stats(self) -> list[dict]:
-        return [{"group": g.group_id, "sessions": len(g.members), "slots": g.length, "steps": g.steps,
-                 "compactions": g.compactions} for g in self.groups]

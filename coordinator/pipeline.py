@@ -162,6 +162,18 @@ class Pipeline:
             if isinstance(r, BaseException):
                 log.warning("session %s: close on %s failed: %s", session_id, address, _describe(r))
 
+    async def _on_every_stage(self, rpc: str, request, timeout_s: float, what: str) -> list:  # noqa: ANN001
+        """Call ``rpc`` with ``request`` on every stage at once; the replies in stage order. Raises
+        ``StageFailure`` naming the first stage that failed (``what`` says what failed)."""
+        results = await asyncio.gather(
+            *(getattr(self.channels.stub(a), rpc)(request, timeout=timeout_s) for a in self.addresses),
+            return_exceptions=True,
+        )
+        for index, (address, r) in enumerate(zip(self.addresses, results)):
+            if isinstance(r, BaseException):
+                raise StageFailure(f"stage {index} at {address}: {what} failed: {_describe(r)}")
+        return results
+
     async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float,
                       hide_rows: list[int] = ()) -> int:
         """Drop the session's invisible KV slots (after hiding ``hide_slots`` of ``hide_rows``) on every
@@ -169,13 +181,7 @@ class Pipeline:
         the stages disagree on the result."""
         request = pb.CompactRequest(session_id=session_id, past_length=past_length, hide_slots=list(hide_slots),
                                     hide_rows=list(hide_rows), manifest_sha256=self.manifest_sha256)
-        results = await asyncio.gather(
-            *(self.channels.stub(a).Compact(request, timeout=timeout_s) for a in self.addresses),
-            return_exceptions=True,
-        )
-        for index, (address, r) in enumerate(zip(self.addresses, results)):
-            if isinstance(r, BaseException):
-                raise StageFailure(f"stage {index} at {address}: compaction failed: {_describe(r)}")
+        results = await self._on_every_stage("Compact", request, timeout_s, "compaction")
         lengths = {r.length for r in results}
         if len(lengths) != 1:
             raise StageFailure(f"session {session_id}: stages disagree after compaction: {sorted(lengths)}")
@@ -187,13 +193,7 @@ class Pipeline:
         stages disagree."""
         request = pb.MergeRequest(session_id=session_id, sources=list(sources), max_context=max_context,
                                   manifest_sha256=self.manifest_sha256)
-        results = await asyncio.gather(
-            *(self.channels.stub(a).Merge(request, timeout=timeout_s) for a in self.addresses),
-            return_exceptions=True,
-        )
-        for index, (address, r) in enumerate(zip(self.addresses, results)):
-            if isinstance(r, BaseException):
-                raise StageFailure(f"stage {index} at {address}: merge into a batch group failed: {_describe(r)}")
+        results = await self._on_every_stage("Merge", request, timeout_s, "merge into a batch group")
         shapes = {(r.length, r.rows) for r in results}
         if len(shapes) != 1:
             raise StageFailure(f"batch group {session_id}: stages disagree after merge: {sorted(shapes)}")

@@ -22,4 +22,5 @@ def link_histogram(registry: CollectorRegistry) -> Histogram:
 
 
 def error_counter(registry: CollectorRegistry) -> Counter:
+    """``fleet_errors_total{kind}``: failures by exception class (coordinator) or gRPC status (worker)."""
     return Counter("fleet_errors", "Errors by kind (exception class or gRPC status)", ["kind"], registry=registry)

@@ -68,11 +68,6 @@ class KVSession:
         if len(self.reserved) != self.rows:
             self.reserved = [self.max_context] * self.rows
 
-    @property
-    def visible_length(self) -> int:
-        """Visible slots of row 0 (of the only row, for a plain session)."""
-        return int(self.visible[0, : self.length].sum())
-
     def reset(self) -> None:
         """Empty the state (the InferRequest is kept for reuse)."""
         self.request.reset_state()
@@ -230,8 +225,9 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
     their order): every KV state tensor is concatenated along the batch axis, shorter sources padded
     at the end with invisible slots. A single source is renamed without copying (``request`` unused).
 
-    Each row keeps the reservation it had. The sources are closed (their ``request`` set to None). ``max_context`` must cover every
-    source's length; raises ``ContextOverflow`` otherwise and ``SessionConflict`` for a closed source.
+    Each row keeps the reservation it had. The sources are closed (their ``request`` set to None).
+    ``max_context`` must cover every source's length; raises ``ContextOverflow`` otherwise and
+    ``SessionConflict`` for a closed source.
     """
     locks = [s.lock for s in sources]
     for lock in locks:

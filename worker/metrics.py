@@ -17,6 +17,8 @@ from fleet_common.metrics import LATENCY_BUCKETS, error_counter, link_histogram
 
 
 class WorkerMetrics:
+    """Counters and histograms the stage service updates; gauges come from ``watch``'s callback."""
+
     def __init__(self, stage: int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry

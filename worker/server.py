@@ -51,13 +51,18 @@ class StageService(pb_grpc.StageServicer):
         self._busy = 0
         self.compactions = 0
         self.metrics = WorkerMetrics(runner.stage)
-        self.metrics.watch(lambda: {
-            "sessions": len(self.store), "sequences": sum(s.rows for s in self.store.sessions()),
-            "kv_bytes": sum(self.runner.kv_bytes(s) for s in self.store.sessions()),
-            "kv_reserved_bytes": self.store.kv_reserved_bytes, "kv_budget_bytes": self.store.kv_budget_bytes,
-            "busy": self._busy, "compactions": self.compactions})
+        self.metrics.watch(self._load)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _load(self) -> dict[str, int]:
+        """What this worker holds now (reported by Info and the metrics gauges): KV states, the
+        sequences in them, KV bytes held/reserved/budgeted, chunks in flight, compactions."""
+        sessions = self.store.sessions()
+        return {"sessions": len(sessions), "sequences": sum(s.rows for s in sessions),
+                "kv_bytes": sum(self.runner.kv_bytes(s) for s in sessions),
+                "kv_reserved_bytes": self.store.kv_reserved_bytes, "kv_budget_bytes": self.store.kv_budget_bytes,
+                "busy": self._busy, "compactions": self.compactions}
+
     def _check_manifest(self, sha: str) -> str | None:
         if sha and sha != self.manifest_sha256:
             return (f"model build mismatch: this worker serves manifest {self.manifest_sha256[:12]}, "
@@ -227,15 +232,9 @@ class StageService(pb_grpc.StageServicer):
             protocol_version=PROTOCOL_VERSION,
             model_id=manifest.model_id,
             device=self.runner.device,
-            sessions=len(self.store),
-            sequences=sum(s.rows for s in self.store.sessions()),
             max_sessions=self.store.max_sessions,
-            kv_bytes=sum(self.runner.kv_bytes(s) for s in self.store.sessions()),
-            busy=self._busy,
             openvino_version=ov.get_version(),
-            compactions=self.compactions,
-            kv_reserved_bytes=self.store.kv_reserved_bytes,
-            kv_budget_bytes=self.store.kv_budget_bytes,
+            **self._load(),
         )
 
 
