@@ -285,8 +285,8 @@ def _hides(rows: list[Member]) -> tuple[list[int], list[int]]:
 
 
 class Batcher:
-    """Places sessions into batch groups: up to ``groups`` groups (more only when all are full), each
-    of at most ``max_rows`` sessions, a new session joining the least-loaded open group."""
+    """Places sessions into batch groups: up to ``groups`` groups per pipeline (more only when all are
+    full), each of at most ``max_rows`` sessions, a new session joining the least-loaded open group."""
 
     def __init__(self, groups: int, max_rows: int, slack: int, compact_share: float, compact_min_slots: int,
                  timeout_s, wait_s: float) -> None:  # noqa: ANN001
@@ -297,11 +297,13 @@ class Batcher:
         self.groups: list[BatchGroup] = []
 
     def assign(self, pipeline: Pipeline) -> BatchGroup:
-        """The group a new session of ``pipeline`` should join."""
-        self.groups = [g for g in self.groups if g.broken is None and g.pipeline is pipeline
+        """The group a new session of ``pipeline`` should join (each pipeline, i.e. each set of
+        replicas, has its own groups)."""
+        self.groups = [g for g in self.groups if g.broken is None and g.pipeline.healthy
                        and (g.load or g.rows or g._task is not None)]
-        open_groups = [g for g in self.groups if g.open]
-        if len(self.groups) < self.target_groups or not open_groups:
+        mine = [g for g in self.groups if g.pipeline is pipeline]
+        open_groups = [g for g in mine if g.open]
+        if len(mine) < self.target_groups or not open_groups:
             group = self._new_group(pipeline)
             self.groups.append(group)
             return group

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import sys
+import time
 
 import uvicorn
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import CliApp, CliSubCommand
 
-from fleet_common import API_SERVICE_TYPE
+from fleet_common import API_SERVICE_TYPE, PROTOCOL_VERSION
 from fleet_common.cli import describe_validation_error
 from fleet_common.manifest import ManifestError, load_manifest
 
@@ -63,14 +65,31 @@ async def serve(settings: CoordinatorSettings) -> None:
     await registry.start(discover=settings.discover)
 
     def health() -> dict:
+        now = time.monotonic()
+
+        def worker(w) -> dict:  # noqa: ANN001 - registry.WorkerState
+            entry = {"address": w.address, "source": w.source, "healthy": w.healthy, "refused": w.refused,
+                     "missed_health_checks": w.missed, "load": registry.load(w.address),
+                     "seen_s_ago": round(now - w.last_seen, 1) if w.last_seen else None, "stage": None}
+            if w.info is not None:
+                i = w.info
+                entry.update(stage=i.stage, worker_id=i.worker_id, layers=[i.layer_start, i.layer_end],
+                             device=i.device, sessions=i.sessions, sequences=i.sequences, busy=i.busy,
+                             kv_bytes=i.kv_bytes, kv_reserved_bytes=i.kv_reserved_bytes,
+                             kv_budget_bytes=i.kv_budget_bytes, protocol_version=i.protocol_version,
+                             openvino_version=i.openvino_version, manifest_sha256=i.manifest_sha256)
+            return entry
+
         return {
             "ready": not registry.missing_stages(),
             "model": engine.model_name,
             "manifest_sha256": loaded.sha256,
+            "num_stages": loaded.manifest.num_stages,
+            "protocol_version": PROTOCOL_VERSION,
             "missing_stages": registry.missing_stages(),
-            "workers": [{"address": w.address, "stage": w.info.stage if w.info else None, "healthy": w.healthy,
-                         "refused": w.refused, "sessions": w.info.sessions if w.info else None}
-                        for w in registry.workers.values()],
+            "queued": engine._queued,
+            "running": engine.running,
+            "workers": [worker(w) for w in list(registry.workers.values())],
         }
 
     def state() -> dict:
@@ -123,10 +142,67 @@ class Serve(CoordinatorSettings):
             sys.exit(2)
 
 
+def render_status(url: str, health: dict) -> str:
+    """The fleet as text, from a coordinator's ``/health`` JSON: stages, their replicas, addresses,
+    health, load and versions."""
+    state = "ready" if health["ready"] else f"NOT READY, missing stage(s) {health['missing_stages']}"
+    lines = [f"fleet at {url}: model {health['model']}, manifest {health['manifest_sha256'][:12]}, protocol "
+             f"{health.get('protocol_version', '?')}, {state}; requests running {health.get('running', '?')}, "
+             f"queued {health.get('queued', '?')}"]
+    workers = health["workers"]
+    for stage in range(health.get("num_stages", 1 + max((w["stage"] or 0) for w in workers) if workers else 0)):
+        mine = [w for w in workers if w["stage"] == stage]
+        healthy = sum(w["healthy"] for w in mine)
+        layers = next((f"layers [{w['layers'][0]}, {w['layers'][1]})" for w in mine if w.get("layers")), "")
+        lines.append(f"stage {stage} {layers}: {healthy} of {len(mine)} replica{'s' if len(mine) != 1 else ''} "
+                     f"healthy" + ("  <- MISSING" if not healthy else ""))
+        for w in sorted(mine, key=lambda w: w["address"]):
+            mib = 1 << 20
+            kv = (f"KV {w['kv_bytes'] / mib:.1f} MiB held, {w['kv_reserved_bytes'] / mib:.0f} of "
+                  f"{w['kv_budget_bytes'] / mib:.0f} MiB reserved") if "kv_bytes" in w else "no info"
+            lines.append(
+                f"  {w['address']:<21} {'healthy' if w['healthy'] else 'DOWN':<8} id {w.get('worker_id', '?'):<12} "
+                f"{w.get('device', '?')}  sessions {w.get('sessions', '?')} (from here {w['load']}), sequences "
+                f"{w.get('sequences', '?')}, busy {w.get('busy', '?')}, {kv}, OpenVINO {w.get('openvino_version', '?')}"
+                f", protocol {w.get('protocol_version', '?')}, via {w['source']}"
+                + (f", missed {w['missed_health_checks']} health checks" if w["missed_health_checks"] else ""))
+    for w in workers:
+        if w["stage"] is None or w.get("refused"):
+            lines.append(f"  {w['address']}: {w.get('refused') or 'no answer yet'}")
+    return "\n".join(lines)
+
+
+class Status(BaseModel):
+    """Print the fleet a coordinator sees: stages, replicas, addresses, health, load, versions."""
+
+    url: str = Field("", description="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
+    json_output: bool = Field(False, alias="json", description="print the coordinator's /health JSON instead")
+
+    def cli_cmd(self) -> None:
+        import httpx
+
+        from .chat import discover_api
+
+        url = self.url or discover_api()
+        if not url:
+            print("fleet-coordinator status: no coordinator found with zeroconf; pass --url http://HOST:PORT",
+                  file=sys.stderr)
+            sys.exit(1)
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+            health = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"fleet-coordinator status: cannot read {url}/health: {exc}", file=sys.stderr)
+            sys.exit(1)
+        print(json.dumps(health, indent=2) if self.json_output else render_status(url, health))
+        sys.exit(0 if health.get("ready") else 3)
+
+
 class FleetCoordinator(BaseModel):
     """fleet-coordinator: run the coordinator of a fleet."""
 
     serve: CliSubCommand[Serve] = Field(description="discover workers, assemble the pipeline, serve the OpenAI API")
+    status: CliSubCommand[Status] = Field(description="print the fleet a running coordinator sees")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

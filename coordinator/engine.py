@@ -21,7 +21,7 @@ from fleet_common.manifest import LoadedManifest
 
 from .batching import Batcher, Member
 from .metrics import CoordinatorMetrics
-from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, StageFailure
+from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, StageFailure
 from .registry import Registry
 from .sampling import SparseDist, choose_token, target_distribution
 from .draft import DraftModel
@@ -80,6 +80,7 @@ class Request:
     verify_ms: float = 0.0  # wall time of the steps that verified drafts
     compactions: int = 0  # KV compactions (one state rewrite per stage each)
     batch_max: int = 0  # most sessions that shared one of its decode steps (its batch group's size)
+    failovers: int = 0  # times it moved to replica workers after a stage failed
 
     def record_verify(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """Count one decode step that verified ``drafted`` drafts, ``accepted`` of them accepted."""
@@ -102,6 +103,7 @@ class Request:
             "verify_ms": round(self.verify_ms, 3),
             "compactions": self.compactions,
             "batch_max": self.batch_max,
+            "failovers": self.failovers,
         }
 
     def append(self, token: int) -> None:
@@ -150,6 +152,7 @@ class Engine:
         self.metrics = CoordinatorMetrics()
         self._closed = asyncio.Condition()  # notified whenever a session is closed (its KV freed)
         self.model_name = settings.served_model_name or self.manifest.model_id
+        self._background: set[asyncio.Task] = set()  # best-effort closes of sessions left behind
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
         self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
@@ -238,6 +241,55 @@ class Engine:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._closed.wait(), max(0.0, deadline - loop.time()))
 
+    async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool):  # noqa: ANN001
+        """Run ``tokens`` through every stage in ``prefill_chunk`` steps; the last step's candidates
+        (``logits``) or None. Raises ``StageFailure``."""
+        out, chunk_len = None, self.settings.prefill_chunk
+        for start in range(0, len(tokens), chunk_len):
+            chunk = tokens[start:start + chunk_len]
+            last = start + len(chunk) == len(tokens)
+            t0 = time.perf_counter()
+            out = await pipeline.step(session, chunk, start, start, 1 if last and logits else 0, top_k,
+                                      self._timeout(len(chunk)))
+            self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
+        return out
+
+    async def _fail_over(self, request: Request, failure: StageFailure, pipeline, session: str, slots: int,  # noqa: ANN001
+                         visible: list[int]):  # noqa: ANN202
+        """Move ``request`` to healthy workers after ``failure``: health-check the failed pipeline's
+        workers now (a dead one is dropped with every pipeline using it), take the placement's
+        pipeline of replicas, open a new session there and prefill the ``visible`` tokens again,
+        so the lost KV is rebuilt from the tokens the coordinator owns (Petals' replay, Borzunov et
+        al. 2023 §3.2; a fresh session, never a possibly corrupted cache). Returns (pipeline,
+        session id). Raises ``StageFailure`` when the attempts are used up, when no replica serves
+        a lost stage, or when every worker still answers (the failure was not a lost worker).
+        """
+        s = self.settings
+        if request.failovers >= s.failover_attempts:
+            raise failure
+        task = asyncio.ensure_future(pipeline.close_session(session, s.rpc_timeout_s))  # frees live stages' KV
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        await self.registry.recheck(pipeline.addresses)
+        try:
+            new = await self.registry.pipeline()
+        except PipelineUnavailable as exc:
+            raise StageFailure(f"{failure.message}; no replica to fail over to: {exc.message}") from failure
+        if new is pipeline:
+            raise failure
+        request.failovers += 1
+        self.metrics.failovers.inc()
+        session = f"{request.request_id}-{request.failovers}"
+        log.warning("%s: %s; failing over to %s, prefilling its %d visible tokens again", request.request_id,
+                    failure.message, " -> ".join(new.addresses), len(visible))
+        await self._open_session(new, session, slots)
+        try:
+            await self._prefill(new, session, visible, 1, logits=False)
+        except BaseException:
+            await asyncio.shield(new.close_session(session, s.rpc_timeout_s))
+            raise
+        return new, session
+
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
         pipeline = await self.registry.pipeline()
@@ -273,14 +325,12 @@ class Engine:
             request.status = RequestStatus.PREFILL
             if drafter is not None:  # the draft prefills here while the stages prefill
                 draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, prompt))
-            out = None
-            for start in range(0, len(prompt), s.prefill_chunk):
-                chunk = prompt[start:start + s.prefill_chunk]
-                last = start + len(chunk) == len(prompt)
-                t0 = time.perf_counter()
-                out = await pipeline.step(session, chunk, start, start, 1 if last else 0, top_k,
-                                          self._timeout(len(chunk)))
-                self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
+            while True:
+                try:
+                    out = await self._prefill(pipeline, session, prompt, top_k, logits=True)
+                    break
+                except StageFailure as exc:
+                    pipeline, session = await self._fail_over(request, exc, pipeline, session, slots, [])
             if draft_prefill is not None:
                 await draft_prefill
             request.status = RequestStatus.DECODE
@@ -311,11 +361,6 @@ class Engine:
                 if safe > sent:
                     yield TextDelta(text[sent:safe])  # a slow client blocks here; its group goes on without it
                     sent = safe
-                if group is None:  # decode in a batch group: one infer call per stage for all its sessions
-                    member = Member(session, slots, logical)
-                    group = self.batcher.assign(pipeline)
-                    await group.join(member)
-                    joined_compactions = group.compactions
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
                 t0 = time.perf_counter()
@@ -332,7 +377,22 @@ class Engine:
                     qs = [SparseDist.point(t) for t in draft]
                 chunk = [decided[-1], *draft]
                 t1 = time.perf_counter()
-                out = await group.step(member, chunk, logical, len(chunk), top_k)
+                while True:
+                    try:
+                        if group is None:  # decode in a batch group: one infer call per stage for all its sessions
+                            member = Member(session, slots, logical)
+                            group = self.batcher.assign(pipeline)
+                            await group.join(member)
+                            joined_compactions = group.compactions
+                        out = await group.step(member, chunk, logical, len(chunk), top_k)
+                        break
+                    except StageFailure as exc:
+                        request.compactions += group.compactions - joined_compactions
+                        group.leave(member)
+                        group = None
+                        # the stages held prompt + output except the newest token, which this chunk feeds
+                        pipeline, session = await self._fail_over(request, exc, pipeline, session, slots,
+                                                                  prompt + request.output_ids[:-1])
                 t2 = time.perf_counter()
                 request.batch_max = max(request.batch_max, group.last_rows)
                 self.step_costs.observe(len(chunk), t2 - t1)
@@ -366,15 +426,15 @@ class Engine:
             if draft_prefill is not None and not draft_prefill.done():
                 draft_prefill.cancel()
             if group is not None:
-                request.compactions = group.compactions - joined_compactions
+                request.compactions += group.compactions - joined_compactions
                 group.leave(member)  # its KV row is dropped by the group's next step (or the group closes)
             await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))  # unless merged into the group
             async with self._closed:
                 self._closed.notify_all()
             self.metrics.finished(request)
             log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
-                     "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions",
+                     "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
                      session, request.finish_reason.value if request.finish_reason else request.status.value,
                      len(prompt), len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
                      request.decode_tokens_per_s or 0.0, request.accepted, request.drafted, request.verify_steps,
-                     request.draft_ms, request.verify_ms, request.compactions)
+                     request.draft_ms, request.verify_ms, request.compactions, request.failovers)

@@ -41,6 +41,8 @@ class CoordinatorMetrics:
                                    registry=r)
         self.step = Histogram("fleet_pipeline_step_seconds", "Wall time of one step through every stage",
                               ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.failovers = Counter("fleet_failovers", "Sessions moved to replicas after a stage failed (KV rebuilt "
+                                 "by prefilling their visible tokens again)", registry=r)
         self.link = link_histogram(r)
         self.errors = error_counter(r)
 

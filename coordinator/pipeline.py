@@ -77,6 +77,7 @@ class Pipeline:
         self._broken: str | None = None
         self._close_reason = "pipeline closed"
         self.observe_link = None  # (link name, seconds) -> None: hop latency to stage 0, for metrics
+        self.sessions: set[str] = set()  # sessions opened through this pipeline and not closed yet
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -134,6 +135,7 @@ class Pipeline:
         """Open ``session_id`` on every stage at once. Raises ``Overloaded`` when a stage is full,
         ``InvalidRequest`` when the session could never fit a stage's KV budget, ``StageFailure``
         otherwise (the stages that did open are closed again)."""
+        self.sessions.add(session_id)  # before any await: the next placement already counts it
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
                                         manifest_sha256=self.manifest_sha256)
         results = await asyncio.gather(
@@ -153,6 +155,7 @@ class Pipeline:
 
     async def close_session(self, session_id: str, timeout_s: float) -> None:
         """Free ``session_id``'s KV on every stage at once; failures are logged, never raised."""
+        self.sessions.discard(session_id)
         request = pb.CloseSessionRequest(session_id=session_id)
         results = await asyncio.gather(
             *(self.channels.stub(a).CloseSession(request, timeout=timeout_s) for a in self.addresses),

@@ -1,7 +1,10 @@
 """Worker membership: zeroconf discovery + static peers, health checks, and pipeline assembly.
 
-Placement is recomputed only when membership changes (a worker joins, leaves or fails), never per
-step.
+Several workers may serve one stage (replicas). Each new session gets the pipeline of the least
+loaded worker per stage (sessions this coordinator has open there), so sessions spread across
+replicas; pipelines are kept while their workers are healthy, and every pipeline that uses a worker
+is closed the moment that worker fails a health check (its sessions then fail over, see
+``Engine``). Placement is per session, never per step.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class WorkerState:
 
 
 class Registry:
-    """Tracks workers and hands out the current pipeline (stage i -> one healthy worker)."""
+    """Tracks workers and hands out pipelines (stage i -> one healthy worker, the least loaded)."""
 
     def __init__(self, loaded: LoadedManifest, channels: Channels, health_interval_s: float = 1.0,
                  missed_limit: int = 3) -> None:
@@ -49,7 +52,7 @@ class Registry:
         self.missed_limit = missed_limit
         self.workers: dict[str, WorkerState] = {}
         self._static: set[str] = set()
-        self._pipeline: Pipeline | None = None
+        self._pipelines: dict[tuple[str, ...], Pipeline] = {}
         self._assemble_lock = asyncio.Lock()
         self._zc = None
         self._browser = None
@@ -85,6 +88,10 @@ class Registry:
             await self._invalidate_if_uses(address, f"stage {stage} at {address} stopped answering "
                                                     f"health checks ({exc.code().name})")
             return
+        if state.info is not None and state.info.worker_id != info.worker_id and state.healthy:
+            log.warning("worker %s restarted (was %s, now %s): its sessions are gone", address,
+                        state.info.worker_id, info.worker_id)
+            await self._invalidate_if_uses(address, f"stage {info.stage} at {address} restarted")
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
         refused = None
         if info.protocol_version != PROTOCOL_VERSION:
@@ -103,47 +110,63 @@ class Registry:
         was_healthy = state.healthy
         state.healthy = refused is None
         if state.healthy and not was_healthy:
-            log.info("worker %s joined: stage %d layers [%d, %d) on %s", address, info.stage, info.layer_start,
-                     info.layer_end, info.device)
-            if self._pipeline is not None and not self._pipeline.healthy:
-                await self._drop_pipeline()
+            log.info("worker %s joined: stage %d layers [%d, %d) on %s (id %s)", address, info.stage,
+                     info.layer_start, info.layer_end, info.device, info.worker_id)
+            await self._drop_pipelines(lambda p: not p.healthy)
+        elif not state.healthy and was_healthy:
+            await self._invalidate_if_uses(address, state.refused or f"worker {address} refused")
 
     async def _invalidate_if_uses(self, address: str, reason: str) -> None:
-        if self._pipeline is not None and address in self._pipeline.addresses:
-            await self._drop_pipeline(reason)
+        await self._drop_pipelines(lambda p: address in p.addresses, reason)
 
-    async def _drop_pipeline(self, reason: str = "pipeline closed") -> None:
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            await pipeline.close(reason)
+    async def _drop_pipelines(self, which, reason: str = "pipeline closed") -> None:  # noqa: ANN001
+        """Close (and forget) every pipeline for which ``which(pipeline)`` is true."""
+        for key, pipeline in list(self._pipelines.items()):
+            if which(pipeline):
+                del self._pipelines[key]
+                await pipeline.close(reason)
+
+    async def recheck(self, addresses: list[str]) -> None:
+        """Health-check ``addresses`` now (after a failed step): a dead or refusing worker is marked
+        unhealthy and every pipeline that uses it closed, before the next placement."""
+        await asyncio.gather(*(self._check(a) for a in addresses if a in self.workers), return_exceptions=True)
+
+    def load(self, address: str) -> int:
+        """Sessions this coordinator has open on ``address`` (over all its pipelines)."""
+        return sum(len(p.sessions) for p in self._pipelines.values() if p.healthy and address in p.addresses)
 
     def missing_stages(self) -> list[int]:
         have = {s.info.stage for s in self.workers.values() if s.healthy and s.info is not None}
         return [i for i in range(self.num_stages) if i not in have]
 
+    def replicas(self, stage: int) -> list[WorkerState]:
+        """The healthy workers serving ``stage``."""
+        return [s for s in self.workers.values() if s.healthy and s.info is not None and s.info.stage == stage]
+
     def placement(self) -> list[str]:
-        """One healthy worker per stage (the least loaded); raises ``PipelineUnavailable`` naming gaps."""
+        """One healthy worker per stage, the least loaded (sessions this coordinator has open there,
+        then sessions the worker reports, then address); raises ``PipelineUnavailable`` naming gaps."""
         missing = self.missing_stages()
         if missing:
             raise PipelineUnavailable(
                 f"no healthy worker for stage(s) {missing} of {self.num_stages}; start `fleet-worker --shard N "
                 f"--model <build>` for each, or pass --peer host:port")
-        chosen = []
-        for stage in range(self.num_stages):
-            candidates = [s for s in self.workers.values() if s.healthy and s.info and s.info.stage == stage]
-            chosen.append(min(candidates, key=lambda s: (s.info.sessions, s.address)).address)
-        return chosen
+        return [min(self.replicas(stage), key=lambda s: (self.load(s.address), s.info.sessions, s.address)).address
+                for stage in range(self.num_stages)]
 
     async def pipeline(self) -> Pipeline:
-        """The current pipeline, assembled on first use and after membership changes."""
+        """A pipeline for a new session: the current placement's, assembled on first use. Raises
+        ``PipelineUnavailable`` when a stage has no healthy worker, ``StageFailure`` when the last
+        stage does not accept the result stream."""
         async with self._assemble_lock:
-            if self._pipeline is not None and self._pipeline.healthy:
-                return self._pipeline
-            await self._drop_pipeline()
-            addresses = self.placement()
-            self._pipeline = await Pipeline.connect(addresses, self.channels, self.loaded.sha256)
-            log.info("pipeline assembled: %s", " -> ".join(addresses))
-            return self._pipeline
+            await self._drop_pipelines(lambda p: not p.healthy)
+            addresses = tuple(self.placement())
+            pipeline = self._pipelines.get(addresses)
+            if pipeline is None:
+                pipeline = await Pipeline.connect(list(addresses), self.channels, self.loaded.sha256)
+                self._pipelines[addresses] = pipeline
+                log.info("pipeline assembled: %s", " -> ".join(addresses))
+            return pipeline
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every stage has a healthy worker; False on timeout."""
@@ -203,7 +226,7 @@ class Registry:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._drop_pipeline()
+        await self._drop_pipelines(lambda p: True)
         if self._browser is not None:
             await self._browser.async_cancel()
         if self._zc is not None:

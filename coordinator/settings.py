@@ -58,6 +58,8 @@ class CoordinatorSettings(BaseSettings):
                               "only when all are full")
     batch_wait_ms: float = Field(200.0, gt=0, description="longest a batch group's step waits for a member's chunk; "
                                  "a member later than that sits the step out (a slow client never stalls the others)")
+    failover_attempts: int = Field(2, ge=0, le=16, description="times a request moves to replica workers after a "
+                                   "stage fails mid-generation (its KV rebuilt from its tokens); 0 = fail at once")
     log_level: str = Field("INFO", description="logging level")
 
     @field_validator("peer")

@@ -1,0 +1,132 @@
+"""Replicas and failover on real processes: kill -9 the worker a stream is using and the stream goes on
+on a replica (its KV rebuilt by prefilling the session's tokens again), token for token what it would
+have been; sessions spread across replicas; the status command shows the fleet."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from tests.conftest import BIN, start_coordinator, start_worker, wait_ready
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Write a long story about a dragon who learns to bake bread."
+TOKENS = 160
+
+
+def info(address: str) -> pb.InfoReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=10)
+
+
+def stream_tokens(url: str, out: dict, progress: threading.Event, after: int) -> None:
+    """Stream one greedy completion; set ``progress`` once ``after`` content chunks arrived."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text, chunks = [], 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]
+                break
+            if event.get("fleet"):
+                out["fleet"] = event["fleet"]
+            for choice in event.get("choices", []):
+                if content := choice.get("delta", {}).get("content"):
+                    text.append(content)
+                    chunks += 1
+                    if chunks == after:
+                        progress.set()
+    out["text"] = "".join(text)
+    progress.set()
+
+
+@pytest.fixture
+def replicated(build_2, tmp_path):
+    """Two workers per stage (peers, not announced: other tests' workers stay out) and a coordinator."""
+    workers = {}
+    for stage in range(2):
+        for replica in "ab":
+            workers[(stage, replica)] = start_worker(build_2, stage, tmp_path, "--no-announce", name=replica)
+    peers = [a for _, address in workers.values() for a in ("--peer", address)]
+    coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", *peers)
+    wait_ready(url)
+    yield workers, coordinator, url
+    coordinator.stop()
+    for proc, _ in workers.values():
+        proc.stop()
+
+
+def kill_busy_worker(workers: dict, stage: int) -> str:
+    """kill -9 the stage's worker that holds a sequence now; returns its address."""
+    for (s, _), (proc, address) in workers.items():
+        if s == stage and proc.popen.poll() is None and info(address).sequences:
+            proc.kill(signal.SIGKILL)
+            return address
+    raise AssertionError(f"no stage-{stage} worker holds a sequence")
+
+
+@pytest.mark.parametrize("stage", [1, 0])
+def test_kill_worker_mid_stream_fails_over_to_replica(replicated, stage):
+    workers, coordinator, url = replicated
+    reference: dict = {}
+    stream_tokens(url, reference, threading.Event(), after=0)
+    assert reference["status"] == 200 and "error" not in reference and reference["fleet"]["failovers"] == 0
+
+    out: dict = {}
+    progress = threading.Event()
+    thread = threading.Thread(target=stream_tokens, args=(url, out, progress, 40))
+    thread.start()
+    assert progress.wait(60)
+    killed = kill_busy_worker(workers, stage)
+    thread.join(120)
+    assert not thread.is_alive()
+    assert "error" not in out, out.get("error")
+    assert out["fleet"]["failovers"] == 1
+    assert out["text"] == reference["text"], "the output after failover must equal the run without failure"
+    assert f"stage {stage}" in coordinator.text() and "failing over" in coordinator.text()
+    # the dead worker is unhealthy, and the fleet keeps serving on the replicas
+    health = httpx.get(f"{url}/health", timeout=5).json()
+    assert health["ready"]
+    assert [w for w in health["workers"] if w["address"] == killed][0]["healthy"] is False
+    # every session's KV is freed on the live workers (the one that failed over included)
+    deadline = time.monotonic() + 10
+    while any(info(a).sequences for (_, _), (p, a) in workers.items() if p.popen.poll() is None):
+        assert time.monotonic() < deadline, "KV left behind on a live worker"
+        time.sleep(0.2)
+
+
+def test_sessions_spread_across_replicas_and_status_shows_them(replicated):
+    workers, _, url = replicated
+    outs = [dict() for _ in range(4)]
+    events = [threading.Event() for _ in range(4)]
+    threads = [threading.Thread(target=stream_tokens, args=(url, outs[i], events[i], 8)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for e in events:
+        assert e.wait(60)
+    busy = {(s, r) for (s, r), (_, a) in workers.items() if info(a).sequences}
+    for t in threads:
+        t.join(120)
+    assert all(o.get("status") == 200 and "error" not in o for o in outs)
+    assert busy == set(workers), f"4 concurrent sessions should use every replica, used {sorted(busy)}"
+    status = subprocess.run([str(BIN / "fleet-coordinator"), "status", "--url", url], capture_output=True, text=True,
+                            timeout=30)
+    assert status.returncode == 0, status.stderr
+    for _, address in workers.values():
+        assert address in status.stdout
+    assert "stage 0" in status.stdout and "stage 1" in status.stdout and "2 replicas" in status.stdout
