@@ -70,6 +70,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         def worker(w) -> dict:  # noqa: ANN001 - registry.WorkerState
             entry = {"address": w.address, "source": w.source, "healthy": w.healthy, "refused": w.refused,
                      "missed_health_checks": w.missed, "load": registry.load(w.address),
+                     "rtt_ms": round(w.rtt_s * 1000, 2),
                      "seen_s_ago": round(now - w.last_seen, 1) if w.last_seen else None, "stage": None}
             if w.info is not None:
                 i = w.info
@@ -162,7 +163,7 @@ def render_status(url: str, health: dict) -> str:
                   f"{w['kv_budget_bytes'] / mib:.0f} MiB reserved") if "kv_bytes" in w else "no info"
             lines.append(
                 f"  {w['address']:<21} {'healthy' if w['healthy'] else 'DOWN':<8} id {w.get('worker_id', '?'):<12} "
-                f"{w.get('device', '?')}  sessions {w.get('sessions', '?')} (from here {w['load']}), sequences "
+                f"{w.get('device', '?')}  RTT {w['rtt_ms']:.1f} ms, sessions {w.get('sessions', '?')} (from here {w['load']}), sequences "
                 f"{w.get('sequences', '?')}, busy {w.get('busy', '?')}, {kv}, OpenVINO {w.get('openvino_version', '?')}"
                 f", protocol {w.get('protocol_version', '?')}, via {w['source']}"
                 + (f", missed {w['missed_health_checks']} health checks" if w["missed_health_checks"] else ""))

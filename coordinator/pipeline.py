@@ -78,6 +78,7 @@ class Pipeline:
         self._close_reason = "pipeline closed"
         self.observe_link = None  # (link name, seconds) -> None: hop latency to stage 0, for metrics
         self.sessions: set[str] = set()  # sessions opened through this pipeline and not closed yet
+        self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -216,6 +217,7 @@ class Pipeline:
         """
         if self._broken:
             raise StageFailure(self._broken)
+        timeout_s += 2 * self.link_rtt_s()  # a step crosses every link once (N+1 hops): slow links, longer deadline
         step_id = next(self._steps)
         request = pb.ForwardRequest(
             session_id=session_id, step_id=step_id, stage=0,

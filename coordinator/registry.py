@@ -38,6 +38,7 @@ class WorkerState:
     refused: str | None = None  # why it may not join (wrong build / protocol)
     missed: int = 0
     last_seen: float = 0.0
+    rtt_s: float = 0.0  # health-check round trip, moving average (seconds): link latency + Info's cost
 
 
 class Registry:
@@ -72,8 +73,10 @@ class Registry:
         state = self.workers.get(address)
         if state is None:
             return
-        try:
-            info = await self.channels.stub(address).Info(pb.InfoRequest(), timeout=max(1.0, self.health_interval_s))
+        sent = time.perf_counter()
+        try:  # a slow but healthy link gets a longer deadline (its measured round trip, with margin)
+            info = await self.channels.stub(address).Info(
+                pb.InfoRequest(), timeout=max(1.0, self.health_interval_s, 5 * state.rtt_s))
         except grpc.aio.AioRpcError as exc:
             state.missed += 1
             if state.healthy:
@@ -92,6 +95,8 @@ class Registry:
             log.warning("worker %s restarted (was %s, now %s): its sessions are gone", address,
                         state.info.worker_id, info.worker_id)
             await self._invalidate_if_uses(address, f"stage {info.stage} at {address} restarted")
+        rtt = time.perf_counter() - sent
+        state.rtt_s = rtt if not state.rtt_s else 0.7 * state.rtt_s + 0.3 * rtt
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
         refused = None
         if info.protocol_version != PROTOCOL_VERSION:
@@ -112,6 +117,13 @@ class Registry:
         if state.healthy and not was_healthy:
             log.info("worker %s joined: stage %d layers [%d, %d) on %s (id %s)", address, info.stage,
                      info.layer_start, info.layer_end, info.device, info.worker_id)
+            host = address.rsplit(":", 1)[0]
+            for ghost in [w for w in self.workers.values() if w is not state and not w.healthy and w.info is not None
+                          and w.info.stage == info.stage and w.address.rsplit(":", 1)[0] == host
+                          and w.address not in self._static]:
+                log.info("worker %s replaces %s (stage %d on the same host, not answering)", address, ghost.address,
+                         info.stage)  # a restarted worker on a new port: no ghost entry left behind
+                self.workers.pop(ghost.address, None)
             await self._drop_pipelines(lambda p: not p.healthy)
         elif not state.healthy and was_healthy:
             await self._invalidate_if_uses(address, state.refused or f"worker {address} refused")
@@ -164,6 +176,7 @@ class Registry:
             pipeline = self._pipelines.get(addresses)
             if pipeline is None:
                 pipeline = await Pipeline.connect(list(addresses), self.channels, self.loaded.sha256)
+                pipeline.link_rtt_s = lambda: sum(self.workers[a].rtt_s for a in addresses if a in self.workers)
                 self._pipelines[addresses] = pipeline
                 log.info("pipeline assembled: %s", " -> ".join(addresses))
             return pipeline

@@ -77,9 +77,12 @@ def test_killed_worker_fails_fast_then_rejoins(build_2, tmp_path):
         while httpx.get(f"{fleet.url}/health", timeout=5).status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert httpx.get(f"{fleet.url}/health", timeout=5).json()["missing_stages"] == [1]
-        # restart it (new process, new port): it rejoins by itself through zeroconf
+        # restart it (new process, new port): it rejoins by itself through zeroconf and replaces the old entry
+        dead = fleet.workers[1][1]
         fleet.workers[1] = start_worker(build_2, 1, tmp_path, name="-restarted")
         wait_ready(fleet.url, 30)
+        addresses = [w["address"] for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]]
+        assert fleet.workers[1][1] in addresses and dead not in addresses, addresses
         r = chat(fleet.url, "What is the capital of France?", max_tokens=16)
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     finally:
