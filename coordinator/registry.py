@@ -141,7 +141,8 @@ class Registry:
     async def recheck(self, addresses: list[str]) -> None:
         """Health-check ``addresses`` now (after a failed step): a dead or refusing worker is marked
         unhealthy and every pipeline that uses it closed, before the next placement."""
-        await asyncio.gather(*(self._check(a) for a in addresses if a in self.workers), return_exceptions=True)
+        await asyncio.gather(*(self._check(a) for a in addresses if a in self.workers and self.workers[a].healthy),
+                             return_exceptions=True)
 
     def load(self, address: str) -> int:
         """Sessions this coordinator has open on ``address`` (over all its pipelines)."""

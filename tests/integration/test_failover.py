@@ -1,10 +1,11 @@
-"""Replicas and failover on real processes: kill -9 the worker a stream is using and the stream goes on
-on a replica (its KV rebuilt by prefilling the session's tokens again), token for token what it would
+"""Replicas and failover on real processes: kill -9 (or SIGSTOP) the worker a stream is using and the
+stream goes on on a replica (its KV rebuilt by prefilling the session's tokens again), token for token what it would
 have been; sessions spread across replicas; the status command shows the fleet."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -68,20 +69,26 @@ def replicated(build_2, tmp_path):
     yield workers, coordinator, url
     coordinator.stop()
     for proc, _ in workers.values():
+        if proc.popen.poll() is None:
+            os.killpg(proc.popen.pid, signal.SIGCONT)  # a hung (stopped) worker, so that it can stop
         proc.stop()
 
 
-def kill_busy_worker(workers: dict, stage: int) -> str:
-    """kill -9 the stage's worker that holds a sequence now; returns its address."""
+def fail_busy_worker(workers: dict, stage: int, how: str) -> str:
+    """kill -9 (``kill``) or SIGSTOP (``hang``) the stage's worker that holds a sequence now; returns
+    its address."""
     for (s, _), (proc, address) in workers.items():
         if s == stage and proc.popen.poll() is None and info(address).sequences:
-            proc.kill(signal.SIGKILL)
+            if how == "kill":
+                proc.kill(signal.SIGKILL)
+            else:
+                os.killpg(proc.popen.pid, signal.SIGSTOP)
             return address
     raise AssertionError(f"no stage-{stage} worker holds a sequence")
 
 
-@pytest.mark.parametrize("stage", [1, 0])
-def test_kill_worker_mid_stream_fails_over_to_replica(replicated, stage):
+@pytest.mark.parametrize("stage,how", [(1, "kill"), (0, "kill"), (1, "hang")])
+def test_failed_worker_mid_stream_fails_over_to_replica(replicated, stage, how):
     workers, coordinator, url = replicated
     reference: dict = {}
     stream_tokens(url, reference, threading.Event(), after=0)
@@ -92,7 +99,7 @@ def test_kill_worker_mid_stream_fails_over_to_replica(replicated, stage):
     thread = threading.Thread(target=stream_tokens, args=(url, out, progress, 40))
     thread.start()
     assert progress.wait(60)
-    killed = kill_busy_worker(workers, stage)
+    failed = fail_busy_worker(workers, stage, how)
     thread.join(120)
     assert not thread.is_alive()
     assert "error" not in out, out.get("error")
@@ -102,10 +109,10 @@ def test_kill_worker_mid_stream_fails_over_to_replica(replicated, stage):
     # the dead worker is unhealthy, and the fleet keeps serving on the replicas
     health = httpx.get(f"{url}/health", timeout=5).json()
     assert health["ready"]
-    assert [w for w in health["workers"] if w["address"] == killed][0]["healthy"] is False
+    assert [w for w in health["workers"] if w["address"] == failed][0]["healthy"] is False
     # every session's KV is freed on the live workers (the one that failed over included)
     deadline = time.monotonic() + 10
-    while any(info(a).sequences for (_, _), (p, a) in workers.items() if p.popen.poll() is None):
+    while any(info(a).sequences for (_, _), (p, a) in workers.items() if p.popen.poll() is None and a != failed):
         assert time.monotonic() < deadline, "KV left behind on a live worker"
         time.sleep(0.2)
 
