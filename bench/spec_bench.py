@@ -8,7 +8,7 @@
 (b) Decode tokens/s with speculation off and on, per draft source (ngram, self-int8, self-int4,
     the 8-layer early-exit model), adaptive K, over 8 prompt categories, with acceptance rates, on a 2-stage
     fleet (a worker process per stage, gRPC on loopback) ...
-(c) ... with a one-way delay per hop of 0, 10 and 50 ms: a delaying TCP proxy (bench/delay_proxy.py)
+(c) ... with a one-way delay per hop of 0, 10 and 50 ms: a fleet-wan link per worker (bench/wan.py)
     in front of each worker, so coordinator -> stage 0 -> stage 1 -> coordinator (the result stream)
     each cross one delayed link. (b) is the 0 ms row of (c).
 
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
 
 from bench.decode_bench import stop_group, wait_healthy  # noqa: E402
-from bench.delay_proxy import DelayProxy  # noqa: E402
+from bench.wan import LinkProfile, WanLink  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
 
 CATEGORIES = {
@@ -193,7 +193,7 @@ def fleet_runs(build: Path, logs: Path, delays: list[float], tokens: int, catego
             proc = start([sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(build),
                           "--port", str(port), "--no-announce"], log, stack)
             wait_line(log, "serving on", proc)
-            proxy = DelayProxy(f"127.0.0.1:{port}", 0.0).start()
+            proxy = WanLink(f"127.0.0.1:{port}", LinkProfile()).start()
             stack.callback(proxy.stop)
             proxies.append(proxy)
         urls = {}
@@ -209,7 +209,7 @@ def fleet_runs(build: Path, logs: Path, delays: list[float], tokens: int, catego
         client = stack.enter_context(httpx.Client())
         for delay in delays:
             for proxy in proxies:
-                proxy.delay_s = delay / 1000.0
+                proxy.profile = LinkProfile(delay_ms=delay)
             for source in SOURCES:  # warm-up: compile paths, and adaptive K's step-cost estimates
                 chat(client, urls[source], "Say hello.", 16)
             for category, prompt in categories.items():
