@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Literal
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -15,9 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .engine import Engine, SamplingParams
-from .errors import FleetError, InvalidRequest, ModelNotFound
+from .errors import FleetError, InvalidApiKey, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +62,47 @@ class ChatCompletionRequest(BaseModel):
 
 
 def _error_response(exc: FleetError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+class ApiKeys:
+    """ASGI middleware: requests to ``/v1`` and below need ``Authorization: Bearer KEY`` with one of
+    ``keys``, else HTTP 401 with an OpenAI error body (``invalid_api_key``). Other paths (``/health``,
+    ``/metrics``) stay open. Keys are compared as SHA-256 digests in constant time, against every key."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def refusal(self, authorization: str | None) -> InvalidApiKey | None:
+        """Why a request with this ``Authorization`` header value is refused, or None when it may pass."""
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return InvalidApiKey("this fleet requires an API key: send 'Authorization: Bearer KEY' "
+                                 "(fleet-chat --api-key, or the OpenAI client's api_key)")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        if not sum(hmac.compare_digest(digest, d) for d in self._digests):  # no early exit
+            return InvalidApiKey("invalid API key")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            refused = self.refusal(header.decode("latin-1") if header is not None else None)
+            if refused is not None:
+                await _error_response(refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[valid-type]
-    """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict."""
+    """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict. When
+    ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``ApiKeys``)."""
     app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator")
+    if keys := engine.settings.allowed_api_keys:
+        app.add_middleware(ApiKeys, keys=keys)
+        log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
 
     @app.exception_handler(FleetError)
     async def fleet_error(_: HttpRequest, exc: FleetError) -> JSONResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -112,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     parser.add_argument("--seed", type=int, help="sampling seed, for reproducible answers")
     parser.add_argument("-p", "--prompt", action="append", help="ask this and exit (repeat for several turns)")
+    parser.add_argument("--api-key", help="API key of a coordinator started with --api-key-file (default: "
+                        "$FLEET_API_KEY; else $OPENAI_API_KEY, but only with --url: a key for another service is "
+                        "never sent to a coordinator found by zeroconf, which anyone on the LAN can announce)")
     args = parser.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("FLEET_API_KEY") or (os.environ.get("OPENAI_API_KEY") if args.url else None)
 
     url = args.url or discover_api()
     if not url:
@@ -123,9 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://{url}"
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = iter(args.prompt) if args.prompt else None
-    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), headers=headers) as client:
         try:
-            model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+            response = client.get(f"{url}/v1/models")
+            if response.status_code == 401:
+                print(f"fleet-chat: {url} refused the API key: {response.json()['error']['message']}", file=sys.stderr)
+                return 2
+            model = response.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             print(f"fleet-chat: no fleet coordinator answers at {url}: {exc}", file=sys.stderr)
             return 2

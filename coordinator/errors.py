@@ -9,6 +9,7 @@ class FleetError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    headers: dict[str, str] | None = None  # extra HTTP response headers
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -26,6 +27,15 @@ class InvalidRequest(FleetError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class InvalidApiKey(FleetError):
+    """The API requires a key (``--api-key-file``) and the request had none, or another one."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    headers = {"WWW-Authenticate": "Bearer"}
 
 
 class ModelNotFound(FleetError):

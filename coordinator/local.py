@@ -2,6 +2,8 @@
 
 The embedded default for one-machine use and the demo. Each worker is a real ``fleet-worker``
 process on loopback; a child that exits is restarted (with backoff) until the coordinator stops.
+Children get the coordinator's ``--secret``/``--tls-*`` files (by path), so they accept its calls and
+each other's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import signal
 import socket
 import sys
 from pathlib import Path
+
+from fleet_common import security as fleet_security
+from fleet_common.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +37,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalWorkers:
-    """Starts one worker per stage on 127.0.0.1 and keeps them running."""
+    """Starts one worker per stage on 127.0.0.1 and keeps them running, secured as ``security`` says
+    (default: this process's, which the coordinator's settings set)."""
 
-    def __init__(self, model: Path, num_stages: int, threads: int = 0, inference_precision: str = "auto") -> None:
+    def __init__(self, model: Path, num_stages: int, threads: int = 0, inference_precision: str = "auto",
+                 security: Security | None = None) -> None:
         self.model = model
+        self.security = security if security is not None else fleet_security.default()
         self.num_stages = num_stages
         self.threads = threads
         self.inference_precision = inference_precision
@@ -51,7 +59,7 @@ class LocalWorkers:
     async def _spawn(self, stage: int) -> None:
         cmd = [sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.ports[stage]), "--threads", str(self.threads),
-               "--inference-precision", self.inference_precision, "--no-announce"]
+               "--inference-precision", self.inference_precision, "--no-announce", *self.security.cli_args()]
         self._procs[stage] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with_parent)
         log.info("local worker for stage %d started (pid %d, port %d)", stage, self._procs[stage].pid,
                  self.ports[stage])

@@ -20,7 +20,9 @@ import numpy as np
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.wire import GRPC_OPTIONS, from_tensor, to_tensor
+from fleet_common import security as fleet_security
+from fleet_common.security import Security
+from fleet_common.wire import from_tensor, to_tensor
 
 from .errors import InvalidRequest, Overloaded, StageFailure
 
@@ -36,15 +38,19 @@ class StepOutput:
 
 
 class Channels:
-    """One gRPC channel per worker address, shared by every pipeline of this coordinator."""
+    """One gRPC channel per worker address, shared by every pipeline of this coordinator, secured as
+    ``security`` says (default: this process's, which the coordinator's settings set)."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: Security | None = None) -> None:
+        self.security = security if security is not None else fleet_security.default()
+        log.info("links to workers: %s", self.security.describe())
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
 
     def stub(self, address: str) -> pb_grpc.StageStub:
+        """The stub of the worker at ``address`` (host:port), its channel opened on first use."""
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = fleet_security.open_channel(address, self.security)
             entry = self._stubs[address] = (channel, pb_grpc.StageStub(channel))
         return entry[1]
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fleet_common import security as fleet_security
+from fleet_common.security import Security, SecurityError
 
 
 class CoordinatorSettings(BaseSettings):
@@ -60,7 +63,48 @@ class CoordinatorSettings(BaseSettings):
                                  "a member later than that sits the step out (a slow client never stalls the others)")
     failover_attempts: int = Field(2, ge=0, le=16, description="times a request moves to replica workers after a "
                                    "stage fails mid-generation (its KV rebuilt from its tokens); 0 = fail at once")
+    secret: Path | None = Field(None, description="file holding the fleet's shared key (stripped): every call to a "
+                                "worker carries an HMAC token made with it (workers need the same file); local "
+                                "workers get it too")
+    tls_cert: Path | None = Field(None, description="PEM client certificate: talk TLS to the workers and present it "
+                                  "(local workers serve it, so it must then name 127.0.0.1)")
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert (unencrypted)")
+    tls_ca: Path | None = Field(None, description="PEM CA certificate that signed the workers' certificates (default: "
+                                "the system's roots); with it, local workers require client certificates")
+    api_key_file: Path | None = Field(None, description="file of HTTP API keys, one per line ('#' comments): /v1/* "
+                                      "then requires 'Authorization: Bearer KEY' (/health and /metrics stay open)")
+    api_keys: SecretStr = Field(SecretStr(""), description="comma-separated HTTP API keys, added to --api-key-file's; "
+                                "better set as FLEET_API_KEYS in the environment (a command line is visible to "
+                                "other users of this machine)")
     log_level: str = Field("INFO", description="logging level")
+
+    _security: Security = PrivateAttr(default_factory=Security)
+    _api_keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _load_credentials(self) -> CoordinatorSettings:
+        try:
+            self._security = Security.load(self.secret, self.tls_cert, self.tls_key, self.tls_ca)
+        except SecurityError as exc:
+            raise ValueError(str(exc)) from exc
+        keys = [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+        if self.api_key_file is not None:
+            keys += read_api_keys(self.api_key_file)
+        self._api_keys = tuple(dict.fromkeys(keys))
+        # coordinator/cli.py's serve() builds Channels() and LocalWorkers without the settings: they use the
+        # process default, which the settings that start the coordinator set here
+        fleet_security.set_default(self._security)
+        return self
+
+    @property
+    def security(self) -> Security:
+        """The secret and TLS material read from ``--secret``/``--tls-*`` (checked at validation)."""
+        return self._security
+
+    @property
+    def allowed_api_keys(self) -> tuple[str, ...]:
+        """The HTTP API keys from ``--api-key-file`` and ``--api-keys``; empty = the API is open."""
+        return self._api_keys
 
     @field_validator("peer")
     @classmethod
@@ -70,3 +114,16 @@ class CoordinatorSettings(BaseSettings):
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"peer {peer!r} is not host:port")
         return peers
+
+
+def read_api_keys(path: Path) -> list[str]:
+    """The API keys in ``path``: one per line, blank lines and ``#`` comments skipped. Raises
+    ``ValueError`` when the file cannot be read or holds no key."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file {path}: cannot read it: {exc}") from exc
+    keys = [k for k in (line.split("#", 1)[0].strip() for line in lines) if k]
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: no key in it (one per line, '#' starts a comment)")
+    return keys

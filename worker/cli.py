@@ -49,15 +49,16 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
     store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s,
                          kv_bytes_per_slot=manifest.kv_bytes_per_token(settings.shard, runner.kv_value_bytes),
                          kv_budget_bytes=budget)
-    service = StageService(runner, store, loaded.sha256, max_context)
+    service = StageService(runner, store, loaded.sha256, max_context, settings.security)
     if settings.metrics_port:
         service.metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     server, port = create_server(service, settings.host, settings.port)
     await server.start()
-    if settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("worker bound to %s: its gRPC port is reachable by anyone on this network (no authentication yet)",
-                    settings.host)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.security.secret:
+        log.warning("!!! worker bound to %s WITHOUT --secret: anyone who can reach port %d can run sessions on it and "
+                    "read them. Give every worker and the coordinator --secret FILE (a shared key), and use "
+                    "--tls-cert/--tls-key/--tls-ca across networks you do not trust. !!!", settings.host, port)
     announcer = None
     if settings.announce:
         from .announce import Announcer
@@ -68,9 +69,9 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
             settings.host,
         )
         await announcer.start()
-    log.info("worker ready: stage %d of %d, layers [%d, %d), manifest %s, KV budget %d MiB (%d slots), serving on %s:%d",
-             settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256[:12], budget >> 20,
-             budget // store.kv_bytes_per_slot, settings.host, port)
+    log.info("worker ready: stage %d of %d, layers [%d, %d), manifest %s, KV budget %d MiB (%d slots), %s, "
+             "serving on %s:%d", settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256[:12],
+             budget >> 20, budget // store.kv_bytes_per_slot, settings.security.describe(), settings.host, port)
     if ready is not None:
         ready.set()
 

@@ -16,7 +16,8 @@ import openvino as ov
 from fleet_common import PROTOCOL_VERSION
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.wire import GRPC_OPTIONS, WireError, from_tensor, to_tensor
+from fleet_common.security import Security, open_channel, open_server
+from fleet_common.wire import WireError, from_tensor, to_tensor
 
 from fleet_common.runtime import ChunkError, top_candidates
 
@@ -37,10 +38,13 @@ def _code(name: str) -> grpc.StatusCode:
 
 class StageService(pb_grpc.StageServicer):
     """Serves one shard. Inference runs on one dedicated thread, so chunks of different sessions
-    queue at this stage and the event loop keeps answering RPCs meanwhile."""
+    queue at this stage and the event loop keeps answering RPCs meanwhile. ``security`` is used for the
+    calls to the next stage."""
 
-    def __init__(self, runner: ShardRunner, store: SessionStore, manifest_sha256: str, max_context: int) -> None:
+    def __init__(self, runner: ShardRunner, store: SessionStore, manifest_sha256: str, max_context: int,
+                 security: Security | None = None) -> None:
         self.runner = runner
+        self.security = security if security is not None else Security()
         self.store = store
         self.manifest_sha256 = manifest_sha256
         self.max_context = max_context
@@ -72,7 +76,7 @@ class StageService(pb_grpc.StageServicer):
     def _stub(self, address: str) -> pb_grpc.StageStub:
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = open_channel(address, self.security)
             entry = (channel, pb_grpc.StageStub(channel))
             self._channels[address] = entry
         return entry[1]
@@ -239,12 +243,11 @@ class StageService(pb_grpc.StageServicer):
 
 
 def create_server(service: StageService, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server with ``service`` bound at host:port; returns (server, bound port).
+    """A grpc.aio server with ``service`` bound at host:port, secured as ``service.security`` says
+    (calls without a valid token are refused before any handler runs); returns (server, bound port).
 
     Raises ``RuntimeError`` when the port cannot be bound."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server, bound = open_server(f"{host}:{port}", service.security,
+                                on_reject=service.metrics.errors.labels("UNAUTHENTICATED").inc)
     pb_grpc.add_StageServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind {host}:{port}")
     return server, bound
