@@ -163,9 +163,9 @@ def render_status(url: str, health: dict) -> str:
                   f"{w['kv_budget_bytes'] / mib:.0f} MiB reserved") if "kv_bytes" in w else "no info"
             lines.append(
                 f"  {w['address']:<21} {'healthy' if w['healthy'] else 'DOWN':<8} id {w.get('worker_id', '?'):<12} "
-                f"{w.get('device', '?')}  RTT {w['rtt_ms']:.1f} ms, sessions {w.get('sessions', '?')} (from here {w['load']}), sequences "
-                f"{w.get('sequences', '?')}, busy {w.get('busy', '?')}, {kv}, OpenVINO {w.get('openvino_version', '?')}"
-                f", protocol {w.get('protocol_version', '?')}, via {w['source']}"
+                f"{w.get('device', '?')}  RTT {w['rtt_ms']:.1f} ms, sessions {w.get('sessions', '?')} "
+                f"(from here {w['load']}), sequences {w.get('sequences', '?')}, busy {w.get('busy', '?')}, {kv}, "
+                f"OpenVINO {w.get('openvino_version', '?')}, protocol {w.get('protocol_version', '?')}, via {w['source']}"
                 + (f", missed {w['missed_health_checks']} health checks" if w["missed_health_checks"] else ""))
     for w in workers:
         if w["stage"] is None or w.get("refused"):
