@@ -155,7 +155,7 @@ def render_status(url: str, health: dict) -> str:
         mine = [w for w in workers if w["stage"] == stage]
         healthy = sum(w["healthy"] for w in mine)
         layers = next((f"layers [{w['layers'][0]}, {w['layers'][1]})" for w in mine if w.get("layers")), "")
-        lines.append(f"stage {stage} {layers}: {healthy} of {len(mine)} replica{'s' if len(mine) != 1 else ''} "
+        lines.append(f"stage {stage}{' ' + layers if layers else ''}: {healthy} of {len(mine)} replica{'s' if len(mine) != 1 else ''} "
                      f"healthy" + ("  <- MISSING" if not healthy else ""))
         for w in sorted(mine, key=lambda w: w["address"]):
             mib = 1 << 20
