@@ -45,7 +45,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     """Run the coordinator until interrupted. Raises ``ManifestError`` for a bad build folder."""
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
-    channels = Channels()
+    channels = Channels(settings.security)
     registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
     engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
     local = None
@@ -56,7 +56,7 @@ async def serve(settings: CoordinatorSettings) -> None:
             raise ManifestError(f"--local-workers {settings.local_workers}: this build has "
                                 f"{loaded.manifest.num_stages} stages; start one worker per stage")
         local = LocalWorkers(settings.model, loaded.manifest.num_stages, settings.worker_threads,
-                             settings.inference_precision)
+                             settings.inference_precision, security=settings.security)
         await local.start()
         for address in local.addresses:
             registry.add_peer(address)

@@ -16,7 +16,6 @@ import socket
 import sys
 from pathlib import Path
 
-from fleet_common import security as fleet_security
 from fleet_common.security import Security
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ class LocalWorkers:
     def __init__(self, model: Path, num_stages: int, threads: int = 0, inference_precision: str = "auto",
                  security: Security | None = None) -> None:
         self.model = model
-        self.security = security if security is not None else fleet_security.default()
+        self.security = security if security is not None else Security()
         self.num_stages = num_stages
         self.threads = threads
         self.inference_precision = inference_precision

@@ -20,8 +20,7 @@ import numpy as np
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common import security as fleet_security
-from fleet_common.security import Security
+from fleet_common.security import Security, open_channel
 from fleet_common.wire import from_tensor, to_tensor
 
 from .errors import InvalidRequest, Overloaded, StageFailure
@@ -42,7 +41,7 @@ class Channels:
     ``security`` says (default: this process's, which the coordinator's settings set)."""
 
     def __init__(self, security: Security | None = None) -> None:
-        self.security = security if security is not None else fleet_security.default()
+        self.security = security if security is not None else Security()
         log.info("links to workers: %s", self.security.describe())
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
 
@@ -50,7 +49,7 @@ class Channels:
         """The stub of the worker at ``address`` (host:port), its channel opened on first use."""
         entry = self._stubs.get(address)
         if entry is None:
-            channel = fleet_security.open_channel(address, self.security)
+            channel = open_channel(address, self.security)
             entry = self._stubs[address] = (channel, pb_grpc.StageStub(channel))
         return entry[1]
 

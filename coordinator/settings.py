@@ -8,7 +8,6 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleet_common import security as fleet_security
 from fleet_common.security import Security, SecurityError
 
 
@@ -91,9 +90,6 @@ class CoordinatorSettings(BaseSettings):
         if self.api_key_file is not None:
             keys += read_api_keys(self.api_key_file)
         self._api_keys = tuple(dict.fromkeys(keys))
-        # coordinator/cli.py's serve() builds Channels() and LocalWorkers without the settings: they use the
-        # process default, which the settings that start the coordinator set here
-        fleet_security.set_default(self._security)
         return self
 
     @property

@@ -166,18 +166,6 @@ class Security:
         return args
 
 
-_default = Security()
-
-
-def set_default(security: Security) -> None:
-    """Make ``security`` what ``default()`` returns in this process (the coordinator's settings set it)."""
-    global _default
-    _default = security
-
-
-def default() -> Security:
-    """This process's security configuration: ``Security()`` unless ``set_default`` was called."""
-    return _default
 
 
 # -- clients -----------------------------------------------------------------------------------
