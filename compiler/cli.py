@@ -1,4 +1,4 @@
-"""``fleet-compiler``: fetch the demo model, build shards, inspect a build."""
+"""``fleet-compiler``: fetch the demo model, build shards, pre-compile them for a device, inspect a build."""
 
 from __future__ import annotations
 
@@ -26,6 +26,27 @@ def _cmd_build(args: argparse.Namespace) -> int:
     for d in manifest.drafts:
         print(f"draft {d.name}: {d.num_layers} layers, {d.weights} -> {args.out / d.xml}")
     print(f"manifest: {args.out / 'manifest.json'} ({len(manifest.files)} files hashed)")
+    if args.precompile:
+        from .precompile import precompile
+
+        _print_blobs(args.out, precompile(args.out, tuple(args.precompile), args.precompile_threads,
+                                          args.precompile_precision))
+    return 0
+
+
+def _print_blobs(build: Path, entries: list) -> None:
+    """One line per new blob: stage, device, config, file."""
+    for b in entries:
+        config = ", ".join(f"{k}={v}" for k, v in b.key["config"].items())
+        print(f"blob stage {b.stage} for {b.key['device']} ({config}) -> {build / b.file}")
+
+
+def _cmd_precompile(args: argparse.Namespace) -> int:
+    from .precompile import precompile
+
+    entries = precompile(args.model, tuple(args.device or ["CPU"]), args.threads, args.inference_precision,
+                         tuple(args.stage) if args.stage else None)
+    _print_blobs(args.model, entries)
     return 0
 
 
@@ -65,7 +86,25 @@ def main(argv: list[str] | None = None) -> int:
                         "self-int8 (NNCF INT4/INT8 copy of the target) or an HF folder / .gguf sharing the "
                         "target's tokenizer")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
+    p.add_argument("--precompile", action="append", default=[], metavar="DEVICE",
+                   help="also compile every stage for DEVICE (CPU, GPU; repeatable) on this machine and save the "
+                        "blob a worker with the same device, OpenVINO and settings imports instead of compiling "
+                        "(see the precompile command)")
+    p.add_argument("--precompile-threads", type=int, default=0, help="the workers' --threads (blobs are per setting)")
+    p.add_argument("--precompile-precision", default="auto", choices=["auto", "f32", "bf16", "f16"],
+                   help="the workers' --inference-precision")
     p.set_defaults(func=_cmd_build)
+
+    p = sub.add_parser("precompile", help="compile a build's stages for a device on this machine and save the blobs "
+                                          "(workers import them instead of compiling; run it on the PC that serves)")
+    p.add_argument("model", type=Path, help="build folder (holds manifest.json)")
+    p.add_argument("--device", action="append", metavar="DEVICE", help="OpenVINO device (repeatable; default CPU)")
+    p.add_argument("--threads", type=int, default=0, help="the workers' --threads: a blob is used only by workers "
+                                                          "with the same setting")
+    p.add_argument("--inference-precision", default="auto", choices=["auto", "f32", "bf16", "f16"],
+                   help="the workers' --inference-precision (same rule)")
+    p.add_argument("--stage", type=int, action="append", help="only this stage (repeatable; default all)")
+    p.set_defaults(func=_cmd_precompile)
 
     p = sub.add_parser("inspect", help="verify hashes and fused stateful attention per stage")
     p.add_argument("model", type=Path, help="build folder (holds manifest.json)")

@@ -2,7 +2,8 @@
 
 Written once by ``fleet-compiler build``; read by workers (to load their shard and announce the
 build's identity) and by the coordinator (tokenizer, dims, stage count). The identity of a build is
-the sha256 of the manifest file itself, which covers every other file through its hashes.
+the sha256 of the manifest file itself, which covers every other file through its hashes (less the
+list of pre-compiled blobs, which each PC may add for itself: ``build_identity``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ class DraftEntry:
 
 
 @dataclass(frozen=True)
+class BlobEntry:
+    """A stage compiled ahead of time for one device (``fleet-compiler precompile``): the output of
+    ``CompiledModel.export_model``, which a worker imports instead of compiling the IR when ``key``
+    matches it (IR, device, OpenVINO version, device identity, compile config; fleet_common/blobs.py)."""
+
+    stage: int
+    file: str  # path relative to the model directory
+    sha256: str
+    key: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The whole build: architecture, stages, tokenizer and the sha256 of every file."""
 
@@ -76,6 +89,7 @@ class Manifest:
     eos_token_ids: tuple[int, ...]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256 hex
     drafts: tuple[DraftEntry, ...] = ()
+    blobs: tuple[BlobEntry, ...] = ()  # not part of the build's identity (see ``build_identity``)
     format: int = FORMAT_VERSION
 
     @property
@@ -96,7 +110,11 @@ class Manifest:
         raise ManifestError(f"this build has no draft {name!r}; it has: {have}")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        raw = asdict(self)
+        if not raw["blobs"]:  # a build without blobs reads as it did before blobs existed
+            del raw["blobs"]
+        return json.dumps(raw, indent=2, sort_keys=True) + "\n"
+
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -116,6 +134,7 @@ class Manifest:
                 eos_token_ids=tuple(int(t) for t in raw["eos_token_ids"]),
                 files=dict(raw["files"]),
                 drafts=tuple(DraftEntry(**d) for d in raw.get("drafts", ())),
+                blobs=tuple(BlobEntry(**b) for b in raw.get("blobs", ())),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc
@@ -139,6 +158,18 @@ class LoadedManifest:
     sha256: str
 
 
+def build_identity(data: bytes) -> str:
+    """The build's identity from the bytes of its ``manifest.json``: their sha256, leaving out the
+    ``blobs`` list. Blobs are compiled per machine (``fleet-compiler precompile`` on each PC), so a
+    build with blobs added stays the same build as its copies without them (the manifest is written
+    with sorted keys and indent 2, so dropping the list and re-serialising gives the original bytes)."""
+    raw = json.loads(data)
+    if "blobs" not in raw:
+        return hashlib.sha256(data).hexdigest()
+    del raw["blobs"]
+    return hashlib.sha256((json.dumps(raw, indent=2, sort_keys=True) + "\n").encode()).hexdigest()
+
+
 def load_manifest(directory: Path) -> LoadedManifest:
     """Read ``directory/manifest.json`` (no file hashing; see ``verify_files``).
 
@@ -148,7 +179,8 @@ def load_manifest(directory: Path) -> LoadedManifest:
     if not path.is_file():
         raise ManifestError(f"{path} not found: is {directory} a fleet-compiler build output?")
     data = path.read_bytes()
-    return LoadedManifest(Manifest.from_json(data.decode()), Path(directory), hashlib.sha256(data).hexdigest())
+    manifest = Manifest.from_json(data.decode())
+    return LoadedManifest(manifest, Path(directory), build_identity(data))
 
 
 def verify_files(loaded: LoadedManifest, only: list[str] | None = None) -> list[str]:

@@ -75,22 +75,35 @@ class KVSession:
         self.visible[:] = 0
 
 
-def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_precision: str = "auto",
-               kv_cache_precision: str = "f16") -> tuple[ov.CompiledModel, int, float]:
-    """Compile one stateful IR for low-latency decoding.
-
-    ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device).
-    Returns (compiled model, bytes per KV value, compile seconds). Raises ``RuntimeError`` naming the
-    device and this machine's devices when compilation fails.
-    """
+def compile_config(threads: int = 0, inference_precision: str = "auto") -> dict[str, object]:
+    """The properties a shard is compiled with for low-latency decoding (``compile_ir``; a pre-compiled
+    blob is made and imported with the same ones, fleet_common/blobs.py). ``threads`` 0 and precision
+    "auto" leave OpenVINO's defaults; "f32" also keeps the KV cache in f32 (bit-exact with one device)."""
     config: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     if inference_precision != "auto":
         config["INFERENCE_PRECISION_HINT"] = inference_precision
         if inference_precision == "f32":
-            kv_cache_precision = "f32"
             config["KV_CACHE_PRECISION"] = "f32"
+    return config
+
+
+def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_precision: str = "auto",
+               kv_cache_precision: str = "f16", cache_dir: Path | None = None) -> tuple[ov.CompiledModel, int, float]:
+    """Compile one stateful IR for low-latency decoding (``compile_config``).
+
+    ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device).
+    ``cache_dir``: OpenVINO's model cache (``CACHE_DIR``, "Model Caching Overview" in the OpenVINO
+    docs): a compiled model found there is imported instead of compiled, otherwise it is written there.
+    Returns (compiled model, bytes per KV value, compile seconds). Raises ``RuntimeError`` naming the
+    device and this machine's devices when compilation fails.
+    """
+    config = compile_config(threads, inference_precision)
+    if inference_precision == "f32":
+        kv_cache_precision = "f32"
+    if cache_dir is not None:
+        config["CACHE_DIR"] = str(cache_dir)
     t0 = time.perf_counter()
     core = ov.Core()
     try:
