@@ -155,7 +155,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences")
+    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences", "load_source", "load_s", "load_detail")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,9 @@ class InfoReply(_message.Message):
     KV_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_DETAIL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     stage: int
     num_stages: int
@@ -192,4 +195,7 @@ class InfoReply(_message.Message):
     kv_reserved_bytes: int
     kv_budget_bytes: int
     sequences: int
-    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+    load_source: str
+    load_s: float
+    load_detail: str
+    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_source: _Optional[str] = ..., load_s: _Optional[float] = ..., load_detail: _Optional[str] = ...) -> None: ...

@@ -6,14 +6,16 @@ import asyncio
 import logging
 import signal
 import sys
+from functools import partial
 
 from pydantic import ValidationError
 
 from fleet_common import PROTOCOL_VERSION
 from fleet_common.cli import describe_validation_error
 from fleet_common.discovery import WorkerAd
-from fleet_common.manifest import ManifestError, load_manifest, verify_files
+from fleet_common.manifest import ManifestError, load_manifest
 
+from .loader import default_cache_dir
 from .runner import ShardRunner
 from .server import StageService, create_server
 from .sessions import SessionStore
@@ -40,10 +42,10 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
     if not 0 <= settings.shard < manifest.num_stages:
         raise ManifestError(f"--shard {settings.shard} out of range: this build has stages 0..{manifest.num_stages - 1}")
     entry = manifest.stages[settings.shard]
-    if settings.verify_hashes and (problems := verify_files(loaded, only=[entry.xml, entry.bin])):
-        raise ManifestError("shard files do not match the manifest: " + "; ".join(problems))
-    runner = await asyncio.to_thread(ShardRunner, loaded, settings.shard, settings.device, settings.threads,
-                                     settings.inference_precision)
+    cache_dir = (settings.cache_dir or default_cache_dir()) if settings.model_cache else None
+    runner = await asyncio.to_thread(partial(ShardRunner, loaded, settings.shard, settings.device, settings.threads,
+                                             settings.inference_precision, blobs=settings.blobs,
+                                             verify_hashes=settings.verify_hashes, cache_dir=cache_dir))
     max_context = min(settings.max_context or manifest.architecture.max_context, manifest.architecture.max_context)
     budget = settings.kv_budget_mb << 20 or available_memory() // 2
     store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s,

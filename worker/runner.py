@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
 from fleet_common.manifest import LoadedManifest
-from fleet_common.runtime import ChunkError, KVSession, compact, compile_ir, run_chunk
+from fleet_common.runtime import ChunkError, KVSession, compact, run_chunk
+
+from .loader import load_shard
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +28,16 @@ class ChunkResult:
 class ShardRunner:
     """Holds the one CompiledModel of this worker's shard and runs session chunks through it.
 
-    Each session has its own InferRequest (its KV state); all share the compiled weights.
-    Raises ``ValueError`` for a stage the build does not have, ``RuntimeError`` when it cannot compile.
+    Each session has its own InferRequest (its KV state); all share the compiled weights. The model
+    comes from a matching pre-compiled blob, OpenVINO's model cache or the IR (worker/loader.py;
+    ``blobs``, ``verify_hashes``, ``cache_dir`` go there); ``load`` says which.
+    Raises ``ValueError`` for a stage the build does not have, ``ManifestError`` for shard files that do
+    not match the manifest (``verify_hashes``), ``RuntimeError`` when it cannot compile.
     """
 
     def __init__(self, loaded: LoadedManifest, stage: int, device: str = "CPU", threads: int = 0,
-                 inference_precision: str = "auto") -> None:
+                 inference_precision: str = "auto", *, blobs: bool = True, verify_hashes: bool = False,
+                 cache_dir: Path | None = None) -> None:
         manifest = loaded.manifest
         if not 0 <= stage < manifest.num_stages:
             raise ValueError(f"--shard {stage} out of range: this build has stages 0..{manifest.num_stages - 1}")
@@ -42,10 +49,11 @@ class ShardRunner:
         self.hidden_size = manifest.architecture.hidden_size
         self.vocab_size = manifest.architecture.vocab_size
         self.device = device
-        self.compiled, self.kv_value_bytes, self.compile_s = compile_ir(
-            loaded.directory / self.entry.xml, device, threads, inference_precision, manifest.kv_cache_precision)
-        log.info("stage %d layers [%d, %d) compiled on %s in %.1f s", stage, self.entry.start, self.entry.end,
-                 device, self.compile_s)
+        self.load = load_shard(loaded, stage, device, threads, inference_precision, blobs=blobs,
+                               verify_hashes=verify_hashes, cache_dir=cache_dir)
+        self.compiled, self.kv_value_bytes = self.load.compiled, self.load.kv_value_bytes
+        log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s", stage, self.entry.start, self.entry.end,
+                 device, self.load.source, self.load.seconds)
 
     def new_request(self) -> ov.InferRequest:
         return self.compiled.create_infer_request()

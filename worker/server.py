@@ -238,6 +238,9 @@ class StageService(pb_grpc.StageServicer):
             device=self.runner.device,
             max_sessions=self.store.max_sessions,
             openvino_version=ov.get_version(),
+            load_source=self.runner.load.source,
+            load_s=self.runner.load.seconds,
+            load_detail=self.runner.load.detail,
             **self._load(),
         )
 

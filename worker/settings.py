@@ -32,6 +32,12 @@ class WorkerSettings(BaseSettings):
     idle_timeout_s: float = Field(600.0, gt=0, description="a session unused this long is dropped and its KV freed")
     announce: bool = Field(True, description="announce this worker with zeroconf (mDNS)")
     verify_hashes: bool = Field(True, description="sha256-check the shard files against the manifest at start")
+    blobs: bool = Field(True, description="import the build's pre-compiled blob of this shard (fleet-compiler "
+                        "precompile) when it was made for this device, OpenVINO version and config")
+    model_cache: bool = Field(True, description="otherwise compile the IR through OpenVINO's model cache, so the "
+                              "next start on this machine imports it")
+    cache_dir: Path | None = Field(None, description="model cache folder; default $XDG_CACHE_HOME/fleet/openvino "
+                                   "(~/.cache/fleet/openvino)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (same host); "
                               "0 = off")
     secret: Path | None = Field(None, description="file holding the fleet's shared key (stripped); every gRPC call "
