@@ -318,6 +318,30 @@ class Engine:
         draft_prefill = None
         member = group = None
         joined_compactions = 0
+
+        async def fail_over(failure: StageFailure) -> None:
+            """Leave the (broken) group and move the session to replicas; the stages then hold prompt +
+            output except the newest token, which the next chunk feeds."""
+            nonlocal pipeline, session, group
+            if group is not None:
+                request.compactions += group.compactions - joined_compactions
+                group.leave(member)
+                group = None
+            pipeline, session = await self._fail_over(request, failure, pipeline, session, slots,
+                                                      prompt + request.output_ids[:-1])
+
+        async def join() -> None:
+            """Move the prefilled session into a batch group of its pipeline (failing over if need be)."""
+            nonlocal member, group, joined_compactions
+            while True:
+                member = Member(session, slots, logical)
+                group = self.batcher.assign(pipeline)
+                try:
+                    await group.join(member)
+                    joined_compactions = group.compactions
+                    return
+                except StageFailure as exc:
+                    await fail_over(exc)
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
@@ -361,6 +385,8 @@ class Engine:
                 if safe > sent:
                     yield TextDelta(text[sent:safe])  # a slow client blocks here; its group goes on without it
                     sent = safe
+                if group is None:  # decode in a batch group: one infer call per stage for all its sessions
+                    await join()
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
                 t0 = time.perf_counter()
@@ -379,20 +405,11 @@ class Engine:
                 t1 = time.perf_counter()
                 while True:
                     try:
-                        if group is None:  # decode in a batch group: one infer call per stage for all its sessions
-                            member = Member(session, slots, logical)
-                            group = self.batcher.assign(pipeline)
-                            await group.join(member)
-                            joined_compactions = group.compactions
                         out = await group.step(member, chunk, logical, len(chunk), top_k)
                         break
                     except StageFailure as exc:
-                        request.compactions += group.compactions - joined_compactions
-                        group.leave(member)
-                        group = None
-                        # the stages held prompt + output except the newest token, which this chunk feeds
-                        pipeline, session = await self._fail_over(request, exc, pipeline, session, slots,
-                                                                  prompt + request.output_ids[:-1])
+                        await fail_over(exc)
+                        await join()
                 t2 = time.perf_counter()
                 request.batch_max = max(request.batch_max, group.last_rows)
                 self.step_costs.observe(len(chunk), t2 - t1)
