@@ -22,7 +22,7 @@ from tests.conftest import BIN, start_coordinator, start_worker, wait_ready
 pytestmark = pytest.mark.integration
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
-TOKENS = 160
+TOKENS = 100
 
 
 def info(address: str) -> pb.InfoReply:
@@ -96,7 +96,7 @@ def test_failed_worker_mid_stream_fails_over_to_replica(replicated, stage, how):
 
     out: dict = {}
     progress = threading.Event()
-    thread = threading.Thread(target=stream_tokens, args=(url, out, progress, 40))
+    thread = threading.Thread(target=stream_tokens, args=(url, out, progress, 30))
     thread.start()
     assert progress.wait(60)
     failed = fail_busy_worker(workers, stage, how)

@@ -32,7 +32,7 @@ def one_request(url: str, rng: random.Random) -> str:
     (a 500, a broken stream, a hang past the timeout) raises."""
     words = rng.randint(1, 40)
     prompt = f"Tell me about {rng.choice(TOPICS)}. " + " ".join(rng.choice(TOPICS) for _ in range(words))
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(1, 16), "stream": True,
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(1, 10), "stream": True,
             "temperature": rng.choice([0, 0.7])}
     cancel_after = rng.randint(1, 3) if rng.random() < 0.2 else None
     chunks = 0
