@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from fleet_common import fleet_pb2 as pb
-from fleet_common.wire import WireError, from_tensor, to_tensor
+from fleet_common.wire import WireError, address_problem, from_tensor, to_tensor
 
 
 @pytest.mark.parametrize("dtype", ["int64", "int32", "float32", "float16"])
@@ -33,3 +33,25 @@ def test_rejects_bad_tensors():
         from_tensor(to_tensor(np.zeros(2, np.float32)), ndim=3)
     with pytest.raises(WireError, match="cannot travel"):
         to_tensor(np.zeros(2, np.float64))
+
+
+def test_rejects_shapes_that_overflow():
+    """Found by tests/integration/test_fuzz.py: 2**64 elements wrapped to 0 in int64 and passed the
+    byte count; a huge dimension beside a 0 made numpy raise a plain ValueError."""
+    with pytest.raises(WireError, match="larger than a message can hold"):
+        from_tensor(pb.Tensor(data=b"", shape=[2**32, 2**32], dtype="float32"))
+    with pytest.raises(WireError, match="larger than a message can hold"):
+        from_tensor(pb.Tensor(data=b"", shape=[0, 2**62, 2**62], dtype="int64"))
+    with pytest.raises(WireError, match="needs"):
+        from_tensor(pb.Tensor(data=b"", shape=[2**20, 2**20], dtype="int64"))
+
+
+@pytest.mark.parametrize("address, ok", [
+    ("127.0.0.1:50051", True), ("[::1]:5", True), ("worker-3.lan:80", True), ("my_host:1", True),
+    ("", False), ("127.0.0.1", False), ("127.0.0.1:0", False), ("127.0.0.1:65536", False), ("dns:///x:1", False),
+    ("unix:/tmp/s", False), ("host:8O", False), ("h st:1", False), ("١٢:3", False), ("a" * 300 + ":1", False),
+])
+def test_address_problem(address, ok):
+    problem = address_problem(address)
+    assert (problem is None) == ok
+    assert problem is None or (len(problem) < 120 and "is not host:port" in problem)
