@@ -168,16 +168,19 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
         if past + seq > session.max_context:
             raise ContextOverflow(f"session {session.session_id!r} would reach {past + seq} KV slots, "
                                   f"over its max context {session.max_context}")
-        rows = np.arange(session.rows, dtype=np.int32) if not keep_rows else np.asarray(keep_rows, dtype=np.int32)
-        if keep_rows and (len(set(keep_rows)) != len(keep_rows) or rows.min() < 0 or rows.max() >= session.rows):
+        if keep_rows and (len(set(keep_rows)) != len(keep_rows) or min(keep_rows) < 0 or max(keep_rows) >= session.rows):
             raise ChunkError(f"keep_rows {list(keep_rows)[:8]} must be distinct rows of the session's {session.rows}")
+        rows = np.arange(session.rows, dtype=np.int32) if not keep_rows else np.asarray(keep_rows, dtype=np.int32)
         if batch != len(rows):
             raise ChunkError(f"chunk has {batch} rows, the session {len(rows)}")
         pad = np.zeros(batch, dtype=np.int64) if not pads else np.asarray(pads, dtype=np.int64)
         if pad.shape != (batch,) or pad.min() < 0 or pad.max() > seq or pad.min() == seq:
             raise ChunkError(f"pads must give each of the {batch} rows a padding in [0, {seq}], "
                              "and at least one row a real token")
-        start = np.broadcast_to(np.asarray(start_position, dtype=np.int64), (batch,))
+        start = np.asarray(start_position, dtype=np.int64)
+        if start.ndim and start.shape != (batch,):
+            raise ChunkError(f"{start.size} row start positions for a chunk of {batch} rows")
+        start = np.broadcast_to(start, (batch,))
         which, slots = _hide_index(session, hide_slots, hide_rows, batch)
         visible = session.visible[rows] if keep_rows else session.visible
         visible[which, slots] = 0
@@ -268,7 +271,8 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
                 merged = np.zeros((rows, head.shape[1], length, head.shape[3]), dtype=head.dtype)
                 r = 0
                 for s, a in zip(sources, arrays):
-                    merged[r:r + s.rows, :, : s.length] = a
+                    if s.length:  # a session that never ran a chunk holds an empty state (batch 0 too)
+                        merged[r:r + s.rows, :, : s.length] = a
                     r += s.rows
                 state.state = ov.Tensor(merged)
         for s in sources:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,7 +18,7 @@ from fleet_common import PROTOCOL_VERSION
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.security import Security, open_channel, open_server
-from fleet_common.wire import WireError, from_tensor, to_tensor
+from fleet_common.wire import WireError, add_servicer, address_problem, from_tensor, to_tensor
 
 from fleet_common.runtime import ChunkError, top_candidates
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 MAX_TOP_K = 256
 SUBSCRIBER_QUEUE = 1024
 DOWNSTREAM_TIMEOUT_S = 120.0  # cap on a forwarded step's deadline, so nothing waits forever
+MAX_NEXT_STAGE_CHANNELS = 16  # a stage forwards to the replicas of the next stage: a handful of addresses
 
 
 def _code(name: str) -> grpc.StatusCode:
@@ -50,7 +52,8 @@ class StageService(pb_grpc.StageServicer):
         self.max_context = max_context
         self.worker_id = uuid.uuid4().hex[:12]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{runner.stage}-infer")
-        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = OrderedDict()  # LRU first
+        self._closing: set[asyncio.Task] = set()  # evicted channels closing once their calls are done
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._busy = 0
         self.compactions = 0
@@ -74,14 +77,26 @@ class StageService(pb_grpc.StageServicer):
         return None
 
     def _stub(self, address: str) -> pb_grpc.StageStub:
+        """The stub of the next stage at ``address``. Channels stay open for reuse, at most
+        ``MAX_NEXT_STAGE_CHANNELS`` (the route comes from the caller: one channel per address ever
+        named would grow without bound); the least recently used one is closed, once its calls end."""
         entry = self._channels.get(address)
         if entry is None:
             channel = open_channel(address, self.security)
             entry = (channel, pb_grpc.StageStub(channel))
             self._channels[address] = entry
+            if len(self._channels) > MAX_NEXT_STAGE_CHANNELS:
+                _, (evicted, _) = self._channels.popitem(last=False)
+                task = asyncio.ensure_future(evicted.close(grace=DOWNSTREAM_TIMEOUT_S))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        else:
+            self._channels.move_to_end(address)
         return entry[1]
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
         for channel, _ in self._channels.values():
             await channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -126,6 +141,8 @@ class StageService(pb_grpc.StageServicer):
                                 f"no subscriber {request.reply_to!r} at the last stage to receive results")
         if not runner.last and not request.route:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
+        if problem := next(filter(None, map(address_problem, request.route)), None):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             x = from_tensor(request.input, dtype="int64" if runner.first else "float32")
             session = self.store.get(request.session_id)
@@ -252,5 +269,6 @@ def create_server(service: StageService, host: str, port: int) -> tuple[grpc.aio
     Raises ``RuntimeError`` when the port cannot be bound."""
     server, bound = open_server(f"{host}:{port}", service.security,
                                 on_reject=service.metrics.errors.labels("UNAUTHENTICATED").inc)
-    pb_grpc.add_StageServicer_to_server(service, server)
+    add_servicer(pb_grpc.add_StageServicer_to_server, service, server,
+                 on_malformed=service.metrics.errors.labels("INVALID_ARGUMENT").inc)
     return server, bound
