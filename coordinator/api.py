@@ -15,12 +15,12 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .engine import Engine, SamplingParams
-from .errors import FleetError, InvalidApiKey, InvalidRequest, ModelNotFound
+from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    @model_validator(mode="after")
+    def _unicode(self) -> ChatMessage:
+        """JSON may carry lone surrogates (``"\\ud800"``, or their UTF-8-like bytes): not characters,
+        and the tokenizer cannot take them."""
+        try:
+            self.text().encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"content is not valid Unicode: a lone surrogate at character {exc.start}") from None
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -96,10 +106,20 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
 
+def prompt_byte_limit(engine: Engine) -> int:
+    """Message text (UTF-8 bytes) beyond which a prompt cannot fit the context whatever it says: no
+    token of the vocabulary stands for more bytes than its own UTF-8 spelling, so a longer text needs
+    more than ``max_context`` tokens. Refusing it before tokenizing keeps a megabyte-long prompt from
+    holding the event loop (and every stream) for seconds."""
+    vocab = engine.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    return engine.max_context * max(len(token.encode("utf-8")) for token in vocab)
+
+
 def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[valid-type]
     """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict. When
     ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``ApiKeys``)."""
     app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator")
+    byte_limit = prompt_byte_limit(engine)
     if keys := engine.settings.allowed_api_keys:
         app.add_middleware(ApiKeys, keys=keys)
         log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
@@ -150,6 +170,12 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
             max_tokens=body.max_completion_tokens or body.max_tokens or engine.settings.max_tokens_default,
             temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        size = sum(len(m["content"].encode("utf-8")) for m in messages)
+        if size > byte_limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {engine.max_context} tokens. However, your messages are "
+                f"{size} bytes long, more than {engine.max_context} tokens can hold ({byte_limit} bytes). Please "
+                "reduce the length of the messages.", param="messages")
         request = engine.make_request(messages, params)
         created = int(time.time())
         stream = engine.generate(request)
