@@ -28,7 +28,6 @@ from .sessions import SessionError, SessionStore
 
 log = logging.getLogger(__name__)
 
-MAX_TOP_K = 256
 SUBSCRIBER_QUEUE = 1024
 DOWNSTREAM_TIMEOUT_S = 120.0  # cap on a forwarded step's deadline, so nothing waits forever
 MAX_NEXT_STAGE_CHANNELS = 16  # a stage forwards to the replicas of the next stage: a handful of addresses
@@ -134,8 +133,9 @@ class StageService(pb_grpc.StageServicer):
         if request.stage != runner.stage:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request for stage {request.stage} reached stage {runner.stage}")
-        if request.top_k > MAX_TOP_K:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k {request.top_k} > {MAX_TOP_K}")
+        if request.top_k > runner.vocab_size:  # up to the whole vocabulary (a naive stack's full logits)
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                              f"top_k {request.top_k} > the vocabulary ({runner.vocab_size})")
         if runner.last and request.logits_count and request.reply_to not in self._subscribers:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no subscriber {request.reply_to!r} at the last stage to receive results")

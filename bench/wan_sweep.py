@@ -1,0 +1,305 @@
+"""WAN sweep: decode tokens/s of 2- and 3-stage fleets of the demo model behind ``fleet-wan`` links,
+one-way delay per hop 0/10/25/50/100 ms at 1 Gbit/s and 20 Mbit/s, for
+
+* naive      : 1 user, no speculation (every token crosses every hop)
+* +spec      : 1 user, speculative decoding with the build's self-int8 draft, adaptive K
+* +interleave: 2 users, no speculation (batch groups interleave across the stages)
+* full stack : 2 users with speculation
+
+and, at the ``relay`` profile, a greedy decode whose last stage returns the full vocabulary's
+logits per token (what a naive stack ships) vs only the top-1 candidate (what fleet ships). Prints
+the paper's table shape (full stack / naive per delay) and writes every cell to JSON. The
+measured cells also calibrate and validate ``bench/fleet_model.py``.
+
+Workers run one inference thread each, pinned to core ``stage mod nproc``; every worker has its
+own link (the coordinator reaches stage 0 and the last stage's result stream through them, and
+each stage reaches the next through the next one's link), so a step crosses N+1 links.
+
+    python bench/wan_sweep.py [--json PATH] [--tokens 24] [--delays 0,10,25,50,100] [--stages 2,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import openvino as ov  # noqa: E402
+
+from bench import fleet_model  # noqa: E402
+from bench.decode_bench import wait_healthy  # noqa: E402
+from bench.spec_bench import start, wait_line  # noqa: E402
+from bench.wan import PROFILES, LinkProfile, WanLink  # noqa: E402
+from coordinator.local import free_port  # noqa: E402
+
+PROMPTS = (
+    "Explain how a rainbow forms, step by step.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+)
+MODES = {"naive": (1, False), "+spec": (1, True), "+interleave": (2, False), "full stack": (2, True)}
+RATES_MBIT = (1000.0, 20.0)
+
+
+def ensure_spec_build(hf: Path, cache: Path, shards: int) -> Path:
+    """The demo in ``shards`` stages (default split) with a self-int8 draft, built once per compiler version."""
+    import hashlib
+
+    key = hashlib.sha256(b"".join((ROOT / "compiler" / n).read_bytes()
+                                  for n in ("export.py", "build.py", "plan.py", "draft.py")))
+    out = cache / f"smollm2-{shards}stage-int8draft-{key.hexdigest()[:8]}"
+    if not (out / "manifest.json").is_file():
+        from compiler.build import build
+
+        print(f"building the {shards}-stage model with a self-int8 draft into {out} ...", flush=True)
+        build(hf, out, shards=shards, drafts=("self-int8",))
+    return out
+
+
+def stream_user(client: httpx.Client, url: str, prompt: str, tokens: int, out: dict) -> None:
+    """One greedy streamed completion of exactly ``tokens`` tokens; records token arrival times and
+    the response's ``fleet`` statistics."""
+    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
+            "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
+    start_t = time.perf_counter()
+    times: list[float] = []
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            if event.get("fleet"):
+                out["fleet"] = event["fleet"]
+            for choice in event.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    times.append(time.perf_counter())
+    out.update(start=start_t, times=times, tokens=event.get("usage", {}).get("completion_tokens", tokens))
+
+
+def run_cell(url: str, users: int, tokens: int) -> dict:
+    """``users`` concurrent streams; decode tok/s = tokens after each user's first / (last token of
+    anyone - first token of anyone), plus TTFT and the speculation statistics."""
+    outs = [dict() for _ in range(users)]
+    with httpx.Client() as client:
+        threads = [threading.Thread(target=stream_user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, outs[i]))
+                   for i in range(users)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    first = min(o["times"][0] for o in outs)
+    last = max(o["times"][-1] for o in outs)
+    decoded = sum(o["tokens"] - 1 for o in outs)
+    drafted = sum(o["fleet"]["drafted_tokens"] for o in outs)
+    accepted = sum(o["fleet"]["accepted_tokens"] for o in outs)
+    steps = sum(o["fleet"]["verify_steps"] for o in outs)
+    draft_ms = sum(o["fleet"]["draft_ms"] for o in outs)
+    return {"tok_s": decoded / max(last - first, 1e-9),
+            "draft_ms_per_token": draft_ms / drafted if drafted else None,
+            "ttft_ms": statistics.median((o["times"][0] - o["start"]) * 1000 for o in outs),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_k": drafted / steps if steps else 0.0,
+            "tokens_per_step": (accepted + steps) / steps if steps else 1.0}
+
+
+def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs: Path) -> list[dict]:
+    """Every (rate, delay, mode) cell of one fleet: workers behind links, a plain and a speculative
+    coordinator sharing them."""
+    ncpu = os.cpu_count() or 1
+    cells = []
+    with ExitStack() as stack:
+        links = []
+        for stage in range(stages):
+            port = free_port()
+            log = logs / f"wan-{stages}stage-worker{stage}.log"
+            proc = start(["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard", str(stage),
+                          "--model", str(build), "--port", str(port), "--threads", "1", "--no-announce"], log, stack)
+            wait_line(log, "serving on", proc)
+            link = WanLink(f"127.0.0.1:{port}", LinkProfile()).start()
+            stack.callback(link.stop)
+            links.append(link)
+        peers = [a for link in links for a in ("--peer", link.address)]
+        urls = {}
+        for spec in (False, True):
+            port = free_port()
+            log = logs / f"wan-{stages}stage-coordinator-{'spec' if spec else 'plain'}.log"
+            proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
+                          "--no-announce", "--no-discover", "--draft", "self-int8" if spec else "none",
+                          "--draft-threads", "1", "--log-level", "WARNING", *peers], log, stack)
+            urls[spec] = f"http://127.0.0.1:{port}"
+            wait_healthy(urls[spec], proc, log)
+        for rate in RATES_MBIT:
+            for delay in delays:
+                for link in links:
+                    link.profile = LinkProfile(delay_ms=delay, rate_mbit=rate)
+                for spec in (False, True):  # warm-up: adaptive K learns this link's step costs
+                    run_cell(urls[spec], 1, 8)
+                row = {}
+                for mode, (users, spec) in MODES.items():
+                    cell = {"stages": stages, "rate_mbit": rate, "delay_ms": delay, "mode": mode, "users": users,
+                            "speculation": spec, **run_cell(urls[spec], users, tokens)}
+                    cells.append(cell)
+                    row[mode] = cell["tok_s"]
+                print(f"  {stages}-stage {rate:>6.0f} Mbit/s {delay:>5.0f} ms/hop: " + "  ".join(
+                    f"{m} {v:6.1f}" for m, v in row.items()) + f"   full/naive {row['full stack'] / row['naive']:.2f}x",
+                      flush=True)
+    return cells
+
+
+async def _logits_return(addresses: list[str], build: Path, tokens: int, top_k: int) -> dict:
+    """Greedy decode through the pipeline client, the last stage returning ``top_k`` candidates per
+    token (the vocabulary size = full logits): decode tok/s and bytes per result."""
+    from coordinator.pipeline import Channels, Pipeline
+    from coordinator.tokenizer import ChatTokenizer
+    from fleet_common.manifest import load_manifest
+
+    loaded = load_manifest(build)
+    ids = ChatTokenizer(build).encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    channels = Channels()
+    pipeline = await Pipeline.connect(addresses, channels, loaded.sha256)
+    try:
+        session = f"logits-{top_k}-{time.monotonic_ns()}"
+        await pipeline.open_session(session, len(ids) + tokens + 8, 60)
+        out = await pipeline.step(session, ids, 0, 0, 1, top_k, 120)
+        t0, n = time.perf_counter(), len(ids)
+        for _ in range(tokens):
+            token = int(out.top_ids[-1][np.argmax(out.top_logprobs[-1])])
+            out = await pipeline.step(session, [token], n, n, 1, top_k, 120)
+            n += 1
+        elapsed = time.perf_counter() - t0
+        await pipeline.close_session(session, 10)
+        return {"top_k": top_k, "tok_s": tokens / elapsed, "result_bytes": out.top_ids.nbytes + out.top_logprobs.nbytes}
+    finally:
+        await pipeline.close()
+        await channels.close()
+
+
+def relay_cells(build: Path, tokens: int, logs: Path) -> list[dict]:
+    """2-stage fleet over ``relay`` links: top-1 return vs full-logits return."""
+    from fleet_common.manifest import load_manifest
+
+    vocab = load_manifest(build).manifest.architecture.vocab_size
+    cells = []
+    with ExitStack() as stack:
+        links = []
+        for stage in range(2):
+            port = free_port()
+            log = logs / f"wan-relay-worker{stage}.log"
+            proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
+                          "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
+                          "--no-announce"], log, stack)
+            wait_line(log, "serving on", proc)
+            link = WanLink(f"127.0.0.1:{port}", PROFILES["relay"]).start()
+            stack.callback(link.stop)
+            links.append(link)
+        for top_k in (1, vocab):
+            cell = {"profile": "relay", **asyncio.run(_logits_return([link.address for link in links], build,
+                                                                     tokens, top_k))}
+            cells.append(cell)
+            print(f"  relay, {'top-1' if top_k == 1 else 'full logits'} return: {cell['tok_s']:.2f} tok/s, "
+                  f"{cell['result_bytes']:,} bytes per result", flush=True)
+    return cells
+
+
+def table(cells: list[dict], delays: list[float]) -> str:
+    lines = [f"{'fleet':<8} | {'link':>10} | {'ms/hop':>6} | " + " | ".join(f"{m:>11}" for m in MODES)
+             + f" | {'full/naive':>10}", "-" * 96]
+    for stages in sorted({c["stages"] for c in cells}):
+        for rate in RATES_MBIT:
+            for delay in delays:
+                row = {c["mode"]: c for c in cells if c["stages"] == stages and c["rate_mbit"] == rate
+                       and c["delay_ms"] == delay}
+                if not row:
+                    continue
+                lines.append(f"{stages}-stage  | {rate:>5.0f} Mbit | {delay:>6.0f} | " + " | ".join(
+                    f"{row[m]['tok_s']:>11.1f}" for m in MODES) + f" | {row['full stack']['tok_s'] / row['naive']['tok_s']:>9.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--tokens", type=int, default=24, help="completion tokens per user per cell")
+    parser.add_argument("--delays", default="0,10,25,50,100")
+    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    args = parser.parse_args(argv)
+    delays = [float(d) for d in args.delays.split(",")]
+    from compiler.source import fetch_demo
+
+    cache = args.cache.resolve()
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
+    builds = {n: ensure_spec_build(hf, cache, n) for n in (int(s) for s in args.stages.split(","))}
+    t0 = time.monotonic()
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})  # profile each stage as the workers run: one core, one thread
+    profiles = {n: fleet_model.profile_stages(b) for n, b in builds.items()}
+    os.sched_setaffinity(0, affinity)
+    for n, p in profiles.items():
+        print(f"  {n}-stage compute per chunk of 1 / 4 / 8 tokens, ms: " + "; ".join(
+            f"stage {i} {ms[0]:.1f} / {ms[3]:.1f} / {ms[7]:.1f}" for i, ms in enumerate(p["stage_ms"])), flush=True)
+    print(f"WAN sweep: {args.tokens} tokens per user, delays {delays} ms per hop, {RATES_MBIT} Mbit/s, "
+          f"nproc {os.cpu_count()}", flush=True)
+    cells = []
+    for stages, build in builds.items():
+        cells += sweep_fleet(build, stages, delays, args.tokens, logs)
+    relay = relay_cells(builds.get(2) or ensure_spec_build(hf, cache, 2), args.tokens, logs)
+    print("\ndecode tok/s (aggregate over users)\n" + table(cells, delays))
+    print("\nadaptive K (+spec, 1 user): mean drafts per step by delay (slower links should pick larger K)")
+    for stages in sorted({c["stages"] for c in cells}):
+        for rate in RATES_MBIT:
+            ks = [(c["delay_ms"], c["mean_k"], c["acceptance_rate"] or 0.0) for c in cells if c["stages"] == stages
+                  and c["rate_mbit"] == rate and c["mode"] == "+spec"]
+            print(f"  {stages}-stage {rate:>5.0f} Mbit/s: " + ", ".join(
+                f"{d:.0f} ms K {k:.1f} (accept {a:.2f})" for d, k, a in ks))
+    top1, full = relay
+    print(f"\nrelay profile {json.dumps(PROFILES['relay'].__dict__)}: top-1 return {top1['tok_s']:.2f} tok/s vs full "
+          f"logits {full['tok_s']:.2f} tok/s = {top1['tok_s'] / full['tok_s']:.2f}x")
+    for c in cells:
+        if c["stages"] == 2 and c["mode"] == "full stack" and c["delay_ms"] in (50, 100) and c["rate_mbit"] == 20:
+            naive = next(n for n in cells if n["stages"] == 2 and n["mode"] == "naive" and n["rate_mbit"] == 20
+                         and n["delay_ms"] == c["delay_ms"])
+            goal = 4 if c["delay_ms"] == 50 else 5
+            print(f"target: 2 stages, {c['delay_ms']:.0f} ms/hop, full stack = {c['tok_s'] / naive['tok_s']:.2f}x naive "
+                  f"(goal >= {goal}x)")
+    from fleet_common.manifest import load_manifest
+
+    result = {
+        "benchmark": "wan_sweep", "tokens": args.tokens, "delays_ms": delays, "rates_mbit": RATES_MBIT,
+        "cells": cells, "relay": relay, "profiles": {k: v.__dict__ for k, v in PROFILES.items()},
+        "stage_profiles": {str(n): p for n, p in profiles.items()},
+        "hidden_size": load_manifest(next(iter(builds.values()))).manifest.architecture.hidden_size,
+        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
+    }
+    checked = fleet_model.validate(result)
+    worst = max(abs(c["error"]) for c in checked)
+    print(f"fleet model (bench/fleet_model.py): within 15% on {sum(abs(c['error']) <= 0.15 for c in checked)} of "
+          f"{len(checked)} cells, worst {worst:.1%}")
+    print(f"sweep took {time.monotonic() - t0:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
