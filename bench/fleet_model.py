@@ -295,6 +295,7 @@ def plot(rows: list[dict], path: Path) -> None:
                     ax.plot(*zip(*pts), style, color=color, marker="o", label=f"{users_label}, {link}")
         ax.set_title(f"{model} INT4 on Arc-iGPU PCs (predicted)")
         ax.set_xlabel("nodes")
+        ax.set_xticks(sorted({r["nodes"] for r in rows if r["model"] == model}))
         ax.set_ylabel("aggregate decode tok/s")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
