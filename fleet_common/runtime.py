@@ -40,6 +40,14 @@ class SessionConflict(ChunkError):
     code = "FAILED_PRECONDITION"
 
 
+def shown_id(session_id: str) -> str:
+    """``session_id`` quoted for an error message, cut to 64 characters: a caller's id can be megabytes
+    long, and a gRPC status message beyond 16 KiB never reaches the caller."""
+    if len(session_id) <= 64:
+        return repr(session_id)
+    return f"{session_id[:64]!r}... ({len(session_id)} characters)"
+
+
 @dataclass(eq=False)
 class KVSession:
     """The KV cache of ``rows`` sequences in one compiled model: one InferRequest whose state tensors
@@ -118,10 +126,10 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
 
 def _check_open(session: KVSession, past_length: int) -> None:
     if session.request is None:
-        raise SessionConflict(f"session {session.session_id!r} was closed")
+        raise SessionConflict(f"session {shown_id(session.session_id)} was closed")
     if past_length != session.length:
-        raise SessionConflict(f"session {session.session_id!r} holds {session.length} KV slots, the request "
-                              f"assumed {past_length}")
+        raise SessionConflict(f"session {shown_id(session.session_id)} holds {session.length} KV slots, the "
+                              f"request assumed {past_length}")
 
 
 def _hide_index(session: KVSession, hide_slots: list[int], hide_rows: list[int] | None,
@@ -166,9 +174,10 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
         _check_open(session, past_length)
         past = session.length
         if past + seq > session.max_context:
-            raise ContextOverflow(f"session {session.session_id!r} would reach {past + seq} KV slots, "
+            raise ContextOverflow(f"session {shown_id(session.session_id)} would reach {past + seq} KV slots, "
                                   f"over its max context {session.max_context}")
-        if keep_rows and (len(set(keep_rows)) != len(keep_rows) or min(keep_rows) < 0 or max(keep_rows) >= session.rows):
+        if keep_rows and (len(set(keep_rows)) != len(keep_rows) or min(keep_rows) < 0
+                          or max(keep_rows) >= session.rows):
             raise ChunkError(f"keep_rows {list(keep_rows)[:8]} must be distinct rows of the session's {session.rows}")
         rows = np.arange(session.rows, dtype=np.int32) if not keep_rows else np.asarray(keep_rows, dtype=np.int32)
         if batch != len(rows):

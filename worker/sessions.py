@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fleet_common.runtime import KVSession, merge
+from fleet_common.runtime import KVSession, merge, shown_id
 
 
 def _libc_trim():  # noqa: ANN202
@@ -127,12 +127,14 @@ class SessionStore:
         source is longer than ``max_context``."""
         with self._lock:
             if len(set(sources)) != len(sources) or not sources:
-                raise BadMerge(f"merge sources must be distinct and non-empty, got {sources}")
+                shown = ", ".join(map(shown_id, sources[:8]))
+                raise BadMerge(f"merge sources must be distinct and non-empty, got [{shown}]")
             missing = [sid for sid in sources if sid not in self._sessions]
             if missing:
-                raise SessionNotFound(f"unknown session {missing[0]!r} (never opened, closed, or expired when idle)")
+                raise SessionNotFound(f"unknown session {shown_id(missing[0])} (never opened, closed, or expired "
+                                      "when idle)")
             if session_id in self._sessions and session_id not in sources:
-                raise BadMerge(f"session {session_id!r} exists and is not one of the merged sessions")
+                raise BadMerge(f"session {shown_id(session_id)} exists and is not one of the merged sessions")
             parts = [self._sessions[sid] for sid in sources]
             request = self._make_request() if len(parts) > 1 else None
             group = merge(session_id, parts, request, max_context)
@@ -148,7 +150,8 @@ class SessionStore:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
-                raise SessionNotFound(f"unknown session {session_id!r} (never opened, closed, or expired when idle)")
+                raise SessionNotFound(f"unknown session {shown_id(session_id)} (never opened, closed, or expired "
+                                      "when idle)")
             session.last_used = self._clock()
             return session
 
