@@ -12,6 +12,7 @@ import openvino as ov
 from fleet_common import PROTOCOL_VERSION
 from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEntry, sha256_file
 
+from .compress import compress, parse_stage_weights, resolve
 from .draft import draft_name, export_draft
 from .export import StageSpec, export_stage
 from .plan import balanced_split, decode_weights, parse_layers
@@ -62,13 +63,23 @@ def build(
     kv_cache_precision: str = "f16",
     model_id: str | None = None,
     drafts: tuple[str, ...] = (),
+    weights: str = "fp16",
+    stage_weights: str | None = None,
+    symmetric: bool | None = None,
+    group_size: int | None = None,
+    ratio: float | None = None,
+    draft_weights: str = "fp16",
 ) -> Manifest:
     """Export ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
-    Writes ``stage_<i>/openvino_model.{xml,bin}`` (weights stored fp16), the tokenizer files and
-    ``manifest.json`` with the sha256 of every file, plus each of ``drafts`` (``self-int4`` or a
-    model path, compiler/draft.py) under ``drafts/<name>/``. Returns the manifest.
-    Raises ``ValueError`` for a bad layer spec, unsupported architecture or a draft whose
+    Writes ``stage_<i>/openvino_model.{xml,bin}``, the tokenizer files and ``manifest.json`` with
+    the sha256 of every file, plus each of ``drafts`` (``self-int4`` or a model path,
+    compiler/draft.py) under ``drafts/<name>/``. Returns the manifest.
+    Weights (compiler/compress.py): every stage stores ``weights`` (fp16, int8, int4) unless
+    ``stage_weights`` (``"0=int8,1=int4"``) names its own; int4 and int8 take the model's size
+    class defaults, overridden by ``symmetric``, ``group_size`` and ``ratio`` (int4 only) where not
+    None; model drafts store ``draft_weights`` the same way.
+    Raises ``ValueError`` for a bad layer or weights spec, unsupported architecture or a draft whose
     vocabulary differs from the target's.
     """
     out = Path(out)
@@ -88,16 +99,22 @@ def build(
             layer_cost, head_cost = decode_weights(cfg.hidden_size, heads, getattr(cfg, "num_key_value_heads", heads),
                                                    head_dim, cfg.intermediate_size, cfg.vocab_size)
             ranges = balanced_split(num_layers, shards, layer_cost, head_cost)
+        overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
+        formats = {i: weights for i in range(len(ranges))} | parse_stage_weights(stage_weights or "", len(ranges))
+        specs = {i: resolve(fmt, model.num_parameters(), **overrides) for i, fmt in formats.items()}
         out.mkdir(parents=True, exist_ok=True)
         # drafts first: a draft with another vocabulary fails the build before the long part
-        draft_entries = [export_draft(spec, model, hf_dir, out, kv_cache_precision, Path(tmp)) for spec in drafts]
+        draft_entries = [export_draft(spec, model, hf_dir, out, kv_cache_precision, Path(tmp), draft_weights,
+                                      **overrides) for spec in drafts]
         stages = []
         for index, (start, end) in enumerate(ranges):
-            ov_model = export_stage(model, StageSpec(index, start, end, num_layers), kv_cache_precision)
+            ov_model = compress(export_stage(model, StageSpec(index, start, end, num_layers), kv_cache_precision),
+                                specs[index])
             rel = f"stage_{index}/openvino_model"
             (out / f"stage_{index}").mkdir(exist_ok=True)
             ov.save_model(ov_model, out / f"{rel}.xml", compress_to_fp16=True)
-            stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin"))
+            stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin",
+                                     weights=specs[index].format, compression=specs[index].parameters()))
             del ov_model
         for name in TOKENIZER_FILES:
             if (hf_dir / name).is_file():
@@ -129,7 +146,7 @@ def build(
         stages=tuple(stages),
         openvino_version=ov.get_version(),
         protocol_version=PROTOCOL_VERSION,
-        weights="fp16",
+        weights=stages[0].weights if len({s.weights for s in stages}) == 1 else "mixed",
         kv_cache_precision=kv_cache_precision,
         eos_token_ids=tuple(eos_ids),
         files=files,

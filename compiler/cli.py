@@ -16,13 +16,51 @@ def _cmd_fetch_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_weights_args(p: argparse.ArgumentParser) -> None:
+    from .compress import FORMATS
+
+    g = p.add_argument_group("weights", "NNCF weight compression (compiler/compress.py); int4 defaults depend on the "
+                                        "model's size: asymmetric, group 32, ratio 0.8 under 1B parameters")
+    g.add_argument("--weights", default="fp16", choices=FORMATS, help="every stage's weights (default fp16)")
+    g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
+    g.add_argument("--draft-weights", default="fp16", choices=FORMATS,
+                   help="weights of model drafts (self-int4 and self-int8 are compressed as named)")
+    g.add_argument("--group-size", type=int, help="int4: weights sharing one scale (-1: one per output channel)")
+    g.add_argument("--ratio", type=float, help="int4: share of the decoder's linear layers at 4 bit, the rest int8")
+    sym = g.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_const", const=True, default=None,
+                     help="int8/int4 without zero point")
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_const", const=False, help="with zero point")
+
+
+def _check_weights_args(args: argparse.Namespace) -> None:
+    """Refuse bad or unused compression options before the model loads (``ValueError``)."""
+    from .compress import WeightSpec, parse_stage_weights
+
+    parse_stage_weights(args.stage_weights or "", num_stages=1 << 16)
+    WeightSpec("int4", group_size=-1 if args.group_size is None else args.group_size,
+               ratio=1.0 if args.ratio is None else args.ratio)
+    formats = {args.weights, args.draft_weights} | {item.partition("=")[2].strip()
+                                                    for item in (args.stage_weights or "").split(",")}
+    if "int4" not in formats and (args.group_size is not None or args.ratio is not None):
+        raise ValueError("--group-size and --ratio apply to int4 weights only; add --weights int4 "
+                         "(or --stage-weights / --draft-weights)")
+    if formats <= {"fp16", ""} and args.symmetric is not None:
+        raise ValueError("--symmetric/--asymmetric apply to int8 and int4 weights only")
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from .build import build
+    from .compress import describe
 
+    _check_weights_args(args)
     manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, kv_cache_precision=args.kv_cache_precision,
-                     drafts=tuple(args.draft))
+                     drafts=tuple(args.draft), weights=args.weights, stage_weights=args.stage_weights,
+                     symmetric=args.symmetric, group_size=args.group_size, ratio=args.ratio,
+                     draft_weights=args.draft_weights)
     for s in manifest.stages:
-        print(f"stage {s.index}: layers [{s.start}, {s.end}) -> {args.out / s.xml}")
+        weights = describe(s.weights, s.compression)
+        print(f"stage {s.index}: layers [{s.start}, {s.end}), {weights} -> {args.out / s.xml}")
     for d in manifest.drafts:
         print(f"draft {d.name}: {d.num_layers} layers, {d.weights} -> {args.out / d.xml}")
     print(f"manifest: {args.out / 'manifest.json'} ({len(manifest.files)} files hashed)")
@@ -77,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("build", help="export layer-range shards as stateful OpenVINO IR")
     p.add_argument("src", type=Path, help="Hugging Face model folder or .gguf file")
+    _add_weights_args(p)
     p.add_argument("--shards", type=int, default=2, help="number of stages; layers are split to balance weight reads per token, the LM head counting on the last stage")
     p.add_argument("--layers", help="explicit ranges, e.g. 0:12,12:30 (overrides --shards)")
     p.add_argument("--kv-cache-precision", default="f16", choices=["f16", "bf16", "f32", "u8"],

@@ -2,14 +2,16 @@
 
 Two kinds (``fleet-compiler build ... --draft SPEC``, repeatable):
 
-* ``self-int4`` / ``self-int8``: the target itself with NNCF weight compression, data-free: INT4
-  symmetric, group size 64, every linear layer (embeddings/LM head at int8, NNCF's backup mode), or
-  INT8 asymmetric per channel. Same tokenizer by construction; cheaper where decoding is
-  memory-bound and the CPU has fast low-bit kernels. Measured on the demo model on an AVX2-only CPU
-  (no VNNI/AMX): INT4 decodes slower than the f32 target (49.9 vs 34.0 ms/token, greedy agreement
-  0.71), INT8 faster (23.8 ms/token, agreement 0.97); so the demo serves ``self-int8``.
-* a separate small model (HF folder or ``.gguf``) that shares the target's tokenizer. A draft whose
-  vocabulary differs is refused: its token ids would mean other strings.
+* ``self-int4`` / ``self-int8``: the target itself with NNCF weight compression, data-free
+  (compiler/compress.py, ``SELF_DRAFT_SPECS``): INT4 symmetric, group size 64, every linear layer
+  (embeddings/LM head at int8, NNCF's backup mode), or INT8 asymmetric per channel. Same tokenizer
+  by construction; cheaper where decoding is memory-bound and the CPU has fast low-bit kernels.
+  Measured on the demo model on an AVX2-only CPU (no VNNI/AMX): INT4 decodes slower than the f32
+  target (49.9 vs 34.0 ms/token, greedy agreement 0.71), INT8 faster (23.8 ms/token, agreement
+  0.97); so the demo serves ``self-int8``.
+* a separate small model (HF folder or ``.gguf``) that shares the target's tokenizer, stored fp16 or
+  compressed like the stages (``build --draft-weights``). A draft whose vocabulary differs is
+  refused: its token ids would mean other strings.
 
 Both export as one stateful IR (all layers, embedding and LM head) with the same input contract as
 the shards (compiler/export.py), so the coordinator runs them with ``fleet_common.runtime``.
@@ -26,12 +28,12 @@ import openvino as ov
 
 from fleet_common.manifest import DraftEntry
 
+from .compress import SELF_DRAFT_SPECS, compress, resolve
 from .export import StageSpec, export_stage
 
 log = logging.getLogger(__name__)
 
 SELF_DRAFTS = ("self-int4", "self-int8")
-INT4_GROUP_SIZE = 64
 
 
 class VocabularyMismatch(ValueError):
@@ -72,24 +74,14 @@ def draft_name(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.suffix == ".gguf" else path.resolve().name)
 
 
-def compress(model: ov.Model, weights: str) -> ov.Model:
-    """NNCF data-free weight compression: ``int4`` (symmetric, group size 64, every linear layer) or
-    ``int8`` (asymmetric, per channel). Raises ``ValueError`` for another precision."""
-    import nncf
-
-    if weights == "int4":
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=INT4_GROUP_SIZE,
-                                     ratio=1.0)
-    if weights == "int8":
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-    raise ValueError(f"no compression for {weights!r}; self drafts are {SELF_DRAFTS}")
-
-
 def export_draft(spec: str, target_model, target_hf_dir: Path, out: Path, kv_cache_precision: str,  # noqa: ANN001
-                 workdir: Path) -> DraftEntry:
+                 workdir: Path, weights: str = "fp16", **overrides) -> DraftEntry:
     """Export draft ``spec`` (``self-int4``, ``self-int8`` or a model path) to ``out/drafts/<name>/``.
 
     ``target_model`` is the loaded HF target (f32), ``target_hf_dir`` its folder (tokenizer).
+    A self draft is compressed as its name says (``SELF_DRAFT_SPECS``); a model draft stores
+    ``weights`` (fp16, int8, int4: its size class's defaults with ``overrides``, see
+    ``compiler.compress.resolve``).
     Raises ``VocabularyMismatch`` for a draft with another tokenizer, ``FileNotFoundError`` /
     ``ValueError`` for an unusable source.
     """
@@ -97,21 +89,21 @@ def export_draft(spec: str, target_model, target_hf_dir: Path, out: Path, kv_cac
 
     name = draft_name(spec)
     if spec in SELF_DRAFTS:
-        model, weights = target_model, spec.removeprefix("self-")
+        model = target_model
+        wspec = SELF_DRAFT_SPECS[spec.removeprefix("self-")]
     else:
         model, hf_dir = load_source(Path(spec), workdir / name)
         check_vocabulary(target_hf_dir, target_model.config.vocab_size, hf_dir, model.config.vocab_size)
-        weights = "fp16"
+        wspec = resolve(weights, model.num_parameters(), **overrides)
     layers = model.config.num_hidden_layers
-    ov_model = export_stage(model, StageSpec(0, 0, layers, layers), kv_cache_precision)
-    if weights != "fp16":
-        ov_model = compress(ov_model, weights)
+    ov_model = compress(export_stage(model, StageSpec(0, 0, layers, layers), kv_cache_precision), wspec)
     rel = f"drafts/{name}/openvino_model"
     (out / f"drafts/{name}").mkdir(parents=True, exist_ok=True)
     ov.save_model(ov_model, out / f"{rel}.xml", compress_to_fp16=True)
-    log.info("draft %s: %d layers, %s weights -> %s", name, layers, weights, out / f"{rel}.xml")
-    return DraftEntry(name=name, xml=f"{rel}.xml", bin=f"{rel}.bin", num_layers=layers, weights=weights,
-                      vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
+    log.info("draft %s: %d layers, %s weights -> %s", name, layers, wspec.format, out / f"{rel}.xml")
+    return DraftEntry(name=name, xml=f"{rel}.xml", bin=f"{rel}.bin", num_layers=layers, weights=wspec.format,
+                      vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings,
+                      compression=wspec.parameters())
 
 
 def early_exit_model(src: Path, layers: int, out: Path) -> Path:

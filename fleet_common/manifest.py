@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-stage and per-draft weight format + compression parameters
+READABLE_FORMATS = (1, 2)  # format 1 builds are fp16 throughout
 
 
 class ManifestError(ValueError):
@@ -44,6 +45,8 @@ class StageEntry:
     end: int
     xml: str  # path relative to the model directory
     bin: str
+    weights: str = "fp16"  # "fp16", "int8" or "int4" (compiler/compress.py)
+    compression: dict = field(default_factory=dict)  # nncf.compress_weights arguments; empty for fp16
 
     @property
     def num_layers(self) -> int:
@@ -61,6 +64,7 @@ class DraftEntry:
     weights: str  # "int4", "fp16", ...
     vocab_size: int
     max_context: int
+    compression: dict = field(default_factory=dict)  # nncf.compress_weights arguments; empty for fp16
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class Manifest:
     stages: tuple[StageEntry, ...]
     openvino_version: str
     protocol_version: int
-    weights: str  # weight storage precision of the IR, e.g. "fp16"
+    weights: str  # the stages' weight format ("fp16", "int8", "int4"), or "mixed"
     kv_cache_precision: str  # written into each IR's rt_info runtime_options
     eos_token_ids: tuple[int, ...]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256 hex
@@ -115,14 +119,16 @@ class Manifest:
             del raw["blobs"]
         return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
-
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         """Parse manifest JSON; raises ``ManifestError`` when fields are missing or of the wrong type."""
         try:
             raw = json.loads(text)
-            if raw.get("format") != FORMAT_VERSION:
-                raise ManifestError(f"manifest format {raw.get('format')} is not {FORMAT_VERSION}")
+            if raw.get("format") not in READABLE_FORMATS:
+                raise ManifestError(
+                    f"manifest format {raw.get('format')!r}: this fleet reads formats "
+                    f"{', '.join(map(str, READABLE_FORMATS))}; rebuild with this fleet-compiler, or "
+                    "upgrade fleet where the build is newer")
             return cls(
                 model_id=str(raw["model_id"]),
                 architecture=Architecture(**raw["architecture"]),
@@ -135,6 +141,7 @@ class Manifest:
                 files=dict(raw["files"]),
                 drafts=tuple(DraftEntry(**d) for d in raw.get("drafts", ())),
                 blobs=tuple(BlobEntry(**b) for b in raw.get("blobs", ())),
+                format=int(raw["format"]),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc

@@ -22,7 +22,7 @@ MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))
 def _compiler_key() -> str:
     """Builds are cached per version of the exporter code, so a changed exporter rebuilds."""
     digest = hashlib.sha256()
-    for name in ("export.py", "build.py", "source.py", "draft.py"):
+    for name in ("export.py", "build.py", "source.py", "draft.py", "compress.py"):
         digest.update((ROOT / "compiler" / name).read_bytes())
     return digest.hexdigest()[:10]
 
@@ -49,12 +49,14 @@ def early_exit_draft(demo_hf) -> Path:
     return out
 
 
-def _build(hf: Path, shards: int, drafts: tuple[str, ...] = ()) -> Path:
-    out = MODELS / f"smollm2-{shards}stage-{_compiler_key()}"
+def _build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "fp16",
+           draft_weights: str = "fp16") -> Path:
+    tag = "" if weights == "fp16" else f"-{weights}"
+    out = MODELS / f"smollm2-{shards}stage{tag}-{_compiler_key()}"
     if not (out / "manifest.json").is_file():
         from compiler.build import build
 
-        build(hf, out, shards=shards, drafts=drafts)
+        build(hf, out, shards=shards, drafts=drafts, weights=weights, draft_weights=draft_weights)
     return out
 
 

@@ -38,3 +38,34 @@ def test_malformed(tmp_path):
     (tmp_path / "manifest.json").write_text('{"format": 1}')
     with pytest.raises(ManifestError, match="malformed"):
         load_manifest(tmp_path)
+
+
+def test_stage_weights_round_trip_and_format_1_builds_still_load(tmp_path):
+    """Format 2 records each stage's and draft's weights; a format 1 manifest (before compression
+    existed) loads as fp16 throughout; an unknown format is refused with a message that says what to do."""
+    import dataclasses
+    import json
+
+    m = make(tmp_path)
+    int4 = {"mode": "int4_asym", "group_size": 32, "ratio": 1.0}
+    m = dataclasses.replace(m, weights="mixed", stages=(dataclasses.replace(m.stages[0], weights="int8",
+                                                                            compression={"mode": "int8_asym"}),
+                                                        dataclasses.replace(m.stages[1], weights="int4",
+                                                                            compression=int4)))
+    (tmp_path / "manifest.json").write_text(m.to_json())
+    loaded = load_manifest(tmp_path).manifest
+    assert loaded == m and loaded.format == 2 and loaded.stages[1].compression == int4
+
+    raw = json.loads(m.to_json())
+    raw["format"] = 1
+    for stage in raw["stages"]:
+        del stage["weights"], stage["compression"]
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    old = load_manifest(tmp_path).manifest
+    assert [s.weights for s in old.stages] == ["fp16", "fp16"] and old.stages[0].compression == {}
+
+    raw["format"] = 3
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match="manifest format 3: this fleet reads formats 1, 2; rebuild with this "
+                                            "fleet-compiler, or upgrade fleet"):
+        load_manifest(tmp_path)
