@@ -6,13 +6,16 @@ each link **direction** serialises its bytes at the link rate and then adds its 
 pure delay: many messages may be in flight); the coordinator's **draft** model runs one proposal at a
 time. A user's decode step: draft K tokens -> link into stage 0 -> stage 0 -> link into stage 1 ->
 ... -> last stage -> link back (the result: k candidates per position) -> the coordinator samples.
-Every hop also pays a fixed software cost (gRPC, protobuf, Python; calibrated). A step emits
+Every hop also pays a fixed software latency (calibrated) and CPU time on the receiving stage's core
+(gRPC, protobuf, Python: 1.8 ms here, from ``bench/interleave_bench.py``'s CPU accounting: a worker's
+CPU ms per token minus its inference ms), which limits how many users' steps a core can interleave. A step emits
 ``tokens_per_step`` tokens (1 without speculation; with acceptance rate a and K drafts, the expected
 (1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, eq. 1). Users beyond the batch groups share a group's
 steps, at ``batch_cost(rows)`` times one row's compute.
 
 ``python bench/fleet_model.py --sweep bench/results/wan_sweep.json`` validates the model against a
-``bench/wan_sweep.py`` run (one calibration cell per fleet, every other cell a prediction) and prints
+``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate the hop cost, every
+other cell is a prediction) and prints
 predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on LAN/Wi-Fi and WAN links with a
 PNG plot, from the paper's device figures (Berenbaum & Venkatachalam, arXiv 2608.19147: ~20-23 ms
 per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
@@ -44,7 +47,8 @@ class Fleet:
     hidden_size: int
     delay_ms: float = 0.0  # one-way, per link
     rate_mbit: float = 0.0  # per link direction; 0 = unlimited
-    hop_ms: float = 0.0  # fixed software cost per hop
+    hop_ms: float = 0.0  # fixed software latency per hop (event loops, thread hand-offs; calibrated)
+    hop_cpu_ms: float = 0.0  # CPU time a hop costs the receiving stage's core (gRPC, protobuf, Python)
     coordinator_ms: float = 0.0  # per step at the coordinator (sampling, scheduling)
     users: int = 1
     groups: int = 0  # batch groups (0 = one per stage); users beyond them share steps
@@ -119,7 +123,7 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
                 t = draft.serve(t, fleet.k * fleet.draft_ms_per_token)
         t = _transfer(fleet, up[0], t, rows * seq * 8)
         for i in range(n):
-            t = cores[fleet.stage_core[i]].serve(t, fleet.stage_ms[i](seq) * cost)
+            t = cores[fleet.stage_core[i]].serve(t, fleet.stage_ms[i](seq) * cost + fleet.hop_cpu_ms)
             if i + 1 < n:
                 t = _transfer(fleet, up[i + 1], t, rows * seq * fleet.hidden_size * 4)
         t = _transfer(fleet, down, t, rows * seq * fleet.result_candidates * 8) + fleet.coordinator_ms
@@ -190,6 +194,9 @@ def _curve(seqs: list[int], ms: list[float]) -> Callable[[int], float]:
     return lambda seq: table.get(seq, ms[-1] * seq / seqs[-1])
 
 
+LOCAL_HOP_CPU_MS = 1.8  # worker CPU ms per token beyond inference, 2-stage fleet (interleave bench)
+
+
 def local_fleet(profile: dict, cell: dict, ncpu: int, hidden_size: int, hop_ms: float) -> Fleet:
     """The model of one sweep cell on this machine (stage i pinned to core i mod nproc; the draft
     model shares the least busy core)."""
@@ -200,13 +207,15 @@ def local_fleet(profile: dict, cell: dict, ncpu: int, hidden_size: int, hop_ms: 
     # the coordinator's draft model is not pinned: it competes with the stages on the least busy core
     load = {c: sum(curves[i](1) for i in range(n) if cores[i] == c) for c in range(min(ncpu, n))}
     return Fleet(stage_ms=curves, stage_core=cores, hidden_size=hidden_size, draft_core=min(load, key=load.get),
-                 delay_ms=cell["delay_ms"], rate_mbit=cell["rate_mbit"], hop_ms=hop_ms, users=cell["users"],
+                 delay_ms=cell["delay_ms"], rate_mbit=cell["rate_mbit"], hop_ms=hop_ms, hop_cpu_ms=LOCAL_HOP_CPU_MS,
+                 users=cell["users"],
                  k=cell["mean_k"] if spec else 0.0, tokens_per_step=cell["tokens_per_step"] if spec else None,
                  draft_ms_per_token=cell.get("draft_ms_per_token") or 0.0)
 
 
 def validate(sweep: dict) -> list[dict]:
-    """Calibrate ``hop_ms`` per fleet on its naive, 0 ms, fastest-link cell; predict every cell.
+    """Calibrate ``hop_ms`` per fleet on its naive cells over the fastest link (the median over their
+    delays of the per-hop time the compute and the delays leave unexplained); predict every cell.
     Returns the cells with ``predicted_tok_s`` and ``error`` (predicted / measured - 1)."""
     profiles = sweep["stage_profiles"]
     ncpu = sweep["machine"]["nproc"]
@@ -214,15 +223,16 @@ def validate(sweep: dict) -> list[dict]:
     for stages_key, profile in profiles.items():
         stages = int(stages_key)
         cells = [c for c in sweep["cells"] if c["stages"] == stages]
-        base = min((c for c in cells if c["mode"] == "naive"), key=lambda c: (c["delay_ms"], -c["rate_mbit"]))
-        step_ms = 1000 / base["tok_s"]
-        probe = local_fleet(profile, base, ncpu, sweep["hidden_size"], 0.0)
-        compute = 1000 / simulate(probe)["tok_s"]
-        hop_ms = max(0.0, (step_ms - compute) / (stages + 1))
+        fastest = max(c["rate_mbit"] for c in cells)
+        base = [c for c in cells if c["mode"] == "naive" and c["rate_mbit"] == fastest]
+        unexplained = sorted((1000 / c["tok_s"] - 1000 / simulate(local_fleet(profile, c, ncpu, sweep["hidden_size"],
+                                                                               0.0))["tok_s"]) / (stages + 1)
+                             for c in base)
+        hop_ms = max(0.0, unexplained[len(unexplained) // 2])
         for c in cells:
             predicted = simulate(local_fleet(profile, c, ncpu, sweep["hidden_size"], hop_ms))["tok_s"]
             out.append({**c, "hop_ms": hop_ms, "predicted_tok_s": predicted, "error": predicted / c["tok_s"] - 1,
-                        "calibration": c is base})
+                        "calibration": c in base})
     return out
 
 

@@ -157,6 +157,12 @@ class WanLink:
             direction.queue.put_nowait((0.0, b""))
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            await self._relay(client_r, client_w)
+        except asyncio.CancelledError:  # stop(): end quietly (asyncio logs a handler that ends cancelled)
+            client_w.close()
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             up_r, up_w = await asyncio.open_connection(self.target_host, self.target_port)
