@@ -16,6 +16,7 @@ from .compress import compress, parse_stage_weights, resolve
 from .draft import draft_name, export_draft
 from .export import StageSpec, export_stage
 from .plan import balanced_split, decode_weights, parse_layers
+from .quality import REPORT_NAME as QUALITY_REPORT
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _prepare_output(out: Path) -> None:
     for path in out.iterdir():
         if path.is_dir() and (path.name.startswith("stage_") or path.name == "drafts"):
             shutil.rmtree(path)
-        elif path.name == MANIFEST_NAME or path.name in TOKENIZER_FILES:
+        elif path.name in (MANIFEST_NAME, QUALITY_REPORT) or path.name in TOKENIZER_FILES:
             path.unlink()
 
 

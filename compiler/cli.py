@@ -89,18 +89,41 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from fleet_common.manifest import load_manifest
+
     from .inspect import inspect
+    from .quality import describe_weights, weights_label
 
     problems, reports = inspect(args.model, args.device)
     for p in problems:
         print(f"HASH MISMATCH {p}")
+    print(f"weights: {weights_label(describe_weights(load_manifest(args.model)))}")
     print(f"{'stage':>5}  {'layers':>9}  {'fused SDPA+KV':>13}  {'softmax':>7}  {'compile s':>9}  status")
     for r in reports:
         status = "ok" if r.fused else "FAIL: attention not fused with stateful KV cache"
         print(f"{r.index:>5}  {r.layers[0]:>4}:{r.layers[1]:<4}  {r.sdpa_with_kv:>13}  {r.softmax:>7}  {r.compile_s:>9.2f}  {status}")
     ok = not problems and all(r.fused for r in reports)
+    if args.quality or args.reference:
+        ok = _quality(args) is not False and ok
     print("inspect: OK" if ok else "inspect: FAILED")
     return 0 if ok else 1
+
+
+def _quality(args: argparse.Namespace) -> bool | None:
+    """Print the quality table (compiler/quality.py); False when the build misses its floor."""
+    from . import quality
+
+    if args.reference:
+        mine, comparison = quality.compare(args.model, args.reference, args.threads)
+    else:
+        mine, comparison = quality.measure(args.model, args.threads), None
+    lines, passed = quality.report_lines(mine, comparison)
+    print("\n".join(lines))
+    if passed is None:
+        print("quality: floor not checked (give --reference FP16_BUILD)")
+    else:
+        print("quality: OK" if passed else "quality: FAILED (below the floor)")
+    return passed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,9 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, action="append", help="only this stage (repeatable; default all)")
     p.set_defaults(func=_cmd_precompile)
 
-    p = sub.add_parser("inspect", help="verify hashes and fused stateful attention per stage")
+    p = sub.add_parser("inspect", help="verify hashes and fused stateful attention per stage; --quality: perplexity "
+                                       "and greedy agreement")
     p.add_argument("model", type=Path, help="build folder (holds manifest.json)")
     p.add_argument("--device", default="CPU")
+    p.add_argument("--quality", action="store_true", help="also measure perplexity on a public-domain text and "
+                                                          "greedy answers (~30 s per build on 2 cores; cached in "
+                                                          "quality.json)")
+    p.add_argument("--reference", type=Path, metavar="BUILD", help="compare with this build of the same model (fp16) "
+                                                                   "and check the quality floor (implies --quality)")
+    p.add_argument("--threads", type=int, default=0, help="inference threads for --quality (0: all cores)")
     p.set_defaults(func=_cmd_inspect)
 
     args = parser.parse_args(argv)

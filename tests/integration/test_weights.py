@@ -1,0 +1,82 @@
+"""int8 and int4 builds of the demo model (``fleet-compiler build --weights``): each answers a chat
+through a real 2-worker fleet and meets its quality floor in ``fleet-compiler inspect --reference``.
+
+Isolation: other tests on this machine run fleets at the same time, so workers start with
+``--no-announce`` and the coordinator with ``--no-discover --peer``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compiler.quality import FLOORS
+from fleet_common.manifest import load_manifest
+from tests.conftest import DRAFTS, _build, chat, start_coordinator, start_worker, wait_ready
+from tests.integration.test_compiler import run_cli
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def compressed(request, demo_hf, early_exit_draft):
+    """(weights, build): 2 stages at ``weights``; the int8 build also carries the early-exit draft at int8."""
+    weights = request.param
+    if weights == "int8":
+        return weights, _build(demo_hf, 2, (str(early_exit_draft),), weights="int8", draft_weights="int8")
+    return weights, _build(demo_hf, 2, weights=weights)
+
+
+def test_manifest_records_each_stage_weights(compressed, build_1):
+    weights, build = compressed
+    manifest = load_manifest(build).manifest
+    assert manifest.weights == weights and manifest.format == 2
+    assert [s.weights for s in manifest.stages] == [weights, weights]
+    assert all(s.compression["mode"] == f"{weights}_asym" for s in manifest.stages)  # size-class default
+    if weights == "int4":
+        assert {(s.compression["group_size"], s.compression["ratio"]) for s in manifest.stages} == {(32, 0.8)}
+    else:
+        (draft,) = manifest.drafts
+        assert (draft.name, draft.weights, draft.compression["mode"]) == (DRAFTS[1], "int8", "int8_asym")
+    stage_bytes = sum((build / s.bin).stat().st_size for s in manifest.stages)
+    fp16 = (build_1 / load_manifest(build_1).manifest.stages[0].bin).stat().st_size  # one stage holds the head once
+    assert stage_bytes < {"int8": 0.65, "int4": 0.55}[weights] * fp16, (stage_bytes, fp16)
+
+
+def test_compressed_build_answers_through_a_fleet(compressed, tmp_path):
+    weights, build = compressed
+    workers = [start_worker(build, shard, tmp_path, "--no-announce") for shard in range(2)]
+    try:
+        peers = [a for _, address in workers for a in ("--peer", address)]
+        # the int8 build's int8 draft drafts for it (K pinned: adaptive K could find drafting not worth it)
+        draft = ("--draft", DRAFTS[1], "--spec-k", "2") if weights == "int8" else ()
+        coordinator, url = start_coordinator(build, tmp_path, "--no-discover", *peers, *draft)
+        try:
+            wait_ready(url)
+            reply = chat(url, "What is the capital of France?", max_tokens=24)
+            assert reply.status_code == 200, reply.text
+            body = reply.json()
+            assert "Paris" in body["choices"][0]["message"]["content"], body
+            if draft:
+                assert body["fleet"]["draft"] == DRAFTS[1] and body["fleet"]["drafted_tokens"] > 0, body["fleet"]
+        finally:
+            coordinator.stop()
+    finally:
+        for proc, _ in workers:
+            proc.stop()
+
+
+def test_compressed_build_meets_its_quality_floor(compressed, build_1):
+    """The inspect report: perplexity on >= 5k tokens of public-domain text within the floor of the
+    fp16 build's, teacher-forced greedy agreement above it; exit code 0, stored in quality.json."""
+    weights, build = compressed
+    out = run_cli("inspect", str(build), "--reference", str(build_1))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "quality: OK" in out.stdout and "inspect: OK" in out.stdout, out.stdout
+    report = json.loads((build / "quality.json").read_text())
+    comparison, floor = report["comparison"], FLOORS[weights]
+    assert report["measurement"]["tokens"] >= 5000
+    assert comparison["passed"] and comparison["floor"]["max_ppl_increase"] == floor.max_ppl_increase
+    assert 0 <= comparison["ppl_increase"] <= floor.max_ppl_increase
+    assert floor.min_agreement <= comparison["agreement"] < 1
