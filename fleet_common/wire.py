@@ -24,6 +24,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # servers accept those keepalive pings (the default minimum of 5 minutes answered an idle link's
+    # pings with GOAWAY "too_many_pings", seen on a worker after a restart)
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # reconnect fast to a restarted worker instead of gRPC's default backoff of up to 2 minutes
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
