@@ -212,26 +212,28 @@ def _with_token(details: grpc.aio.ClientCallDetails, secret: bytes) -> grpc.aio.
                                       details.wait_for_ready)
 
 
-class _UnaryUnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+class _Token:
+    """Adds the HMAC token (when there is a secret) and watches each call for refusals; gRPC wants
+    one interceptor class per call kind, below."""
+
     def __init__(self, secret: bytes | None, refusals: _Refusals) -> None:
         self.secret, self.refusals = secret, refusals
 
+    async def _intercept(self, continuation, client_call_details, request):  # noqa: ANN001, ANN202
+        details = _with_token(client_call_details, self.secret) if self.secret else client_call_details
+        call = await continuation(details, request)
+        call.add_done_callback(self.refusals.done)
+        return call
+
+
+class _UnaryUnaryToken(_Token, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
-        details = _with_token(client_call_details, self.secret) if self.secret else client_call_details
-        call = await continuation(details, request)
-        call.add_done_callback(self.refusals.done)
-        return call
+        return await self._intercept(continuation, client_call_details, request)
 
 
-class _UnaryStreamToken(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, secret: bytes | None, refusals: _Refusals) -> None:
-        self.secret, self.refusals = secret, refusals
-
+class _UnaryStreamToken(_Token, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
-        details = _with_token(client_call_details, self.secret) if self.secret else client_call_details
-        call = await continuation(details, request)
-        call.add_done_callback(self.refusals.done)
-        return call
+        return await self._intercept(continuation, client_call_details, request)
 
 
 def open_channel(address: str, security: Security) -> grpc.aio.Channel:
