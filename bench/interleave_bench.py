@@ -94,8 +94,11 @@ print(json.dumps({{"decode_tok_s": sorted(rates)[len(rates) // 2], "ttft_ms": so
 
 
 def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict) -> None:
+    """One greedy streamed completion of exactly ``tokens`` tokens into ``result``: token arrival
+    ``times`` (perf_counter seconds), ``ttft_ms``, ``decode_tok_s``, ``end`` and, from fleet
+    coordinators, the response's ``fleet`` statistics. Raises ``RuntimeError`` for an error answer."""
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
-            "max_tokens": tokens, "stream": True}
+            "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = None
     n = 0
@@ -106,7 +109,12 @@ def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict)
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            if event.get("fleet"):
+                result["fleet"] = event["fleet"]
+            choices = event.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
                 first = first or time.perf_counter()
                 last = time.perf_counter()

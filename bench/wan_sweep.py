@@ -41,6 +41,7 @@ import openvino as ov  # noqa: E402
 
 from bench import fleet_model  # noqa: E402
 from bench.decode_bench import wait_healthy  # noqa: E402
+from bench.interleave_bench import user  # noqa: E402
 from bench.spec_bench import start, wait_line  # noqa: E402
 from bench.wan import PROFILES, LinkProfile, WanLink  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
@@ -68,36 +69,12 @@ def ensure_spec_build(hf: Path, cache: Path, shards: int) -> Path:
     return out
 
 
-def stream_user(client: httpx.Client, url: str, prompt: str, tokens: int, out: dict) -> None:
-    """One greedy streamed completion of exactly ``tokens`` tokens; records token arrival times and
-    the response's ``fleet`` statistics."""
-    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
-            "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
-    start_t = time.perf_counter()
-    times: list[float] = []
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"{url}: {event['error']}")
-            if event.get("fleet"):
-                out["fleet"] = event["fleet"]
-            for choice in event.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    times.append(time.perf_counter())
-    out.update(start=start_t, times=times, tokens=event.get("usage", {}).get("completion_tokens", tokens))
-
-
 def run_cell(url: str, users: int, tokens: int) -> dict:
     """``users`` concurrent streams; decode tok/s = tokens after each user's first / (last token of
     anyone - first token of anyone), plus TTFT and the speculation statistics."""
     outs = [dict() for _ in range(users)]
     with httpx.Client() as client:
-        threads = [threading.Thread(target=stream_user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, outs[i]))
+        threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, outs[i]))
                    for i in range(users)]
         for t in threads:
             t.start()
@@ -105,14 +82,14 @@ def run_cell(url: str, users: int, tokens: int) -> dict:
             t.join()
     first = min(o["times"][0] for o in outs)
     last = max(o["times"][-1] for o in outs)
-    decoded = sum(o["tokens"] - 1 for o in outs)
+    decoded = users * (tokens - 1)
     drafted = sum(o["fleet"]["drafted_tokens"] for o in outs)
     accepted = sum(o["fleet"]["accepted_tokens"] for o in outs)
     steps = sum(o["fleet"]["verify_steps"] for o in outs)
     draft_ms = sum(o["fleet"]["draft_ms"] for o in outs)
     return {"tok_s": decoded / max(last - first, 1e-9),
             "draft_ms_per_token": draft_ms / drafted if drafted else None,
-            "ttft_ms": statistics.median((o["times"][0] - o["start"]) * 1000 for o in outs),
+            "ttft_ms": statistics.median(o["ttft_ms"] for o in outs),
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_k": drafted / steps if steps else 0.0,
             "tokens_per_step": (accepted + steps) / steps if steps else 1.0}
