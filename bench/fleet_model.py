@@ -262,6 +262,9 @@ def paper_fleet(model: str, nodes: int, delay_ms: float, users: int, spec: bool)
 
 
 def predictions() -> list[dict]:
+    """Predicted decode tok/s (aggregate and per user) of Llama-3.1-8B on 1-4 and 70B on 4-8 Arc-iGPU
+    PCs over each of ``LINKS``, for 1 user, 1 user with speculation and one user per node with it;
+    fleets that do not fit ``NODE_MEMORY_GB`` are left out."""
     rows = []
     for model, node_counts in (("Llama-3.1-8B", (1, 2, 3, 4)), ("Llama-3.1-70B", (4, 5, 6, 7, 8))):
         for link, delay in LINKS.items():
@@ -289,6 +292,7 @@ def paper_checks() -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Write ``predictions()`` ``rows`` as a PNG at ``path``: tok/s against nodes, one panel per model."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -195,6 +195,7 @@ def relay_cells(build: Path, tokens: int, logs: Path) -> list[dict]:
 
 
 def table(cells: list[dict], delays: list[float]) -> str:
+    """The sweep's cells as text: tok/s per mode and the full-stack/naive ratio per fleet, link and delay."""
     lines = [f"{'fleet':<8} | {'link':>10} | {'ms/hop':>6} | " + " | ".join(f"{m:>11}" for m in MODES)
              + f" | {'full/naive':>10}", "-" * 96]
     for stages in sorted({c["stages"] for c in cells}):
