@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import CliApp, CliSubCommand
 
 from fleet_common import API_SERVICE_TYPE, PROTOCOL_VERSION
-from fleet_common.cli import describe_validation_error
+from fleet_common.cli import describe_validation_error, dump_tasks_on_signal
 from fleet_common.manifest import ManifestError, load_manifest
 
 from .api import create_app
@@ -42,7 +42,9 @@ async def _announce_api(host: str, port: int, model_id: str):  # noqa: ANN202
 
 
 async def serve(settings: CoordinatorSettings) -> None:
-    """Run the coordinator until interrupted. Raises ``ManifestError`` for a bad build folder."""
+    """Run the coordinator until interrupted (SIGUSR1 logs what every task awaits). Raises
+    ``ManifestError`` for a bad build folder."""
+    dump_tasks_on_signal()
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)

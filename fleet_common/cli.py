@@ -1,6 +1,12 @@
-"""Turning settings validation errors into one-line CLI errors (no tracebacks for bad flags)."""
+"""Shared CLI plumbing: one-line errors for bad settings, and a task dump for stuck processes."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import signal
 
 from pydantic import ValidationError
 
@@ -14,3 +20,39 @@ def describe_validation_error(exc: ValidationError, skip: tuple[str, ...] = ()) 
         msg = err.get("msg", "invalid value")
         parts.append(f"--{name}: {msg}" if name else msg.removeprefix("Value error, "))  # no name: a whole-model check
     return "; ".join(parts) or str(exc)
+
+
+def dump_tasks_on_signal(signum: int = signal.SIGUSR1) -> None:
+    """On ``signum`` (default SIGUSR1: ``kill -USR1 PID``), log every asyncio task of the running loop
+    with the stack it is suspended in: what each request is waiting for when a process seems stuck
+    (py-spy shows threads, not coroutines). Call from inside the loop; a no-op where signals are not
+    supported (Windows)."""
+    loop = asyncio.get_running_loop()
+
+    def dump() -> None:
+        out = io.StringIO()
+        tasks = asyncio.all_tasks(loop)
+        out.write(f"{len(tasks)} asyncio tasks:\n")
+        for task in sorted(tasks, key=lambda t: t.get_name()):
+            out.write(f"task {task.get_name()}:\n")
+            for line in _awaiting(task.get_coro()):
+                out.write(f"  {line}\n")
+        logging.getLogger("fleet.tasks").warning("%s", out.getvalue())
+
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        loop.add_signal_handler(signum, dump)
+
+
+def _awaiting(coro, depth: int = 40) -> list[str]:  # noqa: ANN001
+    """``file:line in function`` down the chain of awaits of a suspended coroutine, outermost first
+    (``Task.get_stack`` shows only the outermost frame), ending with what the innermost one awaits."""
+    lines = []
+    while coro is not None and depth:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            lines.append(repr(coro)[:200])
+            break
+        lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+        depth -= 1
+    return lines

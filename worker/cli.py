@@ -11,7 +11,7 @@ from functools import partial
 from pydantic import ValidationError
 
 from fleet_common import PROTOCOL_VERSION
-from fleet_common.cli import describe_validation_error
+from fleet_common.cli import describe_validation_error, dump_tasks_on_signal
 from fleet_common.discovery import WorkerAd
 from fleet_common.manifest import ManifestError, load_manifest
 
@@ -36,7 +36,9 @@ def available_memory() -> int:
 
 
 async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) -> None:
-    """Run a worker until SIGINT/SIGTERM (or cancellation). Raises ``ManifestError`` for a bad build."""
+    """Run a worker until SIGINT/SIGTERM (or cancellation); SIGUSR1 logs what every task awaits.
+    Raises ``ManifestError`` for a bad build."""
+    dump_tasks_on_signal()
     loaded = load_manifest(settings.model)
     manifest = loaded.manifest
     if not 0 <= settings.shard < manifest.num_stages:
