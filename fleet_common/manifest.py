@@ -15,7 +15,8 @@ from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2  # 2: per-stage and per-draft weight format + compression parameters
-READABLE_FORMATS = (1, 2)  # format 1 builds are fp16 throughout
+DEVICES_FORMAT = 3  # 3: a stage names the device it was planned and compiled for (written only when not CPU)
+READABLE_FORMATS = (1, 2, 3)  # format 1 builds are fp16 throughout; 1 and 2 are CPU throughout
 
 
 class ManifestError(ValueError):
@@ -47,6 +48,7 @@ class StageEntry:
     bin: str
     weights: str = "fp16"  # "fp16", "int8" or "int4" (compiler/compress.py)
     compression: dict = field(default_factory=dict)  # nncf.compress_weights arguments; empty for fp16
+    device: str = "CPU"  # OpenVINO device the plan gave this stage (fleet-compiler build --plan); not a constraint
 
     @property
     def num_layers(self) -> int:
@@ -114,9 +116,14 @@ class Manifest:
         raise ManifestError(f"this build has no draft {name!r}; it has: {have}")
 
     def to_json(self) -> str:
+        """The manifest file's text. A stage on the CPU writes no ``device`` (and a build without blobs no
+        ``blobs``), so such builds read as they did before: older fleets load them."""
         raw = asdict(self)
-        if not raw["blobs"]:  # a build without blobs reads as it did before blobs existed
+        if not raw["blobs"]:
             del raw["blobs"]
+        for stage in raw["stages"]:
+            if stage["device"] == "CPU":
+                del stage["device"]
         return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
     @classmethod

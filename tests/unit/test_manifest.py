@@ -64,8 +64,29 @@ def test_stage_weights_round_trip_and_format_1_builds_still_load(tmp_path):
     old = load_manifest(tmp_path).manifest
     assert [s.weights for s in old.stages] == ["fp16", "fp16"] and old.stages[0].compression == {}
 
-    raw["format"] = 3
+    raw["format"] = 4
     (tmp_path / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(ManifestError, match="manifest format 3: this fleet reads formats 1, 2; rebuild with this "
+    with pytest.raises(ManifestError, match="manifest format 4: this fleet reads formats 1, 2, 3; rebuild with this "
                                             "fleet-compiler, or upgrade fleet"):
         load_manifest(tmp_path)
+
+
+def test_stage_devices_round_trip_and_cpu_builds_keep_format_2(tmp_path):
+    """Format 3 records a stage's planned device; a build whose stages are all on the CPU writes no device
+    and stays format 2 (older fleets read it), and reads back as CPU."""
+    import dataclasses
+    import json
+
+    from fleet_common.manifest import DEVICES_FORMAT, FORMAT_VERSION
+
+    m = make(tmp_path)
+    raw = json.loads(m.to_json())
+    assert raw["format"] == FORMAT_VERSION == 2 and all("device" not in s for s in raw["stages"])
+    assert [s.device for s in load_manifest(tmp_path).manifest.stages] == ["CPU", "CPU"]
+
+    gpu = dataclasses.replace(m, format=DEVICES_FORMAT, stages=(dataclasses.replace(m.stages[0], device="GPU"),
+                                                                m.stages[1]))
+    (tmp_path / "manifest.json").write_text(gpu.to_json())
+    raw = json.loads(gpu.to_json())
+    assert raw["stages"][0]["device"] == "GPU" and "device" not in raw["stages"][1]
+    assert load_manifest(tmp_path).manifest == gpu
