@@ -21,7 +21,7 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("weights", "NNCF weight compression (compiler/compress.py); int4 defaults depend on the "
                                         "model's size: asymmetric, group 32, ratio 0.8 under 1B parameters")
-    g.add_argument("--weights", default="fp16", choices=FORMATS, help="every stage's weights (default fp16)")
+    g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's)")
     g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
     g.add_argument("--draft-weights", default="fp16", choices=FORMATS,
                    help="weights of model drafts (self-int4 and self-int8 are compressed as named)")
@@ -49,18 +49,48 @@ def _check_weights_args(args: argparse.Namespace) -> None:
         raise ValueError("--symmetric/--asymmetric apply to int8 and int4 weights only")
 
 
+def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``build --plan``: take the plan's layer ranges, weights and KV precision into ``args``; return its
+    devices per stage (None without --plan). Raises ``ValueError`` when other options contradict it."""
+    if args.plan is None:
+        args.weights, args.kv_cache_precision = args.weights or "fp16", args.kv_cache_precision or "f16"
+        args.shards = 2 if args.shards is None else args.shards
+        return None
+    from .planner import check_source, read_plan
+
+    planned = read_plan(args.plan)
+    if args.layers or args.shards is not None:
+        raise ValueError("--plan sets the layer ranges: drop --layers / --shards")
+    for option, mine, theirs in (("--weights", args.weights, planned.weights),
+                                 ("--kv-cache-precision", args.kv_cache_precision, planned.kv_cache_precision)):
+        if mine is not None and mine != theirs:
+            raise ValueError(f"{option} {mine} differs from the plan's {theirs} (its memory was counted for "
+                             f"that): plan again with {option} {mine}")
+    check_source(planned, args.src)
+    args.layers, args.weights, args.kv_cache_precision = planned.layers, planned.weights, planned.kv_cache_precision
+    return planned.devices
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
+    devices = _follow_plan(args)
+    _check_weights_args(args)  # bad options fail before torch and the model load
     from .build import build
     from .compress import describe
 
-    _check_weights_args(args)
-    manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, kv_cache_precision=args.kv_cache_precision,
-                     drafts=tuple(args.draft), weights=args.weights, stage_weights=args.stage_weights,
-                     symmetric=args.symmetric, group_size=args.group_size, ratio=args.ratio,
-                     draft_weights=args.draft_weights)
+    manifest = build(args.src, args.out, shards=args.shards or 2, layers=args.layers,
+                     kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
+                     stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
+                     ratio=args.ratio, draft_weights=args.draft_weights)
+    if devices is not None:
+        from fleet_common.manifest import load_manifest
+
+        from .planner import record_devices
+
+        record_devices(args.out, devices)
+        manifest = load_manifest(args.out).manifest
     for s in manifest.stages:
         weights = describe(s.weights, s.compression)
-        print(f"stage {s.index}: layers [{s.start}, {s.end}), {weights} -> {args.out / s.xml}")
+        print(f"stage {s.index}: layers [{s.start}, {s.end}), {weights}, {s.device} -> {args.out / s.xml}")
     for d in manifest.drafts:
         print(f"draft {d.name}: {d.num_layers} layers, {d.weights} -> {args.out / d.xml}")
     print(f"manifest: {args.out / 'manifest.json'} ({len(manifest.files)} files hashed)")
@@ -77,6 +107,31 @@ def _print_blobs(build: Path, entries: list) -> None:
     for b in entries:
         config = ", ".join(f"{k}={v}" for k, v in b.key["config"].items())
         print(f"blob stage {b.stage} for {b.key['device']} ({config}) -> {build / b.file}")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .nodes import parse_node, read_nodes
+    from .planner import plan, read_model, report_lines
+
+    source = read_model(args.model)
+    if args.node and args.nodes:
+        raise ValueError("give the nodes with --node or with --nodes files, not both")
+    nodes = [parse_node(spec) for spec in args.node] or [
+        node for path in args.nodes for node in read_nodes(path, source.dims.head_layers)]
+    result = plan(source.dims, nodes, weights=args.weights or source.weights,
+                  kv_cache_precision=args.kv_cache_precision or source.kv_cache_precision,
+                  max_context=args.max_context, max_sessions=args.max_sessions)
+    print("\n".join(report_lines(result)))
+    if args.out:
+        args.out.write_text(result.to_json())
+        print(f"plan written to {args.out}: fleet-compiler build SRC --plan {args.out} -o BUILD, then on each node:")
+    else:
+        print("(give -o PLAN.json to build it: fleet-compiler build SRC --plan PLAN.json -o BUILD), then on each node:")
+    for s in result.stages:
+        budget = -(-s.kv_bytes // (1 << 20))
+        print(f"  {s.node.name}: fleet-worker --shard {s.index} --model BUILD --device {s.node.device} "
+              f"--max-context {result.max_context} --kv-budget-mb {budget}")
+    return 0
 
 
 def _cmd_precompile(args: argparse.Namespace) -> int:
@@ -98,10 +153,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for p in problems:
         print(f"HASH MISMATCH {p}")
     print(f"weights: {weights_label(describe_weights(load_manifest(args.model)))}")
-    print(f"{'stage':>5}  {'layers':>9}  {'fused SDPA+KV':>13}  {'softmax':>7}  {'compile s':>9}  status")
+    devices = {s.index: s.device for s in load_manifest(args.model).manifest.stages}
+    print(f"{'stage':>5}  {'layers':>9}  {'device':>6}  {'fused SDPA+KV':>13}  {'softmax':>7}  {'compile s':>9}  "
+          "status")
     for r in reports:
         status = "ok" if r.fused else "FAIL: attention not fused with stateful KV cache"
-        print(f"{r.index:>5}  {r.layers[0]:>4}:{r.layers[1]:<4}  {r.sdpa_with_kv:>13}  {r.softmax:>7}  {r.compile_s:>9.2f}  {status}")
+        print(f"{r.index:>5}  {r.layers[0]:>4}:{r.layers[1]:<4}  {devices[r.index]:>6}  {r.sdpa_with_kv:>13}  "
+              f"{r.softmax:>7}  {r.compile_s:>9.2f}  {status}")
+    if any(d != args.device for d in devices.values()):
+        print(f"(device: the one each stage was planned for; fusion checked on {args.device}, this machine's --device)")
     ok = not problems and all(r.fused for r in reports)
     if args.quality or args.reference:
         ok = _quality(args) is not False and ok
@@ -139,10 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("build", help="export layer-range shards as stateful OpenVINO IR")
     p.add_argument("src", type=Path, help="Hugging Face model folder or .gguf file")
     _add_weights_args(p)
-    p.add_argument("--shards", type=int, default=2, help="number of stages; layers are split to balance weight reads per token, the LM head counting on the last stage")
+    p.add_argument("--shards", type=int, help="number of stages (default 2); layers are split to balance weight "
+                                               "reads per token, the LM head counting on the last stage")
     p.add_argument("--layers", help="explicit ranges, e.g. 0:12,12:30 (overrides --shards)")
-    p.add_argument("--kv-cache-precision", default="f16", choices=["f16", "bf16", "f32", "u8"],
-                   help="KV cache precision written into each IR's runtime options")
+    p.add_argument("--plan", type=Path, metavar="PLAN.json",
+                   help="follow a plan from fleet-compiler plan: its layer ranges, weights and KV precision, and "
+                        "each stage's device recorded in the manifest")
+    p.add_argument("--kv-cache-precision", choices=["f16", "bf16", "f32", "u8"],
+                   help="KV cache precision written into each IR's runtime options (default f16)")
     p.add_argument("--draft", action="append", default=[], metavar="SPEC",
                    help="also compile a draft model for speculative decoding (repeatable): self-int4 or "
                         "self-int8 (NNCF INT4/INT8 copy of the target) or an HF folder / .gguf sharing the "
@@ -156,6 +220,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precompile-precision", default="auto", choices=["auto", "f32", "bf16", "f16"],
                    help="the workers' --inference-precision")
     p.set_defaults(func=_cmd_build)
+
+    p = sub.add_parser("plan", help="assign layer ranges to nodes by their memory and speed (then build --plan)",
+                       description="Assign contiguous layer ranges to the nodes in the order given, minimizing the "
+                                   "slowest stage's time per token, so that each node's memory holds its weights, "
+                                   "KV cache for --max-sessions x --max-context tokens and the runtime "
+                                   "(compiler/planner.py). Refuses a fleet that does not fit, naming the node, "
+                                   "the shortfall and what would fit.")
+    p.add_argument("model", type=Path, help="Hugging Face model folder or fleet build folder (reads config.json)")
+    p.add_argument("--node", action="append", default=[], metavar="NAME:MEM[:SPEED[:DEVICE]]",
+                   help="a node, in pipeline order (repeatable): memory its worker may use (8GiB, 512MiB), relative "
+                        "speed (2 = twice as fast; default 1) or measured time per layer (0.31ms), device (CPU, GPU, "
+                        "NPU; default CPU), e.g. pc1:16GiB:2:GPU")
+    p.add_argument("--nodes", action="append", type=Path, default=[], metavar="FILE",
+                   help="node records (JSON, JSON Lines or TOML; repeatable), e.g. what fleet-worker --profile --json "
+                        "printed on each PC")
+    p.add_argument("--max-context", type=int, help="tokens per session each worker holds KV for (default: the model's)")
+    p.add_argument("--max-sessions", type=int, default=4, help="sessions at once, each with --max-context of KV "
+                                                               "(default 4)")
+    p.add_argument("--weights", choices=["fp16", "int8", "int4"], help="weight format to count (default: the build's, "
+                                                                       "fp16 for an HF folder)")
+    p.add_argument("--kv-cache-precision", choices=["f16", "bf16", "f32", "u8"],
+                   help="KV bytes per value (default: the build's, f16 for an HF folder; workers run with "
+                        "--inference-precision f32 keep f32)")
+    p.add_argument("-o", "--out", type=Path, metavar="PLAN.json", help="write the plan for build --plan")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("precompile", help="compile a build's stages for a device on this machine and save the blobs "
                                           "(workers import them instead of compiling; run it on the PC that serves)")
