@@ -8,6 +8,7 @@ import signal
 import sys
 from functools import partial
 
+import psutil
 from pydantic import ValidationError
 
 from fleet_common import PROTOCOL_VERSION
@@ -25,14 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def available_memory() -> int:
-    """MemAvailable from /proc/meminfo in bytes (Linux); 8 GiB where it cannot be read."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    """Memory available to new processes in bytes (psutil: MemAvailable on Linux)."""
+    return psutil.virtual_memory().available
 
 
 async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) -> None:
@@ -107,7 +102,11 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fleet-worker`` console script."""
+    """Entry point of the ``fleet-worker`` console script (``--profile``: worker/profile.py, serves nothing)."""
+    if "--profile" in (sys.argv[1:] if argv is None else argv):
+        from .profile import main as profile_main
+
+        return profile_main(sys.argv[1:] if argv is None else argv)
     try:
         settings = WorkerSettings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="fleet-worker")
     except ValidationError as exc:

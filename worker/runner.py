@@ -54,6 +54,11 @@ class ShardRunner:
         self.compiled, self.kv_value_bytes = self.load.compiled, self.load.kv_value_bytes
         log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s", stage, self.entry.start, self.entry.end,
                  device, self.load.source, self.load.seconds)
+        if self.entry.device.split(".")[0].upper() != device.split(".")[0].upper():  # served anyway
+            # CPU is also what every build without a plan names: no warning for those
+            log.log(logging.INFO if self.entry.device == "CPU" else logging.WARNING,
+                    "stage %d was planned for %s (the manifest's device); this worker runs it on %s (--device)",
+                    stage, self.entry.device, device)
 
     def new_request(self) -> ov.InferRequest:
         return self.compiled.create_infer_request()

@@ -12,7 +12,7 @@ from fleet_common.security import Security, SecurityError
 
 
 class WorkerSettings(BaseSettings):
-    """fleet-worker: serve one shard of a fleet-compiler build over gRPC and announce it with zeroconf."""
+    """fleet-worker: serve a shard over gRPC, announced by zeroconf; --profile: time a layer for fleet-compiler plan."""
 
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
 
