@@ -49,6 +49,7 @@ class Member:
     end: int = 0  # physical slot after its last chunk
     left: bool = False
     drafting: bool = False  # proposing its next chunk's drafts: work the group waits for
+    owned: bool = False  # the group holds (or is merging) the session's KV and frees it, not the session
 
 
 @dataclass
@@ -191,6 +192,8 @@ class BatchGroup:
     async def _merge(self) -> None:
         joining, self._joining = self._joining, []
         new = [m for m, _ in joining]
+        for m in new:  # from here a member that leaves must not close its session: the merge is using it
+            m.owned = True
         self._merging = new
         try:
             await self._merge_rows(joining, new)
@@ -204,9 +207,14 @@ class BatchGroup:
         try:
             length = await self.pipeline.merge(self.group_id, sources, max_context, self.timeout_s(0))
         except BaseException as exc:
+            for m in new:
+                m.owned = False
             for _, future in joining:
                 if not future.done():
                     future.set_exception(exc)
+            for m in new:  # left during the merge: no request is left to free its session's KV
+                if m.left:
+                    await asyncio.shield(self.pipeline.close_session(m.session_id, self.timeout_s(0)))
             if self.rows:  # the group's state is unknown now
                 raise
             # stages where the rename went through hold the session under the group's id

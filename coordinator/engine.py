@@ -229,11 +229,15 @@ class Engine:
         s = self.settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.queue_timeout_s
+        waited = False
         while True:
             try:
                 await pipeline.open_session(session, slots, s.rpc_timeout_s)
                 return
             except Overloaded as exc:
+                if not waited:
+                    log.info("%s: waiting up to %.0f s for KV room: %s", session, deadline - loop.time(), exc.message)
+                    waited = True
                 if loop.time() >= deadline:
                     raise Overloaded(f"no stage room for this request's KV after {s.queue_timeout_s:.0f} s in the "
                                      f"queue: {exc.message}") from None
@@ -445,9 +449,6 @@ class Engine:
             if group is not None:
                 request.compactions += group.compactions - joined_compactions
                 group.leave(member)  # its KV row is dropped by the group's next step (or the group closes)
-            await asyncio.shield(pipeline.close_session(session, s.rpc_timeout_s))  # unless merged into the group
-            async with self._closed:
-                self._closed.notify_all()
             self.metrics.finished(request)
             log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
                      "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
@@ -455,3 +456,17 @@ class Engine:
                      len(prompt), len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
                      request.decode_tokens_per_s or 0.0, request.accepted, request.drafted, request.verify_steps,
                      request.draft_ms, request.verify_ms, request.compactions, request.failovers)
+            # everything above runs even when a client's disconnect cancels this task, whose every
+            # await then raises again at once: the close goes on in the background and wakes
+            # requests waiting for KV room
+            if group is None or not member.owned:  # else its group frees it (the merge may still be running)
+                close = asyncio.ensure_future(self._close_session(pipeline, session))
+                self._background.add(close)
+                close.add_done_callback(self._background.discard)
+                await asyncio.shield(close)
+
+    async def _close_session(self, pipeline, session: str) -> None:  # noqa: ANN001
+        """Free ``session``'s KV on every stage of ``pipeline``, then wake requests waiting for room."""
+        await pipeline.close_session(session, self.settings.rpc_timeout_s)
+        async with self._closed:
+            self._closed.notify_all()

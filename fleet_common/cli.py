@@ -52,7 +52,8 @@ def _awaiting(coro, depth: int = 40) -> list[str]:  # noqa: ANN001
         if frame is None:
             lines.append(repr(coro)[:200])
             break
-        lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        ids = [f"{k}={v}" for k in ("session", "session_id") if isinstance(v := frame.f_locals.get(k), str)]
+        lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name} {' '.join(ids)}".rstrip())
         coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
         depth -= 1
     return lines

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +35,16 @@ RESTART_AT = REQUESTS * 2 // 5  # requests finished before stage 1 is killed and
 TOPICS = ("the sea", "a library", "bread", "winter", "a robot", "trains", "the moon", "gardens", "chess", "rain")
 
 
-def one_request(url: str, rng: random.Random) -> str:
+def one_request(url: str, rng: random.Random, on_hang=lambda: "") -> str:  # noqa: ANN001
     """One streamed request; returns its outcome: done, cancelled or refused-<status>. Anything else
-    (a 500, a broken stream, a hang past the timeout) raises."""
+    (a 500, a broken stream, a hang past the timeout) raises; a hang with ``on_hang()``'s report."""
+    try:
+        return _one_request(url, rng)
+    except httpx.ReadTimeout:
+        raise AssertionError(f"a request hung for 60 s:\n{on_hang()}") from None
+
+
+def _one_request(url: str, rng: random.Random) -> str:
     words = rng.randint(1, 40)
     prompt = f"Tell me about {rng.choice(TOPICS)}. " + " ".join(rng.choice(TOPICS) for _ in range(words))
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(1, 10), "stream": True,
@@ -80,12 +88,18 @@ def test_soak_with_cancellations_and_a_worker_restart(build_2, tmp_path):
     restarted = None
     try:
         wait_ready(url)
+        def on_hang() -> str:  # what every task of the coordinator awaits now (SIGUSR1: fleet_common.cli)
+            coordinator.popen.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            log = coordinator.text()
+            return log[log.rfind("asyncio tasks:") - 80:][:20000] + f"\nKV held: {kv_held([a0, a1])}"
+
         rng = random.Random(1234)
         seeds = [rng.random() for _ in range(REQUESTS)]
         outcomes: Counter = Counter()
         t0 = time.monotonic()
         with ThreadPoolExecutor(CLIENTS) as pool:
-            futures = [pool.submit(one_request, url, random.Random(seed)) for seed in seeds]
+            futures = [pool.submit(one_request, url, random.Random(seed), on_hang) for seed in seeds]
             for i, future in enumerate(futures):
                 outcomes[future.result(timeout=120)] += 1
                 if i == RESTART_AT:
