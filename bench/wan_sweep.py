@@ -15,7 +15,16 @@ Workers run one inference thread each, pinned to core ``stage mod nproc``; every
 own link (the coordinator reaches stage 0 and the last stage's result stream through them, and
 each stage reaches the next through the next one's link), so a step crosses N+1 links.
 
+Repeats: on a shared 2-core machine one run of a cell at small delays varies by about +-10-15% with the
+machine's other load, which also drifts over minutes (``bench/fleet_model.py``'s docstring has the numbers).
+So each cell runs up to ``--repeats`` times (default 3), its modes taking turns, until its runs took
+``--cell-budget-s`` (cheap low-delay cells get every repeat, the 100 ms cells one run), and the JSON
+keeps the median tok/s with every run's value and the spread (max - min) / median; speculation
+statistics are pooled over the runs. Both link rates of one delay run back to back, so a drift of
+the machine's load over minutes does not fall between them.
+
     python bench/wan_sweep.py [--json PATH] [--tokens 24] [--delays 0,10,25,50,100] [--stages 2,3]
+                              [--repeats 3] [--cell-budget-s 4]
 """
 
 from __future__ import annotations
@@ -71,7 +80,9 @@ def ensure_spec_build(hf: Path, cache: Path, shards: int) -> Path:
 
 def run_cell(url: str, users: int, tokens: int) -> dict:
     """``users`` concurrent streams; decode tok/s = tokens after each user's first / (last token of
-    anyone - first token of anyone), plus TTFT and the speculation statistics."""
+    anyone - first token of anyone), plus TTFT, the speculation statistics and their counts (decode
+    steps that verified drafts, and plain steps: adaptive K decodes one token when drafting does not
+    pay; the last verify step's bonus token may be cut, hence the floor at 0)."""
     outs = [dict() for _ in range(users)]
     with httpx.Client() as client:
         threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, outs[i]))
@@ -92,12 +103,32 @@ def run_cell(url: str, users: int, tokens: int) -> dict:
             "ttft_ms": statistics.median(o["ttft_ms"] for o in outs),
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_k": drafted / steps if steps else 0.0,
-            "tokens_per_step": (accepted + steps) / steps if steps else 1.0}
+            "tokens_per_step": (accepted + steps) / steps if steps else 1.0,
+            "drafted": drafted, "accepted": accepted, "draft_ms": draft_ms, "verify_steps": steps,
+            "plain_steps": sum(max(0, tokens - 1 - o["fleet"]["accepted_tokens"] - o["fleet"]["verify_steps"])
+                               for o in outs)}
 
 
-def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs: Path) -> list[dict]:
+def pool_runs(runs: list[dict]) -> dict:
+    """One cell from its repeated runs: median tok/s and TTFT, every run's tok/s and their spread
+    ((max - min) / median), the speculation statistics pooled over the runs' counts."""
+    drafted, accepted, steps = (sum(r[k] for r in runs) for k in ("drafted", "accepted", "verify_steps"))
+    tok_s = [r["tok_s"] for r in runs]
+    median = statistics.median(tok_s)
+    return {"tok_s": median, "draft_ms_per_token": sum(r["draft_ms"] for r in runs) / drafted if drafted else None,
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_k": drafted / steps if steps else 0.0,
+            "tokens_per_step": (accepted + steps) / steps if steps else 1.0,
+            "verify_steps": steps, "plain_steps": sum(r["plain_steps"] for r in runs),
+            "runs": len(runs), "tok_s_runs": tok_s, "tok_s_spread": (max(tok_s) - min(tok_s)) / median}
+
+
+def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs: Path, repeats: int = 1,
+                cell_budget_s: float = 0.0) -> list[dict]:
     """Every (rate, delay, mode) cell of one fleet: workers behind links, a plain and a speculative
-    coordinator sharing them."""
+    coordinator sharing them; each cell runs up to ``repeats`` times while its runs took less than
+    ``cell_budget_s`` (see ``pool_runs``)."""
     ncpu = os.cpu_count() or 1
     cells = []
     with ExitStack() as stack:
@@ -121,21 +152,31 @@ def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs
                           "--draft-threads", "1", "--log-level", "WARNING", *peers], log, stack)
             urls[spec] = f"http://127.0.0.1:{port}"
             wait_healthy(urls[spec], proc, log)
-        for rate in RATES_MBIT:
-            for delay in delays:
+        for delay in delays:  # both rates of a delay back to back (the machine's load drifts over minutes)
+            for rate in RATES_MBIT:
                 for link in links:
                     link.profile = LinkProfile(delay_ms=delay, rate_mbit=rate)
                 for spec in (False, True):  # warm-up: adaptive K learns this link's step costs
                     run_cell(urls[spec], 1, 8)
+                runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+                spent = dict.fromkeys(MODES, 0.0)
+                for rep in range(repeats):  # the modes take turns, so a drift spreads over all of them
+                    for mode, (users, spec) in MODES.items():
+                        if rep and spent[mode] >= cell_budget_s:
+                            continue
+                        t0 = time.monotonic()
+                        runs[mode].append(run_cell(urls[spec], users, tokens))
+                        spent[mode] += time.monotonic() - t0
                 row = {}
                 for mode, (users, spec) in MODES.items():
                     cell = {"stages": stages, "rate_mbit": rate, "delay_ms": delay, "mode": mode, "users": users,
-                            "speculation": spec, **run_cell(urls[spec], users, tokens)}
+                            "speculation": spec, **pool_runs(runs[mode])}
                     cells.append(cell)
-                    row[mode] = cell["tok_s"]
+                    row[mode] = cell
                 print(f"  {stages}-stage {rate:>6.0f} Mbit/s {delay:>5.0f} ms/hop: " + "  ".join(
-                    f"{m} {v:6.1f}" for m, v in row.items()) + f"   full/naive {row['full stack'] / row['naive']:.2f}x",
-                      flush=True)
+                    f"{m} {c['tok_s']:6.1f}" + (f" ±{c['tok_s_spread'] / 2:.0%}" if c["runs"] > 1 else "")
+                    for m, c in row.items())
+                      + f"   full/naive {row['full stack']['tok_s'] / row['naive']['tok_s']:.2f}x", flush=True)
     return cells
 
 
@@ -217,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delays", default="0,10,25,50,100")
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell at most (the median is kept)")
+    parser.add_argument("--cell-budget-s", type=float, default=4.0,
+                        help="no further repeat of a cell once its runs took this long (keeps the sweep under 15 min)")
     args = parser.parse_args(argv)
     delays = [float(d) for d in args.delays.split(",")]
     from compiler.source import fetch_demo
@@ -235,19 +279,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {n}-stage compute per chunk of 1 / 4 / 8 tokens, ms: " + "; ".join(
             f"stage {i} {ms[0]:.1f} / {ms[3]:.1f} / {ms[7]:.1f}" for i, ms in enumerate(p["stage_ms"])), flush=True)
     print(f"WAN sweep: {args.tokens} tokens per user, delays {delays} ms per hop, {RATES_MBIT} Mbit/s, "
-          f"nproc {os.cpu_count()}", flush=True)
+          f"up to {args.repeats} runs per cell ({args.cell_budget_s:.0f} s), nproc {os.cpu_count()}", flush=True)
     cells = []
     for stages, build in builds.items():
-        cells += sweep_fleet(build, stages, delays, args.tokens, logs)
+        cells += sweep_fleet(build, stages, delays, args.tokens, logs, args.repeats, args.cell_budget_s)
     relay = relay_cells(builds.get(2) or ensure_spec_build(hf, cache, 2), args.tokens, logs)
     print("\ndecode tok/s (aggregate over users)\n" + table(cells, delays))
-    print("\nadaptive K (+spec, 1 user): mean drafts per step by delay (slower links should pick larger K)")
+    print("\nadaptive K (+spec, 1 user): mean drafts per verify step by delay (slower links should pick larger K),"
+          " and the share of decode steps that drafted")
     for stages in sorted({c["stages"] for c in cells}):
         for rate in RATES_MBIT:
-            ks = [(c["delay_ms"], c["mean_k"], c["acceptance_rate"] or 0.0) for c in cells if c["stages"] == stages
-                  and c["rate_mbit"] == rate and c["mode"] == "+spec"]
+            ks = [(c["delay_ms"], c["mean_k"], c["acceptance_rate"] or 0.0,
+                   c["verify_steps"] / max(1, c["verify_steps"] + c["plain_steps"]))
+                  for c in cells if c["stages"] == stages and c["rate_mbit"] == rate and c["mode"] == "+spec"]
             print(f"  {stages}-stage {rate:>5.0f} Mbit/s: " + ", ".join(
-                f"{d:.0f} ms K {k:.1f} (accept {a:.2f})" for d, k, a in ks))
+                f"{d:.0f} ms K {k:.1f} (accept {a:.2f}, {v:.0%} of steps)" for d, k, a, v in ks))
     top1, full = relay
     print(f"\nrelay profile {json.dumps(PROFILES['relay'].__dict__)}: top-1 return {top1['tok_s']:.2f} tok/s vs full "
           f"logits {full['tok_s']:.2f} tok/s = {top1['tok_s'] / full['tok_s']:.2f}x")
@@ -258,10 +304,20 @@ def main(argv: list[str] | None = None) -> int:
             goal = 4 if c["delay_ms"] == 50 else 5
             print(f"target: 2 stages, {c['delay_ms']:.0f} ms/hop, full stack = {c['tok_s'] / naive['tok_s']:.2f}x naive "
                   f"(goal >= {goal}x)")
+    from coordinator.tokenizer import ChatTokenizer
     from fleet_common.manifest import load_manifest
 
+    repeated = sorted((c for c in cells if c["runs"] > 1), key=lambda c: c["tok_s_spread"])
+    if repeated:
+        worst = repeated[-1]
+        print(f"repeat spread (max - min) / median over {len(repeated)} repeated cells: median "
+              f"{statistics.median(c['tok_s_spread'] for c in repeated):.0%}, largest {worst['tok_s_spread']:.0%} "
+              f"({worst['stages']}-stage {worst['rate_mbit']:.0f} Mbit/s {worst['delay_ms']:.0f} ms {worst['mode']})")
+    tokenizer = ChatTokenizer(next(iter(builds.values())))
     result = {
         "benchmark": "wan_sweep", "tokens": args.tokens, "delays_ms": delays, "rates_mbit": RATES_MBIT,
+        "repeats": args.repeats, "cell_budget_s": args.cell_budget_s,
+        "prompt_tokens": [len(tokenizer.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS],
         "cells": cells, "relay": relay, "profiles": {k: v.__dict__ for k, v in PROFILES.items()},
         "stage_profiles": {str(n): p for n, p in profiles.items()},
         "hidden_size": load_manifest(next(iter(builds.values()))).manifest.architecture.hidden_size,
