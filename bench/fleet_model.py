@@ -1,24 +1,98 @@
 """A discrete-event model of a fleet: predicts decode tokens/s (and TTFT) from per-stage compute,
 link delay and bandwidth, hidden size, draft cost, acceptance, K and the number of users.
 
-Resources are FIFO servers: each **core** (or PC) runs the stages placed on it, one chunk at a time;
-each link **direction** serialises its bytes at the link rate and then adds its one-way delay (a
-pure delay: many messages may be in flight); the coordinator's **draft** model runs one proposal at a
-time. A user's decode step: draft K tokens -> link into stage 0 -> stage 0 -> link into stage 1 ->
-... -> last stage -> link back (the result: k candidates per position) -> the coordinator samples.
-Every hop also pays a fixed software latency (calibrated) and CPU time on the receiving stage's core
-(gRPC, protobuf, Python: 1.8 ms here, from ``bench/interleave_bench.py``'s CPU accounting: a worker's
-CPU ms per token minus its inference ms), which limits how many users' steps a core can interleave. A step emits
-``tokens_per_step`` tokens (1 without speculation; with acceptance rate a and K drafts, the expected
-(1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, eq. 1). Users beyond the batch groups share a group's
-steps, at ``batch_cost(rows)`` times one row's compute.
+A user's decode step (one batch group's): the coordinator's draft model proposes K tokens -> the chunk
+crosses the link into stage 0 -> stage 0 computes -> link into stage 1 -> ... -> last stage -> the
+result (k candidates per position, never full logits) crosses the link back -> the coordinator
+samples. A step emits ``tokens_per_step`` tokens (1 without speculation; with acceptance rate a and K
+drafts the expected (1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, eq. 1, unless measured). Users
+beyond the batch groups share a group's steps at ``batch_cost(rows)`` times one row's compute.
+
+The terms, and where each number comes from (times in ms):
+
+* **stage compute** ``stage_ms[i](seq)``, one chunk of ``seq`` tokens of one row. This machine: the
+  profile ``bench/wan_sweep.py`` takes at its start (``profile_stages``: in-process, one inference
+  thread on one core, median of 15, seq 1-9 at context 64), linear between whole seqs (a mean K of
+  1.4 is a 2.4-token verify) and along the last segment's slope beyond seq 9 (prompts). Paper PCs:
+  ~21.5 ms per 16 INT4 Llama-3.1-8B layers on an Arc iGPU (the paper), +4% per extra token.
+* **processors.** On separate PCs (``shared_cores`` = 0, the paper fleets) each PC runs its stage's
+  chunks one at a time (first come, first served; the draft shares PC ``draft_core``). When stages
+  share one machine (``shared_cores`` = C, the sweep on this box) the OS time-slices: every running
+  job on a core progresses at 1/n of its speed while n run there (processor sharing). Each worker
+  is pinned to core ``stage_core[i]`` and runs its chunks one at a time on its inference thread; the
+  coordinator (its draft thread), the ``fleet-wan`` proxies and the benchmark's clients are not
+  pinned: their work goes to the core running the fewest jobs.
+* **links.** Each direction serialises a message's bytes (payload + ``MESSAGE_OVERHEAD_BYTES`` of
+  protobuf fields and HTTP/2 + gRPC framing, an estimate) at ``rate_mbit`` behind the messages before
+  it, then adds the one-way ``delay_ms`` (many messages may be in flight). Payloads: token ids 8 bytes
+  per token, hidden states ``hidden_size`` x 4 bytes per token, results 8 bytes per candidate.
+* **fleet-wan timers** (``link_timers``, only for the simulated links of ``bench/wan.py``): a byte whose
+  release time is ahead of the proxy's event loop waits in an asyncio timer, and Python's epoll
+  selector rounds the timeout *up to whole milliseconds*. A message then arrives at
+  ``eps + ceil(wait - eps)`` instead of ``wait`` (wait = queueing + serialisation + delay;
+  ``LINK_TIMER_EPS_MS``: the loop's own latency, 14 us without delay and 27 us with, under which no
+  timer is set). Measured with an echo server behind one link (``measure_link_timers``): at 1 Gbit/s
+  and 0 ms a 1,500-byte message crosses with no timer and a 2,400-byte one (19 us on the wire) pays
+  ~1.1 ms; at 20 Mbit/s every message pays ~1 ms; at 10 ms a 100-byte message at 1 Gbit/s crosses in
+  10.2 ms, at 20 Mbit/s (40 us on the wire) in 11.2 ms.
+* **hop overhead** ``hop_ms``, per crossing: event loops, gRPC and protobuf in Python, the proxies,
+  thread wake-ups (and, on a loaded machine, the wait for a time slice). Calibrated per fleet on its
+  naive (1 user, no speculation) cells over the fastest link: the value whose predictions have a
+  median error of 0 over their delays (6.3 and 6.6 ms for ``wan_sweep_quiet.json``'s 2- and 3-stage
+  fleets). On separate PCs it is a latency. On a shared machine ``hop_work_ms`` of it is CPU work of
+  the unpinned processes, time-sharing the cores with the stages, and the rest a wait:
+  ``LOCAL_HOP_WORK_MS`` = 1.1 ms, from ``measure_hop_cpu`` (the coordinator's, the proxies' and the
+  client's CPU per decode step over the step's crossings). When users interleave, that work competes
+  with the stages' compute (in a naive cell one core is always free for it).
+* **hop CPU on the receiving stage** ``hop_cpu_ms`` (1.8 ms here, ``LOCAL_HOP_CPU_MS``): a worker's CPU
+  per chunk beyond inference (receive, forward, reply), from ``bench/interleave_bench.py``'s CPU
+  accounting (a worker's CPU ms per token minus its inference ms); on a shared machine it runs on
+  the worker's core beside (not behind) its inference thread.
+* **draft** ``draft_ms_per_token``: the draft model's time per proposed token, on one draft thread
+  that serves every user in turn (``coordinator/draft.py``). The sweep measures it per cell as the
+  coordinator sees it: wall time per drafted token, *including* the wait for the draft thread while
+  another user's draft runs (and the catch-up on tokens decoded without drafts). The model simulates
+  that wait, so for a cell it uses the service time whose simulated wall time per drafted token
+  equals the measured one (``_deconvolve_draft``; with one user the two are the same; with two, the
+  wait depends on how their steps align, so the smallest fitting service time is taken). A request's
+  draft model also prefills its prompt (the first token waits for it), taken to cost one draft token
+  times the stages' prompt/one-token cost ratio from their profile (the sweep's draft is the whole
+  model at int8).
+* **speculation** ``k`` (mean drafts per verify step), ``tokens_per_step`` (emitted per verify step)
+  and ``verify_share`` (share of decode steps that carry drafts: adaptive K decodes plainly when
+  drafting does not pay) are the cell's measurements (``verify_share`` from its ``plain_steps``;
+  sweeps that did not record them count every step as a verify step).
+* **the benchmark's window** (``bench_tokens`` > 0): ``bench/wan_sweep.py`` times users x (tokens - 1)
+  tokens from the first token of any user to the last token of any user. So the model runs each
+  user's request whole: an ``OpenSession`` round trip, its prompt (``prompt_tokens``: the sweep's two
+  prompts through the chat template are 40 and 46 tokens) through the stages (users prefill
+  concurrently, so the second one's first token comes later), then it joins a batch group (a
+  ``Merge`` round trip to the stages, inside the window), then it decodes until it has its tokens
+  (the last step's drafts are cut to the tokens left, so 23 tokens at 6 per step take 4 steps, not
+  3.8). With 2 users and ``groups`` = stages, each user has a group of its own (as the coordinator's
+  ``Batcher`` places them): the users interleave, nothing is batched.
+
+**Noise.** On this 2-core machine, shared with other work, one run of a cell is not a stable number:
+10 interleaved runs of the 2-stage naive cell at 0 ms (load average ~5) spread over 23-32% of their
+median (the fleet direct, behind 1 Gbit/s links, behind 20 Mbit/s links: medians 90.2, 89.0 and 94.9
+ms per step; the 6% the 20 Mbit/s links add is what the model gives). Over minutes the load drifts:
+in ``wan_sweep_quiet.json`` the naive 20 Mbit/s cells, which differ from the 1 Gbit/s cells that
+calibrate the model only in the link rate, came out 15-19% slower (2 stages) and 17-30% faster (3
+stages) than predicted at 0-10 ms, and the same draft's cost per token varied from 20 to 50 ms over
+the +spec cells. Hence ``bench/wan_sweep.py``'s repeats (median of up to 3 runs, the modes taking
+turns, the spread kept) and both rates of a delay back to back. Sweeps from before that change also
+lack the plain-step counts: there every decode step of a speculative cell counts as a verify step,
+which over-predicts cells where adaptive K mostly decoded plainly (in a fresh 2-stage run at 0 ms, two
+repeats on the loaded machine, it verified drafts in 2 steps and decoded 42 plainly with one user, in
+7 and 78 with two).
 
 ``python bench/fleet_model.py --sweep bench/results/wan_sweep.json`` validates the model against a
-``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate the hop cost, every
-other cell is a prediction) and prints
-predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on LAN/Wi-Fi and WAN links with a
-PNG plot, from the paper's device figures (Berenbaum & Venkatachalam, arXiv 2608.19147: ~20-23 ms
-per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
+``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate ``hop_ms``, every other
+cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on
+LAN/Wi-Fi and WAN links with a PNG plot, from the paper's device figures (Berenbaum & Venkatachalam,
+arXiv 2608.19147: ~20-23 ms per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
+``--measure-link-timers`` re-measures the fleet-wan timer term (a few seconds), ``--measure-hop-cpu
+BUILD`` the processes' CPU per decode step (about a minute).
 """
 
 from __future__ import annotations
@@ -28,10 +102,18 @@ import heapq
 import itertools
 import json
 import math
+import statistics
 import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+MESSAGE_OVERHEAD_BYTES = 300  # protobuf fields (session and step ids, route, manifest hash, ...) + framing
+# fleet-wan's event loop sets no timer for a message due less than this after it arrived (measured with
+# ``--measure-link-timers``, 1 Gbit/s: at 0 ms a 1,500-byte message (12 us) crosses with none and a 2,000-byte one
+# (16 us) with one; at 10 ms 3,200 bytes (25.6 us) with none, 3,600 (28.8 us) with one, half the time)
+LINK_TIMER_EPS_MS = {False: 0.014, True: 0.027}  # keyed by "the link has a delay"
 
 
 @dataclass(frozen=True)
@@ -39,31 +121,37 @@ class Fleet:
     """What the model needs to know. Times in milliseconds, sizes in bytes, rates in Mbit/s.
 
     ``stage_ms[i](seq)``: stage i's compute for one chunk of ``seq`` tokens of one row;
-    ``stage_core[i]``: which core/PC runs stage i (stages on one core queue behind each other).
+    ``stage_core[i]``: the PC (or, with ``shared_cores``, the core) that runs stage i.
     """
 
-    stage_ms: tuple[Callable[[int], float], ...]
+    stage_ms: tuple[Callable[[float], float], ...]
     stage_core: tuple[int, ...]
     hidden_size: int
     delay_ms: float = 0.0  # one-way, per link
     rate_mbit: float = 0.0  # per link direction; 0 = unlimited
-    hop_ms: float = 0.0  # fixed software latency per hop (event loops, thread hand-offs; calibrated)
-    hop_cpu_ms: float = 0.0  # CPU time a hop costs the receiving stage's core (gRPC, protobuf, Python)
+    hop_ms: float = 0.0  # software overhead per hop (calibrated)
+    hop_work_ms: float = 0.0  # shared_cores: the part of hop_ms that is CPU work on any core (the rest waits)
+    hop_cpu_ms: float = 0.0  # CPU a hop costs the receiving stage's core (gRPC, protobuf, Python)
     coordinator_ms: float = 0.0  # per step at the coordinator (sampling, scheduling)
     users: int = 1
     groups: int = 0  # batch groups (0 = one per stage); users beyond them share steps
     batch_cost: Callable[[int], float] = lambda rows: 1.0 + 0.15 * (rows - 1)
-    k: float = 0.0  # drafts per step (mean); 0 = no speculation
-    draft_core: int | None = None  # the core/PC the draft model shares (None: its own)
+    k: float = 0.0  # drafts per verify step (mean); 0 = no speculation
+    draft_core: int | None = None  # the PC/core the draft model shares (None: its own PC; any core if shared)
     acceptance: float = 0.0
     draft_ms_per_token: float = 0.0
-    tokens_per_step: float | None = None  # measured; else from acceptance and k
+    tokens_per_step: float | None = None  # emitted per verify step, measured; else from acceptance and k
+    verify_share: float = 1.0  # share of decode steps that carry drafts (the rest decode one token plainly)
     result_candidates: int = 1  # candidates per position the last stage returns (vocab = full logits)
-    prompt_tokens: int = 32
+    prompt_tokens: tuple[int, ...] = (32,)  # prompt length of user u: prompt_tokens[u % len]
     prefill_chunk: int = 64
+    shared_cores: int = 0  # > 0: every stage, the coordinator and the proxies time-share this many cores
+    link_timers: bool = False  # links are fleet-wan proxies (their timers round waits up to whole ms)
+    bench_tokens: int = 0  # > 0: time users x (bench_tokens - 1) tokens as bench/wan_sweep.py does
 
     @property
     def emitted_per_step(self) -> float:
+        """Tokens a verify step emits."""
         if self.tokens_per_step is not None:
             return self.tokens_per_step
         if not self.k:
@@ -79,70 +167,243 @@ class _Event:
     action: Callable[[], None] = field(compare=False)
 
 
-class _Server:
-    """A FIFO resource: ``serve(t, duration)`` returns when a job arriving at t finishes."""
+class _Machine:
+    """Processors (PCs or cores) that time-share: while n jobs run on one, each progresses at 1/n of its
+    speed (a lone job at full speed), the OS's fair time slicing; plus timers for pure delays."""
+
+    def __init__(self, processors: int) -> None:
+        self.now = 0.0
+        self._jobs: list[list[list]] = [[] for _ in range(processors)]  # per processor: [ms left, callback]
+        self.pinned = [0] * processors  # threads pinned to each (unpinned work avoids them on ties)
+        self._timers: list[_Event] = []
+        self._count = itertools.count()
+
+    def later(self, ms: float, then: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, _Event(self.now + max(0.0, ms), next(self._count), then))
+
+    def work(self, processor: int | None, ms: float, then: Callable[[], None]) -> None:
+        """``ms`` of CPU work on ``processor`` (None: the one running the fewest jobs now), then ``then``."""
+        if ms <= 0:
+            self.later(0.0, then)
+            return
+        if processor is None:
+            processor = min(range(len(self._jobs)), key=lambda p: (len(self._jobs[p]), self.pinned[p], p))
+        self._jobs[processor].append([ms, then])
+
+    def run(self) -> None:
+        while True:
+            t = self._timers[0].time if self._timers else math.inf
+            for jobs in self._jobs:
+                if jobs:
+                    t = min(t, self.now + min(j[0] for j in jobs) * len(jobs))
+            if t == math.inf:
+                return
+            finished = []
+            for jobs in self._jobs:
+                if jobs:
+                    share = (t - self.now) / len(jobs)
+                    for j in jobs:
+                        j[0] -= share
+                    finished += [j[1] for j in jobs if j[0] <= 1e-9]
+                    jobs[:] = [j for j in jobs if j[0] > 1e-9]
+            self.now = t
+            for then in finished:
+                then()
+            while self._timers and self._timers[0].time <= self.now + 1e-12:
+                heapq.heappop(self._timers).action()
+
+
+class _Thread:
+    """One thread's jobs, first come first served (a worker's inference thread, the draft thread), on
+    ``processor`` (None: whichever is least busy when each job starts)."""
+
+    def __init__(self, machine: _Machine, processor: int | None) -> None:
+        self.machine, self.processor = machine, processor
+        self._queue: deque[tuple[float, Callable[[], None]]] = deque()
+        self._busy = False
+        if processor is not None:
+            machine.pinned[processor] += 1
+
+    def run(self, ms: float, then: Callable[[], None]) -> None:
+        self._queue.append((ms, then))
+        self._next()
+
+    def _next(self) -> None:
+        if self._busy or not self._queue:
+            return
+        ms, then = self._queue.popleft()
+        self._busy = True
+
+        def done() -> None:
+            self._busy = False
+            then()
+            self._next()
+
+        self.machine.work(self.processor, ms, done)
+
+
+class _Link:
+    """One link direction: messages serialise one after another (``free_at``), then travel."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
 
-    def serve(self, arrival: float, duration: float) -> float:
-        start = max(arrival, self.free_at)
-        self.free_at = start + duration
-        return self.free_at
 
-
-def _transfer(fleet: Fleet, link: _Server, t: float, nbytes: int) -> float:
-    serial = nbytes * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0  # ms
-    return link.serve(t, serial) + fleet.delay_ms + fleet.hop_ms
+def _timer_release(wait_ms: float, delay_ms: float) -> float:
+    """When fleet-wan writes a message due ``wait_ms`` after it arrived (``delay_ms`` of it the link's
+    delay): asyncio sleeps, and the epoll selector rounds the timeout up to whole milliseconds."""
+    eps = LINK_TIMER_EPS_MS[delay_ms > 0]
+    if wait_ms <= eps:
+        return wait_ms
+    return eps + math.ceil(wait_ms - eps - 1e-9)
 
 
 def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
-    """Run ``steps_per_user`` decode steps of every user; returns decode tok/s (aggregate and per
-    user) and the modelled TTFT (ms)."""
+    """Decode tok/s (aggregate and per user), the modelled TTFT (ms) and the draft's wall time per
+    drafted token (queueing included). Steady state over ``steps_per_user`` steps of every group, or,
+    with ``fleet.bench_tokens``, the benchmark's window (see the module docstring)."""
     n = len(fleet.stage_ms)
-    cores = {c: _Server() for c in set(fleet.stage_core)}
-    up = [_Server() for _ in range(n)]  # link into stage i
-    down = _Server()  # last stage's link back to the coordinator
-    draft = cores[fleet.draft_core] if fleet.draft_core is not None else _Server()
+    shared = fleet.shared_cores > 0
+    machine = _Machine(fleet.shared_cores if shared else max(fleet.stage_core) + 2)
+    if shared:  # each worker its own inference thread on its pinned core; the draft thread floats
+        stage_threads = [_Thread(machine, fleet.stage_core[i]) for i in range(n)]
+        draft = _Thread(machine, fleet.draft_core)
+    else:  # one PC runs one chunk at a time: stages placed on one PC (and its draft) share a queue
+        pcs = {c: _Thread(machine, c) for c in sorted(set(fleet.stage_core))}
+        stage_threads = [pcs[c] for c in fleet.stage_core]
+        draft = pcs[fleet.draft_core] if fleet.draft_core is not None else _Thread(machine, max(pcs) + 1)
+    up = [_Link() for _ in range(n)]  # link into stage i
+    down = _Link()  # the last stage's link back to the coordinator
     groups = fleet.groups or n
     rows = max(1, math.ceil(fleet.users / groups))
     n_groups = min(groups, fleet.users)
-    cost = fleet.batch_cost(rows)
-    seq = 1 + round(fleet.k)
-    counter = itertools.count()
-    events: list[_Event] = []
-    done_at = [0.0] * n_groups
-    steps = [0] * n_groups
+    spec = fleet.k > 0
+    seq_verify = 1 + fleet.k
+    draft_wall = [0.0, 0.0]  # ms waited for drafts, tokens drafted
 
-    def step(g: int, t: float) -> None:
-        if steps[g] == steps_per_user:
-            done_at[g] = t
-            return
-        if fleet.k:  # every row of the group drafts (one draft thread at the coordinator)
-            for _ in range(rows):
-                t = draft.serve(t, fleet.k * fleet.draft_ms_per_token)
-        t = _transfer(fleet, up[0], t, rows * seq * 8)
-        for i in range(n):
-            t = cores[fleet.stage_core[i]].serve(t, fleet.stage_ms[i](seq) * cost + fleet.hop_cpu_ms)
+    def cross(link: _Link, payload: int, then: Callable[[], None]) -> None:
+        serial = (payload + MESSAGE_OVERHEAD_BYTES) * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0
+        start = max(machine.now, link.free_at)
+        link.free_at = start + serial
+        wait = start - machine.now + serial + fleet.delay_ms
+        if fleet.link_timers:
+            wait = _timer_release(wait, fleet.delay_ms)
+        if shared:
+            work = min(fleet.hop_work_ms, fleet.hop_ms)
+            machine.later(wait + fleet.hop_ms - work, lambda: machine.work(None, work, then))
+        else:
+            machine.later(wait + fleet.hop_ms, then)
+
+    def stage(i: int, seq: float, then: Callable[[], None]) -> None:
+        compute = fleet.stage_ms[i](seq) * fleet.batch_cost(rows)
+        if shared:
+            machine.work(fleet.stage_core[i], fleet.hop_cpu_ms, lambda: stage_threads[i].run(compute, then))
+        else:
+            stage_threads[i].run(compute + fleet.hop_cpu_ms, then)
+
+    def chain(seq: float, logits: float, then: Callable[[], None]) -> None:
+        """One chunk of every row of a group through all stages, and its result back."""
+        def into(i: int) -> None:
+            stage(i, seq, lambda: out_of(i))
+
+        def out_of(i: int) -> None:
             if i + 1 < n:
-                t = _transfer(fleet, up[i + 1], t, rows * seq * fleet.hidden_size * 4)
-        t = _transfer(fleet, down, t, rows * seq * fleet.result_candidates * 8) + fleet.coordinator_ms
-        steps[g] += 1
-        heapq.heappush(events, _Event(t, next(counter), lambda: step(g, t)))
+                cross(up[i + 1], round(rows * seq * fleet.hidden_size * 4), lambda: into(i + 1))
+            elif shared:
+                cross(down, round(rows * logits * fleet.result_candidates * 8),
+                      lambda: machine.work(None, fleet.coordinator_ms, then))
+            else:
+                cross(down, round(rows * logits * fleet.result_candidates * 8),
+                      lambda: machine.later(fleet.coordinator_ms, then))
+
+        cross(up[0], round(rows * seq * 8), lambda: into(0))
+
+    target = fleet.bench_tokens - 1 if fleet.bench_tokens else math.inf
+    emitted = [0.0] * n_groups
+    steps = [0] * n_groups
+    credit = [0.0] * n_groups  # verify steps owed (verify_share per step)
+    first_at = [0.0] * n_groups
+    done_at = [0.0] * n_groups
+
+    def step(g: int) -> None:
+        if emitted[g] >= target - 1e-9 or (not fleet.bench_tokens and steps[g] == steps_per_user):
+            done_at[g] = machine.now
+            return
+        verify = False
+        if spec:
+            credit[g] += fleet.verify_share
+            verify = credit[g] >= 1 - 1e-9
+            credit[g] -= 1 if verify else 0
+        seq = seq_verify if verify else 1.0
+        tokens = fleet.emitted_per_step if verify else 1.0
+
+        def finished() -> None:
+            emitted[g] += tokens
+            steps[g] += 1
+            step(g)
+
+        def run_chunk() -> None:
+            chain(seq, seq, finished)
+
+        if verify:  # every row of the group drafts, on the one draft thread
+            asked = machine.now
+
+            def drafted() -> None:
+                draft_wall[0] += machine.now - asked
+                draft_wall[1] += rows * fleet.k
+                run_chunk()
+
+            draft.run(rows * fleet.k * fleet.draft_ms_per_token, drafted)
+        else:
+            run_chunk()
+
+    def start(g: int) -> None:
+        """A request: OpenSession round trip, its prompt through the stages while the draft model
+        prefills it too (the first token waits for both), then a Merge round trip into its group."""
+        prompt = fleet.prompt_tokens[g % len(fleet.prompt_tokens)]
+        chunks = [min(fleet.prefill_chunk, prompt - s) for s in range(0, prompt, fleet.prefill_chunk)]
+        pending = [2 if spec else 1]
+
+        def prefilled() -> None:
+            pending[0] -= 1
+            if pending[0]:
+                return
+            first_at[g] = machine.now
+            cross(up[0], 0, lambda: cross(down, 0, lambda: step(g)))
+
+        def prefill(c: int) -> None:
+            if c < len(chunks):
+                chain(chunks[c], 1 if c + 1 == len(chunks) else 0, lambda: prefill(c + 1))
+            else:
+                prefilled()
+
+        def opened() -> None:
+            if spec:  # the draft is the same kind of model: its prompt costs what the stages' does, scaled
+                scale = sum(f(prompt) for f in fleet.stage_ms) / sum(f(1) for f in fleet.stage_ms)
+                draft.run(rows * fleet.draft_ms_per_token * scale, prefilled)
+            prefill(0)
+
+        cross(up[0], 0, lambda: cross(down, 0, opened))
 
     for g in range(n_groups):
-        heapq.heappush(events, _Event(0.0, next(counter), lambda g=g: step(g, 0.0)))
-    while events:
-        heapq.heappop(events).action()
-    tokens = n_groups * rows * steps_per_user * fleet.emitted_per_step
-    elapsed_ms = max(done_at)
-    # TTFT of one user alone: prefill chunks through the chain, then one result
-    chunks = math.ceil(fleet.prompt_tokens / fleet.prefill_chunk)
-    chunk = min(fleet.prompt_tokens, fleet.prefill_chunk)
-    per_chunk = (sum(f(chunk) for f in fleet.stage_ms) + (n + 1) * (fleet.delay_ms + fleet.hop_ms)
-                 + (chunk * fleet.hidden_size * 4 * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0) * (n - 1))
-    return {"tok_s": tokens / elapsed_ms * 1000, "per_user_tok_s": tokens / elapsed_ms * 1000 / fleet.users,
-            "ttft_ms": chunks * per_chunk + fleet.coordinator_ms}
+        machine.later(0.0, (lambda g=g: start(g)) if fleet.bench_tokens else (lambda g=g: step(g)))
+    machine.run()
+    if fleet.bench_tokens:
+        decoded = n_groups * rows * (fleet.bench_tokens - 1)
+        elapsed = max(done_at) - min(first_at)
+        ttft = statistics.median(first_at) + fleet.coordinator_ms
+    else:
+        decoded = rows * sum(emitted)
+        elapsed = max(done_at)
+        chunks = math.ceil(fleet.prompt_tokens[0] / fleet.prefill_chunk)
+        chunk = min(fleet.prompt_tokens[0], fleet.prefill_chunk)
+        per_chunk = (sum(f(chunk) for f in fleet.stage_ms) + (n + 1) * (fleet.delay_ms + fleet.hop_ms)
+                     + (chunk * fleet.hidden_size * 4 * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0)
+                     * (n - 1))
+        ttft = chunks * per_chunk + fleet.coordinator_ms
+    tok_s = decoded / elapsed * 1000
+    return {"tok_s": tok_s, "per_user_tok_s": tok_s / fleet.users, "ttft_ms": ttft,
+            "draft_wall_ms_per_token": draft_wall[0] / draft_wall[1] if draft_wall[1] else None}
 
 
 # -- calibration on this machine -------------------------------------------------------------------
@@ -189,51 +450,209 @@ def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, r
     return {"seqs": list(seqs), "stage_ms": out}
 
 
-def _curve(seqs: list[int], ms: list[float]) -> Callable[[int], float]:
-    table = dict(zip(seqs, ms))
-    return lambda seq: table.get(seq, ms[-1] * seq / seqs[-1])
+def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
+    """CPU ms per decode step of each process of a 2-stage fleet of ``build`` behind fleet-wan links
+    (1 Gbit/s, 0 ms), one user, no speculation: each worker's inference thread (its busiest) and the
+    rest of it, the coordinator, the proxies and the client (this process). Medians over ``runs``."""
+    import os
+    from contextlib import ExitStack
+
+    import psutil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.decode_bench import wait_healthy
+    from bench.spec_bench import start, wait_line
+    from bench.wan import LinkProfile, WanLink
+    from bench.wan_sweep import run_cell
+    from coordinator.local import free_port
+
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-model-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    samples: dict[str, list[float]] = {}
+    with ExitStack() as stack:
+        procs, links = {}, []
+        for stage in range(2):
+            port = free_port()
+            log = logs / f"worker{stage}.log"
+            proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
+                          "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
+                          "--no-announce"], log, stack)
+            wait_line(log, "serving on", proc)
+            procs[f"worker {stage}"] = psutil.Process(proc.pid)
+            links.append(WanLink(f"127.0.0.1:{port}", LinkProfile(rate_mbit=1000.0)).start())
+            stack.callback(links[-1].stop)
+        port = free_port()
+        log = logs / "coordinator.log"
+        proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
+                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING",
+                      *[a for link in links for a in ("--peer", link.address)]], log, stack)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        procs["coordinator"] = psutil.Process(proc.pid)
+        run_cell(url, 1, 8)
+        link_threads = {link._thread.native_id for link in links}
+
+        def cpu() -> dict[str, dict[int, float]]:
+            return {name: {t.id: t.user_time + t.system_time for t in p.threads()}
+                    for name, p in {**procs, "this process": me}.items()}
+
+        for _ in range(runs):
+            before = cpu()
+            run_cell(url, 1, tokens)
+            after = cpu()
+            for name, threads in after.items():
+                spent = {tid: (t - before[name].get(tid, 0.0)) * 1000 / tokens for tid, t in threads.items()}
+                if name.startswith("worker"):
+                    busiest = max(spent.values())
+                    parts = {f"{name} inference": busiest, f"{name} other": sum(spent.values()) - busiest}
+                elif name == "this process":
+                    proxies = sum(v for tid, v in spent.items() if tid in link_threads)
+                    parts = {"proxies": proxies, "client": sum(spent.values()) - proxies}
+                else:
+                    parts = {name: sum(spent.values())}
+                for key, value in parts.items():
+                    samples.setdefault(key, []).append(value)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
-LOCAL_HOP_CPU_MS = 1.8  # worker CPU ms per token beyond inference, 2-stage fleet (interleave bench)
+def _curve(seqs: list[int], ms: list[float]) -> Callable[[float], float]:
+    """Stage ms per chunk length from a profile at whole ``seqs`` (1, 2, ...): linear between them, the
+    last segment's slope beyond."""
+    def f(seq: float) -> float:
+        if seq <= seqs[0]:
+            return ms[0]
+        if seq >= seqs[-1]:
+            return ms[-1] + (ms[-1] - ms[-2]) / (seqs[-1] - seqs[-2]) * (seq - seqs[-1])
+        i = next(j for j in range(1, len(seqs)) if seqs[j] >= seq)
+        w = (seq - seqs[i - 1]) / (seqs[i] - seqs[i - 1])
+        return ms[i - 1] * (1 - w) + ms[i] * w
+    return f
 
 
-def local_fleet(profile: dict, cell: dict, ncpu: int, hidden_size: int, hop_ms: float) -> Fleet:
-    """The model of one sweep cell on this machine (stage i pinned to core i mod nproc; the draft
-    model shares the least busy core)."""
+# worker CPU ms per chunk beyond inference, 2-stage fleet (interleave bench; measure_hop_cpu gave 1.9 and 1.5)
+LOCAL_HOP_CPU_MS = 1.8
+# CPU ms per hop of the unpinned processes: coordinator 1.7 + fleet-wan proxies 1.0 + client 0.6 ms per decode step
+# of the 2-stage fleet behind 1 Gbit/s links, over its 3 crossings (measure_hop_cpu: naive, 48 tokens, median of 3
+# runs; the machine was loaded, load average ~4, which inflated the workers' inference CPU ~1.3x over the profile)
+LOCAL_HOP_WORK_MS = 1.1
+PROMPT_TOKENS = (40, 46)  # bench/wan_sweep.py's two prompts through the demo's chat template
+
+
+def local_fleet(profile: dict, cell: dict, sweep: dict, hop_ms: float) -> Fleet:
+    """The model of one sweep cell on this machine: stage i pinned to core i mod nproc (as the sweep
+    pins its workers), everything else time-sharing the same cores, fleet-wan links, the sweep's window."""
     curves = tuple(_curve(profile["seqs"], ms) for ms in profile["stage_ms"])
-    n = len(curves)
-    spec = cell["speculation"] and cell["mean_k"] > 0
-    cores = tuple(i % ncpu for i in range(n))
-    # the coordinator's draft model is not pinned: it competes with the stages on the least busy core
-    load = {c: sum(curves[i](1) for i in range(n) if cores[i] == c) for c in range(min(ncpu, n))}
-    return Fleet(stage_ms=curves, stage_core=cores, hidden_size=hidden_size, draft_core=min(load, key=load.get),
-                 delay_ms=cell["delay_ms"], rate_mbit=cell["rate_mbit"], hop_ms=hop_ms, hop_cpu_ms=LOCAL_HOP_CPU_MS,
-                 users=cell["users"],
+    ncpu = sweep["machine"]["nproc"]
+    spec = bool(cell["speculation"] and cell["mean_k"] > 0)
+    plain = cell.get("plain_steps")
+    verify = cell.get("verify_steps")
+    share = verify / (verify + plain) if spec and verify and plain is not None else 1.0
+    return Fleet(stage_ms=curves, stage_core=tuple(i % ncpu for i in range(len(curves))),
+                 hidden_size=sweep["hidden_size"], delay_ms=cell["delay_ms"], rate_mbit=cell["rate_mbit"],
+                 hop_ms=hop_ms, hop_work_ms=LOCAL_HOP_WORK_MS, hop_cpu_ms=LOCAL_HOP_CPU_MS, users=cell["users"],
                  k=cell["mean_k"] if spec else 0.0, tokens_per_step=cell["tokens_per_step"] if spec else None,
-                 draft_ms_per_token=cell.get("draft_ms_per_token") or 0.0)
+                 verify_share=share, draft_ms_per_token=cell.get("draft_ms_per_token") or 0.0,
+                 prompt_tokens=tuple(sweep.get("prompt_tokens") or PROMPT_TOKENS), shared_cores=ncpu,
+                 link_timers=True, bench_tokens=sweep["tokens"])
+
+
+def _deconvolve_draft(fleet: Fleet, wall_ms: float) -> Fleet:
+    """``fleet`` with the draft service time whose simulated wall time per drafted token (the wait for
+    the draft thread included) is the measured ``wall_ms``: with one user the same; with more, the
+    smallest such service time (bisection; the wait depends on how the users' steps happen to align,
+    so larger ones may also fit)."""
+    if fleet.users == 1:
+        return replace(fleet, draft_ms_per_token=wall_ms)
+    lo, hi = 0.0, wall_ms
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        simulated = simulate(replace(fleet, draft_ms_per_token=mid))["draft_wall_ms_per_token"] or 0.0
+        lo, hi = (mid, hi) if simulated < wall_ms else (lo, mid)
+    return replace(fleet, draft_ms_per_token=hi)
+
+
+def _calibrate_hop(profile: dict, base: list[dict], sweep: dict) -> float:
+    """The hop overhead whose predictions of the ``base`` cells have a median error of 0 (bisection:
+    predictions fall as it grows)."""
+    def median_error(hop_ms: float) -> float:
+        return statistics.median(simulate(local_fleet(profile, c, sweep, hop_ms))["tok_s"] / c["tok_s"] - 1
+                                 for c in base)
+
+    lo, hi = 0.0, 100.0
+    if median_error(lo) <= 0:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if median_error(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
 
 
 def validate(sweep: dict) -> list[dict]:
-    """Calibrate ``hop_ms`` per fleet on its naive cells over the fastest link (the median over their
-    delays of the per-hop time the compute and the delays leave unexplained); predict every cell.
-    Returns the cells with ``predicted_tok_s`` and ``error`` (predicted / measured - 1)."""
-    profiles = sweep["stage_profiles"]
-    ncpu = sweep["machine"]["nproc"]
+    """Calibrate ``hop_ms`` per fleet on its naive cells over the fastest link; predict every cell.
+    Returns the cells with ``hop_ms``, ``draft_service_ms`` (speculative cells), ``predicted_tok_s``
+    and ``error`` (predicted / measured - 1)."""
     out = []
-    for stages_key, profile in profiles.items():
-        stages = int(stages_key)
-        cells = [c for c in sweep["cells"] if c["stages"] == stages]
+    for stages_key, profile in sweep["stage_profiles"].items():
+        cells = [c for c in sweep["cells"] if c["stages"] == int(stages_key)]
         fastest = max(c["rate_mbit"] for c in cells)
         base = [c for c in cells if c["mode"] == "naive" and c["rate_mbit"] == fastest]
-        unexplained = sorted((1000 / c["tok_s"] - 1000 / simulate(local_fleet(profile, c, ncpu, sweep["hidden_size"],
-                                                                               0.0))["tok_s"]) / (stages + 1)
-                             for c in base)
-        hop_ms = max(0.0, unexplained[len(unexplained) // 2])
+        hop_ms = _calibrate_hop(profile, base, sweep)
         for c in cells:
-            predicted = simulate(local_fleet(profile, c, ncpu, sweep["hidden_size"], hop_ms))["tok_s"]
-            out.append({**c, "hop_ms": hop_ms, "predicted_tok_s": predicted, "error": predicted / c["tok_s"] - 1,
-                        "calibration": c in base})
+            fleet = local_fleet(profile, c, sweep, hop_ms)
+            if fleet.k and c.get("draft_ms_per_token"):
+                fleet = _deconvolve_draft(fleet, c["draft_ms_per_token"])
+            predicted = simulate(fleet)["tok_s"]
+            out.append({**c, "hop_ms": hop_ms, "draft_service_ms": fleet.draft_ms_per_token if fleet.k else None,
+                        "predicted_tok_s": predicted, "error": predicted / c["tok_s"] - 1, "calibration": c in base})
     return out
+
+
+def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_trips: int = 60) -> list[dict]:
+    """Median round trip (ms) of messages through one fleet-wan link to an echo server on loopback, per
+    (rate, delay) and message size: the fleet-wan timer term (two crossings per round trip)."""
+    import socket
+    import socketserver
+    import threading
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.wan import LinkProfile, WanLink
+
+    class Echo(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := self.request.recv(1 << 16):
+                self.request.sendall(data)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rows = []
+    try:
+        for rate, delay in ((0.0, 0.0), (1000.0, 0.0), (20.0, 0.0), (1000.0, 10.0), (20.0, 10.0)):
+            link = WanLink(f"127.0.0.1:{server.server_address[1]}", LinkProfile(delay_ms=delay, rate_mbit=rate)).start()
+            try:
+                for size in sizes:
+                    with socket.create_connection((link.listen_host, link.listen_port), timeout=10) as sock:
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        times = []
+                        for _ in range(round_trips):
+                            t0 = time.perf_counter()
+                            sock.sendall(b"x" * size)
+                            got = 0
+                            while got < size:
+                                got += len(sock.recv(1 << 16))
+                            times.append((time.perf_counter() - t0) * 1000)
+                    modelled = 2 * _timer_release((size * 8 / (rate * 1e3) if rate else 0.0) + delay, delay)
+                    rows.append({"rate_mbit": rate, "delay_ms": delay, "bytes": size,
+                                 "round_trip_ms": statistics.median(times), "timer_model_ms": modelled})
+            finally:
+                link.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return rows
 
 
 # -- paper-scale predictions -----------------------------------------------------------------------
@@ -317,26 +736,51 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def summary(cells: list[dict]) -> str:
+    """Cells within 15% and the worst error, overall and per mode."""
+    def line(name: str, group: list[dict]) -> str:
+        errors = [c["error"] for c in group]
+        return (f"{name}: {sum(abs(e) <= 0.15 for e in errors)} of {len(errors)} within 15%, worst "
+                f"{max(errors, key=abs):+.1%}")
+    modes = list(dict.fromkeys(c["mode"] for c in cells))
+    return "\n".join([line("all cells", cells)] + [line(f"  {m}", [c for c in cells if c["mode"] == m]) for m in modes])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", type=Path, help="wan_sweep.py JSON to validate against")
     parser.add_argument("--json", type=Path, help="write the validation and predictions here")
     parser.add_argument("--plot", type=Path, default=Path("bench/results/fleet_model.png"))
+    parser.add_argument("--measure-link-timers", action="store_true",
+                        help="measure fleet-wan's timer term (echo server behind one link; a few seconds) and exit")
+    parser.add_argument("--measure-hop-cpu", type=Path, metavar="BUILD",
+                        help="measure each process's CPU per decode step of BUILD's 2-stage fleet behind fleet-wan "
+                        "links (starts 2 workers and a coordinator; about a minute) and exit")
     args = parser.parse_args(argv)
+    if args.measure_hop_cpu:
+        for key, ms in measure_hop_cpu(args.measure_hop_cpu).items():
+            print(f"{key:<20} {ms:6.2f} CPU ms per decode step")
+        return 0
+    if args.measure_link_timers:
+        print(f"{'Mbit/s':>6} | {'ms':>4} | {'bytes':>5} | {'round trip ms':>13} | {'model: timers ms':>16}")
+        for r in measure_link_timers():
+            print(f"{r['rate_mbit']:>6.0f} | {r['delay_ms']:>4.0f} | {r['bytes']:>5} | {r['round_trip_ms']:>13.2f} | "
+                  f"{r['timer_model_ms']:>16.2f}")
+        return 0
     result: dict = {}
     if args.sweep:
         cells = validate(json.loads(args.sweep.read_text()))
         result["validation"] = cells
-        print(f"{'fleet':<7} | {'Mbit/s':>6} | {'ms/hop':>6} | {'mode':<11} | {'measured':>8} | {'model':>7} | {'error':>6}")
+        print(f"{'fleet':<7} | {'Mbit/s':>6} | {'ms/hop':>6} | {'mode':<11} | {'measured':>8} | {'spread':>6} | "
+              f"{'model':>7} | {'error':>6}")
         for c in cells:
+            spread = f"{c['tok_s_spread']:>6.0%}" if c.get("tok_s_spread") is not None else f"{'-':>6}"
             print(f"{c['stages']}-stage | {c['rate_mbit']:>6.0f} | {c['delay_ms']:>6.0f} | {c['mode']:<11} | "
-                  f"{c['tok_s']:>8.1f} | {c['predicted_tok_s']:>7.1f} | {c['error']:>+6.1%}"
+                  f"{c['tok_s']:>8.1f} | {spread} | {c['predicted_tok_s']:>7.1f} | {c['error']:>+6.1%}"
                   + ("  (calibration)" if c["calibration"] else ""))
-        worst = max(abs(c["error"]) for c in cells)
-        within = sum(abs(c["error"]) <= 0.15 for c in cells)
-        print(f"hop cost calibrated per fleet: " + ", ".join(sorted({f"{c['stages']}-stage {c['hop_ms']:.2f} ms"
-                                                                     for c in cells})))
-        print(f"model within 15% on {within} of {len(cells)} cells; worst error {worst:.1%} (goal: every cell)")
+        print("hop overhead calibrated per fleet: " + ", ".join(sorted({f"{c['stages']}-stage {c['hop_ms']:.2f} ms"
+                                                                        for c in cells})))
+        print(summary(cells) + "  (goal: every cell)")
     checks = paper_checks()
     result["paper_checks"] = checks
     print("\nagainst the paper's figures:")
