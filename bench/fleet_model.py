@@ -31,7 +31,7 @@ The terms, and where each number comes from (times in ms):
   selector rounds the timeout *up to whole milliseconds*. A message then arrives at
   ``eps + ceil(wait - eps)`` instead of ``wait`` (wait = queueing + serialisation + delay;
   ``LINK_TIMER_EPS_MS``: the loop's own latency, 14 us without delay and 27 us with, under which no
-  timer is set). Measured with an echo server behind one link (``measure_link_timers``): at 1 Gbit/s
+  timer is set). Measured with an echo server behind one link (``fleet_calibrate.measure_link_timers``): at 1 Gbit/s
   and 0 ms a 1,500-byte message crosses with no timer and a 2,400-byte one (19 us on the wire) pays
   ~1.1 ms; at 20 Mbit/s every message pays ~1 ms; at 10 ms a 100-byte message at 1 Gbit/s crosses in
   10.2 ms, at 20 Mbit/s (40 us on the wire) in 11.2 ms.
@@ -41,7 +41,7 @@ The terms, and where each number comes from (times in ms):
   median error of 0 over their delays (6.3 and 6.6 ms for ``wan_sweep_quiet.json``'s 2- and 3-stage
   fleets). On separate PCs it is a latency. On a shared machine ``hop_work_ms`` of it is CPU work of
   the unpinned processes, time-sharing the cores with the stages, and the rest a wait:
-  ``LOCAL_HOP_WORK_MS`` = 1.1 ms, from ``measure_hop_cpu`` (the coordinator's, the proxies' and the
+  ``LOCAL_HOP_WORK_MS`` = 1.1 ms, from ``fleet_calibrate.measure_hop_cpu`` (the coordinator's, the proxies' and the
   client's CPU per decode step over the step's crossings). When users interleave, that work competes
   with the stages' compute (in a naive cell one core is always free for it).
 * **hop CPU on the receiving stage** ``hop_cpu_ms`` (1.8 ms here, ``LOCAL_HOP_CPU_MS``): a worker's CPU
@@ -91,8 +91,7 @@ repeats on the loaded machine, it verified drafts in 2 steps and decoded 42 plai
 cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on
 LAN/Wi-Fi and WAN links with a PNG plot, from the paper's device figures (Berenbaum & Venkatachalam,
 arXiv 2608.19147: ~20-23 ms per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
-``--measure-link-timers`` re-measures the fleet-wan timer term (a few seconds), ``--measure-hop-cpu
-BUILD`` the processes' CPU per decode step (about a minute).
+``bench/fleet_calibrate.py`` re-measures the fleet-wan timer term and the processes' CPU per decode step.
 """
 
 from __future__ import annotations
@@ -111,7 +110,7 @@ from pathlib import Path
 
 MESSAGE_OVERHEAD_BYTES = 300  # protobuf fields (session and step ids, route, manifest hash, ...) + framing
 # fleet-wan's event loop sets no timer for a message due less than this after it arrived (measured with
-# ``--measure-link-timers``, 1 Gbit/s: at 0 ms a 1,500-byte message (12 us) crosses with none and a 2,000-byte one
+# ``fleet_calibrate.py link-timers``, 1 Gbit/s: at 0 ms a 1,500-byte message (12 us) crosses with none and a 2,000-byte one
 # (16 us) with one; at 10 ms 3,200 bytes (25.6 us) with none, 3,600 (28.8 us) with one, half the time)
 LINK_TIMER_EPS_MS = {False: 0.014, True: 0.027}  # keyed by "the link has a delay"
 
@@ -249,7 +248,7 @@ class _Link:
         self.free_at = 0.0
 
 
-def _timer_release(wait_ms: float, delay_ms: float) -> float:
+def timer_release(wait_ms: float, delay_ms: float) -> float:
     """When fleet-wan writes a message due ``wait_ms`` after it arrived (``delay_ms`` of it the link's
     delay): asyncio sleeps, and the epoll selector rounds the timeout up to whole milliseconds."""
     eps = LINK_TIMER_EPS_MS[delay_ms > 0]
@@ -287,7 +286,7 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
         link.free_at = start + serial
         wait = start - machine.now + serial + fleet.delay_ms
         if fleet.link_timers:
-            wait = _timer_release(wait, fleet.delay_ms)
+            wait = timer_release(wait, fleet.delay_ms)
         if shared:
             work = min(fleet.hop_work_ms, fleet.hop_ms)
             machine.later(wait + fleet.hop_ms - work, lambda: machine.work(None, work, then))
@@ -407,115 +406,6 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
 
 
 # -- calibration on this machine -------------------------------------------------------------------
-def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, repeats: int = 15) -> dict:
-    """Median ms of one chunk of ``seq`` tokens (one row) per stage of ``build``, one inference thread,
-    in this process: {"stage_ms": [[ms per seq] per stage], "seqs": [...]}."""
-    import time
-
-    import numpy as np
-
-    from fleet_common.manifest import load_manifest
-    from fleet_common.runtime import compile_ir
-
-    loaded = load_manifest(build)
-    out = []
-    for i, entry in enumerate(loaded.manifest.stages):
-        compiled, _, _ = compile_ir(loaded.directory / entry.xml, "CPU", 1)
-        request = compiled.create_infer_request()
-        names = {p.get_any_name() for p in compiled.inputs}
-        first = "input_ids" in names
-        timings = []
-        for seq in seqs:
-            samples = []
-            for _ in range(repeats):
-                request.reset_state()
-                x0 = (np.arange(context, dtype=np.int64)[None] % 1000 if first
-                      else np.zeros((1, context, loaded.manifest.architecture.hidden_size), np.float32))
-                feed = {("input_ids" if first else "hidden_states"): x0, "attention_mask": np.ones((1, context), np.int64),
-                        "position_ids": np.arange(context)[None], "beam_idx": np.zeros(1, np.int32)}
-                if "logits_index" in names:
-                    feed["logits_index"] = np.array([context - 1])
-                request.infer(feed)
-                x = x0[:, :seq]
-                feed = {("input_ids" if first else "hidden_states"): x,
-                        "attention_mask": np.ones((1, context + seq), np.int64),
-                        "position_ids": np.arange(context, context + seq)[None], "beam_idx": np.zeros(1, np.int32)}
-                if "logits_index" in names:
-                    feed["logits_index"] = np.arange(seq)
-                t0 = time.perf_counter()
-                request.infer(feed)
-                samples.append((time.perf_counter() - t0) * 1000)
-            timings.append(sorted(samples)[len(samples) // 2])
-        out.append(timings)
-    return {"seqs": list(seqs), "stage_ms": out}
-
-
-def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
-    """CPU ms per decode step of each process of a 2-stage fleet of ``build`` behind fleet-wan links
-    (1 Gbit/s, 0 ms), one user, no speculation: each worker's inference thread (its busiest) and the
-    rest of it, the coordinator, the proxies and the client (this process). Medians over ``runs``."""
-    import os
-    from contextlib import ExitStack
-
-    import psutil
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.decode_bench import wait_healthy
-    from bench.spec_bench import start, wait_line
-    from bench.wan import LinkProfile, WanLink
-    from bench.wan_sweep import run_cell
-    from coordinator.local import free_port
-
-    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-model-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    me = psutil.Process()
-    samples: dict[str, list[float]] = {}
-    with ExitStack() as stack:
-        procs, links = {}, []
-        for stage in range(2):
-            port = free_port()
-            log = logs / f"worker{stage}.log"
-            proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
-                          "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
-                          "--no-announce"], log, stack)
-            wait_line(log, "serving on", proc)
-            procs[f"worker {stage}"] = psutil.Process(proc.pid)
-            links.append(WanLink(f"127.0.0.1:{port}", LinkProfile(rate_mbit=1000.0)).start())
-            stack.callback(links[-1].stop)
-        port = free_port()
-        log = logs / "coordinator.log"
-        proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING",
-                      *[a for link in links for a in ("--peer", link.address)]], log, stack)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, log)
-        procs["coordinator"] = psutil.Process(proc.pid)
-        run_cell(url, 1, 8)
-        link_threads = {link._thread.native_id for link in links}
-
-        def cpu() -> dict[str, dict[int, float]]:
-            return {name: {t.id: t.user_time + t.system_time for t in p.threads()}
-                    for name, p in {**procs, "this process": me}.items()}
-
-        for _ in range(runs):
-            before = cpu()
-            run_cell(url, 1, tokens)
-            after = cpu()
-            for name, threads in after.items():
-                spent = {tid: (t - before[name].get(tid, 0.0)) * 1000 / tokens for tid, t in threads.items()}
-                if name.startswith("worker"):
-                    busiest = max(spent.values())
-                    parts = {f"{name} inference": busiest, f"{name} other": sum(spent.values()) - busiest}
-                elif name == "this process":
-                    proxies = sum(v for tid, v in spent.items() if tid in link_threads)
-                    parts = {"proxies": proxies, "client": sum(spent.values()) - proxies}
-                else:
-                    parts = {name: sum(spent.values())}
-                for key, value in parts.items():
-                    samples.setdefault(key, []).append(value)
-    return {key: statistics.median(values) for key, values in samples.items()}
-
-
 def _curve(seqs: list[int], ms: list[float]) -> Callable[[float], float]:
     """Stage ms per chunk length from a profile at whole ``seqs`` (1, 2, ...): linear between them, the
     last segment's slope beyond."""
@@ -606,53 +496,6 @@ def validate(sweep: dict) -> list[dict]:
             out.append({**c, "hop_ms": hop_ms, "draft_service_ms": fleet.draft_ms_per_token if fleet.k else None,
                         "predicted_tok_s": predicted, "error": predicted / c["tok_s"] - 1, "calibration": c in base})
     return out
-
-
-def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_trips: int = 60) -> list[dict]:
-    """Median round trip (ms) of messages through one fleet-wan link to an echo server on loopback, per
-    (rate, delay) and message size: the fleet-wan timer term (two crossings per round trip)."""
-    import socket
-    import socketserver
-    import threading
-    import time
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.wan import LinkProfile, WanLink
-
-    class Echo(socketserver.BaseRequestHandler):
-        def handle(self) -> None:
-            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while data := self.request.recv(1 << 16):
-                self.request.sendall(data)
-
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    rows = []
-    try:
-        for rate, delay in ((0.0, 0.0), (1000.0, 0.0), (20.0, 0.0), (1000.0, 10.0), (20.0, 10.0)):
-            link = WanLink(f"127.0.0.1:{server.server_address[1]}", LinkProfile(delay_ms=delay, rate_mbit=rate)).start()
-            try:
-                for size in sizes:
-                    with socket.create_connection((link.listen_host, link.listen_port), timeout=10) as sock:
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        times = []
-                        for _ in range(round_trips):
-                            t0 = time.perf_counter()
-                            sock.sendall(b"x" * size)
-                            got = 0
-                            while got < size:
-                                got += len(sock.recv(1 << 16))
-                            times.append((time.perf_counter() - t0) * 1000)
-                    modelled = 2 * _timer_release((size * 8 / (rate * 1e3) if rate else 0.0) + delay, delay)
-                    rows.append({"rate_mbit": rate, "delay_ms": delay, "bytes": size,
-                                 "round_trip_ms": statistics.median(times), "timer_model_ms": modelled})
-            finally:
-                link.stop()
-    finally:
-        server.shutdown()
-        server.server_close()
-    return rows
 
 
 # -- paper-scale predictions -----------------------------------------------------------------------
@@ -751,22 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=Path, help="wan_sweep.py JSON to validate against")
     parser.add_argument("--json", type=Path, help="write the validation and predictions here")
     parser.add_argument("--plot", type=Path, default=Path("bench/results/fleet_model.png"))
-    parser.add_argument("--measure-link-timers", action="store_true",
-                        help="measure fleet-wan's timer term (echo server behind one link; a few seconds) and exit")
-    parser.add_argument("--measure-hop-cpu", type=Path, metavar="BUILD",
-                        help="measure each process's CPU per decode step of BUILD's 2-stage fleet behind fleet-wan "
-                        "links (starts 2 workers and a coordinator; about a minute) and exit")
     args = parser.parse_args(argv)
-    if args.measure_hop_cpu:
-        for key, ms in measure_hop_cpu(args.measure_hop_cpu).items():
-            print(f"{key:<20} {ms:6.2f} CPU ms per decode step")
-        return 0
-    if args.measure_link_timers:
-        print(f"{'Mbit/s':>6} | {'ms':>4} | {'bytes':>5} | {'round trip ms':>13} | {'model: timers ms':>16}")
-        for r in measure_link_timers():
-            print(f"{r['rate_mbit']:>6.0f} | {r['delay_ms']:>4.0f} | {r['bytes']:>5} | {r['round_trip_ms']:>13.2f} | "
-                  f"{r['timer_model_ms']:>16.2f}")
-        return 0
     result: dict = {}
     if args.sweep:
         cells = validate(json.loads(args.sweep.read_text()))

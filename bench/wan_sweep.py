@@ -48,7 +48,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
 
-from bench import fleet_model  # noqa: E402
+from bench import fleet_calibrate, fleet_model  # noqa: E402
 from bench.decode_bench import wait_healthy  # noqa: E402
 from bench.interleave_bench import user  # noqa: E402
 from bench.spec_bench import start, wait_line  # noqa: E402
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})  # profile each stage as the workers run: one core, one thread
-    profiles = {n: fleet_model.profile_stages(b) for n, b in builds.items()}
+    profiles = {n: fleet_calibrate.profile_stages(b) for n, b in builds.items()}
     os.sched_setaffinity(0, affinity)
     for n, p in profiles.items():
         print(f"  {n}-stage compute per chunk of 1 / 4 / 8 tokens, ms: " + "; ".join(

@@ -47,10 +47,10 @@ def test_shared_cores_only_when_asked():
 
 
 def test_fleet_wan_timer_rounds_up_to_whole_milliseconds():
-    assert fm._timer_release(0.010, 0.0) == 0.010  # due before the loop looks: no timer
-    assert fm._timer_release(0.019, 0.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[False] + 1)
-    assert fm._timer_release(10.0 + 0.04, 10.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[True] + 11)
-    assert fm._timer_release(10.0 + 0.02, 10.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[True] + 10)
+    assert fm.timer_release(0.010, 0.0) == 0.010  # due before the loop looks: no timer
+    assert fm.timer_release(0.019, 0.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[False] + 1)
+    assert fm.timer_release(10.0 + 0.04, 10.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[True] + 11)
+    assert fm.timer_release(10.0 + 0.02, 10.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[True] + 10)
 
 
 def test_bench_window_counts_whole_steps():

@@ -1,0 +1,196 @@
+"""Calibration measurements of this machine for ``bench/fleet_model.py``: per-stage chunk cost
+(``profile_stages``, which ``bench/wan_sweep.py`` runs at its start), each process's CPU per decode
+step (``measure_hop_cpu``) and fleet-wan's timer term (``measure_link_timers``). The constants the
+model keeps from the last two are in its docstring; re-measure with
+
+    python bench/fleet_calibrate.py link-timers          # a few seconds
+    python bench/fleet_calibrate.py hop-cpu BUILD        # a 2-stage build; about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain script: make the repo's packages importable
+
+from bench import fleet_model  # noqa: E402
+
+
+def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, repeats: int = 15) -> dict:
+    """Median ms of one chunk of ``seq`` tokens (one row) per stage of ``build``, one inference thread,
+    in this process: {"stage_ms": [[ms per seq] per stage], "seqs": [...]}."""
+    import time
+
+    import numpy as np
+
+    from fleet_common.manifest import load_manifest
+    from fleet_common.runtime import compile_ir
+
+    loaded = load_manifest(build)
+    out = []
+    for i, entry in enumerate(loaded.manifest.stages):
+        compiled, _, _ = compile_ir(loaded.directory / entry.xml, "CPU", 1)
+        request = compiled.create_infer_request()
+        names = {p.get_any_name() for p in compiled.inputs}
+        first = "input_ids" in names
+        timings = []
+        for seq in seqs:
+            samples = []
+            for _ in range(repeats):
+                request.reset_state()
+                x0 = (np.arange(context, dtype=np.int64)[None] % 1000 if first
+                      else np.zeros((1, context, loaded.manifest.architecture.hidden_size), np.float32))
+                feed = {("input_ids" if first else "hidden_states"): x0, "attention_mask": np.ones((1, context), np.int64),
+                        "position_ids": np.arange(context)[None], "beam_idx": np.zeros(1, np.int32)}
+                if "logits_index" in names:
+                    feed["logits_index"] = np.array([context - 1])
+                request.infer(feed)
+                x = x0[:, :seq]
+                feed = {("input_ids" if first else "hidden_states"): x,
+                        "attention_mask": np.ones((1, context + seq), np.int64),
+                        "position_ids": np.arange(context, context + seq)[None], "beam_idx": np.zeros(1, np.int32)}
+                if "logits_index" in names:
+                    feed["logits_index"] = np.arange(seq)
+                t0 = time.perf_counter()
+                request.infer(feed)
+                samples.append((time.perf_counter() - t0) * 1000)
+            timings.append(sorted(samples)[len(samples) // 2])
+        out.append(timings)
+    return {"seqs": list(seqs), "stage_ms": out}
+
+
+def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
+    """CPU ms per decode step of each process of a 2-stage fleet of ``build`` behind fleet-wan links
+    (1 Gbit/s, 0 ms), one user, no speculation: each worker's inference thread (its busiest) and the
+    rest of it, the coordinator, the proxies and the client (this process). Medians over ``runs``."""
+    import os
+    from contextlib import ExitStack
+
+    import psutil
+
+    from bench.decode_bench import wait_healthy
+    from bench.spec_bench import start, wait_line
+    from bench.wan import LinkProfile, WanLink
+    from bench.wan_sweep import run_cell
+    from coordinator.local import free_port
+
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-model-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    samples: dict[str, list[float]] = {}
+    with ExitStack() as stack:
+        procs, links = {}, []
+        for stage in range(2):
+            port = free_port()
+            log = logs / f"worker{stage}.log"
+            proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
+                          "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
+                          "--no-announce"], log, stack)
+            wait_line(log, "serving on", proc)
+            procs[f"worker {stage}"] = psutil.Process(proc.pid)
+            links.append(WanLink(f"127.0.0.1:{port}", LinkProfile(rate_mbit=1000.0)).start())
+            stack.callback(links[-1].stop)
+        port = free_port()
+        log = logs / "coordinator.log"
+        proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
+                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING",
+                      *[a for link in links for a in ("--peer", link.address)]], log, stack)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        procs["coordinator"] = psutil.Process(proc.pid)
+        run_cell(url, 1, 8)
+        link_threads = {link._thread.native_id for link in links}
+
+        def cpu() -> dict[str, dict[int, float]]:
+            return {name: {t.id: t.user_time + t.system_time for t in p.threads()}
+                    for name, p in {**procs, "this process": me}.items()}
+
+        for _ in range(runs):
+            before = cpu()
+            run_cell(url, 1, tokens)
+            after = cpu()
+            for name, threads in after.items():
+                spent = {tid: (t - before[name].get(tid, 0.0)) * 1000 / tokens for tid, t in threads.items()}
+                if name.startswith("worker"):
+                    busiest = max(spent.values())
+                    parts = {f"{name} inference": busiest, f"{name} other": sum(spent.values()) - busiest}
+                elif name == "this process":
+                    proxies = sum(v for tid, v in spent.items() if tid in link_threads)
+                    parts = {"proxies": proxies, "client": sum(spent.values()) - proxies}
+                else:
+                    parts = {name: sum(spent.values())}
+                for key, value in parts.items():
+                    samples.setdefault(key, []).append(value)
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_trips: int = 60) -> list[dict]:
+    """Median round trip (ms) of messages through one fleet-wan link to an echo server on loopback, per
+    (rate, delay) and message size: the fleet-wan timer term (two crossings per round trip)."""
+    import socket
+    import socketserver
+    import threading
+    import time
+
+    from bench.wan import LinkProfile, WanLink
+
+    class Echo(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := self.request.recv(1 << 16):
+                self.request.sendall(data)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rows = []
+    try:
+        for rate, delay in ((0.0, 0.0), (1000.0, 0.0), (20.0, 0.0), (1000.0, 10.0), (20.0, 10.0)):
+            link = WanLink(f"127.0.0.1:{server.server_address[1]}", LinkProfile(delay_ms=delay, rate_mbit=rate)).start()
+            try:
+                for size in sizes:
+                    with socket.create_connection((link.listen_host, link.listen_port), timeout=10) as sock:
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        times = []
+                        for _ in range(round_trips):
+                            t0 = time.perf_counter()
+                            sock.sendall(b"x" * size)
+                            got = 0
+                            while got < size:
+                                got += len(sock.recv(1 << 16))
+                            times.append((time.perf_counter() - t0) * 1000)
+                    modelled = 2 * fleet_model.timer_release((size * 8 / (rate * 1e3) if rate else 0.0) + delay, delay)
+                    rows.append({"rate_mbit": rate, "delay_ms": delay, "bytes": size,
+                                 "round_trip_ms": statistics.median(times), "timer_model_ms": modelled})
+            finally:
+                link.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    sub.add_parser("link-timers", help="fleet-wan's timer term: an echo server behind one link (a few seconds)")
+    p = sub.add_parser("hop-cpu", help="each process's CPU per decode step of a 2-stage fleet behind fleet-wan links "
+                       "(starts 2 workers and a coordinator; about a minute)")
+    p.add_argument("build", type=Path, help="a 2-stage build folder")
+    args = parser.parse_args(argv)
+    if args.what == "hop-cpu":
+        for key, ms in measure_hop_cpu(args.build).items():
+            print(f"{key:<20} {ms:6.2f} CPU ms per decode step")
+        return 0
+    print(f"{'Mbit/s':>6} | {'ms':>4} | {'bytes':>5} | {'round trip ms':>13} | {'model: timers ms':>16}")
+    for r in measure_link_timers():
+        print(f"{r['rate_mbit']:>6.0f} | {r['delay_ms']:>4.0f} | {r['bytes']:>5} | {r['round_trip_ms']:>13.2f} | "
+              f"{r['timer_model_ms']:>16.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
