@@ -257,6 +257,12 @@ class Pipeline:
             result = waiter.result()
         except grpc.aio.AioRpcError as exc:
             raise StageFailure(f"pipeline step failed: {_describe(exc)}", ) from exc
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this task is being cancelled (its client left)
+            # the call itself was cancelled (its channel closed): a failed step, not a cancelled request
+            raise StageFailure(f"step of session {session_id}: the call to stage 0 at {self.addresses[0]} "
+                               "was cancelled") from None
         finally:
             self._waiters.pop((session_id, step_id), None)
             if not call.done():

@@ -83,10 +83,12 @@ class Registry:
                 log.warning("worker %s (stage %s) failed a health check: %s", address,
                             state.info.stage if state.info else "?", exc.code().name)
             state.healthy = False
-            await self.channels.drop(address)  # a restarted worker gets a fresh connection
+            # the channel stays: it reconnects to a restarted worker within 2 s (wire.GRPC_OPTIONS), and
+            # closing it would cancel calls that another task already runs over a fresh connection
             if state.missed >= self.missed_limit and address not in self._static:
                 log.warning("worker %s dropped after %d missed health checks", address, state.missed)
                 self.workers.pop(address, None)
+                await self.channels.drop(address)
             stage = state.info.stage if state.info else "?"
             await self._invalidate_if_uses(address, f"stage {stage} at {address} stopped answering "
                                                     f"health checks ({exc.code().name})")
