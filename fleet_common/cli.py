@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import io
 import logging
 import signal
@@ -55,5 +56,7 @@ def _awaiting(coro, depth: int = 40) -> list[str]:  # noqa: ANN001
         ids = [f"{k}={v}" for k in ("session", "session_id") if isinstance(v := frame.f_locals.get(k), str)]
         lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name} {' '.join(ids)}".rstrip())
         coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if type(coro).__name__ in ("async_generator_asend", "async_generator_athrow"):  # into the generator
+            coro = next((r for r in gc.get_referents(coro) if hasattr(r, "ag_frame")), coro)
         depth -= 1
     return lines
