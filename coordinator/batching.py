@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleet_common.cli import awaiting
+
 from .errors import StageFailure
 from .pipeline import Pipeline, StepOutput
 
@@ -109,7 +111,7 @@ class BatchGroup:
         future = asyncio.get_running_loop().create_future()
         self._joining.append((member, future))
         self._kick()
-        await future
+        await self._wait(future, "the merge")
 
     async def step(self, member: Member, tokens: list[int], start_position: int, logits_count: int,
                    top_k: int) -> StepOutput:
@@ -120,7 +122,25 @@ class BatchGroup:
         future = asyncio.get_running_loop().create_future()
         self._pending[member] = _Submission(tokens, start_position, logits_count, top_k, future)
         self._kick()
-        return await future
+        return await self._wait(future, "the step")
+
+    async def _wait(self, future: asyncio.Future, what: str):  # noqa: ANN202
+        """``future``'s result, or ``StageFailure`` (logged with the group's state) if the group has not
+        resolved it within a bound no healthy group reaches: every RPC the group makes has a deadline,
+        so this catches a scheduling bug instead of leaving the request waiting forever."""
+        bound = 3 * (self.timeout_s(self.max_rows * self.slack) + 2 * self.pipeline.link_rtt_s()) + self.wait_s
+        try:
+            return await asyncio.wait_for(future, bound)
+        except TimeoutError:
+            log.error("%s: %s not resolved in %.0f s: %s", self.group_id, what, bound, self._state())
+            raise StageFailure(f"batch group {self.group_id} did not run {what} in {bound:.0f} s") from None
+
+    def _state(self) -> str:
+        task = "idle" if self._task is None else " <- ".join(awaiting(self._task.get_coro()))
+        return (f"{len(self.members)} members ({sum(m.late for m in self.members)} late, "
+                f"{sum(m.drafting for m in self.members)} drafting), {len(self._pending)} pending, "
+                f"{len(self._joining)} joining, {len(self._merging)} merging, rows {len(self.rows)}, "
+                f"timer {'set' if self._timer else 'none'}, waited {self._waited}, broken {self.broken!r}, task {task}")
 
     def reject(self, member: Member, count: int) -> None:
         """Hide the last ``count`` tokens ``member`` sent in the step that just ran (rejected drafts)."""

@@ -36,7 +36,7 @@ def dump_tasks_on_signal(signum: int = signal.SIGUSR1) -> None:
         out.write(f"{len(tasks)} asyncio tasks:\n")
         for task in sorted(tasks, key=lambda t: t.get_name()):
             out.write(f"task {task.get_name()}:\n")
-            for line in _awaiting(task.get_coro()):
+            for line in awaiting(task.get_coro()):
                 out.write(f"  {line}\n")
         logging.getLogger("fleet.tasks").warning("%s", out.getvalue())
 
@@ -44,7 +44,7 @@ def dump_tasks_on_signal(signum: int = signal.SIGUSR1) -> None:
         loop.add_signal_handler(signum, dump)
 
 
-def _awaiting(coro, depth: int = 40) -> list[str]:  # noqa: ANN001
+def awaiting(coro, depth: int = 40) -> list[str]:  # noqa: ANN001
     """``file:line in function`` down the chain of awaits of a suspended coroutine, outermost first
     (``Task.get_stack`` shows only the outermost frame), ending with what the innermost one awaits."""
     lines = []

@@ -38,20 +38,23 @@ TOPICS = ("the sea", "a library", "bread", "winter", "a robot", "trains", "the m
 def one_request(url: str, rng: random.Random, on_hang=lambda: "") -> str:  # noqa: ANN001
     """One streamed request; returns its outcome: done, cancelled or refused-<status>. Anything else
     (a 500, a broken stream, a hang past the timeout) raises; a hang with ``on_hang()``'s report."""
+    seen: list[str] = []  # what the client got before a hang: status, chunks
     try:
-        return _one_request(url, rng)
+        return _one_request(url, rng, seen)
     except httpx.ReadTimeout:
-        raise AssertionError(f"a request hung for 60 s:\n{on_hang()}") from None
+        raise AssertionError(f"a request hung for 60 s after {seen}:\n{on_hang()}") from None
 
 
-def _one_request(url: str, rng: random.Random) -> str:
+def _one_request(url: str, rng: random.Random, seen: list[str]) -> str:
     words = rng.randint(1, 40)
     prompt = f"Tell me about {rng.choice(TOPICS)}. " + " ".join(rng.choice(TOPICS) for _ in range(words))
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(1, 10), "stream": True,
             "temperature": rng.choice([0, 0.7])}
     cancel_after = rng.randint(1, 3) if rng.random() < 0.2 else None
     chunks = 0
+    seen.append(f"sent at {time.strftime('%H:%M:%S')}")
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        seen.append(f"HTTP {r.status_code} at {time.strftime('%H:%M:%S')}")
         if r.status_code != 200:
             error = json.loads(r.read())["error"]
             assert r.status_code in (429, 503) and error["message"] and error["type"], (r.status_code, error)
@@ -62,6 +65,7 @@ def _one_request(url: str, rng: random.Random) -> str:
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
+            seen.append(f"{event.get('id')} {str(event.get('choices'))[:60]} at {time.strftime('%H:%M:%S')}")
             if "error" in event:
                 assert event["error"]["code"] in ("stage_failure", "pipeline_unavailable"), event
                 return "refused-stream"
@@ -120,7 +124,8 @@ def test_soak_with_cancellations_and_a_worker_restart(build_2, tmp_path):
         while (held := kv_held([a0, a1])) != [(0, 0), (0, 0)]:
             assert time.monotonic() < deadline, f"KV left on the stages (sessions, reserved bytes): {held}"
             time.sleep(0.2)
-        assert "Traceback" not in coordinator.text()
+        text = coordinator.text()
+        assert "Traceback" not in text and " ERROR " not in text, text[-5000:]  # e.g. a batch group's stall guard
     finally:
         coordinator.stop()
         for proc in (w0, w1, restarted):
