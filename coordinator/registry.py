@@ -134,9 +134,10 @@ class Registry:
         await self._drop_pipelines(lambda p: address in p.addresses, reason)
 
     async def _drop_pipelines(self, which, reason: str = "pipeline closed") -> None:  # noqa: ANN001
-        """Close (and forget) every pipeline for which ``which(pipeline)`` is true."""
+        """Close (and forget) every pipeline for which ``which(pipeline)`` is true. Health checks run
+        this concurrently: each closes only the pipelines it took out itself."""
         for key, pipeline in list(self._pipelines.items()):
-            if which(pipeline):
+            if self._pipelines.get(key) is pipeline and which(pipeline):
                 del self._pipelines[key]
                 await pipeline.close(reason)
 
