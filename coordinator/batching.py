@@ -265,6 +265,18 @@ class BatchGroup:
     async def _step(self) -> None:
         members = list(self.members)
         subs = [self._pending.pop(m, None) for m in members]  # None: late, sits this step out
+        try:
+            await self._step_rows(members, subs)
+        except BaseException as exc:
+            # the submissions are out of _pending now, so _run's handler cannot reach them: whatever
+            # failed (the compaction before the step, the step, reading its result), fail them here
+            error = exc if isinstance(exc, StageFailure) else StageFailure(f"batch group step failed: {exc!r}")
+            for s in subs:
+                if s is not None and not s.future.done():
+                    s.future.set_exception(error)
+            raise
+
+    async def _step_rows(self, members: list[Member], subs: list[_Submission | None]) -> None:
         seq = max(len(s.tokens) for s in subs if s is not None)
         reclaim = self.length - max(m.visible for m in members)
         if self.length + seq > self.max_context or (
@@ -279,16 +291,9 @@ class BatchGroup:
         starts = [s.start_position if s is not None else m.visible for m, s in zip(members, subs)]
         count = max(s.logits_count for s in subs if s is not None)
         top_k = max(s.top_k for s in subs if s is not None)
-        try:
-            out = await self.pipeline.step(
-                self.group_id, tokens, self.length, starts, count, top_k, self.timeout_s(seq * len(subs)),
-                hide_slots=hide_slots, hide_rows=hide_rows, pads=pads, keep_rows=keep)
-        except BaseException as exc:
-            error = exc if isinstance(exc, StageFailure) else StageFailure(f"batch group step failed: {exc!r}")
-            for s in subs:  # a member whose step failed is not pending any more
-                if s is not None and not s.future.done():
-                    s.future.set_exception(error)
-            raise
+        out = await self.pipeline.step(
+            self.group_id, tokens, self.length, starts, count, top_k, self.timeout_s(seq * len(subs)),
+            hide_slots=hide_slots, hide_rows=hide_rows, pads=pads, keep_rows=keep)
         self.rows = members
         self.length += seq
         self.steps += 1

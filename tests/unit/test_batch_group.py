@@ -1,0 +1,76 @@
+"""BatchGroup scheduling against a fake pipeline: a failure anywhere in a group's step reaches every
+member that submitted to it at once (not after the group's stall guard)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from coordinator.batching import BatchGroup, Member
+from coordinator.errors import StageFailure
+from coordinator.pipeline import StepOutput
+
+
+class FakePipeline:
+    """The calls a BatchGroup makes; ``compact``/``step`` raise ``fail`` when it is set."""
+
+    healthy = True
+
+    def __init__(self, fail: dict[str, BaseException] | None = None) -> None:
+        self.fail = fail or {}
+        self.calls: list[str] = []
+
+    @staticmethod
+    def link_rtt_s() -> float:
+        return 0.0
+
+    async def merge(self, session_id, sources, max_context, timeout_s):  # noqa: ANN001, ANN201
+        self.calls.append("merge")
+        return max_context  # a full state: the next step must compact first
+
+    async def compact(self, session_id, past_length, hide_slots, timeout_s, hide_rows=()):  # noqa: ANN001, ANN201
+        self.calls.append("compact")
+        if "compact" in self.fail:
+            raise self.fail["compact"]
+        return 8
+
+    async def step(self, session_id, tokens, past_length, starts, count, top_k, timeout_s, **kw):  # noqa: ANN001, ANN201
+        self.calls.append("step")
+        if "step" in self.fail:
+            raise self.fail["step"]
+        rows = np.asarray(tokens).shape[0]
+        return StepOutput(np.zeros((rows * count, 1), np.int32), np.zeros((rows * count, 1), np.float32))
+
+    async def close_session(self, session_id, timeout_s):  # noqa: ANN001, ANN201
+        self.calls.append("close")
+
+
+async def _two_members_step(pipeline: FakePipeline) -> list:
+    # a guard bound of ~3 x 20 s: a member left waiting for it would fail the 2 s wait below
+    group = BatchGroup(pipeline, slack=2, compact_share=0.5, compact_min_slots=1, timeout_s=lambda tokens: 20.0,
+                       max_rows=4, wait_s=0.05)
+    a, b = Member("a", slots=8, visible=4), Member("b", slots=8, visible=4)
+    await asyncio.gather(group.join(a), group.join(b))
+    steps = [group.step(m, [1], m.visible, 1, 1) for m in (a, b)]
+    return await asyncio.wait_for(asyncio.gather(*steps, return_exceptions=True), 2.0)
+
+
+@pytest.mark.parametrize("where, error", [
+    ("compact", StageFailure("stage 1 at 127.0.0.1:1: compaction failed: UNAVAILABLE")),  # the soak's stall
+    ("compact", RuntimeError("bug")),
+    ("step", StageFailure("stage 1 at 127.0.0.1:1: pipeline step failed: UNAVAILABLE")),
+])
+def test_a_failed_step_fails_every_member_at_once(where, error):
+    pipeline = FakePipeline({where: error})
+    results = asyncio.run(_two_members_step(pipeline))
+    assert all(isinstance(r, StageFailure) for r in results), results
+    assert pipeline.calls[:2] == ["merge", "compact"]  # the merged state is full: a compaction comes first
+
+
+def test_a_step_after_compaction_answers_every_member():
+    pipeline = FakePipeline()
+    results = asyncio.run(_two_members_step(pipeline))
+    assert all(isinstance(r, StepOutput) for r in results), results
+    assert pipeline.calls == ["merge", "compact", "step"]
