@@ -265,6 +265,8 @@ class BatchGroup:
     async def _step(self) -> None:
         members = list(self.members)
         subs = [self._pending.pop(m, None) for m in members]  # None: late, sits this step out
+        if all(s is None for s in subs):  # whoever submitted left between the kick and this task's start
+            return
         try:
             await self._step_rows(members, subs)
         except BaseException as exc:

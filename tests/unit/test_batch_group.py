@@ -1,5 +1,6 @@
 """BatchGroup scheduling against a fake pipeline: a failure anywhere in a group's step reaches every
-member that submitted to it at once (not after the group's stall guard)."""
+member that submitted to it at once (not after the group's stall guard), and a member that leaves
+before its step runs breaks nothing."""
 
 from __future__ import annotations
 
@@ -74,3 +75,26 @@ def test_a_step_after_compaction_answers_every_member():
     results = asyncio.run(_two_members_step(pipeline))
     assert all(isinstance(r, StepOutput) for r in results), results
     assert pipeline.calls == ["merge", "compact", "step"]
+
+
+def test_a_member_leaving_before_its_step_runs_does_not_break_the_group():
+    async def scenario() -> tuple:
+        pipeline = FakePipeline()
+        group = BatchGroup(pipeline, slack=2, compact_share=0.5, compact_min_slots=1,
+                           timeout_s=lambda tokens: 20.0, max_rows=4, wait_s=0.05)
+        a, b = Member("a", slots=8, visible=4), Member("b", slots=8, visible=4)
+        await asyncio.gather(group.join(a), group.join(b))
+        b.late = True  # missed a step: the group does not wait for it
+        step_a = asyncio.ensure_future(group.step(a, [1], a.visible, 1, 1))
+        await asyncio.sleep(0)  # a's step is submitted and the group's task created, not yet started
+        assert group._task is not None and not group._task.done()
+        group.leave(a)  # a's client goes away (the engine leaves, then the cancellation lands)
+        step_a.cancel()
+        await asyncio.sleep(0.01)
+        broken = group.broken
+        out = await asyncio.wait_for(group.step(b, [1], b.visible, 1, 1), 2.0)
+        return broken, out
+
+    broken, out = asyncio.run(scenario())
+    assert broken is None
+    assert isinstance(out, StepOutput)
