@@ -72,7 +72,7 @@ def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
     import psutil
 
     from bench.decode_bench import wait_healthy
-    from bench.spec_bench import start, wait_line
+    from bench.spec_bench import start, start_pinned_worker
     from bench.wan import LinkProfile, WanLink
     from bench.wan_sweep import run_cell
     from coordinator.local import free_port
@@ -84,12 +84,7 @@ def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
     with ExitStack() as stack:
         procs, links = {}, []
         for stage in range(2):
-            port = free_port()
-            log = logs / f"worker{stage}.log"
-            proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
-                          "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
-                          "--no-announce"], log, stack)
-            wait_line(log, "serving on", proc)
+            proc, port = start_pinned_worker(build, stage, logs / f"worker{stage}.log", stack)
             procs[f"worker {stage}"] = psutil.Process(proc.pid)
             links.append(WanLink(f"127.0.0.1:{port}", LinkProfile(rate_mbit=1000.0)).start())
             stack.callback(links[-1].stop)

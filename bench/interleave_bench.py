@@ -42,7 +42,7 @@ import openvino as ov  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.decode_bench import ensure_build, wait_healthy  # noqa: E402
-from bench.spec_bench import start, wait_line  # noqa: E402
+from bench.spec_bench import start, start_pinned_worker  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
 
 PROMPTS = (
@@ -166,18 +166,12 @@ LONG_PROMPT = ("Summarize the following notes in one sentence. " + " ".join(
 def fairness_cells(build: Path, logs: Path, chunks: tuple[int, ...] = (64, 256, 4096)) -> list[dict]:
     """Three users decode on a 2-stage fleet while a fourth arrives with a ~1,800-token prompt: the
     decoders' longest gap between tokens while it prefills, and its TTFT, per ``--prefill-chunk``."""
-    ncpu = os.cpu_count() or 1
     cells = []
     for chunk in chunks:
         with ExitStack() as stack:
             addresses = []
             for stage in range(2):
-                port = free_port()
-                log = logs / f"fairness-worker{stage}.log"
-                proc = start(["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard",
-                              str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
-                              "--no-announce"], log, stack)
-                wait_line(log, "serving on", proc)
+                _, port = start_pinned_worker(build, stage, logs / f"fairness-worker{stage}.log", stack)
                 addresses.append(f"127.0.0.1:{port}")
             port = free_port()
             log = logs / f"fairness-chunk{chunk}-coordinator.log"
@@ -219,11 +213,8 @@ def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, lo
     with ExitStack() as stack:
         addresses, procs = [], {}
         for stage in range(stages):
-            port = free_port()
-            log = logs / f"interleave-{stages}stage-worker{stage}.log"
-            procs[f"worker {stage}"] = proc = start(["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard", str(stage),
-                          "--model", str(build), "--port", str(port), "--threads", "1", "--no-announce"], log, stack)
-            wait_line(log, "serving on", proc)
+            procs[f"worker {stage}"], port = start_pinned_worker(
+                build, stage, logs / f"interleave-{stages}stage-worker{stage}.log", stack)
             addresses.append(f"127.0.0.1:{port}")
         port = free_port()
         log = logs / f"interleave-{stages}stage-{mode.replace(' ', '-')}-coordinator.log"

@@ -172,6 +172,19 @@ def wait_line(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 1
         time.sleep(0.2)
 
 
+def start_pinned_worker(build: Path, stage: int, log: Path, stack: ExitStack) -> tuple[subprocess.Popen, int]:
+    """Start ``fleet-worker`` for ``stage`` of ``build`` on a free loopback port, pinned to core
+    ``stage mod nproc`` (``taskset``) with one inference thread and no mDNS, logging to ``log``, stopped
+    when ``stack`` closes; returns (process, port) once it serves. Raises ``RuntimeError`` if it exits
+    or is not serving within 120 s."""
+    port = free_port()
+    proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
+                  "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
+                  "--no-announce"], log, stack)
+    wait_line(log, "serving on", proc)
+    return proc, port
+
+
 def chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
             "max_tokens": tokens}

@@ -51,7 +51,7 @@ import openvino as ov  # noqa: E402
 from bench import fleet_calibrate, fleet_model  # noqa: E402
 from bench.decode_bench import wait_healthy  # noqa: E402
 from bench.interleave_bench import user  # noqa: E402
-from bench.spec_bench import start, wait_line  # noqa: E402
+from bench.spec_bench import start, start_pinned_worker  # noqa: E402
 from bench.wan import PROFILES, LinkProfile, WanLink  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
 
@@ -129,16 +129,11 @@ def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs
     """Every (rate, delay, mode) cell of one fleet: workers behind links, a plain and a speculative
     coordinator sharing them; each cell runs up to ``repeats`` times while its runs took less than
     ``cell_budget_s`` (see ``pool_runs``)."""
-    ncpu = os.cpu_count() or 1
     cells = []
     with ExitStack() as stack:
         links = []
         for stage in range(stages):
-            port = free_port()
-            log = logs / f"wan-{stages}stage-worker{stage}.log"
-            proc = start(["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard", str(stage),
-                          "--model", str(build), "--port", str(port), "--threads", "1", "--no-announce"], log, stack)
-            wait_line(log, "serving on", proc)
+            _, port = start_pinned_worker(build, stage, logs / f"wan-{stages}stage-worker{stage}.log", stack)
             link = WanLink(f"127.0.0.1:{port}", LinkProfile()).start()
             stack.callback(link.stop)
             links.append(link)
@@ -217,12 +212,7 @@ def relay_cells(build: Path, tokens: int, logs: Path) -> list[dict]:
     with ExitStack() as stack:
         links = []
         for stage in range(2):
-            port = free_port()
-            log = logs / f"wan-relay-worker{stage}.log"
-            proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
-                          "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
-                          "--no-announce"], log, stack)
-            wait_line(log, "serving on", proc)
+            _, port = start_pinned_worker(build, stage, logs / f"wan-relay-worker{stage}.log", stack)
             link = WanLink(f"127.0.0.1:{port}", PROFILES["relay"]).start()
             stack.callback(link.stop)
             links.append(link)
