@@ -156,19 +156,32 @@ def chat(url: str, content: str, **kw) -> httpx.Response:
 
 
 class Fleet:
-    """Workers (one per stage, found by zeroconf) and a coordinator, all real processes."""
+    """Workers (one per stage) and a coordinator, all real processes. By default the workers announce
+    themselves and the coordinator finds them by zeroconf; with ``peers=True`` nothing uses mDNS (the
+    workers get ``--no-announce`` and ``worker_args``, the coordinator ``--no-discover --peer ...``)."""
 
-    def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False) -> None:
+    def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False, peers: bool = False,
+                 worker_args: tuple[str, ...] = ()) -> None:
         self.build, self.log_dir = build, log_dir
         self.workers: list[tuple[Proc, str]] = []
+        self.coordinator = None
         from fleet_common.manifest import load_manifest
 
-        for shard in range(load_manifest(build).manifest.num_stages):
-            self.workers.append(start_worker(build, shard, log_dir))
-        self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args, announce=announce)
-        wait_ready(self.url)
+        try:
+            for shard in range(load_manifest(build).manifest.num_stages):
+                self.workers.append(start_worker(build, shard, log_dir, *(("--no-announce",) if peers else ()),
+                                                 *worker_args))
+            if peers:
+                coord_args = ("--no-discover", *(a for _, address in self.workers for a in ("--peer", address)),
+                              *coord_args)
+            self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args, announce=announce)
+            wait_ready(self.url)
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        self.coordinator.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
         for proc, _ in self.workers:
             proc.stop()

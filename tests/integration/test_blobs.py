@@ -24,7 +24,7 @@ import pytest
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.manifest import load_manifest
-from tests.conftest import BIN, chat, start_coordinator, start_worker, wait_ready
+from tests.conftest import BIN, Fleet, chat, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -57,22 +57,14 @@ def fleet_answer(build: Path, log_dir: Path, *worker_args: str) -> tuple[str, li
     """Start both workers (``worker_args``) and a coordinator naming them; return the greedy answer to
     PROMPT, the workers' logs and their Info replies."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    workers, coordinator = [], None
+    fleet = Fleet(build, log_dir, peers=True, worker_args=worker_args)
     try:
-        for shard in range(2):
-            workers.append(start_worker(build, shard, log_dir, "--no-announce", *worker_args))
-        peers = [a for _, address in workers for a in ("--peer", address)]
-        coordinator, url = start_coordinator(build, log_dir, "--no-discover", *peers)
-        wait_ready(url)
-        r = chat(url, PROMPT, max_tokens=TOKENS, ignore_eos=True)
+        r = chat(fleet.url, PROMPT, max_tokens=TOKENS, ignore_eos=True)
         assert r.status_code == 200, r.text
-        return (r.json()["choices"][0]["message"]["content"], [proc.text() for proc, _ in workers],
-                [info(address) for _, address in workers])
+        return (r.json()["choices"][0]["message"]["content"], [proc.text() for proc, _ in fleet.workers],
+                [info(address) for _, address in fleet.workers])
     finally:
-        if coordinator is not None:
-            coordinator.stop()
-        for proc, _ in workers:
-            proc.stop()
+        fleet.stop()
 
 
 def test_matching_blob_is_imported_and_serves_as_the_ir_does(blob_build, build_2, tmp_path):

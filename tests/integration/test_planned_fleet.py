@@ -19,7 +19,7 @@ import pytest
 
 from compiler.cli import main as compiler_main
 from fleet_common.manifest import DEVICES_FORMAT, load_manifest
-from tests.conftest import BIN, MODELS, ROOT, _compiler_key, chat, start_coordinator, start_worker, wait_ready
+from tests.conftest import BIN, MODELS, ROOT, Fleet, _compiler_key, chat
 from tests.integration.test_compiler import run_cli
 
 pytestmark = pytest.mark.integration
@@ -70,25 +70,17 @@ def planned(demo_hf, tmp_path_factory) -> tuple[Path, str]:
 def answers(build: Path, log_dir: Path) -> tuple[list[str], list[str]]:
     """Greedy answers to PROMPTS from a 2-worker fleet of ``build`` (f32) and the workers' logs."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    workers, coordinator = [], None
+    fleet = Fleet(build, log_dir, peers=True)
     try:
-        for shard in range(2):
-            workers.append(start_worker(build, shard, log_dir, "--no-announce"))
-        peers = [a for _, address in workers for a in ("--peer", address)]
-        coordinator, url = start_coordinator(build, log_dir, "--no-discover", *peers)
-        wait_ready(url)
         texts = []
         for prompt in PROMPTS:
-            r = chat(url, prompt, max_tokens=TOKENS, ignore_eos=True)
+            r = chat(fleet.url, prompt, max_tokens=TOKENS, ignore_eos=True)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == TOKENS
             texts.append(r.json()["choices"][0]["message"]["content"])
-        return texts, [proc.text() for proc, _ in workers]
+        return texts, [proc.text() for proc, _ in fleet.workers]
     finally:
-        if coordinator is not None:
-            coordinator.stop()
-        for proc, _ in workers:
-            proc.stop()
+        fleet.stop()
 
 
 def test_planned_build_answers_as_the_default_split(planned, build_2, tmp_path):
