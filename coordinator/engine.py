@@ -271,9 +271,7 @@ class Engine:
         s = self.settings
         if request.failovers >= s.failover_attempts:
             raise failure
-        task = asyncio.ensure_future(pipeline.close_session(session, s.rpc_timeout_s))  # frees live stages' KV
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._close_in_background(pipeline, session)  # frees live stages' KV
         await self.registry.recheck(pipeline.addresses)
         try:
             new = await self.registry.pipeline()
@@ -460,13 +458,17 @@ class Engine:
             # await then raises again at once: the close goes on in the background and wakes
             # requests waiting for KV room
             if group is None or not member.owned:  # else its group frees it (the merge may still be running)
-                close = asyncio.ensure_future(self._close_session(pipeline, session))
-                self._background.add(close)
-                close.add_done_callback(self._background.discard)
-                await asyncio.shield(close)
+                await asyncio.shield(self._close_in_background(pipeline, session))
 
-    async def _close_session(self, pipeline, session: str) -> None:  # noqa: ANN001
-        """Free ``session``'s KV on every stage of ``pipeline``, then wake requests waiting for room."""
-        await pipeline.close_session(session, self.settings.rpc_timeout_s)
-        async with self._closed:
-            self._closed.notify_all()
+    def _close_in_background(self, pipeline, session: str) -> asyncio.Task:  # noqa: ANN001
+        """Free ``session``'s KV on every stage of ``pipeline``, then wake requests waiting for room, in a
+        task that a cancellation of the caller does not stop (close failures are logged, never raised)."""
+        async def close() -> None:
+            await pipeline.close_session(session, self.settings.rpc_timeout_s)
+            async with self._closed:
+                self._closed.notify_all()
+
+        task = asyncio.ensure_future(close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
