@@ -221,6 +221,7 @@ def fusion_of(build: Path) -> list[dict]:
 
 
 def requests(model: Whole | StageChain) -> list[ov.InferRequest]:
+    """The stateful infer requests whose KV state ``model`` decodes with (one per stage)."""
     return model.requests if isinstance(model, StageChain) else [model.request]
 
 
@@ -492,6 +493,8 @@ def speed_table(configs: list[Config], contexts: list[int]) -> tuple[str, list[d
 
 
 def memory_table(rows: list[dict], baseline: int) -> str:
+    """Markdown table of the workers' RSS against their shard's weights + KV (MiB); ``baseline``: bytes
+    of a worker process with nothing loaded."""
     mib = 1 << 20
     head = ("| weights | N | stage | layers | loaded from | shard weights MiB | KV MiB | RSS MiB "
             "| RSS / (weights + KV) | weights file mapped MiB | (RSS - runtime - mapped file) / (weights + KV) |")

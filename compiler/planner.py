@@ -91,6 +91,7 @@ class ModelDims:
 
     @property
     def head_params(self) -> int:
+        """Parameters of the LM head (vocab x hidden); the embedding has as many."""
         return self.vocab_size * self.hidden_size
 
     @property
@@ -100,6 +101,7 @@ class ModelDims:
 
     @property
     def parameters(self) -> int:
+        """All parameters: embedding, LM head unless tied, decoder layers with their norms, final norm."""
         return (self.head_params * (1 if self.tied_embeddings else 2)
                 + self.num_layers * (self.layer_params + 2 * self.hidden_size) + self.hidden_size)
 
@@ -172,6 +174,7 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> int:
+        """What the node needs in bytes: weights + KV + runtime overhead."""
         return self.weight_bytes + self.kv_bytes + self.runtime_bytes
 
 
@@ -193,6 +196,7 @@ class Plan:
 
     @property
     def bottleneck(self) -> StagePlan:
+        """The slowest stage, which caps the pipeline's tokens/s."""
         return max(self.stages, key=lambda s: s.cost)
 
     def to_json(self) -> str:
