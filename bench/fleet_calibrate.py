@@ -19,47 +19,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain script: 
 from bench import fleet_model  # noqa: E402
 
 
-def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, repeats: int = 15) -> dict:
+DRAFT_SEQS = (*range(1, 10), 16, 24, 32, 48)  # a draft feeds 1 token, or the ones it missed while adaptive K
+# decoded plainly, or (prefill) the prompt: the sweep's prompts are 40 and 46 tokens
+
+
+def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, repeats: int = 15,
+                   draft: str | None = None) -> dict:
     """Median ms of one chunk of ``seq`` tokens (one row) per stage of ``build``, one inference thread,
-    in this process: {"stage_ms": [[ms per seq] per stage], "seqs": [...]}."""
+    in this process: {"stage_ms": [[ms per seq] per stage], "seqs": [...]}; with ``draft`` (a draft
+    model of the build, e.g. "self-int8") also {"draft_ms": [ms per seq], "draft_seqs": DRAFT_SEQS}."""
+    from fleet_common.manifest import load_manifest
+
+    loaded = load_manifest(build)
+    out = {"seqs": list(seqs),
+           "stage_ms": [_chunk_ms(loaded.directory / e.xml, seqs, context, repeats, loaded.manifest.architecture.hidden_size,
+                                  every_logit=True) for e in loaded.manifest.stages]}
+    if draft:
+        out["draft_seqs"] = list(DRAFT_SEQS)
+        out["draft_ms"] = _chunk_ms(loaded.directory / loaded.manifest.draft(draft).xml, DRAFT_SEQS, context, repeats, 0,
+                                   every_logit=False)
+    return out
+
+
+def _chunk_ms(xml: Path, seqs, context: int, repeats: int, hidden_size: int,  # noqa: ANN001
+              every_logit: bool) -> list[float]:
+    """Median ms per chunk of each of ``seqs`` tokens after ``context`` tokens of KV (fresh state each time);
+    logits of every chunk position (a last stage verifying drafts) or of the last only (a draft feeding)."""
     import time
 
     import numpy as np
 
-    from fleet_common.manifest import load_manifest
     from fleet_common.runtime import compile_ir
 
-    loaded = load_manifest(build)
-    out = []
-    for i, entry in enumerate(loaded.manifest.stages):
-        compiled, _, _ = compile_ir(loaded.directory / entry.xml, "CPU", 1)
-        request = compiled.create_infer_request()
-        names = {p.get_any_name() for p in compiled.inputs}
-        first = "input_ids" in names
-        timings = []
-        for seq in seqs:
-            samples = []
-            for _ in range(repeats):
-                request.reset_state()
-                x0 = (np.arange(context, dtype=np.int64)[None] % 1000 if first
-                      else np.zeros((1, context, loaded.manifest.architecture.hidden_size), np.float32))
-                feed = {("input_ids" if first else "hidden_states"): x0, "attention_mask": np.ones((1, context), np.int64),
-                        "position_ids": np.arange(context)[None], "beam_idx": np.zeros(1, np.int32)}
-                if "logits_index" in names:
-                    feed["logits_index"] = np.array([context - 1])
-                request.infer(feed)
-                x = x0[:, :seq]
-                feed = {("input_ids" if first else "hidden_states"): x,
-                        "attention_mask": np.ones((1, context + seq), np.int64),
-                        "position_ids": np.arange(context, context + seq)[None], "beam_idx": np.zeros(1, np.int32)}
-                if "logits_index" in names:
-                    feed["logits_index"] = np.arange(seq)
-                t0 = time.perf_counter()
-                request.infer(feed)
-                samples.append((time.perf_counter() - t0) * 1000)
-            timings.append(sorted(samples)[len(samples) // 2])
-        out.append(timings)
-    return {"seqs": list(seqs), "stage_ms": out}
+    compiled, _, _ = compile_ir(xml, "CPU", 1)
+    request = compiled.create_infer_request()
+    names = {p.get_any_name() for p in compiled.inputs}
+    first = "input_ids" in names
+    timings = []
+    for seq in seqs:
+        samples = []
+        for _ in range(repeats):
+            request.reset_state()
+            x0 = (np.arange(context + seq, dtype=np.int64)[None] % 1000 if first
+                  else np.zeros((1, context + seq, hidden_size), np.float32))
+            feed = {("input_ids" if first else "hidden_states"): x0[:, :context],
+                    "attention_mask": np.ones((1, context), np.int64),
+                    "position_ids": np.arange(context)[None], "beam_idx": np.zeros(1, np.int32)}
+            if "logits_index" in names:
+                feed["logits_index"] = np.array([context - 1])
+            request.infer(feed)
+            feed = {("input_ids" if first else "hidden_states"): x0[:, context:],
+                    "attention_mask": np.ones((1, context + seq), np.int64),
+                    "position_ids": np.arange(context, context + seq)[None], "beam_idx": np.zeros(1, np.int32)}
+            if "logits_index" in names:
+                feed["logits_index"] = np.arange(seq) if every_logit else np.array([seq - 1])
+            t0 = time.perf_counter()
+            request.infer(feed)
+            samples.append((time.perf_counter() - t0) * 1000)
+        timings.append(sorted(samples)[len(samples) // 2])
+    return timings
 
 
 def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:

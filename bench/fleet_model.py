@@ -13,7 +13,8 @@ The terms, and where each number comes from (times in ms):
 * **stage compute** ``stage_ms[i](seq)``, one chunk of ``seq`` tokens of one row. This machine: the
   profile ``bench/wan_sweep.py`` takes at its start (``profile_stages``: in-process, one inference
   thread on one core, median of 15, seq 1-9 at context 64), linear between whole seqs (a mean K of
-  1.4 is a 2.4-token verify) and along the last segment's slope beyond seq 9 (prompts). Paper PCs:
+  1.4 is a 2.4-token verify) and along the last segment's slope beyond seq 9 (prompts), divided by
+  the fleet's calibrated ``speed`` (below). Paper PCs:
   ~21.5 ms per 16 INT4 Llama-3.1-8B layers on an Arc iGPU (the paper), +4% per extra token.
 * **processors.** On separate PCs (``shared_cores`` = 0, the paper fleets) each PC runs its stage's
   chunks one at a time (first come, first served; the draft shares PC ``draft_core``). When stages
@@ -37,9 +38,11 @@ The terms, and where each number comes from (times in ms):
   10.2 ms, at 20 Mbit/s (40 us on the wire) in 11.2 ms.
 * **hop overhead** ``hop_ms``, per crossing: event loops, gRPC and protobuf in Python, the proxies,
   thread wake-ups (and, on a loaded machine, the wait for a time slice). Calibrated per fleet on its
-  naive (1 user, no speculation) cells over the fastest link: the value whose predictions have a
-  median error of 0 over their delays (6.3 and 6.6 ms for ``wan_sweep_quiet.json``'s 2- and 3-stage
-  fleets). On separate PCs it is a latency. On a shared machine ``hop_work_ms`` of it is CPU work of
+  naive (1 user, no speculation) cells over the fastest link, together with ``speed`` (the machine's
+  speed during the fleet's runs relative to the profile, ``calibrate``): the hop is the value whose
+  predictions have a median error of 0 over their delays (6.3 and 6.6 ms at speed 1.0 for
+  ``wan_sweep_quiet.json``'s 2- and 3-stage fleets; 2.8 ms at 1.0 and 0.1 ms at 1.05 for the quiet
+  sweep of 2026-11-30). On separate PCs it is a latency. On a shared machine ``hop_work_ms`` of it is CPU work of
   the unpinned processes, time-sharing the cores with the stages, and the rest a wait:
   ``LOCAL_HOP_WORK_MS`` = 1.1 ms, from ``fleet_calibrate.measure_hop_cpu`` (the coordinator's, the proxies' and the
   client's CPU per decode step over the step's crossings). When users interleave, that work competes
@@ -48,16 +51,20 @@ The terms, and where each number comes from (times in ms):
   per chunk beyond inference (receive, forward, reply), from ``bench/interleave_bench.py``'s CPU
   accounting (a worker's CPU ms per token minus its inference ms); on a shared machine it runs on
   the worker's core beside (not behind) its inference thread.
-* **draft** ``draft_ms_per_token``: the draft model's time per proposed token, on one draft thread
+* **draft** ``draft_ms_per_token``: the draft model's time per drafted token, on one draft thread
   that serves every user in turn (``coordinator/draft.py``). The sweep measures it per cell as the
   coordinator sees it: wall time per drafted token, *including* the wait for the draft thread while
   another user's draft runs (and the catch-up on tokens decoded without drafts). The model simulates
   that wait, so for a cell it uses the service time whose simulated wall time per drafted token
   equals the measured one (``_deconvolve_draft``; with one user the two are the same; with two, the
   wait depends on how their steps align, so the smallest fitting service time is taken). A request's
-  draft model also prefills its prompt (the first token waits for it), taken to cost one draft token
-  times the stages' prompt/one-token cost ratio from their profile (the sweep's draft is the whole
-  model at int8).
+  draft model also prefills its prompt (the first token waits for it): that costs ``draft_ms(prompt)``,
+  the draft's own profile (``profile_stages(..., draft=)``, one thread, chunks of 1-48 tokens). Using
+  the catch-up-laden per-token cost there instead (as before 2026-11-30) made the 2-stage full stack
+  at 0 ms and 20 Mbit/s come out 33% slow: adaptive K drafted in 6 of 132 steps, each after a long
+  plain stretch (97 ms per drafted token). Fleets without a measured per-token cost (the paper's)
+  pay ``draft_ms(1 + tokens decoded plainly since the last draft) + (K - 1) draft_ms(1)`` per verify
+  step and row.
 * **speculation** ``k`` (mean drafts per verify step), ``tokens_per_step`` (emitted per verify step)
   and ``verify_share`` (share of decode steps that carry drafts: adaptive K decodes plainly when
   drafting does not pay) are the cell's measurements (``verify_share`` from its ``plain_steps``;
@@ -87,8 +94,8 @@ repeats on the loaded machine, it verified drafts in 2 steps and decoded 42 plai
 7 and 78 with two).
 
 ``python bench/fleet_model.py --sweep bench/results/wan_sweep.json`` validates the model against a
-``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate ``hop_ms``, every other
-cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on
+``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate ``speed`` and ``hop_ms``,
+every other cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on
 LAN/Wi-Fi and WAN links with a PNG plot, from the paper's device figures (Berenbaum & Venkatachalam,
 arXiv 2608.19147: ~20-23 ms per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
 ``bench/fleet_calibrate.py`` re-measures the fleet-wan timer term and the processes' CPU per decode step.
@@ -138,7 +145,8 @@ class Fleet:
     k: float = 0.0  # drafts per verify step (mean); 0 = no speculation
     draft_core: int | None = None  # the PC/core the draft model shares (None: its own PC; any core if shared)
     acceptance: float = 0.0
-    draft_ms_per_token: float = 0.0
+    draft_ms: Callable[[float], float] | None = None  # one draft forward of seq tokens (its prompt, catch-up, drafts)
+    draft_ms_per_token: float = 0.0  # > 0: a verify step's draft costs this per drafted token instead (measured)
     tokens_per_step: float | None = None  # emitted per verify step, measured; else from acceptance and k
     verify_share: float = 1.0  # share of decode steps that carry drafts (the rest decode one token plainly)
     result_candidates: int = 1  # candidates per position the last stage returns (vocab = full logits)
@@ -279,6 +287,7 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
     spec = fleet.k > 0
     seq_verify = 1 + fleet.k
     draft_wall = [0.0, 0.0]  # ms waited for drafts, tokens drafted
+    draft_ms = fleet.draft_ms or (lambda seq: 0.0)
 
     def cross(link: _Link, payload: int, then: Callable[[], None]) -> None:
         serial = (payload + MESSAGE_OVERHEAD_BYTES) * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0
@@ -321,6 +330,7 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
     emitted = [0.0] * n_groups
     steps = [0] * n_groups
     credit = [0.0] * n_groups  # verify steps owed (verify_share per step)
+    missed = [0] * n_groups  # tokens decoded plainly since the group's draft last ran (it feeds them first)
     first_at = [0.0] * n_groups
     done_at = [0.0] * n_groups
 
@@ -337,6 +347,7 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
         tokens = fleet.emitted_per_step if verify else 1.0
 
         def finished() -> None:
+            missed[g] = 0 if verify else missed[g] + 1
             emitted[g] += tokens
             steps[g] += 1
             step(g)
@@ -352,7 +363,9 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
                 draft_wall[1] += rows * fleet.k
                 run_chunk()
 
-            draft.run(rows * fleet.k * fleet.draft_ms_per_token, drafted)
+            # per row: the newest token plus the ones decoded plainly in one forward, then K - 1 one-token forwards
+            draft.run(rows * (fleet.k * fleet.draft_ms_per_token if fleet.draft_ms_per_token
+                              else draft_ms(1 + missed[g]) + max(0.0, fleet.k - 1) * draft_ms(1)), drafted)
         else:
             run_chunk()
 
@@ -377,9 +390,8 @@ def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
                 prefilled()
 
         def opened() -> None:
-            if spec:  # the draft is the same kind of model: its prompt costs what the stages' does, scaled
-                scale = sum(f(prompt) for f in fleet.stage_ms) / sum(f(1) for f in fleet.stage_ms)
-                draft.run(rows * fleet.draft_ms_per_token * scale, prefilled)
+            if spec:  # the draft model prefills the prompt too
+                draft.run(rows * draft_ms(prompt), prefilled)
             prefill(0)
 
         cross(up[0], 0, lambda: cross(down, 0, opened))
@@ -429,29 +441,39 @@ LOCAL_HOP_WORK_MS = 1.1
 PROMPT_TOKENS = (40, 46)  # bench/wan_sweep.py's two prompts through the demo's chat template
 
 
-def local_fleet(profile: dict, cell: dict, sweep: dict, hop_ms: float) -> Fleet:
+def local_fleet(profile: dict, cell: dict, sweep: dict, hop_ms: float, speed: float = 1.0) -> Fleet:
     """The model of one sweep cell on this machine: stage i pinned to core i mod nproc (as the sweep
-    pins its workers), everything else time-sharing the same cores, fleet-wan links, the sweep's window."""
-    curves = tuple(_curve(profile["seqs"], ms) for ms in profile["stage_ms"])
+    pins its workers), everything else time-sharing the same cores, fleet-wan links, the sweep's window.
+    ``speed``: the profile's compute times (stages and draft) are divided by it (see ``calibrate``).
+    A sweep without a draft profile (before 2026-11-30) gets the cell's measured wall ms per drafted
+    token, times the stages' seq/one-token cost ratio."""
+    curves = tuple(_curve(profile["seqs"], [m / speed for m in ms]) for ms in profile["stage_ms"])
     ncpu = sweep["machine"]["nproc"]
     spec = bool(cell["speculation"] and cell["mean_k"] > 0)
     plain = cell.get("plain_steps")
     verify = cell.get("verify_steps")
     share = verify / (verify + plain) if spec and verify and plain is not None else 1.0
+    if not spec:
+        draft = None
+    elif "draft_ms" in profile:
+        draft = _curve(profile["draft_seqs"], [m / speed for m in profile["draft_ms"]])
+    else:
+        per_token = cell.get("draft_ms_per_token") or 0.0  # the same kind of model as the stages, scaled
+        draft = (lambda seq: per_token * sum(f(seq) for f in curves) / sum(f(1) for f in curves))
     return Fleet(stage_ms=curves, stage_core=tuple(i % ncpu for i in range(len(curves))),
                  hidden_size=sweep["hidden_size"], delay_ms=cell["delay_ms"], rate_mbit=cell["rate_mbit"],
                  hop_ms=hop_ms, hop_work_ms=LOCAL_HOP_WORK_MS, hop_cpu_ms=LOCAL_HOP_CPU_MS, users=cell["users"],
                  k=cell["mean_k"] if spec else 0.0, tokens_per_step=cell["tokens_per_step"] if spec else None,
-                 verify_share=share, draft_ms_per_token=cell.get("draft_ms_per_token") or 0.0,
+                 verify_share=share, draft_ms=draft,
                  prompt_tokens=tuple(sweep.get("prompt_tokens") or PROMPT_TOKENS), shared_cores=ncpu,
                  link_timers=True, bench_tokens=sweep["tokens"])
 
 
 def _deconvolve_draft(fleet: Fleet, wall_ms: float) -> Fleet:
-    """``fleet`` with the draft service time whose simulated wall time per drafted token (the wait for
-    the draft thread included) is the measured ``wall_ms``: with one user the same; with more, the
-    smallest such service time (bisection; the wait depends on how the users' steps happen to align,
-    so larger ones may also fit)."""
+    """``fleet`` with the draft service time per drafted token whose simulated wall time per drafted
+    token (the wait for the draft thread included) is the measured ``wall_ms``: with one user the same;
+    with more, the smallest such service time (bisection; the wait depends on how the users' steps
+    happen to align, so larger ones may also fit)."""
     if fleet.users == 1:
         return replace(fleet, draft_ms_per_token=wall_ms)
     lo, hi = 0.0, wall_ms
@@ -462,39 +484,69 @@ def _deconvolve_draft(fleet: Fleet, wall_ms: float) -> Fleet:
     return replace(fleet, draft_ms_per_token=hi)
 
 
-def _calibrate_hop(profile: dict, base: list[dict], sweep: dict) -> float:
-    """The hop overhead whose predictions of the ``base`` cells have a median error of 0 (bisection:
-    predictions fall as it grows)."""
+def _error(profile: dict, cell: dict, sweep: dict, hop_ms: float, speed: float) -> float:
+    return simulate(local_fleet(profile, cell, sweep, hop_ms, speed))["tok_s"] / cell["tok_s"] - 1
+
+
+def _fit_hop(profile: dict, base: list[dict], sweep: dict, speed: float) -> float:
+    """The hop overhead (>= 0) whose predictions of the ``base`` cells have a median error of 0
+    (bisection: predictions fall as it grows)."""
     def median_error(hop_ms: float) -> float:
-        return statistics.median(simulate(local_fleet(profile, c, sweep, hop_ms))["tok_s"] / c["tok_s"] - 1
-                                 for c in base)
+        return statistics.median(_error(profile, c, sweep, hop_ms, speed) for c in base)
 
     lo, hi = 0.0, 100.0
     if median_error(lo) <= 0:
         return 0.0
-    for _ in range(40):
+    for _ in range(30):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if median_error(mid) > 0 else (lo, mid)
     return (lo + hi) / 2
 
 
+SPEEDS = tuple(0.8 + 0.025 * i for i in range(19))  # 0.8-1.25: the machine's speed vs the profile, tried
+SPEED_PENALTY = 0.01  # worst-error points per unit of |log speed|: keep the profile unless the cells insist
+
+
+def calibrate(profile: dict, base: list[dict], sweep: dict) -> tuple[float, float]:
+    """(speed, hop_ms) for one fleet from its ``base`` cells (naive, fastest link, every delay).
+
+    ``hop_ms`` as in ``_fit_hop``. ``speed`` is the machine's speed during the fleet's runs relative to
+    the profile taken at the sweep's start (the load drifts over minutes: in the sweep of 2026-11-30 the
+    3-stage fleet's fastest naive run at 0 ms took 24.6 ms per token, less than its profile's 25.3 ms
+    of compute alone, which no hop overhead >= 0 can fit). In a naive step compute and hop overhead
+    are both a fixed time per token, so these cells alone hardly tell them apart: of the ``SPEEDS``
+    the one whose fitted hop gives the smallest worst error over the base cells, plus
+    ``SPEED_PENALTY`` x |log speed|, is taken (1.0 unless another one fits clearly better)."""
+    def score(speed: float) -> tuple[float, float]:
+        hop = _fit_hop(profile, base, sweep, speed)
+        worst = max(abs(_error(profile, c, sweep, hop, speed)) for c in base)
+        return worst + SPEED_PENALTY * abs(math.log(speed)), hop
+
+    scored = {speed: score(speed) for speed in SPEEDS}
+    speed = min(scored, key=lambda v: scored[v][0])
+    return speed, scored[speed][1]
+
+
 def validate(sweep: dict) -> list[dict]:
-    """Calibrate ``hop_ms`` per fleet on its naive cells over the fastest link; predict every cell.
-    Returns the cells with ``hop_ms``, ``draft_service_ms`` (speculative cells), ``predicted_tok_s``
-    and ``error`` (predicted / measured - 1)."""
+    """Calibrate ``speed`` and ``hop_ms`` per fleet on its naive cells over the fastest link; predict
+    every cell. Returns the cells with ``speed``, ``hop_ms``, ``predicted_tok_s``, ``error``
+    (predicted / measured - 1), ``calibration`` and, for speculative cells, the simulated
+    ``draft_service_ms`` (``_deconvolve_draft``) and ``predicted_draft_wall_ms`` per drafted token."""
     out = []
     for stages_key, profile in sweep["stage_profiles"].items():
         cells = [c for c in sweep["cells"] if c["stages"] == int(stages_key)]
         fastest = max(c["rate_mbit"] for c in cells)
         base = [c for c in cells if c["mode"] == "naive" and c["rate_mbit"] == fastest]
-        hop_ms = _calibrate_hop(profile, base, sweep)
+        speed, hop_ms = calibrate(profile, base, sweep)
         for c in cells:
-            fleet = local_fleet(profile, c, sweep, hop_ms)
+            fleet = local_fleet(profile, c, sweep, hop_ms, speed)
             if fleet.k and c.get("draft_ms_per_token"):
                 fleet = _deconvolve_draft(fleet, c["draft_ms_per_token"])
-            predicted = simulate(fleet)["tok_s"]
-            out.append({**c, "hop_ms": hop_ms, "draft_service_ms": fleet.draft_ms_per_token if fleet.k else None,
-                        "predicted_tok_s": predicted, "error": predicted / c["tok_s"] - 1, "calibration": c in base})
+            r = simulate(fleet)
+            out.append({**c, "speed": speed, "hop_ms": hop_ms, "predicted_tok_s": r["tok_s"],
+                        "draft_service_ms": fleet.draft_ms_per_token if fleet.k else None,
+                        "predicted_draft_wall_ms": r["draft_wall_ms_per_token"],
+                        "error": r["tok_s"] / c["tok_s"] - 1, "calibration": c in base})
     return out
 
 
@@ -508,7 +560,8 @@ LINKS = {"Wi-Fi LAN (3 ms)": 3.0, "WAN (50 ms)": 50.0}
 NODE_MEMORY_GB = 14.0  # usable for weights + KV on a 32 GB AI PC sharing memory with its iGPU
 # a 1B INT4 draft on the coordinator's PC, which also serves stage 0 (1/8 of an 8B token's weight reads);
 # the paper does not publish its acceptance rate: 0.55 is an assumption (see the paper checks)
-DRAFT = dict(k=3, acceptance=0.55, draft_ms_per_token=ARC_MS_PER_8B_LAYER * 32 / 8, draft_core=0)
+DRAFT = dict(k=3, acceptance=0.55, draft_core=0,
+             draft_ms=lambda seq: ARC_MS_PER_8B_LAYER * 32 / 8 * (1 + 0.04 * (seq - 1)))
 
 
 def paper_fleet(model: str, nodes: int, delay_ms: float, users: int, spec: bool) -> Fleet | None:
@@ -606,8 +659,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c['stages']}-stage | {c['rate_mbit']:>6.0f} | {c['delay_ms']:>6.0f} | {c['mode']:<11} | "
                   f"{c['tok_s']:>8.1f} | {spread} | {c['predicted_tok_s']:>7.1f} | {c['error']:>+6.1%}"
                   + ("  (calibration)" if c["calibration"] else ""))
-        print("hop overhead calibrated per fleet: " + ", ".join(sorted({f"{c['stages']}-stage {c['hop_ms']:.2f} ms"
-                                                                        for c in cells})))
+        print("calibrated per fleet: " + ", ".join(sorted({f"{c['stages']}-stage speed {c['speed']:.3f}, hop overhead "
+                                                           f"{c['hop_ms']:.2f} ms" for c in cells})))
         print(summary(cells) + "  (goal: every cell)")
     checks = paper_checks()
     result["paper_checks"] = checks

@@ -63,9 +63,10 @@ def test_bench_window_counts_whole_steps():
     assert fm.simulate(half)["tok_s"] < fm.simulate(fleet)["tok_s"]
 
 
-def _synthetic_sweep(hop_ms: float, draft_service_ms: float) -> dict:
-    """Cells 'measured' by the model itself with a known hop overhead and draft service time."""
-    profile = {"seqs": list(range(1, 10)), "stage_ms": [[12.0 + s for s in range(9)], [10.0 + s for s in range(9)]]}
+def _synthetic_sweep(hop_ms: float, draft_service_ms: float, speed: float = 1.0) -> dict:
+    """Cells 'measured' by the model itself with a known hop overhead, draft service time and speed."""
+    profile = {"seqs": list(range(1, 10)), "stage_ms": [[12.0 + s for s in range(9)], [10.0 + s for s in range(9)]],
+               "draft_seqs": [1, 2, 48], "draft_ms": [8.0, 9.0, 60.0]}
     sweep = {"tokens": 24, "hidden_size": 576, "machine": {"nproc": 2}, "stage_profiles": {"2": profile},
              "prompt_tokens": [40, 46], "cells": []}
     modes = {"naive": (1, False), "+spec": (1, True), "+interleave": (2, False), "full stack": (2, True)}
@@ -75,7 +76,9 @@ def _synthetic_sweep(hop_ms: float, draft_service_ms: float) -> dict:
                 cell = {"stages": 2, "rate_mbit": rate, "delay_ms": delay, "mode": mode, "users": users,
                         "speculation": spec, "mean_k": 2.0 if spec else 0.0, "tokens_per_step": 3.0 if spec else 1.0,
                         "draft_ms_per_token": draft_service_ms if spec else None, "tok_s": 1.0}
-                fleet = fm.local_fleet(profile, cell, sweep, hop_ms)
+                fleet = fm.local_fleet(profile, cell, sweep, hop_ms, speed)
+                if spec:
+                    fleet = fm.replace(fleet, draft_ms_per_token=draft_service_ms)
                 result = fm.simulate(fleet)
                 cell["tok_s"] = result["tok_s"]
                 if spec:  # what the coordinator reports: wall time per drafted token, queueing included
@@ -87,7 +90,7 @@ def _synthetic_sweep(hop_ms: float, draft_service_ms: float) -> dict:
 def test_validate_recovers_the_hop_overhead_and_the_draft_service_time():
     sweep = _synthetic_sweep(hop_ms=4.0, draft_service_ms=20.0)
     cells = fm.validate(sweep)
-    assert {round(c["hop_ms"], 2) for c in cells} == {4.0}
+    assert {round(c["hop_ms"], 2) for c in cells} == {4.0} and {c["speed"] for c in cells} == {1.0}
     assert all(abs(c["error"]) < 1e-3 for c in cells if c["mode"] != "full stack")
     full = [c for c in cells if c["mode"] == "full stack"]
     assert all(c["draft_ms_per_token"] > 20.2 for c in full)  # two users queue for the one draft thread
@@ -95,6 +98,15 @@ def test_validate_recovers_the_hop_overhead_and_the_draft_service_time():
     # wall time: the deconvolution is exact on most cells and a few percent off on the others
     assert sum(c["draft_service_ms"] == pytest.approx(20.0, rel=0.01) for c in full) >= len(full) // 2
     assert all(abs(c["error"]) < 0.05 for c in full)
+
+
+def test_validate_calibrates_a_machine_faster_than_its_profile():
+    # runs 25% faster than the profile with no hop overhead: no hop >= 0 fits at the profile's speed,
+    # so the calibration finds the speed (naive cells alone hardly tell speed from hop otherwise)
+    sweep = _synthetic_sweep(hop_ms=0.0, draft_service_ms=20.0, speed=1.25)
+    cells = fm.validate(sweep)
+    assert all(c["speed"] == pytest.approx(1.25) for c in cells)
+    assert all(abs(c["error"]) < 1e-3 for c in cells if c["mode"] != "full stack")
 
 
 def test_paper_checks_and_predictions():
