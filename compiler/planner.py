@@ -34,15 +34,17 @@ from .plan import balanced_split, decode_weights, parse_layers
 MIB = 1 << 20
 PLAN_FORMAT = 1
 DEFAULT_SESSIONS = 4
-# Measured on this repo's demo (SmolLM2-135M, 2 vCPU without bf16, OpenVINO 2026.4.1): real workers of
-# the 1-, 2- and 3-stage fp16 and the 2-stage int8/int4 builds, each after a chat through a fleet, held
-# VmRSS = shard weights x 3.39-6.46. fp16 weights are unpacked to f32 for inference on a CPU without
-# bf16 (two more bytes per weight beside the mapped IR: +256 MiB for the 128 MiB stage 1); what remains
-# (interpreter, OpenVINO, gRPC, buffers) was 101-303 MiB for fp16 and 136-238 MiB for int8/int4 workers
-# beside one copy of their weights. The rule below holds every one of the 8 with 3-90% to spare
-# (tightest: fp16 stage 1 of 3 at 567 MiB vs 583 MiB). A bf16 CPU or a GPU needs less; not measured here.
+# Measured on this repo's demo (SmolLM2-135M, 2 vCPU AVX2 without bf16, OpenVINO 2026.4.1). The CPU plugin
+# packs a stage's weights into buffers of its own on the first inference of each kind of chunk: one
+# layout for chunks of < 8 tokens and a second for 8-128, so an fp16 stage holds its weights ~2x and an
+# int8/int4 stage ~1.6x once it has decoded and prefilled (worker/runner.py warms both up, then hands
+# the mapped IR's pages back). Beside that: the interpreter, OpenVINO, gRPC (an idle worker: 87 MiB) and
+# 40-75 MiB per compiled stage. Peak RSS of real workers of every stage of the 1-, 2- and 3-stage fp16,
+# int8 and int4 builds (a session of 1,056 tokens, after the warm-up, whose peak still holds the mapped
+# file) is 224-873 MiB; the rule below holds all 18 with 15-94% to spare (tightest: int8 1-stage, 525
+# MiB vs 601). A bf16 CPU or a GPU needs less; not measured here.
 RUNTIME_FIXED_BYTES = 320 * MIB
-UNPACKED_COPY = {"fp16": 2.0, "int8": 1.0, "int4": 1.0}  # extra bytes per weight byte at run time
+UNPACKED_COPY = {"fp16": 2.0, "int8": 1.0, "int4": 1.0}  # plugin-packed bytes per weight byte at run time
 
 
 class PlanRefused(ValueError):

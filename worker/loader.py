@@ -137,3 +137,41 @@ def _prune(folder: Path) -> None:
     entries = sorted(folder.glob("*.blob"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[CACHE_ENTRIES_KEPT:]:
         old.unlink(missing_ok=True)  # a worker that maps it keeps its copy until it exits
+
+
+MADV_PAGEOUT = 21  # linux/mman.h, Linux >= 5.4
+WEIGHT_FILE_SUFFIXES = (".bin", ".blob")  # an IR's weights; a compiled model (ours or OpenVINO's model cache)
+
+
+def release_weight_pages() -> int:
+    """Ask the kernel to reclaim this process's resident pages of mapped weight files
+    (``madvise(MADV_PAGEOUT)`` on every mapping of a ``.bin`` or ``.blob`` file; Linux >= 5.4, a no-op
+    elsewhere). Returns the bytes that were resident in those mappings.
+
+    Call it after a warm-up inference: by then the CPU plugin computes from its own packed copy of the
+    weights, and the mapped file is a second resident copy. Measured here (openvino 2026.4.1, AVX2
+    CPU) for fp16, int8 and int4 shards loaded from the IR, from OpenVINO's model cache and from a
+    blob: after the page-out, 16 decode steps and a 128-token prefill read back at most 1 MiB of the
+    file, at the same speed. A page that is needed again is simply read back (the advice is not
+    destructive: the pages are clean file pages)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        with open("/proc/self/smaps") as f:
+            smaps = f.read().splitlines()
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    weights: list[list[int]] = []  # [start, end, resident bytes] of each weight-file mapping
+    current = None
+    for line in smaps:
+        parts = line.split()
+        if parts and "-" in parts[0] and ":" not in parts[0]:  # a mapping's header line
+            current = None
+            if len(parts) >= 6 and parts[-1].endswith(WEIGHT_FILE_SUFFIXES):
+                current = [*(int(x, 16) for x in parts[0].split("-")), 0]
+                weights.append(current)
+        elif current is not None and parts and parts[0] == "Rss:":
+            current[2] = int(parts[1]) * 1024
+    return sum(rss for start, end, rss in weights if libc.madvise(start, end - start, MADV_PAGEOUT) == 0)

@@ -99,14 +99,14 @@ def near(value: object, good: int) -> int:
 U32 = st.one_of(st.sampled_from(U32_EDGES), st.integers(0, 2**32 - 1))
 NEAR = st.one_of(st.integers(-2, 2).map(Near), U32)
 U32S = st.lists(U32, max_size=6)
-ODD_IDS = st.one_of(st.just(""), st.text(max_size=24),
+ODD_IDS = st.one_of(st.just(""), st.text(st.characters(codec="utf-8"), max_size=24),  # protobuf strings are UTF-8
                     st.sampled_from(["fz-never-opened", "x" * 20_000, "\x00", "🦀" * 300]))
 SESSION = st.one_of(st.integers(0, 7).map(Live), ODD_IDS, st.just("fz-group"))
 UNREACHABLE = "127.0.0.1:1"  # refused at once: nothing listens on port 1
 ROUTES = st.lists(st.one_of(
     st.sampled_from(["", ":", "host", "127.0.0.1:", ":50051", "127.0.0.1:0", "127.0.0.1:99999", "[::1]:70000",
                      "127.0.0.1:abc", "127.0.0.1:-1", "127.0.0.1:1 ", "\x00", "dns:///", "unix:", "a" * 10_000]),
-    st.text(alphabet=st.characters(exclude_characters=":"), max_size=40),  # no port: never dialled
+    st.text(alphabet=st.characters(codec="utf-8", exclude_characters=":"), max_size=40),  # no port: never dialled
     # well-formed but refused at once: every one of these loopback addresses is a channel of its own
     st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(1, 255)).map(lambda t: "127.%d.%d.%d:1" % t),
 ), max_size=3)

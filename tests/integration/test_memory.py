@@ -1,9 +1,10 @@
 """One compiled model per worker: each added session costs its KV state, not a model copy.
 
 A real worker of the 1-stage build (f32: 46,080 KV bytes per token) gets sessions of 512 tokens each
-through its gRPC API; its resident memory (VmRSS) grows by about 512 x 46,080 B = 22.5 MiB per
-session, against ~540 MB of f32 weights a per-session model copy would add; closing the sessions
-gives that memory back."""
+through its gRPC API; its resident anonymous memory (RssAnon: heap, where the KV states live; not the
+pages of the mapped weights file, which come back as the embedding rows of new tokens are read) grows
+by about 512 x 46,080 B = 22.5 MiB per session, against ~540 MB of f32 weights a per-session model
+copy would add; closing the sessions gives that memory back."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ SESSIONS = 6
 
 
 def rss_bytes(pid: int) -> int:
+    """Resident anonymous memory of ``pid`` (RssAnon), bytes."""
     for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError("no RssAnon")
 
 
 def test_session_costs_its_kv_not_a_model(build_1, tmp_path):
