@@ -37,12 +37,12 @@ DEFAULT_SESSIONS = 4
 # Measured on this repo's demo (SmolLM2-135M, 2 vCPU AVX2 without bf16, OpenVINO 2026.4.1). The CPU plugin
 # packs a stage's weights into buffers of its own on the first inference of each kind of chunk: one
 # layout for chunks of < 8 tokens and a second for 8-128, so an fp16 stage holds its weights ~2x and an
-# int8/int4 stage ~1.6x once it has decoded and prefilled (worker/runner.py warms both up, then hands
-# the mapped IR's pages back). Beside that: the interpreter, OpenVINO, gRPC (an idle worker: 87 MiB) and
-# 40-75 MiB per compiled stage. Peak RSS of real workers of every stage of the 1-, 2- and 3-stage fp16,
-# int8 and int4 builds (a session of 1,056 tokens, after the warm-up, whose peak still holds the mapped
-# file) is 224-873 MiB; the rule below holds all 18 with 15-94% to spare (tightest: int8 1-stage, 525
-# MiB vs 601). A bf16 CPU or a GPU needs less; not measured here.
+# int8/int4 stage ~1.6x once it has decoded and prefilled, beside the pages of the mapped IR file (1x,
+# page cache the kernel can reclaim). Beside that: the interpreter, OpenVINO, gRPC (an idle worker:
+# 87 MiB) and 40-75 MiB per compiled stage. Peak RSS of real workers of every stage of the 1-, 2- and
+# 3-stage fp16, int8 and int4 builds, after a 16-token and a 1-token chunk and a session of 1,056 tokens,
+# is 224-873 MiB; the rule below holds all 18 with 15-94% to spare (tightest: int8 1-stage, 525 MiB vs
+# 601). A bf16 CPU or a GPU needs less; not measured here.
 RUNTIME_FIXED_BYTES = 320 * MIB
 UNPACKED_COPY = {"fp16": 2.0, "int8": 1.0, "int4": 1.0}  # plugin-packed bytes per weight byte at run time
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +12,7 @@ import openvino as ov
 from fleet_common.manifest import LoadedManifest
 from fleet_common.runtime import ChunkError, KVSession, compact, run_chunk
 
-from .loader import load_shard, release_weight_pages
-from .sessions import release_free_memory
+from .loader import load_shard
 
 log = logging.getLogger(__name__)
 
@@ -56,31 +54,11 @@ class ShardRunner:
         self.compiled, self.kv_value_bytes = self.load.compiled, self.load.kv_value_bytes
         log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s", stage, self.entry.start, self.entry.end,
                  device, self.load.source, self.load.seconds)
-        self.warm_up()
         if self.entry.device.split(".")[0].upper() != device.split(".")[0].upper():  # served anyway
             # CPU is also what every build without a plan names: no warning for those
             log.log(logging.INFO if self.entry.device == "CPU" else logging.WARNING,
                     "stage %d was planned for %s (the manifest's device); this worker runs it on %s (--device)",
                     stage, self.entry.device, device)
-
-    def warm_up(self) -> None:
-        """Run a 16-token and a 1-token chunk through a throwaway session, then hand the mapped weight
-        files' pages back to the kernel (``loader.release_weight_pages``).
-
-        The CPU plugin packs the weights into its own buffers on the first inference, not at compile
-        time: without this the first request's TTFT pays for it, and the worker holds the weights twice
-        (the plugin's copy and the mapped file's pages; an fp16 stage of 128 MiB: RSS 436 MiB after
-        the warm-up, 308 MiB after the page-out)."""
-        t0 = time.perf_counter()
-        session = KVSession("warm-up", self.new_request(), 17)
-        for seq, past in ((16, 0), (1, 16)):
-            x = (np.zeros((1, seq), np.int64) if self.first else np.zeros((1, seq, self.hidden_size), np.float32))
-            self.run(session, x, past, past, [], 1)
-        session.request = None
-        release_free_memory()
-        released = release_weight_pages()
-        log.info("stage %d warmed up in %.2f s; %d MiB of mapped weight files handed back to the kernel (the "
-                 "plugin computes from its own copy)", self.stage, time.perf_counter() - t0, released >> 20)
 
     def new_request(self) -> ov.InferRequest:
         return self.compiled.create_infer_request()
