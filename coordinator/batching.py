@@ -27,6 +27,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,8 +73,10 @@ class BatchGroup:
     """
 
     def __init__(self, pipeline: Pipeline, slack: int, compact_share: float, compact_min_slots: int,
-                 timeout_s, max_rows: int, wait_s: float) -> None:  # noqa: ANN001 - timeout_s: tokens -> seconds
+                 timeout_s, max_rows: int, wait_s: float,  # noqa: ANN001 - timeout_s: tokens -> seconds
+                 on_freed: Callable[[], None] = lambda: None) -> None:
         self.pipeline = pipeline
+        self.on_freed = on_freed  # called whenever this group frees KV at the stages (a row dropped, a close)
         self.group_id = f"group-{uuid.uuid4().hex[:16]}"
         self.slack = slack  # extra slots so that the longest row plus the longest chunk always fit
         self.compact_share, self.compact_min_slots = compact_share, compact_min_slots
@@ -205,6 +208,7 @@ class BatchGroup:
             if not isinstance(exc, (StageFailure, asyncio.CancelledError)):
                 log.exception("%s failed", self.group_id)
             await asyncio.shield(self.pipeline.close_session(self.group_id, 5.0))
+            self.on_freed()
         finally:
             self._task = None
             self._kick()
@@ -235,10 +239,12 @@ class BatchGroup:
             for m in new:  # left during the merge: no request is left to free its session's KV
                 if m.left:
                     await asyncio.shield(self.pipeline.close_session(m.session_id, self.timeout_s(0)))
+                    self.on_freed()
             if self.rows:  # the group's state is unknown now
                 raise
             # stages where the rename went through hold the session under the group's id
             await asyncio.shield(self.pipeline.close_session(self.group_id, self.timeout_s(0)))
+            self.on_freed()
             return
         self.rows += new  # a member that left during the merge keeps a row until the next step drops it
         self.members += [m for m in new if not m.left]
@@ -250,6 +256,7 @@ class BatchGroup:
     async def _close(self) -> None:
         self.rows, self.length, self.max_context = [], 0, 0
         await asyncio.shield(self.pipeline.close_session(self.group_id, self.timeout_s(0)))
+        self.on_freed()
 
     async def _compact(self) -> None:
         for r, m in enumerate(self.rows):  # departed rows are emptied: the next step drops them
@@ -296,8 +303,11 @@ class BatchGroup:
         out = await self.pipeline.step(
             self.group_id, tokens, self.length, starts, count, top_k, self.timeout_s(seq * len(subs)),
             hide_slots=hide_slots, hide_rows=hide_rows, pads=pads, keep_rows=keep)
+        dropped = len(self.rows) > len(members)
         self.rows = members
         self.length += seq
+        if dropped:  # the stages freed the departed rows' KV
+            self.on_freed()
         self.steps += 1
         self.last_rows = sum(s is not None for s in subs)
         ids = out.top_ids.reshape(len(members), count, -1)
@@ -324,11 +334,11 @@ class Batcher:
     full), each of at most ``max_rows`` sessions, a new session joining the least-loaded open group."""
 
     def __init__(self, groups: int, max_rows: int, slack: int, compact_share: float, compact_min_slots: int,
-                 timeout_s, wait_s: float) -> None:  # noqa: ANN001
+                 timeout_s, wait_s: float, on_freed: Callable[[], None] = lambda: None) -> None:  # noqa: ANN001
         self.target_groups = groups
         self._new_group = functools.partial(BatchGroup, slack=slack, compact_share=compact_share,
                                             compact_min_slots=compact_min_slots, timeout_s=timeout_s,
-                                            max_rows=max_rows, wait_s=wait_s)
+                                            max_rows=max_rows, wait_s=wait_s, on_freed=on_freed)
         self.groups: list[BatchGroup] = []
 
     def assign(self, pipeline: Pipeline) -> BatchGroup:

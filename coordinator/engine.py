@@ -150,13 +150,13 @@ class Engine:
         self._queued = 0  # requests waiting for a slot
         self.running = 0  # requests generating
         self.metrics = CoordinatorMetrics()
-        self._closed = asyncio.Condition()  # notified whenever a session is closed (its KV freed)
+        self._kv_freed_event = asyncio.Event()  # set (and replaced) whenever KV is freed at the stages
         self.model_name = settings.served_model_name or self.manifest.model_id
         self._background: set[asyncio.Task] = set()  # best-effort closes of sessions left behind
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
         self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
-                               self._timeout, settings.batch_wait_ms / 1000)
+                               self._timeout, settings.batch_wait_ms / 1000, on_freed=self._kv_freed)
         self.draft_source = settings.draft
         if self.draft_source == "auto":
             self.draft_source = self.manifest.drafts[0].name if self.manifest.drafts else "none"
@@ -231,6 +231,7 @@ class Engine:
         deadline = loop.time() + s.queue_timeout_s
         waited = False
         while True:
+            freed = self._kv_freed_event  # taken before the attempt: a free during it is not missed
             try:
                 await pipeline.open_session(session, slots, s.rpc_timeout_s)
                 return
@@ -241,9 +242,8 @@ class Engine:
                 if loop.time() >= deadline:
                     raise Overloaded(f"no stage room for this request's KV after {s.queue_timeout_s:.0f} s in the "
                                      f"queue: {exc.message}") from None
-                async with self._closed:  # a session closing somewhere may make room
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._closed.wait(), max(0.0, deadline - loop.time()))
+                with contextlib.suppress(TimeoutError):  # a session or batch group freeing KV may make room
+                    await asyncio.wait_for(freed.wait(), max(0.0, deadline - loop.time()))
 
     async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool):  # noqa: ANN001
         """Run ``tokens`` through every stage in ``prefill_chunk`` steps; the last step's candidates
@@ -460,13 +460,18 @@ class Engine:
             if group is None or not member.owned:  # else its group frees it (the merge may still be running)
                 await asyncio.shield(self._close_in_background(pipeline, session))
 
+    def _kv_freed(self) -> None:
+        """Wake every request waiting for KV room (a session closed, or a batch group closed or dropped
+        rows): they retry their ``OpenSession``."""
+        self._kv_freed_event.set()
+        self._kv_freed_event = asyncio.Event()
+
     def _close_in_background(self, pipeline, session: str) -> asyncio.Task:  # noqa: ANN001
         """Free ``session``'s KV on every stage of ``pipeline``, then wake requests waiting for room, in a
         task that a cancellation of the caller does not stop (close failures are logged, never raised)."""
         async def close() -> None:
             await pipeline.close_session(session, self.settings.rpc_timeout_s)
-            async with self._closed:
-                self._closed.notify_all()
+            self._kv_freed()
 
         task = asyncio.ensure_future(close())
         self._background.add(task)

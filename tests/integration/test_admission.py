@@ -53,10 +53,15 @@ def test_budget_is_reported_and_third_session_waits_for_room(workers):
         with grpc.insecure_channel(address) as channel:
             info = pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=10)
         assert info.kv_budget_bytes == BUDGET_MB << 20 and info.kv_reserved_bytes == 0
-    proc, url = coordinator(workers, "queue")
+    proc, url = coordinator(workers, "queue", "--queue-timeout-s", "60")
     try:
+        t0 = time.monotonic()
         replies = concurrently(url, 3)
+        elapsed = time.monotonic() - t0
         assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+        # the third is woken when the first two free their KV (their batch groups close), not left to
+        # retry only when its 60 s in the queue run out
+        assert elapsed < 40, f"the waiting request was not woken when KV was freed ({elapsed:.0f} s)"
         texts = {r.json()["choices"][0]["message"]["content"] for r in replies}
         assert len(texts) == 1  # the one that waited answers like the others
     finally:

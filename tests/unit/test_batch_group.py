@@ -98,3 +98,29 @@ def test_a_member_leaving_before_its_step_runs_does_not_break_the_group():
     broken, out = asyncio.run(scenario())
     assert broken is None
     assert isinstance(out, StepOutput)
+
+
+def test_the_group_reports_each_kv_free_to_the_engine():
+    """Requests waiting for KV room are woken by the group: when a departed member's row is dropped
+    and when the last member's leaving closes the group's state (the admission wait's lost wake-up:
+    a third request waited out its whole 60 s queue timeout)."""
+    async def scenario() -> list[str]:
+        pipeline = FakePipeline()
+        frees: list[str] = []
+        group = BatchGroup(pipeline, slack=2, compact_share=0.5, compact_min_slots=64,
+                           timeout_s=lambda tokens: 20.0, max_rows=4, wait_s=0.05,
+                           on_freed=lambda: frees.append(pipeline.calls[-1]))
+        a, b = Member("a", slots=8, visible=4), Member("b", slots=8, visible=4)
+        await asyncio.gather(group.join(a), group.join(b))
+        await asyncio.wait_for(asyncio.gather(*(group.step(m, [1], m.visible, 1, 1) for m in (a, b))), 2.0)
+        assert frees == []
+        group.leave(a)
+        await asyncio.wait_for(group.step(b, [1], b.visible, 1, 1), 2.0)  # drops a's row
+        group.leave(b)
+        for _ in range(100):  # the group's task closes its state
+            if len(frees) == 2:
+                break
+            await asyncio.sleep(0.01)
+        return frees
+
+    assert asyncio.run(scenario()) == ["step", "close"]
