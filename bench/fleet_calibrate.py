@@ -31,13 +31,14 @@ def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, r
     from fleet_common.manifest import load_manifest
 
     loaded = load_manifest(build)
+    hidden = loaded.manifest.architecture.hidden_size
     out = {"seqs": list(seqs),
-           "stage_ms": [_chunk_ms(loaded.directory / e.xml, seqs, context, repeats, loaded.manifest.architecture.hidden_size,
-                                  every_logit=True) for e in loaded.manifest.stages]}
+           "stage_ms": [_chunk_ms(loaded.directory / e.xml, seqs, context, repeats, hidden, every_logit=True)
+                        for e in loaded.manifest.stages]}
     if draft:
+        xml = loaded.directory / loaded.manifest.draft(draft).xml
         out["draft_seqs"] = list(DRAFT_SEQS)
-        out["draft_ms"] = _chunk_ms(loaded.directory / loaded.manifest.draft(draft).xml, DRAFT_SEQS, context, repeats, 0,
-                                   every_logit=False)
+        out["draft_ms"] = _chunk_ms(xml, DRAFT_SEQS, context, repeats, 0, every_logit=False)
     return out
 
 
