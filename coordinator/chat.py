@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             print(f"fleet-chat: no fleet coordinator answers at {url}: {exc}", file=sys.stderr)
             return 2
-        print(f"fleet-chat: connected to {url} ({model}); empty line or Ctrl-D quits", file=sys.stderr)
+        quits = "" if prompts is not None else "; empty line or Ctrl-D quits"
+        print(f"fleet-chat: connected to {url} ({model}){quits}", file=sys.stderr)
         while True:
             if prompts is not None:
                 user = next(prompts, None)

@@ -16,7 +16,7 @@ class WorkerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
 
-    shard: int = Field(ge=0, description="stage index this worker serves (0 = first); required")
+    shard: int = Field(ge=0, description="stage index this worker serves (0 = first)")
     model: Path = Field(description="build folder written by fleet-compiler build (holds manifest.json)")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves the LAN")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
