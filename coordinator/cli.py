@@ -166,7 +166,8 @@ def render_status(url: str, health: dict) -> str:
             lines.append(
                 f"  {w['address']:<21} {'healthy' if w['healthy'] else 'DOWN':<8} id {w.get('worker_id', '?'):<12} "
                 f"{w.get('device', '?')}  RTT {w['rtt_ms']:.1f} ms, sessions {w.get('sessions', '?')} "
-                f"(from here {w['load']}), sequences {w.get('sequences', '?')}, busy {w.get('busy', '?')}, {kv}, "
+                f"(this coordinator's requests now: {w['load']}), sequences {w.get('sequences', '?')}, "
+                f"busy {w.get('busy', '?')}, {kv}, "
                 f"OpenVINO {w.get('openvino_version', '?')}, protocol {w.get('protocol_version', '?')}, via {w['source']}"
                 + (f", missed {w['missed_health_checks']} health checks" if w["missed_health_checks"] else ""))
     for w in workers:
