@@ -207,8 +207,7 @@ class BatchGroup:
             self._joining, self._pending = [], {}
             if not isinstance(exc, (StageFailure, asyncio.CancelledError)):
                 log.exception("%s failed", self.group_id)
-            await asyncio.shield(self.pipeline.close_session(self.group_id, 5.0))
-            self.on_freed()
+            await self._close_session(self.group_id, 5.0)
         finally:
             self._task = None
             self._kick()
@@ -238,13 +237,11 @@ class BatchGroup:
                     future.set_exception(exc)
             for m in new:  # left during the merge: no request is left to free its session's KV
                 if m.left:
-                    await asyncio.shield(self.pipeline.close_session(m.session_id, self.timeout_s(0)))
-                    self.on_freed()
+                    await self._close_session(m.session_id, self.timeout_s(0))
             if self.rows:  # the group's state is unknown now
                 raise
             # stages where the rename went through hold the session under the group's id
-            await asyncio.shield(self.pipeline.close_session(self.group_id, self.timeout_s(0)))
-            self.on_freed()
+            await self._close_session(self.group_id, self.timeout_s(0))
             return
         self.rows += new  # a member that left during the merge keeps a row until the next step drops it
         self.members += [m for m in new if not m.left]
@@ -255,7 +252,12 @@ class BatchGroup:
 
     async def _close(self) -> None:
         self.rows, self.length, self.max_context = [], 0, 0
-        await asyncio.shield(self.pipeline.close_session(self.group_id, self.timeout_s(0)))
+        await self._close_session(self.group_id, self.timeout_s(0))
+
+    async def _close_session(self, session_id: str, timeout_s: float) -> None:
+        """Close ``session_id`` on every stage (shielded from the caller's cancellation), then tell
+        ``on_freed``: requests waiting for KV room retry."""
+        await asyncio.shield(self.pipeline.close_session(session_id, timeout_s))
         self.on_freed()
 
     async def _compact(self) -> None:
