@@ -1,7 +1,8 @@
-"""Calibration measurements of this machine for ``bench/fleet_model.py``: per-stage chunk cost
-(``profile_stages``, which ``bench/wan_sweep.py`` runs at its start), each process's CPU per decode
-step (``measure_hop_cpu``) and fleet-wan's timer term (``measure_link_timers``). The constants the
-model keeps from the last two are in its docstring; re-measure with
+"""Calibration measurements of this machine for ``bench/fleet_model.py``: per-stage and draft chunk
+cost (``profile_stages``, ``profile_draft``: ``bench/wan_sweep.py`` runs both at its start), each
+process's CPU per decode step (``measure_hop_cpu``) and fleet-wan's timer term
+(``measure_link_timers``). The constants the model keeps from the last two are in its docstring;
+re-measure with
 
     python bench/fleet_calibrate.py link-timers          # a few seconds
     python bench/fleet_calibrate.py hop-cpu BUILD        # a 2-stage build; about a minute
@@ -23,23 +24,29 @@ DRAFT_SEQS = (*range(1, 10), 16, 24, 32, 48)  # a draft feeds 1 token, or the on
 # decoded plainly, or (prefill) the prompt: the sweep's prompts are 40 and 46 tokens
 
 
-def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, repeats: int = 15,
-                   draft: str | None = None) -> dict:
+def profile_stages(build: Path, seqs: range = range(1, 10), context: int = 64, repeats: int = 15) -> dict:
     """Median ms of one chunk of ``seq`` tokens (one row) per stage of ``build``, one inference thread,
-    in this process: {"stage_ms": [[ms per seq] per stage], "seqs": [...]}; with ``draft`` (a draft
-    model of the build, e.g. "self-int8") also {"draft_ms": [ms per seq], "draft_seqs": DRAFT_SEQS}."""
+    in this process: {"stage_ms": [[ms per seq] per stage], "seqs": [...]}."""
     from fleet_common.manifest import load_manifest
 
     loaded = load_manifest(build)
     hidden = loaded.manifest.architecture.hidden_size
-    out = {"seqs": list(seqs),
-           "stage_ms": [_chunk_ms(loaded.directory / e.xml, seqs, context, repeats, hidden, every_logit=True)
-                        for e in loaded.manifest.stages]}
-    if draft:
-        xml = loaded.directory / loaded.manifest.draft(draft).xml
-        out["draft_seqs"] = list(DRAFT_SEQS)
-        out["draft_ms"] = _chunk_ms(xml, DRAFT_SEQS, context, repeats, 0, every_logit=False)
-    return out
+    return {"seqs": list(seqs),
+            "stage_ms": [_chunk_ms(loaded.directory / e.xml, seqs, context, repeats, hidden, every_logit=True)
+                         for e in loaded.manifest.stages]}
+
+
+def profile_draft(build: Path, draft: str, context: int = 64, repeats: int = 15) -> dict:
+    """Median ms of one chunk of each of ``DRAFT_SEQS`` tokens through ``build``'s draft model ``draft``
+    (e.g. "self-int8"), one inference thread, logits of the last position only (as the coordinator
+    feeds it): {"draft_ms": [ms per seq], "draft_seqs": DRAFT_SEQS}. Raises ``ManifestError`` for a
+    draft the build does not have."""
+    from fleet_common.manifest import load_manifest
+
+    loaded = load_manifest(build)
+    xml = loaded.directory / loaded.manifest.draft(draft).xml
+    return {"draft_seqs": list(DRAFT_SEQS),
+            "draft_ms": _chunk_ms(xml, DRAFT_SEQS, context, repeats, 0, every_logit=False)}
 
 
 def _chunk_ms(xml: Path, seqs, context: int, repeats: int, hidden_size: int,  # noqa: ANN001

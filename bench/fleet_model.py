@@ -41,11 +41,12 @@ The terms, and where each number comes from (times in ms):
   naive (1 user, no speculation) cells over the fastest link, together with ``speed`` (the machine's
   speed during the fleet's runs relative to the profile, ``calibrate``): the hop is the value whose
   predictions have a median error of 0 over their delays (6.3 and 6.6 ms at speed 1.0 for
-  ``wan_sweep_quiet.json``'s 2- and 3-stage fleets; 2.8 ms at 1.0 and 0.1 ms at 1.05 for the quiet
-  sweep of 2026-11-30). On separate PCs it is a latency. On a shared machine ``hop_work_ms`` of it is CPU work of
-  the unpinned processes, time-sharing the cores with the stages, and the rest a wait:
-  ``LOCAL_HOP_WORK_MS`` = 1.1 ms, from ``fleet_calibrate.measure_hop_cpu`` (the coordinator's, the proxies' and the
-  client's CPU per decode step over the step's crossings). When users interleave, that work competes
+  ``wan_sweep_quiet.json``'s 2- and 3-stage fleets; in the two quiet sweeps of 2026-11-30, 2.8 ms at
+  1.0 and 0.1 ms at 1.05, then 2.3 and 2.1 ms at 1.0). On separate PCs it is a latency. On a shared
+  machine ``hop_work_ms`` of it is CPU work of the unpinned processes, time-sharing the cores with
+  the stages, and the rest a wait: ``LOCAL_HOP_WORK_MS`` = 1.1 ms, from
+  ``fleet_calibrate.measure_hop_cpu`` (the coordinator's, the proxies' and the client's CPU per
+  decode step over the step's crossings). When users interleave, that work competes
   with the stages' compute (in a naive cell one core is always free for it).
 * **hop CPU on the receiving stage** ``hop_cpu_ms`` (1.8 ms here, ``LOCAL_HOP_CPU_MS``): a worker's CPU
   per chunk beyond inference (receive, forward, reply), from ``bench/interleave_bench.py``'s CPU
@@ -59,7 +60,7 @@ The terms, and where each number comes from (times in ms):
   equals the measured one (``_deconvolve_draft``; with one user the two are the same; with two, the
   wait depends on how their steps align, so the smallest fitting service time is taken). A request's
   draft model also prefills its prompt (the first token waits for it): that costs ``draft_ms(prompt)``,
-  the draft's own profile (``profile_stages(..., draft=)``, one thread, chunks of 1-48 tokens). Using
+  the draft's own profile (``fleet_calibrate.profile_draft``, one thread, chunks of 1-48 tokens). Using
   the catch-up-laden per-token cost there instead (as before 2026-11-30) made the 2-stage full stack
   at 0 ms and 20 Mbit/s come out 33% slow: adaptive K drafted in 6 of 132 steps, each after a long
   plain stretch (97 ms per drafted token). Fleets without a measured per-token cost (the paper's)
@@ -95,8 +96,8 @@ repeats on the loaded machine, it verified drafts in 2 steps and decoded 42 plai
 
 ``python bench/fleet_model.py --sweep bench/results/wan_sweep.json`` validates the model against a
 ``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate ``speed`` and ``hop_ms``,
-every other cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B (4-8 nodes) on
-LAN/Wi-Fi and WAN links with a PNG plot, from the paper's device figures (Berenbaum & Venkatachalam,
+every other cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B
+(4-8 nodes) on LAN/Wi-Fi and WAN links with a PNG plot, from the paper's device figures (Berenbaum & Venkatachalam,
 arXiv 2608.19147: ~20-23 ms per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
 ``bench/fleet_calibrate.py`` re-measures the fleet-wan timer term and the processes' CPU per decode step.
 """

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})  # profile each stage as the workers run: one core, one thread
-    profiles = {n: fleet_calibrate.profile_stages(b, draft="self-int8") for n, b in builds.items()}
+    draft = fleet_calibrate.profile_draft(next(iter(builds.values())), "self-int8")  # one model, every build's
+    profiles = {n: {**fleet_calibrate.profile_stages(b), **draft} for n, b in builds.items()}
     os.sched_setaffinity(0, affinity)
     for n, p in profiles.items():
         print(f"  {n}-stage compute per chunk of 1 / 4 / 8 tokens, ms: " + "; ".join(
