@@ -102,7 +102,7 @@ def ensure_build(hf: Path, cache: Path, shards: int, layers: str | None = None) 
     version (a hash of the compiler's export, build and plan code is part of the folder name)."""
     import hashlib
 
-    key = hashlib.sha256(b"".join((ROOT / "compiler" / n).read_bytes() for n in ("export.py", "build.py", "plan.py")))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted((ROOT / "compiler").glob("*.py"))))
     name = f"smollm2-{shards}stage" + (f"-{layers.replace(':', '_').replace(',', '-')}" if layers else "")
     out = cache / f"{name}-{key.hexdigest()[:8]}"
     if not (out / "manifest.json").is_file():
@@ -121,17 +121,13 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
     from openvino_tokenizers import convert_tokenizer
     from transformers import AutoTokenizer
 
-    from compiler.build import load_source
-    from compiler.export import StageSpec, export_stage
+    from compiler.build import save_whole_model
 
     print(f"exporting the GenAI folder into {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(hf / name, out / name)
-    model, _ = load_source(hf, out)
-    layers = model.config.num_hidden_layers
-    ov_model = export_stage(model, StageSpec(0, 0, layers, layers), logits_index_input=False)
-    ov.save_model(ov_model, out / "openvino_model.xml", compress_to_fp16=True)
+    save_whole_model(hf, out / "openvino_model.xml", logits_index_input=False)
     tokenizer, detokenizer = convert_tokenizer(AutoTokenizer.from_pretrained(hf), with_detokenizer=True)
     ov.save_model(tokenizer, out / "openvino_tokenizer.xml")
     ov.save_model(detokenizer, out / "openvino_detokenizer.xml")  # written last: GENAI_FILES marks completion

@@ -1,10 +1,22 @@
-"""``fleet-compiler build``: HF folder or GGUF -> stateful IR shards + tokenizer + manifest."""
+"""``fleet-compiler build``: HF folder or GGUF -> stateful IR shards + tokenizer + manifest, no torch.
+
+Each stage is built by compiler/export.py straight from the memory-mapped weights and written at once,
+one tensor in memory at a time; int8/int4 stages are then compressed by NNCF from that fp16 stage IR
+(read back memory-mapped), so a build's peak memory follows its largest stage, not the model
+(bench/build_memory.py measures it). The build is written into a hidden folder beside ``out`` and
+moved into place only when complete: a failed build (bad file, full disk, Ctrl-C) leaves ``out`` as
+it was and nothing half-written.
+"""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import shutil
 import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import openvino as ov
@@ -12,48 +24,180 @@ import openvino as ov
 from fleet_common import PROTOCOL_VERSION
 from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEntry, sha256_file
 
-from .compress import compress, parse_stage_weights, resolve
-from .draft import draft_name, export_draft
-from .export import StageSpec, export_stage
+from .arch import ModelConfig
+from .compress import WeightSpec, compress, parse_stage_weights, resolve
+from .draft import check_self_draft, draft_name, export_draft
+from .export import StageSpec, export_stage, stage_tensors
 from .plan import balanced_split, decode_weights, parse_layers
-from .quality import REPORT_NAME as QUALITY_REPORT
+from .weights import SafetensorsWeights
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "config.json")
 
 
-def load_source(src: Path, workdir: Path):  # noqa: ANN201 - returns (hf model, hf folder)
-    """Load ``src`` (an HF folder, or a ``.gguf`` file converted into ``workdir``) as an f32 HF model.
+class BuildError(ValueError):
+    """A build that cannot go on (disk full, unwritable output); the message says what to do."""
 
-    Raises ``FileNotFoundError`` / ``ValueError`` with the path when the source is not usable.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
 
+@dataclass
+class Source:
+    """A model to build: its config, its weights (lazily read) and the folder holding its tokenizer."""
+
+    config: ModelConfig
+    weights: SafetensorsWeights
+    folder: Path
+
+
+def open_source(src: Path, workdir: Path) -> Source:
+    """Open ``src``: an HF folder (config.json + safetensors), or a ``.gguf`` file converted into
+    ``workdir`` first (compiler/source.py). Reads headers only. Raises ``FileNotFoundError`` /
+    ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and the problem."""
     src = Path(src)
     if src.suffix == ".gguf":
         from .source import gguf_to_hf
 
-        src = gguf_to_hf(src, workdir / "hf")
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src} is neither a .gguf file nor a Hugging Face model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    return model.eval(), src
+        src = gguf_to_hf(src, Path(workdir) / "hf")
+    config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
+    return Source(config, SafetensorsWeights(src), src)
 
 
-def _prepare_output(out: Path) -> None:
-    """Clear a previous build in ``out`` (so no stale stage ships); refuse a non-empty non-build folder."""
-    if not out.exists() or not any(out.iterdir()):
+def eos_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
+    """End-of-sequence ids of config.json and generation_config.json together."""
+    ids = set(config.eos_token_ids)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tuple(sorted(ids))
+
+
+class Progress:
+    """A progress bar over a build's bytes (rich), one task per stage or draft, with ETA."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                       TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), disable=not enabled, transient=False)
+
+    @contextmanager
+    def task(self, description: str, total: int):  # noqa: ANN201 - yields the on_read callback
+        task = self.bar.add_task(description, total=total, tensor="")
+
+        def on_read(name: str, nbytes: int) -> None:
+            self.bar.update(task, advance=nbytes, tensor=name)
+
+        yield on_read
+        self.bar.update(task, completed=total, tensor="")
+
+    def __enter__(self) -> Progress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+
+def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: WeightSpec,  # noqa: ANN001
+               kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True) -> None:
+    """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
+
+    fp16 goes straight from the source to the file. int8/int4: the fp16 IR is written first, read
+    back memory-mapped and compressed by NNCF (compiler/compress.py), so the f16 stage is never held
+    whole beside its compressed copy in anonymous memory. Raises ``BuildError`` on a full disk."""
+    total = sum(int(_numel(shape)) * 2 for shape in stage_tensors(cfg, stage).values())
+    model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input)
+    fp16 = path if spec.format == "fp16" else path.with_name(path.stem + ".fp16.xml")
+    with _disk_errors(path), progress.task(label, total) as on_read:
+        model._fleet_weights.on_read = on_read
+        ov.save_model(model, fp16, compress_to_fp16=False)
+    del model
+    if spec.format == "fp16":
         return
-    if not (out / MANIFEST_NAME).is_file():
-        raise ValueError(f"{out} is not empty and holds no fleet build; choose another -o folder")
-    log.info("replacing the previous build in %s", out)
-    for path in out.iterdir():
-        if path.is_dir() and (path.name.startswith("stage_") or path.name == "drafts"):
-            shutil.rmtree(path)
-        elif path.name in (MANIFEST_NAME, QUALITY_REPORT) or path.name in TOKENIZER_FILES:
-            path.unlink()
+    with _disk_errors(path):
+        compressed = compress(ov.Core().read_model(fp16), spec)
+        ov.save_model(compressed, path, compress_to_fp16=False)
+        del compressed
+    fp16.unlink()
+    fp16.with_suffix(".bin").unlink()
+
+
+def save_whole_model(src: Path, xml: Path, kv_cache_precision: str = "f16", logits_index_input: bool = True) -> Path:
+    """Build HF folder ``src`` whole (every layer, embedding and head) as one fp16 stage at ``xml``:
+    the single-device model of benchmarks and tests. ``logits_index_input=False`` gives logits at every
+    position (OpenVINO GenAI's ``LLMPipeline`` contract). Returns ``xml``; raises as ``open_source``."""
+    source = open_source(Path(src), Path(xml).parent)
+    layers = source.config.num_layers
+    Path(xml).parent.mkdir(parents=True, exist_ok=True)
+    with Progress(False) as bar:
+        save_stage(source.config, source.weights, StageSpec(0, 0, layers, layers), Path(xml), WeightSpec("fp16"),
+                   kv_cache_precision, bar, "model", logits_index_input=logits_index_input)
+    return Path(xml)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@contextmanager
+def _disk_errors(path: Path):  # noqa: ANN202
+    """Turn a full disk while writing ``path`` into one ``BuildError`` that says so."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        free = shutil.disk_usage(path.parent).free
+        if getattr(exc, "errno", None) != errno.ENOSPC and free >= 64 << 20:
+            raise
+        raise BuildError(f"disk full writing {path} ({free >> 20} MiB free): free space or choose another -o "
+                         "folder; the previous build, if any, is unchanged") from None
+        raise
+
+
+def estimated_bytes(cfg: ModelConfig, ranges: list[tuple[int, int]], drafts: int) -> int:
+    """Bytes a build writes at most: every stage in fp16 (compressed stages pass through fp16 one at a
+    time), plus each draft as a whole model."""
+    stages = sum(sum(_numel(s) * 2 for s in stage_tensors(cfg, StageSpec(i, a, b, cfg.num_layers)).values())
+                 for i, (a, b) in enumerate(ranges))
+    return stages + drafts * cfg.parameters() * 2
+
+
+def _staging_dir(out: Path) -> Path:
+    """A fresh hidden folder beside ``out`` to build into (same filesystem, so it can be renamed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging.chmod(0o755)
+    return staging
+
+
+def _install(staging: Path, out: Path) -> None:
+    """Replace ``out`` (absent, empty or a previous fleet build) by the finished ``staging`` build."""
+    if out.exists():
+        if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+            raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("replaced the previous build in %s", out)
+    else:
+        staging.rename(out)
+
+
+def stage_ranges(cfg: ModelConfig, shards: int, layers: str | None) -> list[tuple[int, int]]:
+    """Layer ranges: ``layers`` ("0:12,12:30") or ``shards`` stages balancing weight reads per token
+    (the LM head counting on the last stage). Raises ``ValueError`` for a bad spec."""
+    if layers:
+        return parse_layers(layers, cfg.num_layers)
+    layer_cost, head_cost = decode_weights(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           cfg.intermediate_size, cfg.vocab_size)
+    return balanced_split(cfg.num_layers, shards, layer_cost, head_cost)
 
 
 def build(
@@ -70,89 +214,92 @@ def build(
     group_size: int | None = None,
     ratio: float | None = None,
     draft_weights: str = "fp16",
+    progress: bool = False,
 ) -> Manifest:
-    """Export ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
+    """Build ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
     Writes ``stage_<i>/openvino_model.{xml,bin}``, the tokenizer files and ``manifest.json`` with
-    the sha256 of every file, plus each of ``drafts`` (``self-int4`` or a model path,
+    the sha256 of every file, plus each of ``drafts`` (``self-int8``/``self-int4`` or a model path,
     compiler/draft.py) under ``drafts/<name>/``. Returns the manifest.
     Weights (compiler/compress.py): every stage stores ``weights`` (fp16, int8, int4) unless
     ``stage_weights`` (``"0=int8,1=int4"``) names its own; int4 and int8 take the model's size
     class defaults, overridden by ``symmetric``, ``group_size`` and ``ratio`` (int4 only) where not
-    None; model drafts store ``draft_weights`` the same way.
-    Raises ``ValueError`` for a bad layer or weights spec, unsupported architecture or a draft whose
-    vocabulary differs from the target's.
+    None; model drafts store ``draft_weights`` the same way. ``progress``: a progress bar on stderr.
+    Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
+    for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
+    file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
+    is left as it was.
     """
     out = Path(out)
     names = [draft_name(d) for d in drafts]
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a name: {names}")
-    _prepare_output(out)
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
     with tempfile.TemporaryDirectory() as tmp:
-        model, hf_dir = load_source(Path(src), Path(tmp))
-        cfg = model.config
-        num_layers = cfg.num_hidden_layers
-        if layers:
-            ranges = parse_layers(layers, num_layers)
-        else:  # balance the stages' weight reads per token: the LM head counts on the last stage
-            heads = cfg.num_attention_heads
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-            layer_cost, head_cost = decode_weights(cfg.hidden_size, heads, getattr(cfg, "num_key_value_heads", heads),
-                                                   head_dim, cfg.intermediate_size, cfg.vocab_size)
-            ranges = balanced_split(num_layers, shards, layer_cost, head_cost)
+        source = open_source(Path(src), Path(tmp))
+        cfg = source.config
+        for spec in drafts:
+            check_self_draft(spec, cfg)
+        ranges = stage_ranges(cfg, shards, layers)
+        for index, (start, end) in enumerate(ranges):  # every tensor there, shaped as the config says
+            source.weights.check(stage_tensors(cfg, StageSpec(index, start, end, cfg.num_layers)),
+                                 str(source.folder / "config.json"))
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         formats = {i: weights for i in range(len(ranges))} | parse_stage_weights(stage_weights or "", len(ranges))
-        specs = {i: resolve(fmt, model.num_parameters(), **overrides) for i, fmt in formats.items()}
-        out.mkdir(parents=True, exist_ok=True)
-        # drafts first: a draft with another vocabulary fails the build before the long part
-        draft_entries = [export_draft(spec, model, hf_dir, out, kv_cache_precision, Path(tmp), draft_weights,
-                                      **overrides) for spec in drafts]
-        stages = []
-        for index, (start, end) in enumerate(ranges):
-            ov_model = compress(export_stage(model, StageSpec(index, start, end, num_layers), kv_cache_precision),
-                                specs[index])
-            rel = f"stage_{index}/openvino_model"
-            (out / f"stage_{index}").mkdir(exist_ok=True)
-            ov.save_model(ov_model, out / f"{rel}.xml", compress_to_fp16=True)
-            stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin",
-                                     weights=specs[index].format, compression=specs[index].parameters()))
-            del ov_model
-        for name in TOKENIZER_FILES:
-            if (hf_dir / name).is_file():
-                shutil.copy2(hf_dir / name, out / name)
-        if not (out / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{hf_dir} has no tokenizer.json (fast tokenizer) to ship with the build")
+        specs = {i: resolve(fmt, cfg.parameters(), **overrides) for i, fmt in formats.items()}
+        staging = _staging_dir(out)
+        try:
+            need, free = estimated_bytes(cfg, ranges, len(drafts)), shutil.disk_usage(staging).free
+            if need > free:
+                raise BuildError(f"{out.parent} has {free >> 20} MiB free, the build needs about {need >> 20} MiB: "
+                                 "free space or choose another -o folder")
+            with Progress(progress) as bar:
+                # drafts first: a draft with another vocabulary fails the build before the long part
+                draft_entries = [export_draft(spec, source, staging, kv_cache_precision, Path(tmp), bar,
+                                              draft_weights, **overrides) for spec in drafts]
+                stages = []
+                for index, (start, end) in enumerate(ranges):
+                    rel = f"stage_{index}/openvino_model"
+                    (staging / f"stage_{index}").mkdir()
+                    save_stage(cfg, source.weights, StageSpec(index, start, end, cfg.num_layers),
+                               staging / f"{rel}.xml", specs[index], kv_cache_precision, bar,
+                               f"stage {index} [{start}:{end}) {specs[index].format}")
+                    stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin",
+                                             weights=specs[index].format, compression=specs[index].parameters()))
+            for name in TOKENIZER_FILES:
+                if (source.folder / name).is_file():
+                    shutil.copy2(source.folder / name, staging / name)
+            if not (staging / "tokenizer.json").is_file():
+                raise FileNotFoundError(f"{source.folder} has no tokenizer.json (fast tokenizer) to ship with the build")
+            manifest = _manifest(staging, cfg, src, model_id, stages, draft_entries, kv_cache_precision,
+                                 eos_ids(source.folder, cfg))
+            _install(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    log.info("wrote %d stage(s) to %s", len(stages), out)
+    return manifest
 
-    eos = cfg.eos_token_id
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos_ids = sorted({t for e in (eos, gen_eos) if e is not None for t in (e if isinstance(e, list) else [e])})
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    files = {
-        str(p.relative_to(out)): sha256_file(p)
-        for p in sorted(out.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
+
+def _manifest(folder: Path, cfg: ModelConfig, src: Path, model_id: str | None, stages: list[StageEntry],
+              drafts: list, kv_cache_precision: str, eos: tuple[int, ...]) -> Manifest:
+    """Write ``folder/manifest.json`` hashing every file there; return it."""
+    files = {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != MANIFEST_NAME}
     manifest = Manifest(
         model_id=model_id or (Path(src).stem if Path(src).suffix == ".gguf" else Path(src).resolve().name),
-        architecture=Architecture(
-            model_type=cfg.model_type,
-            num_layers=num_layers,
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
-            vocab_size=cfg.vocab_size,
-            max_context=cfg.max_position_embeddings,
-        ),
+        architecture=Architecture(model_type=cfg.model_type, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_context=cfg.max_context),
         stages=tuple(stages),
         openvino_version=ov.get_version(),
         protocol_version=PROTOCOL_VERSION,
         weights=stages[0].weights if len({s.weights for s in stages}) == 1 else "mixed",
         kv_cache_precision=kv_cache_precision,
-        eos_token_ids=tuple(eos_ids),
+        eos_token_ids=eos,
         files=files,
-        drafts=tuple(draft_entries),
+        drafts=tuple(drafts),
     )
-    (out / MANIFEST_NAME).write_text(manifest.to_json())
-    log.info("wrote %d stage(s) to %s", len(stages), out)
+    (folder / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest

@@ -73,14 +73,14 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     devices = _follow_plan(args)
-    _check_weights_args(args)  # bad options fail before torch and the model load
+    _check_weights_args(args)  # bad options fail before any weight is read
     from .build import build
     from .compress import describe
 
     manifest = build(args.src, args.out, shards=args.shards or 2, layers=args.layers,
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
-                     ratio=args.ratio, draft_weights=args.draft_weights)
+                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty())
     if devices is not None:
         from fleet_common.manifest import load_manifest
 
@@ -196,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     p.set_defaults(func=_cmd_fetch_demo)
 
-    p = sub.add_parser("build", help="export layer-range shards as stateful OpenVINO IR")
+    p = sub.add_parser("build", help="build layer-range shards as stateful OpenVINO IR (no torch needed)",
+                       description="Build each stage's stateful OpenVINO IR straight from the weights, one stage and "
+                                   "one tensor at a time (compiler/export.py): architectures llama (Llama 2/3.x), "
+                                   "mistral, qwen2 (Qwen2/2.5), qwen3; HF folders with safetensors (one file or a "
+                                   "sharded index; bf16, fp16, f32) or a llama .gguf file.")
     p.add_argument("src", type=Path, help="Hugging Face model folder or .gguf file")
     _add_weights_args(p)
     p.add_argument("--shards", type=int, help="number of stages (default 2); layers are split to balance weight "
@@ -276,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"fleet-compiler: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("fleet-compiler: interrupted; nothing was changed", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,12 +24,11 @@ import logging
 import re
 from pathlib import Path
 
-import openvino as ov
-
 from fleet_common.manifest import DraftEntry
 
-from .compress import SELF_DRAFT_SPECS, compress, resolve
-from .export import StageSpec, export_stage
+from .arch import ModelConfig
+from .compress import SELF_DRAFT_SPECS, resolve
+from .export import StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,35 +73,49 @@ def draft_name(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.suffix == ".gguf" else path.resolve().name)
 
 
-def export_draft(spec: str, target_model, target_hf_dir: Path, out: Path, kv_cache_precision: str,  # noqa: ANN001
-                 workdir: Path, weights: str = "fp16", **overrides) -> DraftEntry:
-    """Export draft ``spec`` (``self-int4``, ``self-int8`` or a model path) to ``out/drafts/<name>/``.
+SELF_DRAFT_MAX_PARAMETERS = 3e9  # above this a self draft is a second copy of a big target on the coordinator
 
-    ``target_model`` is the loaded HF target (f32), ``target_hf_dir`` its folder (tokenizer).
-    A self draft is compressed as its name says (``SELF_DRAFT_SPECS``); a model draft stores
-    ``weights`` (fp16, int8, int4: its size class's defaults with ``overrides``, see
-    ``compiler.compress.resolve``).
+
+def check_self_draft(spec: str, target: ModelConfig) -> None:
+    """Refuse (``ValueError``) a ``self-int8``/``self-int4`` draft of a target above ~3B parameters,
+    naming the alternatives."""
+    if spec in SELF_DRAFTS and target.parameters() > SELF_DRAFT_MAX_PARAMETERS:
+        raise ValueError(
+            f"--draft {spec} would put a whole {target.parameters() / 1e9:.1f}B-parameter copy of the target on the "
+            "coordinator; for a model this size draft with a small model of the same tokenizer (--draft PATH, built "
+            "the same way, e.g. Llama-3.2-1B for Llama-3.1-8B) or serve with --draft ngram (no model)")
+
+
+def export_draft(spec: str, target, out: Path, kv_cache_precision: str, workdir: Path,  # noqa: ANN001
+                 progress, weights: str = "fp16", **overrides) -> DraftEntry:  # noqa: ANN001
+    """Build draft ``spec`` (``self-int4``, ``self-int8`` or a model path) as one whole-model stage in
+    ``out/drafts/<name>/``.
+
+    ``target`` is the opened target (``compiler.build.Source``: its config, weights, folder). A self
+    draft is compressed as its name says (``SELF_DRAFT_SPECS``); a model draft stores ``weights``
+    (fp16, int8, int4: its size class's defaults with ``overrides``, see ``compiler.compress.resolve``).
     Raises ``VocabularyMismatch`` for a draft with another tokenizer, ``FileNotFoundError`` /
-    ``ValueError`` for an unusable source.
+    ``ValueError`` for an unusable source or a self draft of a big target (``check_self_draft``).
     """
-    from .build import load_source
+    from .build import open_source, save_stage
 
     name = draft_name(spec)
     if spec in SELF_DRAFTS:
-        model = target_model
+        check_self_draft(spec, target.config)
+        source = target
         wspec = SELF_DRAFT_SPECS[spec.removeprefix("self-")]
     else:
-        model, hf_dir = load_source(Path(spec), workdir / name)
-        check_vocabulary(target_hf_dir, target_model.config.vocab_size, hf_dir, model.config.vocab_size)
-        wspec = resolve(weights, model.num_parameters(), **overrides)
-    layers = model.config.num_hidden_layers
-    ov_model = compress(export_stage(model, StageSpec(0, 0, layers, layers), kv_cache_precision), wspec)
+        source = open_source(Path(spec), workdir / name)
+        check_vocabulary(target.folder, target.config.vocab_size, source.folder, source.config.vocab_size)
+        wspec = resolve(weights, source.config.parameters(), **overrides)
+    layers = source.config.num_layers
     rel = f"drafts/{name}/openvino_model"
     (out / f"drafts/{name}").mkdir(parents=True, exist_ok=True)
-    ov.save_model(ov_model, out / f"{rel}.xml", compress_to_fp16=True)
+    save_stage(source.config, source.weights, StageSpec(0, 0, layers, layers), out / f"{rel}.xml", wspec,
+               kv_cache_precision, progress, f"draft {name} {wspec.format}")
     log.info("draft %s: %d layers, %s weights -> %s", name, layers, wspec.format, out / f"{rel}.xml")
     return DraftEntry(name=name, xml=f"{rel}.xml", bin=f"{rel}.bin", num_layers=layers, weights=wspec.format,
-                      vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings,
+                      vocab_size=source.config.vocab_size, max_context=source.config.max_context,
                       compression=wspec.parameters())
 
 
@@ -110,25 +123,34 @@ def early_exit_model(src: Path, layers: int, out: Path) -> Path:
     """Save the first ``layers`` decoder layers of HF model ``src`` (with its final norm, LM head and
     tokenizer) as a separate HF model in ``out``: a small same-tokenizer draft where no smaller
     sibling model is at hand (the early-exit draft of LayerSkip, Elhoushi et al. 2024, without its
-    fine-tuning, so acceptance is modest). Returns ``out``; raises ``ValueError`` for a bad ``layers``.
+    fine-tuning, so acceptance is modest). Tensors are copied as stored (safetensors, one file).
+    Returns ``out``; raises ``ValueError`` for a bad ``layers``.
     """
     import shutil
 
-    import torch
-    from transformers import AutoModelForCausalLM
+    from safetensors.numpy import save_file
 
     from .build import TOKENIZER_FILES
+    from .weights import SafetensorsWeights
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    total = model.config.num_hidden_layers
+    src, out = Path(src), Path(out)
+    config = json.loads((src / "config.json").read_text())
+    total = int(config["num_hidden_layers"])
     if not 0 < layers < total:
         raise ValueError(f"an early-exit draft needs 1..{total - 1} layers, got {layers}")
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:layers]
+    weights = SafetensorsWeights(src)
+    keep = {}
+    for name in weights.tensors:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and int(parts[2]) >= layers:
+            continue
+        keep[name] = weights.raw(name)
+    config["num_hidden_layers"] = layers
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][:layers]
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (src / name).is_file() and name != "config.json":
             shutil.copy2(src / name, out / name)

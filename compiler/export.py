@@ -1,4 +1,5 @@
-"""Export one layer range of a Hugging Face decoder-only model as a stateful OpenVINO IR shard.
+"""Build one layer range of a decoder-only model as a stateful OpenVINO IR shard, with OpenVINO's opset
+API (no torch): one small function per block, like gpt-fast's ``model.py``.
 
 The shard graph (design.md §4):
 
@@ -13,28 +14,38 @@ The shard graph (design.md §4):
   ``ReadValue -> Gather(beam_idx, axis 0) -> Concat -> SDPA``. That exact chain is what the CPU
   plugin's ``StatefulSDPAFusion`` (and the GPU plugin's ``IndirectKVCache``) match; without the
   Gather nothing fails but decode runs 1.6-2.6x slower (Berenbaum & Venkatachalam, arXiv 2608.19147;
-  the same trick as optimum-intel's ``fuse_cache_reorder``).
+  the same trick as optimum-intel's ``fuse_cache_reorder``). Grouped KV heads reach SDPA through
+  ``Unsqueeze -> Broadcast -> Reshape`` (transformers' ``repeat_kv``), which the fusion also matches.
+* ``rt_info["runtime_options"]["KV_CACHE_PRECISION"]``: the KV precision the stage is compiled with.
 
 The 4-D causal + visibility mask is built inside the graph from ``attention_mask``: query ``i`` of
 the chunk (physical slot ``P + i``) sees slot ``j`` iff ``j <= P + i`` and ``attention_mask[j] == 1``.
+
+Weights are float16 ``Constant -> Convert(f32)`` (the layout ``save_model(compress_to_fp16=True)``
+writes). Each is a ``PostponedConstant`` whose maker reads the tensor from the source only when
+``ov.save_model`` writes it, so a stage's build holds one tensor at a time, never the stage
+(openvino/utils/postponed_constant.py; ../shared/research/compiler.md §2). Save with
+``compress_to_fp16=False``: the weights already are f16, and RoPE's frequencies stay f32.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import openvino as ov
-import torch
-from openvino import opset13
-from openvino._offline_transformations import apply_make_stateful_transformation
+from openvino import opset13 as op
+from openvino import opset6
+from openvino.op.util import Variable, VariableInfo
+from openvino.utils.postponed_constant import make_postponed_constant
+
+from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
 
 
 @dataclass(frozen=True)
@@ -55,168 +66,220 @@ class StageSpec:
         return self.end == self.num_layers
 
 
-class _KVConcat:
-    """Duck-typed HF ``Cache``: prepends the explicit past K/V inputs and records the presents.
-
-    ``update(k, v, layer_idx)`` takes new K/V [B, KVH, S, D] and returns [B, KVH, P+S, D].
-    """
-
-    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], first_layer: int) -> None:
-        self.past = past
-        self.first_layer = first_layer
-        self.present: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def update(self, key, value, layer_idx, cache_kwargs=None):  # noqa: ANN001 - HF signature
-        past_k, past_v = self.past[layer_idx - self.first_layer]
-        key = torch.cat([past_k, key], dim=2)
-        value = torch.cat([past_v, value], dim=2)
-        self.present.append((key, value))
-        return key, value
+class WeightSource:
+    """What the builder reads weights from: ``tensor(name, out=None)`` -> float16 array, ``shape(name)``
+    and ``check(expected)`` (compiler/weights.py); ``on_read(name, nbytes)`` is called after each read."""
 
 
-class _StageModule(torch.nn.Module):
-    """Torch wrapper over decoder layers ``[start, end)`` with explicit KV in/out (made stateful later)."""
-
-    def __init__(self, model: torch.nn.Module, stage: StageSpec, logits_index_input: bool = True) -> None:
-        super().__init__()
-        base = model.model
-        self.stage = stage
-        self.logits_index_input = logits_index_input
-        self.embed_tokens = base.embed_tokens if stage.first else None
-        self.layers = torch.nn.ModuleList(base.layers[stage.start : stage.end])
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if stage.last else None
-        self.lm_head = model.lm_head if stage.last else None
-
-    def forward(self, inputs, attention_mask, position_ids, beam_idx, *args):  # noqa: ANN001
-        n = len(self.layers)
-        flat_past = args[: 2 * n]
-        past = [(flat_past[2 * i], flat_past[2 * i + 1]) for i in range(n)]
-        # The Gather on beam_idx sits right after each KV read: this is the fusion hint.
-        past = [(k.index_select(0, beam_idx), v.index_select(0, beam_idx)) for k, v in past]
-        hidden = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs  # [B, S, H]
-
-        seq = hidden.shape[1]
-        total = attention_mask.shape[1]  # P + S physical slots
-        slots = torch.arange(total, dtype=torch.int64)  # [T]
-        query_slots = torch.arange(seq, dtype=torch.int64) + (total - seq)  # [S]
-        causal = slots[None, :] <= query_slots[:, None]  # [S, T]
-        visible = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # [B, 1, S, T]
-        zero = torch.zeros((), dtype=hidden.dtype)
-        neg = torch.tensor(torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
-        mask = torch.where(visible, zero, neg)  # [B, 1, S, T] additive
-
-        cos_sin = self.rotary_emb(hidden, position_ids)
-        cache = _KVConcat(past, self.stage.start)
-        for layer in self.layers:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                position_embeddings=cos_sin,
-            )
-        presents = [t for kv in cache.present for t in kv]
-        if self.lm_head is None:
-            return (hidden, *presents)
-        if self.logits_index_input:
-            logits_index = args[2 * n]  # this local's name becomes the IR Parameter's friendly name
-            hidden = hidden.index_select(1, logits_index)  # [B, K, H]
-        hidden = self.norm(hidden)  # [B, K, H] or [B, S, H]
-        logits = self.lm_head(hidden).float()  # [B, K, V] or [B, S, V]
-        return (logits, *presents)
-
-
-def _kv_names(stage: StageSpec) -> tuple[list[str], list[str]]:
-    ins, outs = [], []
-    for layer in range(stage.start, stage.end):
-        for kind in ("key", "value"):
-            ins.append(f"past_key_values.{layer}.{kind}")
-            outs.append(f"present.{layer}.{kind}")
-    return ins, outs
-
-
-def _build_state_initializer(model: ov.Model, batch_source: str) -> None:
-    """Give every ReadValue a zeros initializer shaped [B, KVH, 0, D] (B from ``batch_source``).
-
-    Without it the stateful model fails to compile or infer (same as optimum-intel's
-    ``build_state_initializer``).
-    """
-    batch = opset13.gather(
-        opset13.shape_of(model.input(batch_source), output_type="i64"),
-        opset13.constant([0]),
-        opset13.constant(0),
-    )
-    for op in model.get_ops():
-        if op.get_type_name() != "ReadValue":
-            continue
-        dims = [d.min_length for d in op.get_output_partial_shape(0)]
-        parts = [batch] + [opset13.constant(np.array([d], dtype=np.int64)) for d in dims[1:]]
-        shape = opset13.concat(parts, axis=0)
-        op.set_arguments([opset13.broadcast(opset13.constant(0.0, dtype=op.get_output_element_type(0)), shape)])
-    model.validate_nodes_and_infer_types()
-
-
-def export_stage(model: torch.nn.Module, stage: StageSpec, kv_cache_precision: str = "f16", *,
-                 logits_index_input: bool = True) -> ov.Model:
-    """Convert layers ``[stage.start, stage.end)`` of ``model`` (an HF ``*ForCausalLM`` in f32) to a
-    stateful OpenVINO model with the input/output contract in this module's docstring.
-
-    ``kv_cache_precision`` is written to ``rt_info["runtime_options"]["KV_CACHE_PRECISION"]`` as
-    optimum-intel does; without it the CPU plugin picks u8 KV and shards drift from the whole model.
-    ``logits_index_input=False`` (last stage only matters): no ``logits_index`` input, logits for
-    every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
-    Raises ``ValueError`` for an unsupported architecture.
-    """
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {cfg.model_type!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    model.config._attn_implementation = "sdpa"
-    wrapper = _StageModule(model, stage, logits_index_input).eval()
-    n = stage.end - stage.start
-    kv_heads = cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    batch, seq, past = 2, 3, 4
+def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of every tensor stage ``stage`` reads (the tied embedding on the last stage)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    table = (cfg.vocab_size, cfg.hidden_size)
     if stage.first:
-        first = ("input_ids", torch.randint(0, cfg.vocab_size, (batch, seq)), ov.PartialShape([-1, -1]), ov.Type.i64)
+        shapes[EMBEDDING] = table
+    for layer in range(stage.start, stage.end):
+        shapes |= expected_shapes(cfg, layer)
+    if stage.last:
+        shapes[FINAL_NORM] = (cfg.hidden_size,)
+        shapes[EMBEDDING if cfg.tie_word_embeddings else LM_HEAD] = table
+    return shapes
+
+
+class _Weights:
+    """Postponed f16 constants (one per tensor, shared by every use) for one stage's graph."""
+
+    def __init__(self, source, on_read: Callable[[str, int], None] | None) -> None:  # noqa: ANN001
+        self.source, self.on_read = source, on_read
+        self.nodes: dict[str, ov.Output] = {}
+        self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
+
+    def __call__(self, name: str) -> ov.Output:
+        """``name`` as an f32 graph value [shape]: Constant(f16, made when saved) -> Convert(f32)."""
+        if name not in self.nodes:
+            def maker(name: str = name) -> ov.Tensor:
+                tensor = ov.Tensor(ov.Type.f16, ov.Shape(list(self.source.shape(name))))
+                self.source.tensor(name, out=tensor.data)  # read straight into the tensor: no second copy
+                if self.on_read is not None:
+                    self.on_read(name, tensor.byte_size)
+                return tensor
+
+            const = make_postponed_constant(ov.Type.f16, ov.Shape(list(self.source.shape(name))), maker, name)
+            self.constants.append(const)
+            self.nodes[name] = op.convert(const, ov.Type.f32).output(0)
+        return self.nodes[name]
+
+
+def _i64(values) -> ov.Output:  # noqa: ANN001
+    return op.constant(np.asarray(values, dtype=np.int64)).output(0)
+
+
+def _f32(value: float) -> ov.Output:
+    return op.constant(np.float32(value)).output(0)
+
+
+def linear(x: ov.Output, weight: ov.Output, bias: ov.Output | None = None) -> ov.Output:
+    """``x @ weight.T (+ bias)``: x [..., in] f32, weight [out, in] -> [..., out] (nn.Linear)."""
+    y = op.matmul(x, weight, transpose_a=False, transpose_b=True)
+    return (y if bias is None else op.add(y, bias)).output(0)
+
+
+def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:
+    """RMSNorm over the last axis (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``, the
+    op chain the CPU plugin fuses into one RMS node."""
+    mean = op.reduce_mean(op.power(x, _f32(2.0)), _i64([-1]), keep_dims=True)
+    inv = op.divide(_f32(1.0), op.sqrt(op.add(mean, _f32(eps))))
+    return op.multiply(op.multiply(x, inv), weight).output(0)
+
+
+def rope_tables(position_ids: ov.Output, cfg: ModelConfig) -> tuple[ov.Output, ov.Output]:
+    """cos and sin [B, 1, S, head_dim] f32 of RoPE (Su et al. 2021, half-split "NeoX" layout as in
+    transformers) at logical ``position_ids`` [B, S] i64, computed once per stage."""
+    inv_freq = op.constant(np.asarray(cfg.inv_freq, dtype=np.float32).reshape(1, 1, -1))  # [1, 1, D/2]
+    pos = op.unsqueeze(op.convert(position_ids, ov.Type.f32), _i64([2]))  # [B, S, 1]
+    freqs = op.multiply(pos, inv_freq)  # [B, S, D/2]
+    emb = op.unsqueeze(op.concat([freqs, freqs], axis=-1), _i64([1]))  # [B, 1, S, D]
+    return op.cos(emb).output(0), op.sin(emb).output(0)
+
+
+def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int) -> ov.Output:
+    """``x * cos + rotate_half(x) * sin`` for x [B, heads, S, D] (transformers' ``apply_rotary_pos_emb``)."""
+    half = head_dim // 2
+    x1 = op.slice(x, _i64([0]), _i64([half]), _i64([1]), _i64([3]))
+    x2 = op.slice(x, _i64([half]), _i64([head_dim]), _i64([1]), _i64([3]))
+    rotated = op.concat([op.negative(x2), x1], axis=-1)
+    return op.add(op.multiply(x, cos), op.multiply(rotated, sin)).output(0)
+
+
+def _heads(x: ov.Output, heads: int, head_dim: int, norm: ov.Output | None, eps: float) -> ov.Output:
+    """[B, S, heads * D] -> [B, heads, S, D], with the per-head RMSNorm of Qwen3 when ``norm`` is given."""
+    x = op.reshape(x, _i64([0, 0, heads, head_dim]), special_zero=True).output(0)
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    return op.transpose(x, _i64([0, 2, 1, 3])).output(0)
+
+
+def kv_cache(new: ov.Output, beam_idx: ov.Output, cfg: ModelConfig, variable_id: str,
+             batch: ov.Output) -> tuple[ov.Output, ov.Node]:
+    """Append ``new`` [B, KVH, S, D] to a KV state; return ([B, KVH, P+S, D], its Assign sink).
+
+    ``ReadValue -> Gather(beam_idx) -> Concat``: the chain the stateful SDPA fusion matches. The state
+    starts as zeros [B, KVH, 0, D] (B from the stage's first input)."""
+    info = VariableInfo()
+    info.data_shape = ov.PartialShape([-1, cfg.num_kv_heads, -1, cfg.head_dim])
+    info.data_type = ov.Type.f32
+    info.variable_id = variable_id
+    variable = Variable(info)
+    init_shape = op.concat([batch, _i64([cfg.num_kv_heads, 0, cfg.head_dim])], axis=0)
+    init = op.broadcast(_f32(0.0), init_shape)
+    past = opset6.read_value(init, variable)
+    reordered = op.gather(past, beam_idx, _i64(0))
+    present = op.concat([reordered, new], axis=2)
+    return present.output(0), opset6.assign(present, variable)
+
+
+def repeat_kv(x: ov.Output, groups: int, heads: int, head_dim: int) -> ov.Output:
+    """[B, KVH, T, D] -> [B, KVH * groups, T, D], each KV head shared by ``groups`` query heads (GQA,
+    Ainslie et al. 2023; transformers' ``repeat_kv``)."""
+    if groups == 1:
+        return x
+    shape = op.shape_of(x, output_type="i64")
+    target = op.concat([op.slice(shape, _i64([0]), _i64([2]), _i64([1])), _i64([groups]),
+                        op.slice(shape, _i64([2]), _i64([4]), _i64([1]))], axis=0)
+    expanded = op.broadcast(op.unsqueeze(x, _i64([2])), target, broadcast_spec="BIDIRECTIONAL")
+    return op.reshape(expanded, _i64([0, heads, -1, head_dim]), special_zero=True).output(0)
+
+
+def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
+              mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
+    """Self-attention of one layer over its KV state: x [B, S, H] -> [B, S, H], plus the two Assign sinks."""
+    d = cfg.head_dim
+    q = _heads(linear(x, w["q"], w.get("q_bias")), cfg.num_heads, d, w.get("q_norm"), cfg.rms_norm_eps)
+    k = _heads(linear(x, w["k"], w.get("k_bias")), cfg.num_kv_heads, d, w.get("k_norm"), cfg.rms_norm_eps)
+    v = _heads(linear(x, w["v"], w.get("v_bias")), cfg.num_kv_heads, d, None, cfg.rms_norm_eps)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin, d), apply_rope(k, cos, sin, d)
+    keys, k_sink = kv_cache(k, beam_idx, cfg, f"past_key_values.{layer}.keypresent.{layer}.key", batch)
+    values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
+    out = op.scaled_dot_product_attention(q, repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d),
+                                          repeat_kv(values, cfg.kv_groups, cfg.num_heads, d),
+                                          mask, _f32(d ** -0.5), causal=False)  # [B, heads, S, D]
+    out = op.reshape(op.transpose(out, _i64([0, 2, 1, 3])), _i64([0, 0, cfg.num_heads * d]), special_zero=True)
+    return linear(out.output(0), w["o"]), [k_sink, v_sink]
+
+
+def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
+    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, x [B, S, H] -> [B, S, H]."""
+    return linear(op.multiply(op.swish(linear(x, w["gate"])), linear(x, w["up"])).output(0), w["down"])
+
+
+def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:
+    """Additive mask [B, 1, S, T] f32: 0 where query ``i`` (physical slot ``T - S + i``) may see slot ``j``
+    (``j <= T - S + i`` and ``attention_mask[b, j] == 1``), float32's minimum elsewhere."""
+    total = op.gather(op.shape_of(attention_mask, output_type="i64"), _i64(1), _i64(0))  # T
+    slots = op.range(_i64(0), total, _i64(1), output_type="i64")  # [T]
+    queries = op.add(op.range(_i64(0), seq, _i64(1), output_type="i64"), op.subtract(total, seq))  # [S]
+    causal = op.less_equal(op.unsqueeze(slots, _i64([0])), op.unsqueeze(queries, _i64([1])))  # [S, T]
+    visible = op.logical_and(op.unsqueeze(causal, _i64([0, 1])),
+                             op.greater(op.unsqueeze(attention_mask, _i64([1, 2])), _i64(0)))  # [B, 1, S, T]
+    return op.select(visible, _f32(0.0), _f32(MASK_MIN)).output(0)
+
+
+def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
+    param = op.parameter(ov.PartialShape(shape), dtype, name=name)
+    param.output(0).get_tensor().set_names({name})
+    return param
+
+
+def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
+                 logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None) -> ov.Model:
+    """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
+    (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
+    the input/output contract in this module's docstring.
+
+    Nothing is read until ``ov.save_model`` writes the model (then ``on_read(name, nbytes)`` follows
+    each tensor). ``kv_cache_precision`` goes to ``rt_info["runtime_options"]["KV_CACHE_PRECISION"]``
+    as optimum-intel does (without it the CPU plugin picks u8 KV and shards drift from the whole
+    model). ``logits_index_input=False`` (last stage only): no ``logits_index`` input, logits for
+    every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
+    Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
+    ``cfg`` implies.
+    """
+    source.check(stage_tensors(cfg, stage))
+    weights = _Weights(source, on_read)
+    if stage.first:
+        first = _parameter("input_ids", [-1, -1], ov.Type.i64)
+        x = op.gather(weights(EMBEDDING), first, _i64(0)).output(0)  # [B, S, H]
     else:
-        first = (
-            "hidden_states",
-            torch.randn(batch, seq, cfg.hidden_size),
-            ov.PartialShape([-1, -1, cfg.hidden_size]),
-            ov.Type.f32,
-        )
-    specs = [
-        first,
-        ("attention_mask", torch.ones(batch, past + seq, dtype=torch.int64), ov.PartialShape([-1, -1]), ov.Type.i64),
-        ("position_ids", torch.arange(past, past + seq).repeat(batch, 1), ov.PartialShape([-1, -1]), ov.Type.i64),
-        ("beam_idx", torch.arange(batch, dtype=torch.int32), ov.PartialShape([-1]), ov.Type.i32),
-    ]
-    kv_in, kv_out = _kv_names(stage)
-    for name in kv_in:
-        specs.append(
-            (name, torch.randn(batch, kv_heads, past, head_dim), ov.PartialShape([-1, kv_heads, -1, head_dim]), ov.Type.f32)
-        )
-    if stage.last and logits_index_input:
-        specs.append(("logits_index", torch.tensor([seq - 1], dtype=torch.int64), ov.PartialShape([-1]), ov.Type.i64))
-
-    with torch.no_grad(), warnings.catch_warnings():
-        # tracing notes on shapes that are constant by construction (mask dtype limits, SDPA flags)
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ov_model = ov.convert_model(
-            wrapper,
-            example_input=tuple(s[1] for s in specs),
-            input=[(s[2], s[3]) for s in specs],
-        )
-    for port, spec in zip(ov_model.inputs, specs):
-        port.get_tensor().set_names({spec[0]})
-    out_names = ["logits" if stage.last else "hidden_states", *kv_out]
-    for port, name in zip(ov_model.outputs, out_names):
-        port.get_tensor().set_names({name})
-
-    apply_make_stateful_transformation(ov_model, dict(zip(kv_in, kv_out)))
-    _build_state_initializer(ov_model, specs[0][0])
-    ov_model.set_rt_info(kv_cache_precision, ["runtime_options", "KV_CACHE_PRECISION"])
-    log.info("stage %d: layers [%d, %d) exported", stage.index, stage.start, stage.end)
-    return ov_model
+        first = _parameter("hidden_states", [-1, -1, cfg.hidden_size], ov.Type.f32)
+        x = first.output(0)
+    attention_mask = _parameter("attention_mask", [-1, -1], ov.Type.i64)
+    position_ids = _parameter("position_ids", [-1, -1], ov.Type.i64)
+    beam_idx = _parameter("beam_idx", [-1], ov.Type.i32)
+    params = [first, attention_mask, position_ids, beam_idx]
+    first_shape = op.shape_of(first, output_type="i64")
+    batch = op.gather(first_shape, _i64([0]), _i64(0)).output(0)
+    seq = op.gather(first_shape, _i64(1), _i64(0)).output(0)
+    mask = visibility_mask(attention_mask.output(0), seq)
+    rope = rope_tables(position_ids.output(0), cfg)
+    sinks: list[ov.Node] = []
+    for layer in range(stage.start, stage.end):
+        w = {role: weights(name) for role, name in hf_weight_names(cfg, layer).items()}
+        h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, rope, mask,
+                                   beam_idx.output(0), batch, layer)
+        x = op.add(x, h).output(0)
+        x = op.add(x, mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w)).output(0)
+        sinks += layer_sinks
+    if stage.last:
+        if logits_index_input:
+            logits_index = _parameter("logits_index", [-1], ov.Type.i64)
+            params.append(logits_index)
+            x = op.gather(x, logits_index, _i64(1)).output(0)  # [B, K, H]
+        x = rms_norm(x, weights(FINAL_NORM), cfg.rms_norm_eps)
+        x = linear(x, weights(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD))  # [B, K, V]
+    result = op.result(x)
+    result.output(0).get_tensor().set_names({"logits" if stage.last else "hidden_states"})
+    model = ov.Model([result], sinks, params, f"stage_{stage.index}")
+    model.set_rt_info(kv_cache_precision, ["runtime_options", "KV_CACHE_PRECISION"])
+    model._fleet_weights = weights  # keeps the postponed constants' Python objects alive with the model
+    log.info("stage %d: layers [%d, %d) built", stage.index, stage.start, stage.end)
+    return model

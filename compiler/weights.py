@@ -1,0 +1,178 @@
+"""Lazy, memory-mapped reads of a model's weights from safetensors (one file or an HF sharded index).
+
+Nothing is read when a source opens but the files' headers: each header is checked by the
+``safetensors`` library (the format's own validation: JSON, dtypes, offsets that tile the data) and
+against the file's size, so a truncated or corrupt file, or a shard missing from the index, is one
+clear ``WeightsError`` naming the file before any heavy work. ``tensor(name)`` then maps just that
+tensor's bytes (``numpy.memmap``) and returns it as float16; the mapping goes when the array does, so
+a build holds at most the tensor being written (compiler/export.py writes each weight as the
+serializer asks for it).
+
+bf16 has no numpy dtype: its 16 bits are the high half of an f32, widened by a shift, then rounded
+to f16 (exact for every bf16 value within f16's normal range; a weight beyond f16's range is
+refused rather than turned into inf). Format: https://huggingface.co/docs/safetensors (header: 8-byte
+little-endian length, JSON of ``{name: {dtype, shape, data_offsets}}``, then the data).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
+F16_MAX = 65504.0
+CHUNK_BYTES = 32 << 20  # read and convert this much of a tensor at a time
+
+
+class WeightsError(ValueError):
+    """A weights file is missing, truncated, corrupt or does not hold what the config says."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: ``file``, byte ``offset`` from the file's start, dtype and shape."""
+
+    file: Path
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype][1]
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    """Validate ``path``'s header (the safetensors library) and return its tensors' locations."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise WeightsError(f"{path}: truncated ({size} bytes): not a safetensors file")
+            (length,) = struct.unpack("<Q", raw)
+            if length > min(size - 8, 100 << 20):
+                raise WeightsError(f"{path}: corrupt or truncated safetensors header (says {length} bytes, "
+                                   f"the file has {size})")
+            header = json.loads(fh.read(length))
+        with safe_open(str(path), framework="numpy"):
+            pass  # the library's own checks: offsets cover the data exactly, known dtypes
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: file missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WeightsError(f"{path}: corrupt safetensors header ({exc})") from None
+    except SafetensorError as exc:
+        raise WeightsError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
+    data_start = 8 + length
+    infos = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        if entry["dtype"] not in DTYPES:
+            raise WeightsError(f"{path}: tensor {name} is {entry['dtype']}; the builder reads bf16, f16 and f32")
+        info = TensorInfo(path, data_start + begin, entry["dtype"], tuple(entry["shape"]))
+        if info.nbytes != end - begin or data_start + end > size:
+            raise WeightsError(f"{path}: tensor {name} does not fit the file (truncated?)")
+        infos[name] = info
+    return infos
+
+
+class SafetensorsWeights:
+    """The tensors of an HF model folder's ``model.safetensors`` or ``model.safetensors.index.json``.
+
+    Raises ``WeightsError`` when the folder has neither, the index names a missing file, or a file
+    is corrupt or truncated.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        folder = Path(folder)
+        self.folder = folder
+        index = folder / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+                raise WeightsError(f"{index}: not a safetensors index ({exc})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (folder / f).is_file()]
+            if missing:
+                raise WeightsError(f"{index} names {len(missing)} file(s) not in {folder}: {', '.join(missing[:4])}")
+        elif (folder / SINGLE_NAME).is_file():
+            weight_map, files = None, [SINGLE_NAME]
+        else:
+            raise WeightsError(f"{folder} has no {SINGLE_NAME} or {INDEX_NAME} (the builder reads safetensors)")
+        self.tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            self.tensors.update(_read_header(folder / name))
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                if name not in self.tensors:
+                    raise WeightsError(f"{index} puts {name} in {file}, which does not hold it")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def check(self, expected: dict[str, tuple[int, ...]], where: str = "config.json") -> None:
+        """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
+        for name, shape in expected.items():
+            info = self.tensors.get(name)
+            if info is None:
+                raise WeightsError(f"{self.folder}: tensor {name} missing, though {where} implies it")
+            if info.shape != tuple(shape):
+                raise WeightsError(f"{info.file.name}: tensor {name} is {list(info.shape)}, but {where} implies "
+                                   f"{list(shape)}: config and weights do not match")
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as stored (f16 or f32; ``WeightsError`` for bf16, which numpy cannot hold)."""
+        info = self.tensors[name]
+        if info.dtype == "BF16":
+            raise WeightsError(f"{info.file.name}: tensor {name} is bf16; numpy arrays cannot hold it as stored")
+        return np.array(np.memmap(info.file, dtype=DTYPES[info.dtype][0], mode="r", offset=info.offset,
+                                  shape=info.shape))
+
+    def nbytes(self, name: str) -> int:
+        """Bytes the tensor takes as f16 (what a build writes)."""
+        return int(np.prod(self.tensors[name].shape, dtype=np.int64)) * 2
+
+    def tensor(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor ``name`` as a float16 array, written into ``out`` (float16, its shape) when given (read
+        now, from the mapped file, ``CHUNK_BYTES`` at a time, so converting a 1 GiB embedding needs no f32
+        copy of it).
+
+        Raises ``WeightsError`` when a value is beyond float16's range or the file cannot be read.
+        """
+        info = self.tensors[name]
+        dtype, width = DTYPES[info.dtype]
+        if out is None:
+            out = np.empty(info.shape, dtype=np.float16)
+        flat, total = out.reshape(-1), out.size
+        step = max(1, CHUNK_BYTES // width)
+        for start in range(0, total, step):
+            count = min(step, total - start)
+            try:
+                raw = np.memmap(info.file, dtype=dtype, mode="r", offset=info.offset + start * width, shape=(count,))
+            except (OSError, ValueError) as exc:
+                raise WeightsError(f"{info.file}: tensor {name} cannot be read ({exc})") from None
+            if info.dtype == "F16":
+                flat[start:start + count] = raw
+                continue
+            wide = (raw.astype(np.uint32) << 16).view(np.float32) if info.dtype == "BF16" else raw
+            peak = float(np.abs(wide).max(initial=0))
+            if not peak <= F16_MAX:  # also catches NaN
+                raise WeightsError(f"{info.file.name}: tensor {name} has values beyond float16's range "
+                                   f"(max |x| {peak:.3g}); fleet stores float16 weights")
+            flat[start:start + count] = wide
+            del raw, wide
+        return out
