@@ -186,7 +186,9 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
 
         def stats() -> dict:
             return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
-                    "draft": engine.draft_source, **request.speculation_stats()}
+                    "draft": engine.draft_source, **request.speculation_stats(),
+                    # the exact ids behind the text (tests compare them with a reference model's)
+                    "completion_token_ids": list(request.output_ids)}
 
         if not body.stream:
             try:
