@@ -457,8 +457,10 @@ class Engine:
             # everything above runs even when a client's disconnect cancels this task, whose every
             # await then raises again at once: the close goes on in the background and wakes
             # requests waiting for KV room
-            if group is None or not member.owned:  # else its group frees it (the merge may still be running)
+            if group is None or not member.owned:
                 await asyncio.shield(self._close_in_background(pipeline, session))
+            else:  # its group frees the KV (the merge may still be running); it no longer runs on this pipeline
+                pipeline.forget(session)
 
     def _kv_freed(self) -> None:
         """Wake every request waiting for KV room (a session closed, or a batch group closed or dropped

@@ -82,7 +82,7 @@ class Pipeline:
         self._broken: str | None = None
         self._close_reason = "pipeline closed"
         self.observe_link = None  # (link name, seconds) -> None: hop latency to stage 0, for metrics
-        self.sessions: set[str] = set()  # sessions opened through this pipeline and not closed yet
+        self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
 
     @classmethod
@@ -158,6 +158,11 @@ class Pipeline:
                 raise InvalidRequest(f"this request can never be served by worker {address}: {exc.details()}; "
                                      "lower max_tokens or shorten the prompt", param="max_tokens")
             raise StageFailure(f"cannot open a session on worker {address}: {_describe(exc)}")
+
+    def forget(self, session_id: str) -> None:
+        """Stop counting ``session_id`` as open through this pipeline (placement's load) without closing
+        it: for a session that ended inside a batch group, which frees its KV row itself."""
+        self.sessions.discard(session_id)
 
     async def close_session(self, session_id: str, timeout_s: float) -> None:
         """Free ``session_id``'s KV on every stage at once; failures are logged, never raised."""
