@@ -435,7 +435,10 @@ class Engine:
                 logical += 1 + accepted
             yield TextDelta(text[sent:], request.finish_reason)
         except (asyncio.CancelledError, GeneratorExit):
-            request.status = RequestStatus.CANCELLED
+            # a consumer closing this generator after the last delta (the API does, streamed or not)
+            # ends a finished request; only one closed before that was cancelled
+            if request.status is not RequestStatus.FINISHED:
+                request.status = RequestStatus.CANCELLED
             raise
         except BaseException as exc:
             request.status = RequestStatus.FAILED

@@ -4,6 +4,8 @@ there and count what happened."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import pytest
@@ -12,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.local import free_port
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from tests.conftest import chat, start_coordinator, start_worker, wait_ready
+from tests.conftest import Fleet, chat, start_coordinator, start_worker, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -71,3 +73,32 @@ def test_metrics_on_coordinator_and_workers(build_2, tmp_path):
         coordinator.stop()
         for proc, _ in workers:
             proc.stop()
+
+
+def test_request_outcomes_streamed_or_not(build_2, tmp_path):
+    """A request that ran to its finish is ``finished`` whether it streamed or not (the API closes the
+    stream after the finish chunk); one whose client hung up mid-stream is ``cancelled``."""
+    fleet = Fleet(build_2, tmp_path, peers=True)
+    try:
+        for stream in (False, True, True):
+            body = {"messages": [{"role": "user", "content": "Name three colors."}], "temperature": 0,
+                    "max_tokens": 8, "stream": stream}
+            r = httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            if stream:
+                assert '"finish_reason": "length"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+        body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "temperature": 0,
+                "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{fleet.url}/v1/chat/completions", json=body, timeout=60) as r:
+            contents = (line for line in r.iter_lines() if '"content": "' in line and '"content": ""' not in line)
+            for _ in range(3):
+                next(contents)  # then hang up mid-stream
+        deadline = time.monotonic() + 10
+        while ("fleet_requests_total", (("outcome", "cancelled"),)) not in (c := scrape(f"{fleet.url}/metrics")):
+            assert time.monotonic() < deadline, "the hung-up request was never counted"
+            time.sleep(0.1)
+        outcomes = {dict(k[1])["outcome"]: v for k, v in c.items() if k[0] == "fleet_requests_total"}
+        assert outcomes == {"finished": 3, "cancelled": 1}, outcomes
+        assert value(c, "fleet_running_requests") == 0
+    finally:
+        fleet.stop()
