@@ -145,34 +145,49 @@ class Serve(CoordinatorSettings):
             sys.exit(2)
 
 
+def _replica_line(w: dict) -> str:
+    """One worker of a stage in ``fleet-coordinator status``: address, health, load, KV, versions."""
+    mib = 1 << 20
+    kv = (f"KV {w['kv_bytes'] / mib:.1f} MiB held, {w['kv_reserved_bytes'] / mib:.0f} of "
+          f"{w['kv_budget_bytes'] / mib:.0f} MiB reserved") if "kv_bytes" in w else "no info"
+    return (f"  {w['address']:<21} {'healthy' if w['healthy'] else 'DOWN':<8} id {w.get('worker_id', '?'):<12} "
+            f"{w.get('device', '?')}  RTT {w['rtt_ms']:.1f} ms, sessions {w.get('sessions', '?')} "
+            f"(this coordinator's requests now: {w['load']}), sequences {w.get('sequences', '?')}, "
+            f"busy {w.get('busy', '?')}, {kv}, "
+            f"OpenVINO {w.get('openvino_version', '?')}, protocol {w.get('protocol_version', '?')}, via {w['source']}"
+            + (f", missed {w['missed_health_checks']} health checks" if w["missed_health_checks"] else ""))
+
+
+def _stage_lines(stage: int, replicas: list[dict]) -> list[str]:
+    """A stage's heading (how many of its replicas are healthy) and one line per replica."""
+    healthy = sum(w["healthy"] for w in replicas)
+    layers = next((f" layers [{w['layers'][0]}, {w['layers'][1]})" for w in replicas if w.get("layers")), "")
+    heading = (f"stage {stage}{layers}: {healthy} of {len(replicas)} replica{'s' if len(replicas) != 1 else ''} "
+               f"healthy" + ("  <- MISSING" if not healthy else ""))
+    return [heading, *(_replica_line(w) for w in sorted(replicas, key=lambda w: w["address"]))]
+
+
 def render_status(url: str, health: dict) -> str:
     """The fleet as text, from a coordinator's ``/health`` JSON: stages, their replicas, addresses,
-    health, load and versions."""
+    health, load and versions; then the workers that are no part of the pipeline: refused ones (another
+    build or protocol) with the reason, and those that never answered."""
     state = "ready" if health["ready"] else f"NOT READY, missing stage(s) {health['missing_stages']}"
     lines = [f"fleet at {url}: model {health['model']}, manifest {health['manifest_sha256'][:12]}, protocol "
              f"{health.get('protocol_version', '?')}, {state}; requests running {health.get('running', '?')}, "
              f"queued {health.get('queued', '?')}"]
-    workers = health["workers"]
-    for stage in range(health.get("num_stages", 1 + max((w["stage"] or 0) for w in workers) if workers else 0)):
-        mine = [w for w in workers if w["stage"] == stage]
-        healthy = sum(w["healthy"] for w in mine)
-        layers = next((f"layers [{w['layers'][0]}, {w['layers'][1]})" for w in mine if w.get("layers")), "")
-        lines.append(f"stage {stage}{' ' + layers if layers else ''}: {healthy} of {len(mine)} replica{'s' if len(mine) != 1 else ''} "
-                     f"healthy" + ("  <- MISSING" if not healthy else ""))
-        for w in sorted(mine, key=lambda w: w["address"]):
-            mib = 1 << 20
-            kv = (f"KV {w['kv_bytes'] / mib:.1f} MiB held, {w['kv_reserved_bytes'] / mib:.0f} of "
-                  f"{w['kv_budget_bytes'] / mib:.0f} MiB reserved") if "kv_bytes" in w else "no info"
-            lines.append(
-                f"  {w['address']:<21} {'healthy' if w['healthy'] else 'DOWN':<8} id {w.get('worker_id', '?'):<12} "
-                f"{w.get('device', '?')}  RTT {w['rtt_ms']:.1f} ms, sessions {w.get('sessions', '?')} "
-                f"(this coordinator's requests now: {w['load']}), sequences {w.get('sequences', '?')}, "
-                f"busy {w.get('busy', '?')}, {kv}, "
-                f"OpenVINO {w.get('openvino_version', '?')}, protocol {w.get('protocol_version', '?')}, via {w['source']}"
-                + (f", missed {w['missed_health_checks']} health checks" if w["missed_health_checks"] else ""))
-    for w in workers:
-        if w["stage"] is None or w.get("refused"):
-            lines.append(f"  {w['address']}: {w.get('refused') or 'no answer yet'}")
+    refused = [w for w in health["workers"] if w.get("refused")]
+    silent = [w for w in health["workers"] if w["stage"] is None and not w.get("refused")]
+    members = [w for w in health["workers"] if w["stage"] is not None and not w.get("refused")]
+    stages = health.get("num_stages", 1 + max((w["stage"] for w in members), default=-1))
+    for stage in range(stages):
+        lines += _stage_lines(stage, [w for w in members if w["stage"] == stage])
+    if refused:
+        lines.append(f"refused (no part of the pipeline): {len(refused)} worker{'s' if len(refused) != 1 else ''}")
+        lines += [f"  {w['address']:<21} REFUSED  {w['refused']}" for w in sorted(refused, key=lambda w: w["address"])]
+    if silent:
+        lines.append(f"not answering yet: {len(silent)} worker{'s' if len(silent) != 1 else ''}")
+        lines += [f"  {w['address']:<21} no answer to its health checks yet, via {w['source']}"
+                  for w in sorted(silent, key=lambda w: w["address"])]
     return "\n".join(lines)
 
 

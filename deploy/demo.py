@@ -28,6 +28,21 @@ def step(message: str) -> None:
     print(f"\n==> {message}", flush=True)
 
 
+def ready_text(workers: list[dict]) -> str:
+    """The "fleet ready:" line from ``/health``'s workers: the pipeline's stages and their healthy
+    workers; then, on lines of their own, workers the coordinator refused (with why: another build on
+    the LAN, say) and workers that have not answered, neither of them stages of this fleet."""
+    serving = [w for w in workers if w["healthy"] and w["stage"] is not None]
+    stages = sorted({w["stage"] for w in serving})
+    lines = ["fleet ready: " + " -> ".join(
+        f"stage {s} @ " + ", ".join(sorted(w["address"] for w in serving if w["stage"] == s)) for s in stages)]
+    lines += [f"refused: {w['address']}: {w['refused']}" for w in workers if w.get("refused")]
+    silent = [w["address"] for w in workers if not w["healthy"] and not w.get("refused")]
+    if silent:
+        lines.append("not answering yet: " + ", ".join(sorted(silent)))
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=ROOT / "models", help="where models and builds go")
@@ -75,9 +90,7 @@ def main() -> int:
                 print((logs / "coordinator.log").read_text()[-2000:], file=sys.stderr)
                 raise SystemExit("the fleet did not come up; see the logs above")
             time.sleep(0.3)
-        workers = httpx.get(f"{url}/health", timeout=2).json()["workers"]
-        print("fleet ready: " + " -> ".join(f"stage {w['stage']} @ {w['address']}" for w in
-                                            sorted(workers, key=lambda w: w["stage"])))
+        print(ready_text(httpx.get(f"{url}/health", timeout=2).json()["workers"]))
         httpx.post(f"{url}/v1/chat/completions", timeout=60,  # warm-up: first-call allocations, not the fleet
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         step(f"ask: fleet-chat --url {url} -p {args.question!r}")
