@@ -1,5 +1,6 @@
 """Greedy output of 2- and 3-stage fleets (each stage its own process, found by zeroconf on loopback)
-equals the single-device OpenVINO reference token for token, in f32 (design.md §4)."""
+equals the single-device reference, transformers in f32 (tests/integration/reference.py), token for
+token but at a near-tie of the reference (at most one per fleet), in f32 (design.md §4)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import pytest
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import Fleet, chat
 
-from .reference import WholeModel
-from .test_speculative_equivalence import check_equal
+from .reference import TransformersReference, first_divergence
 
 pytestmark = pytest.mark.integration
 
@@ -24,9 +24,9 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def reference(build_1) -> dict[str, list[int]]:
+def reference(build_1, demo_hf) -> dict[str, list[int]]:
     tokenizer = ChatTokenizer(build_1)
-    model = WholeModel(build_1)
+    model = TransformersReference(demo_hf)
     return {p: model.greedy_with_margins(tokenizer.encode_chat([{"role": "user", "content": p}]), NEW_TOKENS)
             for p in PROMPTS}
 
@@ -38,8 +38,8 @@ def reference(build_1) -> dict[str, list[int]]:
 ], ids=["2-stage", "3-stage-chunked", "3-stage-ngram-adaptive"])
 def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_path):
     build = request.getfixturevalue(f"build_{stages}")
-    tokenizer = ChatTokenizer(build)
     fleet = Fleet(build, tmp_path, *coord_args)
+    near_ties = 0
     try:
         assert "(mdns)" in fleet.coordinator.text(), "workers must be found by zeroconf"
         for prompt in PROMPTS:
@@ -48,11 +48,9 @@ def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_
             body = r.json()
             assert body["usage"]["completion_tokens"] == NEW_TOKENS
             tokens, margins = reference[prompt]
-            got = body["choices"][0]["message"]["content"]
-            if "--draft" in coord_args:  # masked (rejected) slots round differently: near-ties may flip
-                check_equal(got, tokens, margins, tokenizer, f"{stages}-stage on {prompt!r}")
-            else:
-                assert got == tokenizer.decode(tokens), f"{stages}-stage diverged on {prompt!r}"
+            got = body["fleet"]["completion_token_ids"]
+            near_ties += first_divergence(got, tokens, margins, f"{stages}-stage on {prompt!r}") is not None
+        assert near_ties <= 1, f"{near_ties} of {len(PROMPTS)} answers diverged at near-ties"
         if "--draft" in coord_args:
             stats = body["fleet"]
             assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats  # some accepted, some rejected

@@ -2,10 +2,12 @@
 (prompt lookup, the self-int4 model, a separate early-exit model), K in {1, 2, 4, 8}, on 2- and
 3-stage fleets of the demo model, with compaction of rejected slots switched on early.
 
-Hidden slots are exact zeros after the softmax, but attention over a longer, partly masked KV (and
-verify windows of several tokens) sums in another order: logits differ from plain decoding by up to
-~6e-5 (f32, measured). So a divergence is accepted only at a near-tie, where the reference's top-two
-logits are within ``NEAR_TIE`` at the first differing token; anything else fails.
+The reference is transformers in f32 on the demo's HF folder (tests/integration/reference.py), not
+the fleet's own plain decoding. Hidden slots are exact zeros after the softmax, but attention over a
+longer, partly masked KV (and verify windows of several tokens) sums in another order (up to ~6e-5
+from plain decoding, f32, measured), and torch sums in yet another (~1e-3): a divergence is accepted
+only at a near-tie of the reference (``reference.NEAR_TIE``) at the first differing token, compared on
+token ids, and near-ties are bounded per matrix; anything else fails.
 
 Every cell starts its own coordinator against the same workers. By default each cell decodes one of
 the 10 prompts (rotating, so each stage count sees all 10); ``FLEET_FULL_MATRIX=1`` runs all 10
@@ -21,7 +23,7 @@ import pytest
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import DRAFTS, chat, start_coordinator, start_worker, wait_ready
 
-from .reference import WholeModel
+from .reference import TransformersReference, first_divergence
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +43,13 @@ FULL = os.environ.get("FLEET_FULL_MATRIX") == "1"
 NEW_TOKENS = 128 if FULL else 48  # CI: 48 tokens per cell, enough for several compactions from 32 hidden slots
 SOURCES = ("ngram", *DRAFTS)
 KS = (1, 2, 4, 8)
-NEAR_TIE = 2e-4  # logits; the masked-vs-unmasked rounding measured here is <= 6e-5
+MAX_NEAR_TIES = 3  # per matrix (12 cells): more would mean the fleet drifts, not rounding at ties
 
 
 @pytest.fixture(scope="module")
-def reference(build_1):
+def reference(build_1, demo_hf):
     tokenizer = ChatTokenizer(build_1)
-    model = WholeModel(build_1)
+    model = TransformersReference(demo_hf)
     cache: dict[str, tuple[list[int], list[float]]] = {}
 
     def greedy(prompt: str) -> tuple[list[int], list[float]]:
@@ -58,22 +60,9 @@ def reference(build_1):
     return greedy
 
 
-def check_equal(got: str, tokens: list[int], margins: list[float], tokenizer: ChatTokenizer, what: str) -> bool:
-    """True if ``got`` is the reference text; False if it first differs at a near-tie (allowed, counted);
-    fails the test otherwise."""
-    if got == tokenizer.decode(tokens):
-        return True
-    first = next((j for j in range(len(tokens)) if not got.startswith(tokenizer.decode(tokens[: j + 1]))), None)
-    assert first is not None, f"{what}: output longer than the reference"
-    assert margins[first] < NEAR_TIE, (f"{what} diverged at token {first}, where the reference's top-two logits "
-                                       f"are {margins[first]:.2e} apart (not a near-tie)")
-    return False
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
     build = request.getfixturevalue(f"build_{stages}")
-    tokenizer = ChatTokenizer(build)
     workers = [start_worker(build, shard, tmp_path) for shard in range(stages)]
     peers = [arg for _, address in workers for arg in ("--peer", address)]
     totals = {"drafted": 0, "accepted": 0, "compactions": 0, "near_ties": 0}
@@ -93,10 +82,10 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
                         r = chat(url, prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
                         assert r.status_code == 200, r.text
                         body = r.json()
-                        got = body["choices"][0]["message"]["content"]
+                        got = body["fleet"]["completion_token_ids"]
                         tokens, margins = reference(prompt)
-                        if not check_equal(got, tokens, margins, tokenizer,
-                                           f"{stages}-stage, draft {source}, K={k} on {prompt!r}"):
+                        if first_divergence(got, tokens, margins,
+                                            f"{stages}-stage, draft {source}, K={k} on {prompt!r}") is not None:
                             totals["near_ties"] += 1
                         stats = body["fleet"]
                         assert stats["draft"] == source and stats["drafted_tokens"] > 0, stats
@@ -112,6 +101,7 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
     # the matrix exercised acceptance, mask-based rejection and compaction, not just one of them
     assert 0 < totals["accepted"] < totals["drafted"], totals
     assert totals["compactions"] > 0, totals
+    assert totals["near_ties"] <= MAX_NEAR_TIES, totals
     print(f"{stages}-stage: {totals}")
 
 
@@ -121,7 +111,6 @@ def test_concurrent_speculative_sessions_in_one_batch_group(reference, build_2, 
     row, and each output still equals plain greedy decoding."""
     import concurrent.futures
 
-    tokenizer = ChatTokenizer(build_2)
     workers = [start_worker(build_2, shard, tmp_path) for shard in range(2)]
     peers = [arg for _, address in workers for arg in ("--peer", address)]
     coordinator, url = start_coordinator(build_2, tmp_path, *peers, "--no-discover", "--draft", "ngram",
@@ -132,16 +121,17 @@ def test_concurrent_speculative_sessions_in_one_batch_group(reference, build_2, 
         prompts = PROMPTS[:5]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             replies = list(pool.map(lambda p: chat(url, p, max_tokens=NEW_TOKENS, ignore_eos=True), prompts))
-        batched = 0
+        batched, near_ties = 0, 0
         for prompt, r in zip(prompts, replies):
             assert r.status_code == 200, r.text
             tokens, margins = reference(prompt)
-            check_equal(r.json()["choices"][0]["message"]["content"], tokens, margins, tokenizer,
-                        f"batched ngram session on {prompt!r}")
+            near_ties += first_divergence(r.json()["fleet"]["completion_token_ids"], tokens, margins,
+                                          f"batched ngram session on {prompt!r}") is not None
             stats = r.json()["fleet"]
             assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats
             batched = max(batched, stats["batch_max"])
         assert batched >= 3, "the sessions did not share steps"
+        assert near_ties <= 1, near_ties
     finally:
         coordinator.stop()
         for proc, _ in workers:
