@@ -105,17 +105,19 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
                kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True) -> None:
     """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
 
-    fp16 goes straight from the source to the file. int8/int4: the fp16 IR is written first, read
-    back memory-mapped and compressed by NNCF (compiler/compress.py), so the f16 stage is never held
-    whole beside its compressed copy in anonymous memory. Raises ``BuildError`` on a full disk."""
+    fp16 and int8 go straight from the source to the file, one tensor at a time (int8 by NNCF's own
+    per-channel lowering, in blocks of rows: compress.int8_rows). int4 (NNCF ranks every layer of the
+    stage to pick which go to 4 bits, so it needs the stage whole): the fp16 IR is written first, read
+    back memory-mapped and compressed by NNCF. Raises ``BuildError`` on a full disk."""
     total = sum(int(_numel(shape)) * 2 for shape in stage_tensors(cfg, stage).values())
-    model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input)
-    fp16 = path if spec.format == "fp16" else path.with_name(path.stem + ".fp16.xml")
+    model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,
+                         int8=spec if spec.format == "int8" else None)
+    fp16 = path if spec.format in ("fp16", "int8") else path.with_name(path.stem + ".fp16.xml")
     with _disk_errors(path), progress.task(label, total) as on_read:
         model._fleet_weights.on_read = on_read
         ov.save_model(model, fp16, compress_to_fp16=False)
     del model
-    if spec.format == "fp16":
+    if spec.format in ("fp16", "int8"):
         return
     with _disk_errors(path):
         compressed = compress(ov.Core().read_model(fp16), spec)

@@ -45,6 +45,7 @@ from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, 
 
 log = logging.getLogger(__name__)
 
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
 
 
@@ -86,27 +87,69 @@ def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ..
 
 
 class _Weights:
-    """Postponed f16 constants (one per tensor, shared by every use) for one stage's graph."""
+    """Postponed constants (one set per tensor, shared by every use) for one stage's graph: f16, or with
+    ``int8`` (a ``compress.WeightSpec``) linear and embedding weights as NNCF's per-channel int8 pattern."""
 
-    def __init__(self, source, on_read: Callable[[str, int], None] | None) -> None:  # noqa: ANN001
-        self.source, self.on_read = source, on_read
+    def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None) -> None:  # noqa: ANN001
+        self.source, self.on_read, self.int8 = source, on_read, int8
         self.nodes: dict[str, ov.Output] = {}
         self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
 
-    def __call__(self, name: str) -> ov.Output:
-        """``name`` as an f32 graph value [shape]: Constant(f16, made when saved) -> Convert(f32)."""
-        if name not in self.nodes:
-            def maker(name: str = name) -> ov.Tensor:
-                tensor = ov.Tensor(ov.Type.f16, ov.Shape(list(self.source.shape(name))))
-                self.source.tensor(name, out=tensor.data)  # read straight into the tensor: no second copy
-                if self.on_read is not None:
-                    self.on_read(name, tensor.byte_size)
-                return tensor
+    def _postponed(self, dtype: ov.Type, shape: list[int], maker: Callable[[], ov.Tensor], name: str) -> ov.Node:
+        const = make_postponed_constant(dtype, ov.Shape(shape), maker, name)
+        self.constants.append(const)
+        return const
 
-            const = make_postponed_constant(ov.Type.f16, ov.Shape(list(self.source.shape(name))), maker, name)
-            self.constants.append(const)
-            self.nodes[name] = op.convert(const, ov.Type.f32).output(0)
+    def _read(self, name: str, tensor: ov.Tensor) -> ov.Tensor:
+        if self.on_read is not None:
+            self.on_read(name, tensor.byte_size)
+        return tensor
+
+    def __call__(self, name: str, matrix: bool = False) -> ov.Output:
+        """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
+        linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
+        Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32)."""
+        if name in self.nodes:
+            return self.nodes[name]
+        shape = list(self.source.shape(name))
+        if matrix and self.int8 is not None:
+            self.nodes[name] = self._int8(name, shape)
+            return self.nodes[name]
+
+        def maker() -> ov.Tensor:
+            tensor = ov.Tensor(ov.Type.f16, ov.Shape(shape))
+            self.source.tensor(name, out=tensor.data)  # read straight into the tensor: no second copy
+            return self._read(name, tensor)
+
+        self.nodes[name] = op.convert(self._postponed(ov.Type.f16, shape, maker, name), ov.Type.f32).output(0)
         return self.nodes[name]
+
+    def _int8(self, name: str, shape: list[int]) -> ov.Output:
+        """The three constants of one int8 weight, computed together when the serializer asks for the first
+        and each handed out once (so the stage is never held compressed whole)."""
+        from .compress import int8_rows
+
+        symmetric = self.int8.symmetric
+        parts: dict[str, ov.Tensor] = {}
+
+        def compute(part: str) -> ov.Tensor:
+            if not parts:
+                weights = ov.Tensor(ov.Type.i8 if symmetric else ov.Type.u8, ov.Shape(shape))
+                scale, zero_point = int8_rows(lambda a, b: self.source.tensor(name, rows=(a, b)), tuple(shape),
+                                              symmetric, weights.data)
+                parts.update(weights=self._read(name, weights), scale=ov.Tensor(scale))
+                if zero_point is not None:
+                    parts["zero_point"] = ov.Tensor(zero_point)
+            return parts.pop(part)
+
+        rows = [shape[0], 1]
+        q = self._postponed(ov.Type.i8 if symmetric else ov.Type.u8, shape, lambda: compute("weights"), name)
+        x = op.convert(q, ov.Type.f16)
+        if not symmetric:
+            zp = self._postponed(ov.Type.u8, rows, lambda: compute("zero_point"), f"{name}/zero_point")
+            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
+        scale = self._postponed(ov.Type.f16, rows, lambda: compute("scale"), f"{name}/scale")
+        return op.convert(op.multiply(x, scale, name=f"{name}/fq_weights_1"), ov.Type.f32).output(0)
 
 
 def _i64(values) -> ov.Output:  # noqa: ANN001
@@ -231,7 +274,8 @@ def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
 
 
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
-                 logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None) -> ov.Model:
+                 logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
+                 int8=None) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -241,14 +285,16 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     as optimum-intel does (without it the CPU plugin picks u8 KV and shards drift from the whole
     model). ``logits_index_input=False`` (last stage only): no ``logits_index`` input, logits for
     every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
+    ``int8`` (a ``compiler.compress.WeightSpec`` of format int8): every linear and embedding weight is
+    written in NNCF's per-channel int8 form as it is read (``compress.int8_rows``), norms and biases f16.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
     source.check(stage_tensors(cfg, stage))
-    weights = _Weights(source, on_read)
+    weights = _Weights(source, on_read, int8)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
-        x = op.gather(weights(EMBEDDING), first, _i64(0)).output(0)  # [B, S, H]
+        x = op.gather(weights(EMBEDDING, matrix=True), first, _i64(0)).output(0)  # [B, S, H]
     else:
         first = _parameter("hidden_states", [-1, -1, cfg.hidden_size], ov.Type.f32)
         x = first.output(0)
@@ -263,7 +309,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     rope = rope_tables(position_ids.output(0), cfg)
     sinks: list[ov.Node] = []
     for layer in range(stage.start, stage.end):
-        w = {role: weights(name) for role, name in hf_weight_names(cfg, layer).items()}
+        w = {role: weights(name, matrix=role in MATRICES) for role, name in hf_weight_names(cfg, layer).items()}
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, rope, mask,
                                    beam_idx.output(0), batch, layer)
         x = op.add(x, h).output(0)
@@ -275,7 +321,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
             params.append(logits_index)
             x = op.gather(x, logits_index, _i64(1)).output(0)  # [B, K, H]
         x = rms_norm(x, weights(FINAL_NORM), cfg.rms_norm_eps)
-        x = linear(x, weights(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD))  # [B, K, V]
+        x = linear(x, weights(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD, matrix=True))  # [B, K, V]
     result = op.result(x)
     result.output(0).get_tensor().set_names({"logits" if stage.last else "hidden_states"})
     model = ov.Model([result], sinks, params, f"stage_{stage.index}")

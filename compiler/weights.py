@@ -146,23 +146,29 @@ class SafetensorsWeights:
         """Bytes the tensor takes as f16 (what a build writes)."""
         return int(np.prod(self.tensors[name].shape, dtype=np.int64)) * 2
 
-    def tensor(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """Tensor ``name`` as a float16 array, written into ``out`` (float16, its shape) when given (read
-        now, from the mapped file, ``CHUNK_BYTES`` at a time, so converting a 1 GiB embedding needs no f32
-        copy of it).
+    def tensor(self, name: str, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor ``name`` (or its rows ``[start, stop)`` of the first axis) as a float16 array, written into
+        ``out`` (float16, that shape) when given. Read now, from the mapped file, ``CHUNK_BYTES`` at a
+        time, so converting a 1 GiB embedding needs no f32 copy of it.
 
         Raises ``WeightsError`` when a value is beyond float16's range or the file cannot be read.
         """
         info = self.tensors[name]
         dtype, width = DTYPES[info.dtype]
+        shape = info.shape
+        first, offset = 0, info.offset
+        if rows is not None:
+            row = int(np.prod(shape[1:], dtype=np.int64))
+            first, stop = rows
+            shape, offset = (stop - first, *shape[1:]), info.offset + first * row * width
         if out is None:
-            out = np.empty(info.shape, dtype=np.float16)
+            out = np.empty(shape, dtype=np.float16)
         flat, total = out.reshape(-1), out.size
         step = max(1, CHUNK_BYTES // width)
         for start in range(0, total, step):
             count = min(step, total - start)
             try:
-                raw = np.memmap(info.file, dtype=dtype, mode="r", offset=info.offset + start * width, shape=(count,))
+                raw = np.memmap(info.file, dtype=dtype, mode="r", offset=offset + start * width, shape=(count,))
             except (OSError, ValueError) as exc:
                 raise WeightsError(f"{info.file}: tensor {name} cannot be read ({exc})") from None
             if info.dtype == "F16":
