@@ -74,22 +74,34 @@ class ModelConfig:
         Raises ``UnsupportedModel`` naming the architecture (and the supported list) or the option the
         builder does not implement, before any weight is read; ``ValueError`` for a missing field.
         """
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: not a model config (a JSON object), but a {type(config).__name__}")
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = ", ".join(config.get("architectures") or []) or "no 'architectures' given"
             raise UnsupportedModel(f"{where}: architecture {model_type!r} ({archs}) is not supported; the builder "
                                    f"makes {', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            head_dim = int(config.get("head_dim") or hidden // heads)
-            kv_heads = int(config.get("num_key_value_heads") or heads)
-            dims = dict(num_layers=int(config["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
-                        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=int(config["intermediate_size"]),
-                        vocab_size=int(config["vocab_size"]), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)))
-        except KeyError as exc:
-            raise ValueError(f"{where}: field {exc.args[0]!r} missing") from None
+        def positive(name: str) -> int:
+            if name not in config:
+                raise ValueError(f"{where}: field {name!r} missing")
+            value = config[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: field {name!r} must be a positive integer, not {value!r}")
+            return value
+
+        hidden, heads = positive("hidden_size"), positive("num_attention_heads")
+        head_dim = positive("head_dim") if config.get("head_dim") is not None else hidden // heads
+        kv_heads = positive("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+        eps = config.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ValueError(f"{where}: field 'rms_norm_eps' must be a small number, not {eps!r}")
+        dims = dict(num_layers=positive("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=positive("intermediate_size"),
+                    vocab_size=positive("vocab_size"), rms_norm_eps=float(eps))
         if heads % kv_heads:
             raise ValueError(f"{where}: {heads} attention heads do not split into {kv_heads} KV heads")
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"{where}: head_dim {head_dim} must be even (rotary embeddings rotate pairs)")
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModel(f"{where}: MLP activation {act!r} is not supported (silu only)")

@@ -29,7 +29,7 @@ from .compress import WeightSpec, compress, parse_stage_weights, resolve
 from .draft import check_self_draft, draft_name, export_draft
 from .export import StageSpec, export_stage, stage_tensors
 from .plan import balanced_split, decode_weights, parse_layers
-from .weights import SafetensorsWeights
+from .weights import SafetensorsWeights, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,16 @@ def _disk_errors(path: Path):  # noqa: ANN202
         free = shutil.disk_usage(path.parent).free
         if getattr(exc, "errno", None) != errno.ENOSPC and free >= 64 << 20:
             raise
-        raise BuildError(f"disk full writing {path} ({free >> 20} MiB free): free space or choose another -o "
+        raise BuildError(f"disk full writing {path} ({_size(free)} free): free space or choose another -o "
                          "folder; the previous build, if any, is unchanged") from None
-        raise
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a person: 3.2 GiB, 12.5 MiB, 900 KiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{max(1, round(nbytes / 1024)) if nbytes else 0} KiB"
 
 
 def estimated_bytes(cfg: ModelConfig, ranges: list[tuple[int, int]], drafts: int) -> int:
@@ -170,11 +177,27 @@ def estimated_bytes(cfg: ModelConfig, ranges: list[tuple[int, int]], drafts: int
 
 
 def _staging_dir(out: Path) -> Path:
-    """A fresh hidden folder beside ``out`` to build into (same filesystem, so it can be renamed)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    """A fresh hidden folder beside ``out`` to build into (same filesystem, so it can be renamed).
+    Raises ``BuildError`` when ``out``'s folder cannot be written."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as exc:
+        raise BuildError(f"cannot write the build beside {out}: {exc.strerror or exc} ({exc.filename or out.parent}); "
+                         "choose another -o folder") from None
     staging.chmod(0o755)
     return staging
+
+
+def check_layers(weights: SafetensorsWeights, cfg: ModelConfig, where: str) -> None:
+    """Refuse (``WeightsError``) weights of decoder layers the config does not have: a config cut short
+    would otherwise build a truncated model without a word."""
+    extra = sorted({int(n.split(".")[2]) for n in weights.tensors
+                    if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+                    and int(n.split(".")[2]) >= cfg.num_layers})
+    if extra:
+        raise WeightsError(f"{weights.folder} holds weights of layers {extra[0]}..{extra[-1]}, but {where} says "
+                           f"num_hidden_layers {cfg.num_layers}: config and weights do not match")
 
 
 def _install(staging: Path, out: Path) -> None:
@@ -236,7 +259,9 @@ def build(
     names = [draft_name(d) for d in drafts]
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a name: {names}")
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"-o {out} is a file, not a folder: choose another -o folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
     with tempfile.TemporaryDirectory() as tmp:
         source = open_source(Path(src), Path(tmp))
@@ -244,6 +269,9 @@ def build(
         for spec in drafts:
             check_self_draft(spec, cfg)
         ranges = stage_ranges(cfg, shards, layers)
+        check_layers(source.weights, cfg, str(source.folder / "config.json"))
+        if not (source.folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{source.folder} has no tokenizer.json (fast tokenizer) to ship with the build")
         for index, (start, end) in enumerate(ranges):  # every tensor there, shaped as the config says
             source.weights.check(stage_tensors(cfg, StageSpec(index, start, end, cfg.num_layers)),
                                  str(source.folder / "config.json"))
@@ -254,7 +282,7 @@ def build(
         try:
             need, free = estimated_bytes(cfg, ranges, len(drafts)), shutil.disk_usage(staging).free
             if need > free:
-                raise BuildError(f"{out.parent} has {free >> 20} MiB free, the build needs about {need >> 20} MiB: "
+                raise BuildError(f"{out.parent} has {_size(free)} free, the build needs about {_size(need)}: "
                                  "free space or choose another -o folder")
             with Progress(progress) as bar:
                 # drafts first: a draft with another vocabulary fails the build before the long part
@@ -269,13 +297,12 @@ def build(
                                f"stage {index} [{start}:{end}) {specs[index].format}")
                     stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin",
                                              weights=specs[index].format, compression=specs[index].parameters()))
-            for name in TOKENIZER_FILES:
-                if (source.folder / name).is_file():
-                    shutil.copy2(source.folder / name, staging / name)
-            if not (staging / "tokenizer.json").is_file():
-                raise FileNotFoundError(f"{source.folder} has no tokenizer.json (fast tokenizer) to ship with the build")
-            manifest = _manifest(staging, cfg, src, model_id, stages, draft_entries, kv_cache_precision,
-                                 eos_ids(source.folder, cfg))
+            with _disk_errors(staging / MANIFEST_NAME):
+                for name in TOKENIZER_FILES:
+                    if (source.folder / name).is_file():
+                        shutil.copy2(source.folder / name, staging / name)
+                manifest = _manifest(staging, cfg, src, model_id, stages, draft_entries, kv_cache_precision,
+                                     eos_ids(source.folder, cfg))
             _install(staging, out)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

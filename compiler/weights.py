@@ -99,9 +99,11 @@ class SafetensorsWeights:
         index = folder / INDEX_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
                 raise WeightsError(f"{index}: not a safetensors index ({exc})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise WeightsError(f"{index}: not a safetensors index (no 'weight_map' of tensor names to files)")
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
@@ -110,13 +112,15 @@ class SafetensorsWeights:
             weight_map, files = None, [SINGLE_NAME]
         else:
             raise WeightsError(f"{folder} has no {SINGLE_NAME} or {INDEX_NAME} (the builder reads safetensors)")
-        self.tensors: dict[str, TensorInfo] = {}
-        for name in files:
-            self.tensors.update(_read_header(folder / name))
-        if weight_map is not None:
+        headers = {name: _read_header(folder / name) for name in files}
+        if weight_map is None:
+            self.tensors: dict[str, TensorInfo] = headers[SINGLE_NAME]
+        else:  # each tensor from the file the index names, and only there
+            self.tensors = {}
             for name, file in weight_map.items():
-                if name not in self.tensors:
+                if name not in headers[file]:
                     raise WeightsError(f"{index} puts {name} in {file}, which does not hold it")
+                self.tensors[name] = headers[file][name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
