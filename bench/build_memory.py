@@ -8,7 +8,7 @@ torch path's on the same model, and a 4-stage fleet of it answering through real
    ``--layers`` of its 32 layers (default 10: 6.4 GB of bf16), random bf16 weights, written as HF
    shards it (``model-0000N-of-0000M.safetensors`` of at most 2 GB + ``model.safetensors.index.json``),
    with a word-level tokenizer of 128256 tokens and a chat template, so a fleet can serve it.
-2. **Builds**: ``fleet-compiler build --shards 4``, fp16 and ``--weights int8``, each a separate
+2. **Builds**: ``fleet-compiler build --shards 4``, fp16, ``--weights int8`` and ``int4``, each a separate
    process whose peak RSS is sampled (psutil, every 50 ms, the process and its children) and read
    from ``/usr/bin/time -v``'s "Maximum resident set size". The goal: peak <= 1.25 x the largest
    stage's output + 1 GiB.
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / "models" / "build-memory")
     ap.add_argument("--old-ref", default=OLD_REF, help="git commit of the torch build path ('' to skip)")
     ap.add_argument("--old-cap-gib", type=float, default=16.0, help="stop the old path past this RSS")
+    ap.add_argument("--formats", default="fp16,int8,int4", help="weight formats to build (comma-separated)")
     ap.add_argument("--tokens", type=int, default=8, help="tokens the fleet generates")
     ap.add_argument("--no-fleet", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the builds (the model is always kept)")
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     compiler = [sys.executable, "-m", "compiler.cli", "build", str(model), "--shards", "4"]
     rows = []
-    for label, extra in (("fp16", []), ("int8", ["--weights", "int8"])):
+    for label in args.formats.split(","):
+        extra = [] if label == "fp16" else ["--weights", label]
         out = work / f"build-{label}"
         print(f"building {label} ...", flush=True)
         run = timed_build([*compiler, *extra, "-o", str(out)], work / f"build-{label}.log", ROOT)
@@ -291,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"path": f"torch ({args.old_ref})", "weights": "fp16", **run,
                      "stage_bytes": stage_sizes(work / "build-old") if run["returncode"] == 0 else []})
         shutil.rmtree(work / "build-old", ignore_errors=True)
-    fleet = None if args.no_fleet or rows[1]["returncode"] else serve(work / "build-int8", work, args.tokens)
+    int8 = next((r for r in rows if r["weights"] == "int8" and r["path"] == "builder"), None)
+    fleet = None if args.no_fleet or not int8 or int8["returncode"] else serve(work / "build-int8", work, args.tokens)
 
     print(f"\nmodel: {model_bytes / 1e9:.2f} GB of bf16 safetensors, {args.layers} layers, 4 stages")
     print(f"{'path':<18} {'weights':>7} {'wall s':>7} {'peak RSS GiB':>13} {'largest stage GiB':>18} "
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"model_bytes": model_bytes, "layers": args.layers, "dims": DIMS,
                                          "builds": rows, "fleet": fleet}, indent=2))
     if not args.keep:
-        for label in ("fp16", "int8"):
+        for label in args.formats.split(","):
             shutil.rmtree(work / f"build-{label}", ignore_errors=True)
     return 0
 

@@ -201,23 +201,16 @@ def forced_agreement(chain: StageChain, prompt: list[int], answer: list[int]) ->
 
 def _encoders(model_dir: Path):  # noqa: ANN202 - (tokenizer, encode text, encode a chat prompt)
     """The build's tokenizer as the coordinator uses it (no special tokens added) and its chat
-    template rendered by transformers' ``apply_chat_template``."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
+    template rendered as the coordinator renders it (coordinator/tokenizer.py: transformers'
+    ``apply_chat_template`` rules, without transformers)."""
+    from coordinator.tokenizer import ChatTokenizer
 
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
+    chat_tokenizer = ChatTokenizer(model_dir)
 
     def chat(content: str) -> list[int]:
-        text = fast.apply_chat_template([{"role": "user", "content": content}], chat_template=config["chat_template"],
-                                        add_generation_prompt=True, tokenize=False)
-        return encode(text)
+        return chat_tokenizer.encode_chat([{"role": "user", "content": content}])
 
-    return tok, encode, chat
+    return chat_tokenizer.tokenizer, chat_tokenizer.encode, chat
 
 
 def eval_sha256() -> str:

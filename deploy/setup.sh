@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install fleet with the compiler extra (CPU-only torch) and the test tools.
+# Create .venv and install fleet with the compiler extra and the test tools (these pull CPU-only torch and
+# transformers: the tests' reference; fleet itself needs neither).
 # Idempotent: a second run with an unchanged pyproject.toml returns at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
