@@ -19,7 +19,7 @@ import numpy as np
 
 from fleet_common.manifest import LoadedManifest
 
-from .batching import Batcher, Member
+from .batching import BatchGroup, Batcher, Member
 from .metrics import CoordinatorMetrics
 from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, StageFailure
 from .registry import Registry
@@ -297,53 +297,19 @@ class Engine:
         pipeline = await self.registry.pipeline()
         if pipeline.observe_link is None:
             pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
-        session = request.request_id
-        # one generator per logical position, seeded by (seed, position): a seeded run is reproducible,
-        # with point-mass drafts (greedy, ngram) whatever the draft lengths were (see speculative.verify)
-        seed = (params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
-
-        def rng_at(position: int) -> np.random.Generator:
-            return np.random.default_rng([seed, position])
-
-        def draft_rng_at(position: int) -> np.random.Generator:  # independent of the target's draws
-            return np.random.default_rng([seed, position, 1])
+        rng_at, draft_rng_at = _generators(params.seed)
         top_k = 1 if params.temperature <= 0 else s.sample_top_k
         prompt = request.prompt_ids
         drafting = self.draft_source != "none"
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
         # theirs (masked, never trimmed) until a compaction, hence the slack
         slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
-        await self._open_session(pipeline, session, slots)
-        drafter = self.draft_model.open(session, slots) if self.draft_model is not None else None
+        await self._open_session(pipeline, request.request_id, slots)
+        seat = _Seat(self, request, pipeline, slots)
+        drafter = self.draft_model.open(request.request_id, slots) if self.draft_model is not None else None
         if drafter is not None and len(prompt) + s.spec_k_max + 1 > drafter.kv.max_context:
             drafter, drafting = None, False  # the prompt does not fit the draft model's context
         draft_prefill = None
-        member = group = None
-        joined_compactions = 0
-
-        async def fail_over(failure: StageFailure) -> None:
-            """Leave the (broken) group and move the session to replicas; the stages then hold prompt +
-            output except the newest token, which the next chunk feeds."""
-            nonlocal pipeline, session, group
-            if group is not None:
-                request.compactions += group.compactions - joined_compactions
-                group.leave(member)
-                group = None
-            pipeline, session = await self._fail_over(request, failure, pipeline, session, slots,
-                                                      prompt + request.output_ids[:-1])
-
-        async def join() -> None:
-            """Move the prefilled session into a batch group of its pipeline (failing over if need be)."""
-            nonlocal member, group, joined_compactions
-            while True:
-                member = Member(session, slots, logical)
-                group = self.batcher.assign(pipeline)
-                try:
-                    await group.join(member)
-                    joined_compactions = group.compactions
-                    return
-                except StageFailure as exc:
-                    await fail_over(exc)
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
@@ -351,12 +317,7 @@ class Engine:
             request.status = RequestStatus.PREFILL
             if drafter is not None:  # the draft prefills here while the stages prefill
                 draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, prompt))
-            while True:
-                try:
-                    out = await self._prefill(pipeline, session, prompt, top_k, logits=True)
-                    break
-                except StageFailure as exc:
-                    pipeline, session = await self._fail_over(request, exc, pipeline, session, slots, [])
+            out = await seat.prefill(prompt, top_k)
             if draft_prefill is not None:
                 await draft_prefill
             request.status = RequestStatus.DECODE
@@ -364,75 +325,34 @@ class Engine:
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
             decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p,
                                     rng_at(len(prompt)))]
-            while request.finish_reason is None:
-                for token in decided:
-                    if token in self.eos_ids and not params.ignore_eos:
-                        request.finish(FinishReason.STOP)
-                        break
-                    request.append(token)
-                    text += detok.push(token)
-                    if params.stop:
-                        cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
-                                  default=-1)
-                        if cut >= 0:
-                            text = text[:cut]
-                            request.finish(FinishReason.STOP)
-                            break
-                    if len(request.output_ids) >= params.max_tokens:
-                        request.finish(FinishReason.LENGTH)
-                        break
+            while True:
+                text = self._take(request, decided, detok, text, sent, hold)
                 if request.finish_reason is not None:
                     break
                 safe = len(text) - hold if params.stop else len(text)
                 if safe > sent:
                     yield TextDelta(text[sent:safe])  # a slow client blocks here; its group goes on without it
                     sent = safe
-                if group is None:  # decode in a batch group: one infer call per stage for all its sessions
-                    await join()
+                if seat.group is None:  # decode in a batch group: one infer call per stage for all its sessions
+                    await seat.join(logical)
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
-                # feed the newest token; earlier ones in `decided` were fed as accepted drafts
                 t0 = time.perf_counter()
-                draft, qs = [], []
-                if k and drafter is not None:
-                    member.drafting = True  # the group waits for this (and only this) past --batch-wait-ms
-                    try:
-                        draft, qs = await self.draft_model.run(drafter.propose, prompt + request.output_ids, k,
-                                                               params.temperature, params.top_p, draft_rng_at)
-                    finally:
-                        member.drafting = False
-                elif k and self.draft_source == "ngram":
-                    draft = ngram_draft(prompt + request.output_ids, k)
-                    qs = [SparseDist.point(t) for t in draft]
+                draft, qs = await self._propose(request, seat.member, drafter, k, draft_rng_at)
+                # feed the newest token; earlier ones in `decided` were fed as accepted drafts
                 chunk = [decided[-1], *draft]
                 t1 = time.perf_counter()
-                while True:
-                    try:
-                        out = await group.step(member, chunk, logical, len(chunk), top_k)
-                        break
-                    except StageFailure as exc:
-                        await fail_over(exc)
-                        await join()
+                out = await seat.step(chunk, logical, top_k)
                 t2 = time.perf_counter()
-                request.batch_max = max(request.batch_max, group.last_rows)
+                request.batch_max = max(request.batch_max, seat.group.last_rows)
                 self.step_costs.observe(len(chunk), t2 - t1)
                 self.metrics.step.labels("decode").observe(t2 - t1)
                 if draft:
-                    targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature,
-                                                   params.top_p) for i in range(len(chunk))]
-                    decided = verify(draft, qs, targets, [rng_at(logical + 1 + i) for i in range(len(chunk))])
-                    accepted = len(decided) - 1
-                    request.record_verify(len(draft), accepted, (t1 - t0) * 1000, (t2 - t1) * 1000)
-                    if drafter is None:
-                        self.step_costs.observe_draft(len(draft), t1 - t0)
-                    elif drafter.seconds_per_token is not None:
-                        self.step_costs.observe_draft(1, drafter.seconds_per_token)
-                    policy.observe(len(draft), accepted)
-                    group.reject(member, len(draft) - accepted)  # hidden from the next step on, never trimmed
+                    decided = self._verify(request, seat, out, draft, qs, logical, rng_at, policy, drafter,
+                                           draft_s=t1 - t0, verify_s=t2 - t1)
                 else:
                     decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,
                                             params.top_p, rng_at(logical + 1))]
-                    accepted = 0
-                logical += 1 + accepted
+                logical += len(decided)  # the fed token and the accepted drafts
             yield TextDelta(text[sent:], request.finish_reason)
         except (asyncio.CancelledError, GeneratorExit):
             # a consumer closing this generator after the last delta (the API does, streamed or not)
@@ -445,25 +365,87 @@ class Engine:
             self.metrics.errors.labels(type(exc).__name__).inc()
             raise
         finally:
-            if draft_prefill is not None and not draft_prefill.done():
-                draft_prefill.cancel()
-            if group is not None:
-                request.compactions += group.compactions - joined_compactions
-                group.leave(member)  # its KV row is dropped by the group's next step (or the group closes)
-            self.metrics.finished(request)
-            log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
-                     "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
-                     session, request.finish_reason.value if request.finish_reason else request.status.value,
-                     len(prompt), len(request.output_ids), f"{request.ttft_ms:.0f}" if request.ttft_ms else "-",
-                     request.decode_tokens_per_s or 0.0, request.accepted, request.drafted, request.verify_steps,
-                     request.draft_ms, request.verify_ms, request.compactions, request.failovers)
-            # everything above runs even when a client's disconnect cancels this task, whose every
-            # await then raises again at once: the close goes on in the background and wakes
-            # requests waiting for KV room
-            if group is None or not member.owned:
-                await asyncio.shield(self._close_in_background(pipeline, session))
-            else:  # its group frees the KV (the merge may still be running); it no longer runs on this pipeline
-                pipeline.forget(session)
+            await self._end(request, seat, draft_prefill)
+
+    def _take(self, request: Request, decided: list[int], detok: IncrementalDetokenizer, text: str, sent: int,
+              hold: int) -> str:
+        """Append the ``decided`` tokens to ``request`` until it finishes (end of sequence, a stop string,
+        ``max_tokens``); returns its text so far, cut before a stop string (``sent`` characters of it went
+        out already, the last ``hold`` are held back while a stop string may still begin there)."""
+        params = request.params
+        for token in decided:
+            if token in self.eos_ids and not params.ignore_eos:
+                request.finish(FinishReason.STOP)
+                break
+            request.append(token)
+            text += detok.push(token)
+            if params.stop:
+                cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
+                          default=-1)
+                if cut >= 0:
+                    request.finish(FinishReason.STOP)
+                    return text[:cut]
+            if len(request.output_ids) >= params.max_tokens:
+                request.finish(FinishReason.LENGTH)
+                break
+        return text
+
+    async def _propose(self, request: Request, member: Member, drafter, k: int,  # noqa: ANN001 - DraftSession
+                       draft_rng_at) -> tuple[list[int], list[SparseDist]]:  # noqa: ANN001
+        """Up to ``k`` draft tokens for the next step to verify, with the distributions they were drawn
+        from: from the draft model (``drafter``), or by prompt lookup (ngram), or none."""
+        params, context = request.params, request.prompt_ids + request.output_ids
+        if k and drafter is not None:
+            member.drafting = True  # the group waits for this (and only this) past --batch-wait-ms
+            try:
+                return await self.draft_model.run(drafter.propose, context, k, params.temperature, params.top_p,
+                                                  draft_rng_at)
+            finally:
+                member.drafting = False
+        if k and self.draft_source == "ngram":
+            draft = ngram_draft(context, k)
+            return draft, [SparseDist.point(t) for t in draft]
+        return [], []
+
+    def _verify(self, request: Request, seat: _Seat, out, draft: list[int], qs: list[SparseDist],  # noqa: ANN001
+                logical: int, rng_at, policy: AdaptiveK, drafter, *, draft_s: float,  # noqa: ANN001
+                verify_s: float) -> list[int]:
+        """The tokens a step that carried ``draft`` decided (accepted drafts, then the target's own
+        token); counts the acceptance and hides the rejected drafts from the group's next step on."""
+        params = request.params
+        targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature, params.top_p)
+                   for i in range(len(draft) + 1)]
+        decided = verify(draft, qs, targets, [rng_at(logical + 1 + i) for i in range(len(draft) + 1)])
+        accepted = len(decided) - 1
+        request.record_verify(len(draft), accepted, draft_s * 1000, verify_s * 1000)
+        if drafter is None:
+            self.step_costs.observe_draft(len(draft), draft_s)
+        elif drafter.seconds_per_token is not None:
+            self.step_costs.observe_draft(1, drafter.seconds_per_token)
+        policy.observe(len(draft), accepted)
+        seat.group.reject(seat.member, len(draft) - accepted)  # hidden from the next step on, never trimmed
+        return decided
+
+    async def _end(self, request: Request, seat: _Seat, draft_prefill: asyncio.Future | None) -> None:
+        """However ``request`` ended: count and log it, and free its KV on every stage."""
+        if draft_prefill is not None and not draft_prefill.done():
+            draft_prefill.cancel()
+        owned = seat.leave()  # its KV row is dropped by the group's next step (or the group closes)
+        self.metrics.finished(request)
+        log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
+                 "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
+                 seat.session, request.finish_reason.value if request.finish_reason else request.status.value,
+                 len(request.prompt_ids), len(request.output_ids),
+                 f"{request.ttft_ms:.0f}" if request.ttft_ms else "-", request.decode_tokens_per_s or 0.0,
+                 request.accepted, request.drafted, request.verify_steps, request.draft_ms, request.verify_ms,
+                 request.compactions, request.failovers)
+        # everything above runs even when a client's disconnect cancels this task, whose every
+        # await then raises again at once: the close goes on in the background and wakes
+        # requests waiting for KV room
+        if owned:  # its group frees the KV (the merge may still be running); it no longer runs on this pipeline
+            seat.pipeline.forget(seat.session)
+        else:
+            await asyncio.shield(self._close_in_background(seat.pipeline, seat.session))
 
     def _kv_freed(self) -> None:
         """Wake every request waiting for KV room (a session closed, or a batch group closed or dropped
@@ -482,3 +464,83 @@ class Engine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+
+def _generators(seed: int | None):  # noqa: ANN202
+    """(target's, draft's) generator makers: one generator per logical position, seeded by (seed, position),
+    so a seeded run is reproducible, with point-mass drafts (greedy, ngram) whatever the draft lengths were
+    (see speculative.verify); the draft's draws are independent of the target's. No seed: a random one."""
+    seed = (seed if seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
+
+    def rng_at(position: int) -> np.random.Generator:
+        return np.random.default_rng([seed, position])
+
+    def draft_rng_at(position: int) -> np.random.Generator:
+        return np.random.default_rng([seed, position, 1])
+    return rng_at, draft_rng_at
+
+
+class _Seat:
+    """Where one request's KV lives: its pipeline and session, and its batch group row once it decodes.
+    A stage failure moves it to replica workers (``Engine._fail_over``), which rebuild the KV from the
+    tokens the coordinator owns."""
+
+    def __init__(self, engine: Engine, request: Request, pipeline, slots: int) -> None:  # noqa: ANN001
+        self.engine, self.request, self.slots = engine, request, slots
+        self.pipeline, self.session = pipeline, request.request_id
+        self.group: BatchGroup | None = None
+        self.member: Member | None = None
+        self._joined_compactions = 0  # the group's compactions when it joined (the rest count for it)
+
+    async def prefill(self, prompt: list[int], top_k: int):  # noqa: ANN201 - StepOutput
+        """Prefill ``prompt`` on the stages; the candidates of its last position. On a stage failure
+        the prefill starts over on replicas (a fresh session: nothing to replay)."""
+        while True:
+            try:
+                return await self.engine._prefill(self.pipeline, self.session, prompt, top_k, logits=True)
+            except StageFailure as exc:
+                await self._move(exc, [])
+
+    async def join(self, logical: int) -> None:
+        """Move the prefilled session (``logical`` tokens visible) into a batch group of its pipeline,
+        failing over if need be."""
+        while True:
+            self.member = Member(self.session, self.slots, logical)
+            self.group = self.engine.batcher.assign(self.pipeline)
+            try:
+                await self.group.join(self.member)
+                self._joined_compactions = self.group.compactions
+                return
+            except StageFailure as exc:
+                await self._fail_over(exc)
+
+    async def step(self, chunk: list[int], logical: int, top_k: int):  # noqa: ANN201 - StepOutput
+        """Run ``chunk`` (positions from ``logical``) in the group's next step; on a stage failure, fail
+        over, join a group of the replicas and run it there."""
+        while True:
+            if self.group is None:
+                await self.join(logical)
+            try:
+                return await self.group.step(self.member, chunk, logical, len(chunk), top_k)
+            except StageFailure as exc:
+                await self._fail_over(exc)
+
+    async def _fail_over(self, failure: StageFailure) -> None:
+        """Leave the (broken) group and move to replicas; the stages then hold prompt + output except the
+        newest token, which the next chunk feeds."""
+        await self._move(failure, self.request.prompt_ids + self.request.output_ids[:-1])
+
+    async def _move(self, failure: StageFailure, visible: list[int]) -> None:
+        self.leave()
+        self.pipeline, self.session = await self.engine._fail_over(self.request, failure, self.pipeline,
+                                                                   self.session, self.slots, visible)
+
+    def leave(self) -> bool:
+        """Leave the batch group, if in one; True when the group holds the session's KV (and frees it)."""
+        if self.group is None:
+            return False
+        owned = self.member.owned
+        self.request.compactions += self.group.compactions - self._joined_compactions
+        self.group.leave(self.member)
+        self.group = None
+        return owned
