@@ -43,24 +43,53 @@ class BuildError(ValueError):
 
 @dataclass
 class Source:
-    """A model to build: its config, its weights (lazily read) and the folder holding its tokenizer."""
+    """A model to build: its config, its weights (lazily read: ``weights.SafetensorsWeights`` or
+    ``gguf.GGUFWeights``) and the folder holding its tokenizer files."""
 
     config: ModelConfig
-    weights: SafetensorsWeights
+    weights: object
     folder: Path
+
+    @property
+    def gguf(self) -> bool:
+        return hasattr(self.weights, "blocks")
 
 
 def open_source(src: Path, workdir: Path) -> Source:
-    """Open ``src``: an HF folder (config.json + safetensors), or a ``.gguf`` file converted into
-    ``workdir`` first (compiler/source.py). Reads headers only. Raises ``FileNotFoundError`` /
-    ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and the problem."""
+    """Open ``src``: an HF folder (config.json + safetensors) or a ``.gguf`` file (its config and tokenizer
+    written into ``workdir``; compiler/gguf.py). Reads headers and metadata only. Raises
+    ``FileNotFoundError`` / ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and
+    the problem."""
     src = Path(src)
     if src.suffix == ".gguf":
-        from .source import gguf_to_hf
-
-        src = gguf_to_hf(src, Path(workdir) / "hf")
+        return open_gguf(src, Path(workdir) / f"{src.stem}-tokenizer")
     config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
     return Source(config, SafetensorsWeights(src), src)
+
+
+def open_gguf(path: Path, folder: Path) -> Source:
+    """A GGUF file as a source: config and tokenizer from its metadata (written to ``folder``), weights
+    memory-mapped with their blocks kept (compiler/gguf.py); ``rope_freqs.weight`` divides RoPE's
+    frequencies as llama.cpp does (Llama 3.1's scaling)."""
+    import dataclasses
+
+    import numpy as np
+
+    from .gguf import GGUFWeights, rope_freqs
+    from .source import read_gguf, write_gguf_tokenizer
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    reader, meta, config = read_gguf(path)
+    write_gguf_tokenizer(meta, config, folder)
+    cfg = ModelConfig.from_folder(folder)
+    divisors = rope_freqs(reader)
+    if divisors is not None:
+        if divisors.shape != (cfg.head_dim // 2,):
+            raise WeightsError(f"{path.name}: rope_freqs.weight has {divisors.size} values, head_dim {cfg.head_dim} "
+                               f"needs {cfg.head_dim // 2}")
+        cfg = dataclasses.replace(cfg, inv_freq=tuple(np.asarray(cfg.inv_freq) / divisors))
+    return Source(cfg, GGUFWeights(path, reader, config), folder)
 
 
 def eos_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
@@ -102,7 +131,8 @@ class Progress:
 
 
 def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: WeightSpec,  # noqa: ANN001
-               kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True) -> None:
+               kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True,
+               keep_blocks: bool = False) -> None:
     """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
 
     fp16 and int8 go straight from the source to the file, one tensor at a time (int8 by NNCF's own
@@ -111,7 +141,7 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     back memory-mapped and compressed by NNCF. Raises ``BuildError`` on a full disk."""
     total = sum(int(_numel(shape)) * 2 for shape in stage_tensors(cfg, stage).values())
     model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,
-                         int8=spec if spec.format == "int8" else None)
+                         int8=spec if spec.format == "int8" else None, keep_blocks=keep_blocks)
     fp16 = path if spec.format in ("fp16", "int8") else path.with_name(path.stem + ".fp16.xml")
     with _disk_errors(path), progress.task(label, total) as on_read:
         model._fleet_weights.on_read = on_read
@@ -189,6 +219,21 @@ def _staging_dir(out: Path) -> Path:
     return staging
 
 
+def kept_formats(weights, cfg: ModelConfig, stage: StageSpec) -> dict[str, object]:  # noqa: ANN001
+    """What a stage built from a GGUF stores, for the manifest: tensors per stored form (a kept block type,
+    f16, f32) and the GGUF types dequantized to f16."""
+    from collections import Counter
+
+    from .gguf import KEPT
+
+    names = stage_tensors(cfg, stage)
+    kinds = Counter(weights.kind(n) for n in names)
+    dequantized = Counter(weights.tensors[n].qtype for n in names
+                          if weights.kind(n) == "f16" and weights.tensors[n].qtype not in ("F16", "BF16"))
+    return {"source": "gguf", "tensors": dict(sorted(kinds.items())), "kept_types": list(KEPT),
+            "dequantized_to_f16": dict(sorted(dequantized.items()))}
+
+
 def check_layers(weights: SafetensorsWeights, cfg: ModelConfig, where: str) -> None:
     """Refuse (``WeightsError``) weights of decoder layers the config does not have: a config cut short
     would otherwise build a truncated model without a word."""
@@ -233,7 +278,7 @@ def build(
     kv_cache_precision: str = "f16",
     model_id: str | None = None,
     drafts: tuple[str, ...] = (),
-    weights: str = "fp16",
+    weights: str | None = None,
     stage_weights: str | None = None,
     symmetric: bool | None = None,
     group_size: int | None = None,
@@ -276,7 +321,10 @@ def build(
             source.weights.check(stage_tensors(cfg, StageSpec(index, start, end, cfg.num_layers)),
                                  str(source.folder / "config.json"))
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
-        formats = {i: weights for i in range(len(ranges))} | parse_stage_weights(stage_weights or "", len(ranges))
+        keep = source.gguf and weights is None  # a GGUF's own blocks, unless other weights are asked for
+        formats = ({i: weights or "fp16" for i in range(len(ranges))}
+                   | parse_stage_weights(stage_weights or "", len(ranges)))
+        keep_stage = {i: keep and i not in parse_stage_weights(stage_weights or "", len(ranges)) for i in formats}
         specs = {i: resolve(fmt, cfg.parameters(), **overrides) for i, fmt in formats.items()}
         staging = _staging_dir(out)
         try:
@@ -292,11 +340,14 @@ def build(
                 for index, (start, end) in enumerate(ranges):
                     rel = f"stage_{index}/openvino_model"
                     (staging / f"stage_{index}").mkdir()
-                    save_stage(cfg, source.weights, StageSpec(index, start, end, cfg.num_layers),
-                               staging / f"{rel}.xml", specs[index], kv_cache_precision, bar,
-                               f"stage {index} [{start}:{end}) {specs[index].format}")
+                    stage = StageSpec(index, start, end, cfg.num_layers)
+                    fmt = "gguf" if keep_stage[index] else specs[index].format
+                    save_stage(cfg, source.weights, stage, staging / f"{rel}.xml", specs[index], kv_cache_precision,
+                               bar, f"stage {index} [{start}:{end}) {fmt}", keep_blocks=keep_stage[index])
+                    compression = (kept_formats(source.weights, cfg, stage) if keep_stage[index]
+                                   else specs[index].parameters())
                     stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin",
-                                             weights=specs[index].format, compression=specs[index].parameters()))
+                                             weights=fmt, compression=compression))
             with _disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
                     if (source.folder / name).is_file():

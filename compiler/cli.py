@@ -21,7 +21,8 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("weights", "NNCF weight compression (compiler/compress.py); int4 defaults depend on the "
                                         "model's size: asymmetric, group 32, ratio 0.8 under 1B parameters")
-    g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's)")
+    g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's; a "
+                                                     ".gguf keeps its Q8_0/Q4_0/Q4_1 blocks as they are)")
     g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
     g.add_argument("--draft-weights", default="fp16", choices=FORMATS,
                    help="weights of model drafts (self-int4 and self-int8 are compressed as named)")
@@ -40,7 +41,7 @@ def _check_weights_args(args: argparse.Namespace) -> None:
     parse_stage_weights(args.stage_weights or "", num_stages=1 << 16)
     WeightSpec("int4", group_size=-1 if args.group_size is None else args.group_size,
                ratio=1.0 if args.ratio is None else args.ratio)
-    formats = {args.weights, args.draft_weights} | {item.partition("=")[2].strip()
+    formats = {args.weights or "fp16", args.draft_weights} | {item.partition("=")[2].strip()
                                                     for item in (args.stage_weights or "").split(",")}
     if "int4" not in formats and (args.group_size is not None or args.ratio is not None):
         raise ValueError("--group-size and --ratio apply to int4 weights only; add --weights int4 "
@@ -53,7 +54,7 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
     """``build --plan``: take the plan's layer ranges, weights and KV precision into ``args``; return its
     devices per stage (None without --plan). Raises ``ValueError`` when other options contradict it."""
     if args.plan is None:
-        args.weights, args.kv_cache_precision = args.weights or "fp16", args.kv_cache_precision or "f16"
+        args.kv_cache_precision = args.kv_cache_precision or "f16"  # weights None: fp16, a GGUF's own blocks
         args.shards = 2 if args.shards is None else args.shards
         return None
     from .planner import check_source, read_plan

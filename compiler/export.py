@@ -90,8 +90,9 @@ class _Weights:
     """Postponed constants (one set per tensor, shared by every use) for one stage's graph: f16, or with
     ``int8`` (a ``compress.WeightSpec``) linear and embedding weights as NNCF's per-channel int8 pattern."""
 
-    def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None) -> None:  # noqa: ANN001
-        self.source, self.on_read, self.int8 = source, on_read, int8
+    def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None,  # noqa: ANN001
+                 keep_blocks: bool = False) -> None:
+        self.source, self.on_read, self.int8, self.keep_blocks = source, on_read, int8, keep_blocks
         self.nodes: dict[str, ov.Output] = {}
         self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
 
@@ -112,17 +113,63 @@ class _Weights:
         if name in self.nodes:
             return self.nodes[name]
         shape = list(self.source.shape(name))
+        kind = self.source.kind(name) if hasattr(self.source, "kind") else "f16"
+        if matrix and self.keep_blocks and kind not in ("f16", "f32"):
+            self.nodes[name] = self._kept(name, shape)
+            return self.nodes[name]
         if matrix and self.int8 is not None:
             self.nodes[name] = self._int8(name, shape)
             return self.nodes[name]
+        dtype = ov.Type.f32 if kind == "f32" and not matrix else ov.Type.f16
 
         def maker() -> ov.Tensor:
-            tensor = ov.Tensor(ov.Type.f16, ov.Shape(shape))
+            tensor = ov.Tensor(dtype, ov.Shape(shape))
             self.source.tensor(name, out=tensor.data)  # read straight into the tensor: no second copy
             return self._read(name, tensor)
 
-        self.nodes[name] = op.convert(self._postponed(ov.Type.f16, shape, maker, name), ov.Type.f32).output(0)
+        const = self._postponed(dtype, shape, maker, name)
+        self.nodes[name] = (const if dtype == ov.Type.f32 else op.convert(const, ov.Type.f32)).output(0)
         return self.nodes[name]
+
+    def _kept(self, name: str, shape: list[int]) -> ov.Output:
+        """A GGUF weight [rows, cols] in its own blocks of 32 (compiler/gguf.py): Constant(i8|i4|u4 [rows,
+        cols/32, 32]) -> Convert(f32) -> [Subtract(zero point f32)] -> Multiply(scale f32) -> Reshape [rows,
+        cols], the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed weights)."""
+        from .gguf import pack_nibbles
+
+        kind = self.source.kind(name)
+        rows, cols = shape
+        groups = [rows, cols // 32, 1]
+        wtype = {"Q8_0": ov.Type.i8, "Q4_0": ov.Type.i4, "Q4_1": ov.Type.u4}[kind]
+        parts: dict[str, ov.Tensor] = {}
+
+        def compute(part: str) -> ov.Tensor:
+            if not parts:
+                weights = ov.Tensor(wtype, ov.Shape([rows, cols // 32, 32]))
+                scale, zero_point = np.empty(groups, np.float32), np.empty(groups, np.float32)
+                raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
+                step = max(1, (32 << 20) // cols)
+                for a in range(0, rows, step):
+                    b = min(rows, a + step)
+                    q = self.source.blocks(name, (a, b))
+                    raw[a:b] = (q.values.reshape(b - a, -1) if wtype == ov.Type.i8
+                                else pack_nibbles(q.values).reshape(b - a, -1))
+                    scale[a:b, :, 0] = q.scale
+                    if q.zero_point is not None:
+                        zero_point[a:b, :, 0] = q.zero_point
+                parts.update(weights=self._read(name, weights), scale=ov.Tensor(scale))
+                if kind == "Q4_1":
+                    parts["zero_point"] = ov.Tensor(zero_point)
+            return parts.pop(part)
+
+        q = self._postponed(wtype, [rows, cols // 32, 32], lambda: compute("weights"), name)
+        x = op.convert(q, ov.Type.f32)
+        if kind == "Q4_1":
+            zp = self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{name}/zero_point")
+            x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
+        scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
+        x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
+        return op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
 
     def _int8(self, name: str, shape: list[int]) -> ov.Output:
         """The three constants of one int8 weight, computed together when the serializer asks for the first
@@ -275,7 +322,7 @@ def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
 
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
-                 int8=None) -> ov.Model:  # noqa: ANN001
+                 int8=None, keep_blocks: bool = False) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -287,11 +334,12 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
     ``int8`` (a ``compiler.compress.WeightSpec`` of format int8): every linear and embedding weight is
     written in NNCF's per-channel int8 form as it is read (``compress.int8_rows``), norms and biases f16.
+    ``keep_blocks`` (a GGUF source, compiler/gguf.py): its Q8_0/Q4_0/Q4_1 weights keep their blocks.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
     source.check(stage_tensors(cfg, stage))
-    weights = _Weights(source, on_read, int8)
+    weights = _Weights(source, on_read, int8, keep_blocks)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
         x = op.gather(weights(EMBEDDING, matrix=True), first, _i64(0)).output(0)  # [B, S, H]

