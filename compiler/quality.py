@@ -73,10 +73,11 @@ class Floor:
 # (README, "Weight compression": the table they come from and why).
 FLOORS = {
     "fp16": Floor(0.001, 0.99),
+    "gguf": Floor(0.001, 0.99),  # a GGUF's own blocks: the same values as an fp16 build of it, but not rounded
     "int8": Floor(0.01, 0.90),
     "int4": Floor(0.20, 0.75),
 }
-_ORDER = ("fp16", "int8", "int4")
+_ORDER = ("fp16", "gguf", "int8", "int4")
 
 
 def floor_for(formats: list[str]) -> Floor:

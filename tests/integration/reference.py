@@ -21,9 +21,10 @@ NEAR_TIE = 3e-3  # logits: ~4x the largest torch-vs-OpenVINO f32 difference meas
 
 
 class TransformersReference:
-    """An HF model folder loaded by transformers in f32 with fp16-rounded weights, for greedy decoding."""
+    """An HF model folder loaded by transformers in f32 with fp16-rounded weights (``round_to_fp16``; off
+    for builds that keep the source's values, such as a GGUF's blocks), for greedy decoding."""
 
-    def __init__(self, hf_dir: Path) -> None:
+    def __init__(self, hf_dir: Path, round_to_fp16: bool = True) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -31,7 +32,7 @@ class TransformersReference:
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
-            for p in self.model.parameters():
+            for p in self.model.parameters() if round_to_fp16 else ():
                 p.copy_(p.half().float())
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

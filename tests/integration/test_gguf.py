@@ -24,8 +24,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from tests.conftest import BIN, MODELS
+from coordinator.tokenizer import ChatTokenizer
+from tests.conftest import BIN, MODELS, Fleet, chat
 
+from .reference import TransformersReference, first_divergence
 from .test_architectures import SEQ, chained_logits
 
 pytestmark = pytest.mark.integration
@@ -163,3 +165,30 @@ def test_demo_gguf_keeps_its_blocks_and_matches_transformers(stages, demo_gguf, 
     expected = transformers_logits(reference, ids)
     assert np.abs(got - expected).max() < 1e-3, np.abs(got - expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain how a bicycle works in simple terms."]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_fleet_of_the_demo_gguf_equals_transformers_greedy(stages, demo_gguf, demo_hf, tmp_path):
+    """Greedy answers of a real fleet of the Q4_1 build equal transformers' on the GGUF's f32 dequantized
+    weights (not rounded to fp16: the build keeps the blocks), token ids compared, near-ties bounded."""
+    out = tmp_path / "build"
+    build(demo_gguf, out, "--shards", str(stages))
+    reference = TransformersReference(demo_hf, round_to_fp16=False)
+    tokenizer = ChatTokenizer(out)
+    fleet = Fleet(out, tmp_path, peers=True)
+    near_ties = 0
+    try:
+        for prompt in PROMPTS:
+            r = chat(fleet.url, prompt, max_tokens=48, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            tokens, margins = reference.greedy_with_margins(
+                tokenizer.encode_chat([{"role": "user", "content": prompt}]), 48)
+            near_ties += first_divergence(r.json()["fleet"]["completion_token_ids"], tokens, margins,
+                                          f"{stages}-stage Q4_1 fleet on {prompt!r}") is not None
+    finally:
+        fleet.stop()
+    assert near_ties <= 1, near_ties
