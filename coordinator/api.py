@@ -126,6 +126,8 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
 
     @app.exception_handler(FleetError)
     async def fleet_error(_: HttpRequest, exc: FleetError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("request refused: %s%s", exc.message, f" ({exc.detail})" if exc.detail else "")
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -227,7 +229,8 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
                                                  "created": created, "model": engine.model_name, "choices": [],
                                                  "usage": usage(), "fleet": stats()}) + "\n\n"
             except FleetError as exc:
-                log.warning("%s: failed mid-stream: %s", request.request_id, exc.message)
+                log.warning("%s: failed mid-stream: %s%s", request.request_id, exc.message,
+                            f" ({exc.detail})" if exc.detail else "")
                 yield "data: " + json.dumps(exc.body()) + "\n\n"
             finally:
                 await stream.aclose()

@@ -103,6 +103,11 @@ class BatchGroup:
         return len(self.members) + len(self._joining) + len(self._merging)
 
     @property
+    def idle(self) -> bool:
+        """Nothing left to free at the stages and no task running (a broken group closed its state)."""
+        return self._task is None and (not self.rows or self.broken is not None)
+
+    @property
     def open(self) -> bool:
         return self.broken is None and self.load < self.max_rows and self.pipeline.healthy
 
@@ -110,7 +115,7 @@ class BatchGroup:
         """Move ``member``'s prefilled solo session into the group (between steps). Raises
         ``StageFailure`` when a stage refuses the merge."""
         if self.broken is not None:
-            raise StageFailure(f"batch group failed: {self.broken}")
+            raise self._failure()
         future = asyncio.get_running_loop().create_future()
         self._joining.append((member, future))
         self._kick()
@@ -121,11 +126,19 @@ class BatchGroup:
         """Run ``tokens`` of ``member`` (logical positions from ``start_position``) in the group's next
         step; returns candidates for its last ``logits_count`` tokens."""
         if self.broken is not None:
-            raise StageFailure(f"batch group failed: {self.broken}")
+            raise self._failure()
         future = asyncio.get_running_loop().create_future()
         self._pending[member] = _Submission(tokens, start_position, logits_count, top_k, future)
         self._kick()
         return await self._wait(future, "the step")
+
+    def _failure(self) -> StageFailure:
+        """What a member of the broken group is told: the stage failure that broke it, or (a bug) that a
+        step failed unexpectedly."""
+        if isinstance(self.broken, StageFailure):
+            return self.broken.again()
+        return StageFailure("a decode step failed unexpectedly (see the coordinator's log); send the request again",
+                            detail=f"batch group {self.group_id}: {self.broken!r}")
 
     async def _wait(self, future: asyncio.Future, what: str):  # noqa: ANN202
         """``future``'s result, or ``StageFailure`` (logged with the group's state) if the group has not
@@ -197,13 +210,9 @@ class BatchGroup:
                 await self._step()
         except BaseException as exc:  # noqa: BLE001 - every waiter learns of it
             self.broken = exc if not isinstance(exc, asyncio.CancelledError) else StageFailure("group cancelled")
-            for _, future in self._joining:
+            for future in [f for _, f in self._joining] + [sub.future for sub in self._pending.values()]:
                 if not future.done():
-                    future.set_exception(StageFailure(f"batch group failed: {self.broken}"))
-            for sub in self._pending.values():
-                if not sub.future.done():
-                    sub.future.set_exception(exc if isinstance(exc, StageFailure)
-                                             else StageFailure(f"batch group failed: {exc!r}"))
+                    future.set_exception(self._failure())
             self._joining, self._pending = [], {}
             if not isinstance(exc, (StageFailure, asyncio.CancelledError)):
                 log.exception("%s failed", self.group_id)
@@ -281,10 +290,11 @@ class BatchGroup:
         except BaseException as exc:
             # the submissions are out of _pending now, so _run's handler cannot reach them: whatever
             # failed (the compaction before the step, the step, reading its result), fail them here
-            error = exc if isinstance(exc, StageFailure) else StageFailure(f"batch group step failed: {exc!r}")
             for s in subs:
                 if s is not None and not s.future.done():
-                    s.future.set_exception(error)
+                    s.future.set_exception(exc.again() if isinstance(exc, StageFailure) else StageFailure(
+                        "a decode step failed unexpectedly (see the coordinator's log); send the request again",
+                        detail=f"batch group {self.group_id}: {exc!r}"))
             raise
 
     async def _step_rows(self, members: list[Member], subs: list[_Submission | None]) -> None:

@@ -46,10 +46,36 @@ class ContextFull(RuntimeError):
     """The conversation no longer fits the model's context."""
 
 
+class ChatError(RuntimeError):
+    """What went wrong, as one sentence for the user; ``detail`` holds the technical cause (``--verbose``)."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.detail = message, detail
+
+
+def transport_error(exc: httpx.HTTPError, url: str, answering: bool = False) -> ChatError:
+    """``exc`` (no answer from ``url``, or a broken connection) as one sentence that says what to do;
+    ``answering``: it happened during an answer, not while connecting."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, httpx.ConnectError):
+        return ChatError(f"nothing answers at {url}: start `fleet-coordinator serve` there, or pass the right "
+                         "address with --url (without it, fleet-chat finds a coordinator with zeroconf)", detail)
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ChatError(f"{url} does not answer (no connection after 5 s): check the address and that the "
+                         "coordinator's port is reachable from here", detail)
+    if isinstance(exc, httpx.TimeoutException):
+        return ChatError(f"the coordinator at {url} sent nothing for 300 s; try again, or check its log", detail)
+    if answering:
+        return ChatError(f"the connection to {url} broke during the answer (did the coordinator stop?); send "
+                         "the message again once it is back", detail)
+    return ChatError(f"cannot talk to {url}: {type(exc).__name__}; check the address (--url)", detail)
+
+
 def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> str:
     """Send the conversation, print the answer as it streams, then a tokens/s line; return the answer.
 
-    Raises ``ContextFull`` when the server says the conversation is too long, ``RuntimeError`` for
+    Raises ``ContextFull`` when the server says the conversation is too long, ``ChatError`` for
     other API errors and ``httpx.HTTPError`` for transport failures."""
     body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream_options": {"include_usage": True}}
@@ -65,13 +91,16 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: arg
                 error = {"message": response.text}
             if error.get("code") == "context_length_exceeded":
                 raise ContextFull(error["message"])
-            raise RuntimeError(f"HTTP {response.status_code}: {error.get('message')}")
+            raise ChatError(str(error.get("message")), f"HTTP {response.status_code}, code {error.get('code')}"
+                            + (f": {error['detail']}" if error.get("detail") else ""))
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                raise RuntimeError(event["error"]["message"])
+                error = event["error"]
+                raise ChatError(str(error.get("message")), f"mid-answer, code {error.get('code')}"
+                                + (f": {error['detail']}" if error.get("detail") else ""))
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices", []):
@@ -99,13 +128,12 @@ def ask(client: httpx.Client, url: str, messages: list[dict], args: argparse.Nam
         except ContextFull:
             first = 1 if messages and messages[0]["role"] == "system" else 0
             if len(messages) - first <= 1:
-                raise RuntimeError("this message alone is longer than the model's context") from None
+                raise ChatError("this message alone is longer than the model's context; shorten it") from None
             del messages[first:first + 2]
             print("[conversation too long for the model: dropped the oldest turn]", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fleet-chat`` console script."""
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fleet-chat", description=__doc__)
     parser.add_argument("--url", help="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
     parser.add_argument("--system", help="system prompt")
@@ -116,10 +144,74 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", help="API key of a coordinator started with --api-key-file (default: "
                         "$FLEET_API_KEY; else $OPENAI_API_KEY, but only with --url: a key for another service is "
                         "never sent to a coordinator found by zeroconf, which anyone on the LAN can announce)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the technical details of errors too")
     args = parser.parse_args(argv)
     if args.api_key is None:
         args.api_key = os.environ.get("FLEET_API_KEY") or (os.environ.get("OPENAI_API_KEY") if args.url else None)
+    return args
 
+
+def _report(error: ChatError, args: argparse.Namespace) -> None:
+    print(f"fleet-chat: {error.message}", file=sys.stderr)
+    if args.verbose and error.detail:
+        print(f"fleet-chat: details: {error.detail}", file=sys.stderr)
+
+
+def _model(client: httpx.Client, url: str) -> str:
+    """The model the coordinator at ``url`` serves; raises ``ChatError`` when it does not answer as one."""
+    try:
+        response = client.get(f"{url}/v1/models")
+    except httpx.HTTPError as exc:
+        raise transport_error(exc, url) from None
+    try:
+        if response.status_code == 401:
+            raise ChatError(f"{url} refused the API key: {response.json()['error']['message']}")
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ChatError(f"{url} answers, but not as a fleet coordinator (HTTP {response.status_code} for "
+                        "/v1/models): check the address (--url)", f"{type(exc).__name__}: {exc}") from None
+
+
+def _converse(client: httpx.Client, url: str, args: argparse.Namespace) -> int:
+    """Ask the ``-p`` prompts (then exit) or read them from the terminal; the exit status."""
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    prompts = iter(args.prompt) if args.prompt else None
+    while True:
+        if prompts is not None:
+            user = next(prompts, None)
+            if user is None:
+                return 0
+            print(f"> {user}")
+        else:
+            try:
+                user = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+        if not user.strip():
+            return 0
+        messages.append({"role": "user", "content": user})
+        try:
+            answer = ask(client, url, messages, args)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            messages.pop()
+            if prompts is not None:
+                return 130
+            continue
+        except (ChatError, httpx.HTTPError) as exc:
+            print(file=sys.stderr)
+            _report(exc if isinstance(exc, ChatError) else transport_error(exc, url, answering=True), args)
+            messages.pop()
+            if prompts is not None:
+                return 1
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fleet-chat`` console script."""
+    args = _parse(argv)
     url = args.url or discover_api()
     if not url:
         print("fleet-chat: no coordinator found with zeroconf; pass --url http://HOST:PORT", file=sys.stderr)
@@ -127,51 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     url = url.rstrip("/")
     if "://" not in url:
         url = f"http://{url}"
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    prompts = iter(args.prompt) if args.prompt else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), headers=headers) as client:
         try:
-            response = client.get(f"{url}/v1/models")
-            if response.status_code == 401:
-                print(f"fleet-chat: {url} refused the API key: {response.json()['error']['message']}", file=sys.stderr)
-                return 2
-            model = response.json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-            print(f"fleet-chat: no fleet coordinator answers at {url}: {exc}", file=sys.stderr)
+            model = _model(client, url)
+        except ChatError as exc:
+            _report(exc, args)
             return 2
-        quits = "" if prompts is not None else "; empty line or Ctrl-D quits"
+        quits = "" if args.prompt else "; empty line or Ctrl-D quits"
         print(f"fleet-chat: connected to {url} ({model}){quits}", file=sys.stderr)
-        while True:
-            if prompts is not None:
-                user = next(prompts, None)
-                if user is None:
-                    return 0
-                print(f"> {user}")
-            else:
-                try:
-                    user = input("> ")
-                except (EOFError, KeyboardInterrupt):
-                    print()
-                    return 0
-            if not user.strip():
-                return 0
-            messages.append({"role": "user", "content": user})
-            try:
-                answer = ask(client, url, messages, args)
-            except KeyboardInterrupt:
-                print("\n[interrupted]", file=sys.stderr)
-                messages.pop()
-                if prompts is not None:
-                    return 130
-                continue
-            except (RuntimeError, httpx.HTTPError) as exc:
-                print(f"\nfleet-chat: {exc}", file=sys.stderr)
-                messages.pop()
-                if prompts is not None:
-                    return 1
-                continue
-            messages.append({"role": "assistant", "content": answer})
+        return _converse(client, url, args)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,24 @@ class Engine:
                 with contextlib.suppress(TimeoutError):  # a session or batch group freeing KV may make room
                     await asyncio.wait_for(freed.wait(), max(0.0, deadline - loop.time()))
 
+    async def _seat(self, request: Request, slots: int) -> _Seat:
+        """A pipeline for ``request`` with its session open on every stage. Raises ``Overloaded``,
+        ``PipelineUnavailable``, or ``StageFailure`` (saying which stage has no worker left, when a
+        health check of the failed one finds so)."""
+        try:
+            pipeline = await self.registry.pipeline()
+            if pipeline.observe_link is None:
+                pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
+            await self._open_session(pipeline, request.request_id, slots)
+        except StageFailure as failure:
+            if failure.address is not None:
+                await self.registry.recheck([failure.address])
+            if missing := self.registry.missing_stages():
+                raise StageFailure(f"{failure.summary}; {self.registry.missing_message(missing)}",
+                                   detail=failure.detail, stage=failure.stage, address=failure.address) from failure
+            raise
+        return _Seat(self, request, pipeline, slots)
+
     async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool):  # noqa: ANN001
         """Run ``tokens`` through every stage in ``prefill_chunk`` steps; the last step's candidates
         (``logits``) or None. Raises ``StageFailure``."""
@@ -276,7 +294,8 @@ class Engine:
         try:
             new = await self.registry.pipeline()
         except PipelineUnavailable as exc:
-            raise StageFailure(f"{failure.message}; no replica to fail over to: {exc.message}") from failure
+            raise StageFailure(f"{failure.summary}; {exc.message}", detail=failure.detail, stage=failure.stage,
+                               address=failure.address) from failure
         if new is pipeline:
             raise failure
         request.failovers += 1
@@ -294,9 +313,6 @@ class Engine:
 
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
-        pipeline = await self.registry.pipeline()
-        if pipeline.observe_link is None:
-            pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
         rng_at, draft_rng_at = _generators(params.seed)
         top_k = 1 if params.temperature <= 0 else s.sample_top_k
         prompt = request.prompt_ids
@@ -304,8 +320,7 @@ class Engine:
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
         # theirs (masked, never trimmed) until a compaction, hence the slack
         slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
-        await self._open_session(pipeline, request.request_id, slots)
-        seat = _Seat(self, request, pipeline, slots)
+        seat = await self._seat(request, slots)
         drafter = self.draft_model.open(request.request_id, slots) if self.draft_model is not None else None
         if drafter is not None and len(prompt) + s.spec_k_max + 1 > drafter.kv.max_context:
             drafter, drafting = None, False  # the prompt does not fit the draft model's context

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 
 class FleetError(Exception):
-    """Base of errors a client may see; ``status``/``type``/``code`` fill the OpenAI error JSON."""
+    """Base of errors a client may see; ``status``/``type``/``code`` fill the OpenAI error JSON.
+
+    ``message`` is one plain sentence for a person (what failed, where, what to do); ``detail`` holds
+    the technical cause (a gRPC status, a socket error) for logs and for the body's ``detail`` field."""
 
     status = 500
     type = "server_error"
     code: str | None = None
     headers: dict[str, str] | None = None  # extra HTTP response headers
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, detail: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.detail = detail
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.detail:
+            error["detail"] = self.detail
+        return {"error": error}
 
 
 class InvalidRequest(FleetError):
@@ -59,8 +66,48 @@ class PipelineUnavailable(FleetError):
 
 
 class StageFailure(FleetError):
-    """A stage failed or timed out during a step; the request cannot continue."""
+    """A stage failed or timed out during a step; the request cannot continue. ``stage`` and
+    ``address`` name the failed worker when known; ``summary`` says what happened without the advice
+    that ends ``message`` (for messages that add their own)."""
 
     status = 503
     type = "server_error"
     code = "stage_failure"
+
+    def __init__(self, message: str, param: str | None = None, *, detail: str | None = None,
+                 stage: int | None = None, address: str | None = None, summary: str | None = None) -> None:
+        super().__init__(message, param, detail=detail)
+        self.stage, self.address, self.summary = stage, address, summary or message
+
+    def again(self) -> StageFailure:
+        """A fresh copy, to raise in another task (one exception object raised in many gathers tracebacks)."""
+        return StageFailure(self.message, self.param, detail=self.detail, stage=self.stage, address=self.address,
+                            summary=self.summary)
+
+
+def _retry_advice(stage: int) -> str:
+    return (f"send the request again; if this keeps happening, look at that worker's log or restart it "
+            f"(`fleet-worker --shard {stage}`)")
+
+
+def stage_failed(stage: int, address: str, what: str, detail: str | None = None) -> StageFailure:
+    """``StageFailure`` of the worker serving ``stage`` at ``address``, in plain words: ``what`` it
+    failed (e.g. "a pipeline step"); the cause (gRPC status and details) goes to ``detail``."""
+    summary = f"stage {stage} (worker {address}) failed {what}"
+    return StageFailure(f"{summary}; {_retry_advice(stage)}", detail=detail, stage=stage, address=address,
+                        summary=summary)
+
+
+def stage_lost(stage: int, address: str, detail: str | None = None, how: str = "stopped answering") -> StageFailure:
+    """``StageFailure`` of a worker that stopped answering (dead, unreachable) or lost its state (``how``)."""
+    summary = f"stage {stage} (worker {address}) {how}"
+    return StageFailure(f"{summary}; {_retry_advice(stage)}", detail=detail, stage=stage, address=address,
+                        summary=summary)
+
+
+class ShuttingDown(FleetError):
+    """The coordinator is stopping (Ctrl-C, SIGTERM): it takes no new requests and ends running ones."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"

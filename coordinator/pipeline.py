@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.security import Security, open_channel
 from fleet_common.wire import from_tensor, to_tensor
 
-from .errors import InvalidRequest, Overloaded, StageFailure
+from .errors import InvalidRequest, Overloaded, StageFailure, stage_failed, stage_lost
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class Pipeline:
         self._waiters: dict[tuple[str, int], asyncio.Future] = {}
         self._steps = itertools.count(1)
         self._reader: asyncio.Task | None = None
-        self._broken: str | None = None
-        self._close_reason = "pipeline closed"
+        self._broken: StageFailure | None = None  # why it no longer runs steps
+        self._close_reason: StageFailure | str = "pipeline closed"
         self.observe_link = None  # (link name, seconds) -> None: hop latency to stage 0, for metrics
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
@@ -96,7 +97,8 @@ class Pipeline:
             await asyncio.wait_for(ready, timeout_s)
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
             await pipeline.close()
-            raise StageFailure(f"last stage at {addresses[-1]} did not accept the result stream: {exc}") from exc
+            raise stage_lost(len(addresses) - 1, addresses[-1],
+                             f"the result stream was not accepted: {_describe(exc)}") from exc
         return pipeline
 
     @property
@@ -114,23 +116,28 @@ class Pipeline:
                 waiter = self._waiters.pop((result.session_id, result.step_id), None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(result)
-            reason = "result stream ended"
+            reason = "its result stream ended"
         except grpc.aio.AioRpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
+            reason = f"its result stream failed: {_describe(exc)}"
             if not ready.done():
                 ready.set_exception(exc)
         except asyncio.CancelledError:
             call.cancel()
             reason = None
-        last = f"stage {len(self.addresses) - 1} (last) at {self.addresses[-1]}"
-        self._broken = self._close_reason if reason is None else f"{last}: {reason}"
+        if reason is not None:
+            self._broken = stage_lost(len(self.addresses) - 1, self.addresses[-1], reason)
+        elif isinstance(self._close_reason, StageFailure):
+            self._broken = self._close_reason
+        else:
+            self._broken = StageFailure(self._close_reason)
         for waiter in self._waiters.values():
             if not waiter.done():
-                waiter.set_exception(StageFailure(self._broken))
+                waiter.set_exception(self._broken.again())
         self._waiters.clear()
 
-    async def close(self, reason: str = "pipeline closed") -> None:
-        """Stop the result stream; steps still waiting fail with ``StageFailure(reason)``."""
+    async def close(self, reason: StageFailure | str = "pipeline closed") -> None:
+        """Stop the result stream; steps still waiting fail with ``reason`` (a ``StageFailure``, or its
+        message)."""
         self._close_reason = reason
         if self._reader is not None:
             self._reader.cancel()
@@ -157,7 +164,7 @@ class Pipeline:
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequest(f"this request can never be served by worker {address}: {exc.details()}; "
                                      "lower max_tokens or shorten the prompt", param="max_tokens")
-            raise StageFailure(f"cannot open a session on worker {address}: {_describe(exc)}")
+            raise _failure(self.addresses.index(address), address, "to open this request's session", exc)
 
     def forget(self, session_id: str) -> None:
         """Stop counting ``session_id`` as open through this pipeline (placement's load) without closing
@@ -185,7 +192,7 @@ class Pipeline:
         )
         for index, (address, r) in enumerate(zip(self.addresses, results)):
             if isinstance(r, BaseException):
-                raise StageFailure(f"stage {index} at {address}: {what} failed: {_describe(r)}")
+                raise _failure(index, address, what, r)
         return results
 
     async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float,
@@ -195,7 +202,7 @@ class Pipeline:
         the stages disagree on the result."""
         request = pb.CompactRequest(session_id=session_id, past_length=past_length, hide_slots=list(hide_slots),
                                     hide_rows=list(hide_rows), manifest_sha256=self.manifest_sha256)
-        results = await self._on_every_stage("Compact", request, timeout_s, "compaction")
+        results = await self._on_every_stage("Compact", request, timeout_s, "a KV compaction")
         lengths = {r.length for r in results}
         if len(lengths) != 1:
             raise StageFailure(f"session {session_id}: stages disagree after compaction: {sorted(lengths)}")
@@ -207,7 +214,7 @@ class Pipeline:
         stages disagree."""
         request = pb.MergeRequest(session_id=session_id, sources=list(sources), max_context=max_context,
                                   manifest_sha256=self.manifest_sha256)
-        results = await self._on_every_stage("Merge", request, timeout_s, "merge into a batch group")
+        results = await self._on_every_stage("Merge", request, timeout_s, "to add this request to a decode batch")
         shapes = {(r.length, r.rows) for r in results}
         if len(shapes) != 1:
             raise StageFailure(f"batch group {session_id}: stages disagree after merge: {sorted(shapes)}")
@@ -226,7 +233,7 @@ class Pipeline:
         naming the stage when any stage fails or the step misses its deadline (``timeout_s``).
         """
         if self._broken:
-            raise StageFailure(self._broken)
+            raise self._broken.again()
         timeout_s += 2 * self.link_rtt_s()  # a step crosses every link once (N+1 hops): slow links, longer deadline
         step_id = next(self._steps)
         request = pb.ForwardRequest(
@@ -258,16 +265,17 @@ class Pipeline:
                 call.result()  # raises the chain's error, if any
                 done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
             if waiter not in done:
-                raise StageFailure(f"step of session {session_id} missed its {timeout_s:.1f} s deadline")
+                raise StageFailure(f"a pipeline step missed its {timeout_s:.1f} s deadline (a stage is overloaded "
+                                   "or stuck); send the request again", detail=f"session {session_id}")
             result = waiter.result()
         except grpc.aio.AioRpcError as exc:
-            raise StageFailure(f"pipeline step failed: {_describe(exc)}", ) from exc
+            raise self._step_failure(exc) from exc
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # this task is being cancelled (its client left)
             # the call itself was cancelled (its channel closed): a failed step, not a cancelled request
-            raise StageFailure(f"step of session {session_id}: the call to stage 0 at {self.addresses[0]} "
-                               "was cancelled") from None
+            raise stage_lost(0, self.addresses[0], f"session {session_id}: the call to stage 0 was cancelled "
+                             "(its channel closed)") from None
         finally:
             self._waiters.pop((session_id, step_id), None)
             if not call.done():
@@ -276,10 +284,32 @@ class Pipeline:
                           from_tensor(result.top_logprobs, dtype="float32", ndim=2))
 
 
+    def _step_failure(self, exc: grpc.aio.AioRpcError) -> StageFailure:
+        """The failure of a step whose call to stage 0 failed with ``exc``. A stage that could not reach
+        the next one reports ``stage N at ADDRESS: ...``, nested down the chain, so the innermost such
+        prefix names the stage that failed; without one, stage 0 itself failed."""
+        stage, address, rest = 0, self.addresses[0], exc.details() or ""
+        while m := re.match(r"stage (\d+) at (\S+): ", rest):
+            stage, address, rest = int(m.group(1)), m.group(2), rest[m.end():]
+        return _failure(stage, address, "a pipeline step", exc)
+
     def _link_done(self, call: asyncio.Future, sent: float) -> None:
         if not call.cancelled() and call.exception() is None:
             elapsed = time.perf_counter() - sent - call.result().handle_ms / 1000
             self.observe_link("coordinator->stage0", max(0.0, elapsed))
+
+
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def _failure(stage: int, address: str, what: str, exc: BaseException) -> StageFailure:
+    """The ``StageFailure`` of ``stage`` at ``address`` failing ``what`` with ``exc``, in plain words: a
+    worker that cannot be reached (or did not answer in time) stopped answering, else it failed; the gRPC
+    status and details go to the ``detail``."""
+    detail = f"{what}: {_describe(exc)}"
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _LOST:
+        return stage_lost(stage, address, detail)
+    return stage_failed(stage, address, what, detail)
 
 
 def _describe(exc: BaseException) -> str:

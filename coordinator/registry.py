@@ -21,7 +21,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common.discovery import decode_txt
 from fleet_common.manifest import LoadedManifest
 
-from .errors import PipelineUnavailable
+from .errors import PipelineUnavailable, StageFailure, stage_lost
 from .pipeline import Channels, Pipeline
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,16 @@ class Registry:
                 log.warning("worker %s dropped after %d missed health checks", address, state.missed)
                 self.workers.pop(address, None)
                 await self.channels.drop(address)
-            stage = state.info.stage if state.info else "?"
-            await self._invalidate_if_uses(address, f"stage {stage} at {address} stopped answering "
-                                                    f"health checks ({exc.code().name})")
+            if state.info is not None:  # only a worker with info can be in a pipeline
+                await self._invalidate_if_uses(address, stage_lost(
+                    state.info.stage, address, f"health check: {exc.code().name}: {exc.details()}"))
             return
         if state.info is not None and state.info.worker_id != info.worker_id and state.healthy:
             log.warning("worker %s restarted (was %s, now %s): its sessions are gone", address,
                         state.info.worker_id, info.worker_id)
-            await self._invalidate_if_uses(address, f"stage {info.stage} at {address} restarted")
+            await self._invalidate_if_uses(address, stage_lost(
+                info.stage, address, f"worker id {state.info.worker_id} -> {info.worker_id}",
+                how="restarted and lost this request's state"))
         rtt = time.perf_counter() - sent
         state.rtt_s = rtt if not state.rtt_s else 0.7 * state.rtt_s + 0.3 * rtt
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
@@ -130,10 +132,10 @@ class Registry:
         elif not state.healthy and was_healthy:
             await self._invalidate_if_uses(address, state.refused or f"worker {address} refused")
 
-    async def _invalidate_if_uses(self, address: str, reason: str) -> None:
+    async def _invalidate_if_uses(self, address: str, reason: StageFailure | str) -> None:
         await self._drop_pipelines(lambda p: address in p.addresses, reason)
 
-    async def _drop_pipelines(self, which, reason: str = "pipeline closed") -> None:  # noqa: ANN001
+    async def _drop_pipelines(self, which, reason: StageFailure | str = "pipeline closed") -> None:  # noqa: ANN001
         """Close (and forget) every pipeline for which ``which(pipeline)`` is true. Health checks run
         this concurrently: each closes only the pipelines it took out itself."""
         for key, pipeline in list(self._pipelines.items()):
@@ -164,11 +166,19 @@ class Registry:
         then sessions the worker reports, then address); raises ``PipelineUnavailable`` naming gaps."""
         missing = self.missing_stages()
         if missing:
-            raise PipelineUnavailable(
-                f"no healthy worker for stage(s) {missing} of {self.num_stages}; start `fleet-worker --shard N "
-                f"--model <build>` for each, or pass --peer host:port")
+            raise PipelineUnavailable(self.missing_message(missing))
         return [min(self.replicas(stage), key=lambda s: (self.load(s.address), s.info.sessions, s.address)).address
                 for stage in range(self.num_stages)]
+
+    def missing_message(self, missing: list[int]) -> str:
+        """What a user should do about ``missing`` stages, in one sentence."""
+        stages = f"stage {missing[0]}" if len(missing) == 1 else "stages " + ", ".join(map(str, missing))
+        commands = " and ".join(f"`fleet-worker --shard {s} --model <build>`" for s in missing)
+        last_seen = [f"{w.address}" for w in self.workers.values()
+                     if w.info is not None and w.info.stage in missing and not w.refused]
+        seen = f" (last seen at {', '.join(sorted(last_seen))})" if last_seen else ""
+        return (f"no healthy worker serves {stages} of {self.num_stages}{seen}: start {commands} on a PC of "
+                "the fleet (or pass its host:port with --peer), then send the request again")
 
     async def pipeline(self) -> Pipeline:
         """A pipeline for a new session: the current placement's, assembled on first use. Raises

@@ -38,7 +38,7 @@ def test_mismatched_build_is_refused_and_missing_stage_reported(build_2, tmp_pat
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and health.json()["missing_stages"] == [1]
         r = chat(url, "hi")
-        assert r.status_code == 503 and "stage(s) [1]" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "stage 1 of 2" in r.json()["error"]["message"]
         # the right worker for stage 1 makes the fleet whole
         right, _ = start_worker(build_2, 1, tmp_path, name="-right")
         try:
