@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import socket
 import sys
 import time
@@ -41,96 +43,184 @@ async def _announce_api(host: str, port: int, model_id: str):  # noqa: ANN202
     return zc, info
 
 
+def _worker_health(registry: Registry, w, now: float) -> dict:  # noqa: ANN001 - registry.WorkerState
+    """One worker in ``/health``."""
+    entry = {"address": w.address, "source": w.source, "healthy": w.healthy, "refused": w.refused,
+             "missed_health_checks": w.missed, "load": registry.load(w.address),
+             "rtt_ms": round(w.rtt_s * 1000, 2),
+             "seen_s_ago": round(now - w.last_seen, 1) if w.last_seen else None, "stage": None}
+    if w.info is not None:
+        i = w.info
+        entry.update(stage=i.stage, worker_id=i.worker_id, layers=[i.layer_start, i.layer_end],
+                     device=i.device, sessions=i.sessions, sequences=i.sequences, busy=i.busy,
+                     kv_bytes=i.kv_bytes, kv_reserved_bytes=i.kv_reserved_bytes,
+                     kv_budget_bytes=i.kv_budget_bytes, protocol_version=i.protocol_version,
+                     openvino_version=i.openvino_version, manifest_sha256=i.manifest_sha256)
+    return entry
+
+
+def _health(engine: Engine, registry: Registry, loaded) -> dict:  # noqa: ANN001 - LoadedManifest
+    """The ``/health`` JSON: ready (every stage served, not shutting down), the build, the load, the workers."""
+    now = time.monotonic()
+    return {
+        "ready": not registry.missing_stages() and not engine.stopping,
+        "shutting_down": engine.stopping,
+        "model": engine.model_name,
+        "manifest_sha256": loaded.sha256,
+        "num_stages": loaded.manifest.num_stages,
+        "protocol_version": PROTOCOL_VERSION,
+        "missing_stages": registry.missing_stages(),
+        "queued": engine._queued,
+        "running": engine.running,
+        "workers": [_worker_health(registry, w, now) for w in list(registry.workers.values())],
+    }
+
+
+def _state(engine: Engine, registry: Registry) -> dict:
+    """What the metrics gauges report: the engine's load and each worker's."""
+    return {"queued": engine._queued, "running": engine.running, "workers": [
+        {"address": w.address, "stage": w.info.stage, "healthy": int(w.healthy), "sessions": w.info.sessions,
+         "sequences": w.info.sequences, "kv_bytes": w.info.kv_bytes, "kv_reserved_bytes": w.info.kv_reserved_bytes,
+         "kv_budget_bytes": w.info.kv_budget_bytes, "busy": w.info.busy}
+        for w in list(registry.workers.values()) if w.info is not None]}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handling: ``_Shutdown`` decides how the coordinator
+    stops. (uvicorn re-raises a caught signal once it has stopped, which turned every Ctrl-C into a
+    KeyboardInterrupt traceback and exit status 130, and waited for every stream to end by itself.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201
+        yield
+
+
+class _Shutdown:
+    """SIGINT (Ctrl-C) and SIGTERM: stop taking requests, give the answers in flight ``grace_s`` to
+    finish, end the rest with a "shutting down" error, free their sessions at the stages, then stop the
+    HTTP server. A second signal ends the answers at once; a third stops the server without waiting
+    for its connections."""
+
+    def __init__(self, engine: Engine, grace_s: float) -> None:
+        self.engine, self.grace_s = engine, grace_s
+        self.server: uvicorn.Server | None = None
+        self.task: asyncio.Task | None = None
+        self.signals = 0
+        self.drained = False
+
+    def attach(self, server: uvicorn.Server) -> None:
+        """The HTTP server to stop once drained (at once if a signal came while the coordinator started)."""
+        self.server = server
+        server.should_exit = self.drained
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # Windows; not the main thread
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        self.signals += 1
+        name = signal.Signals(sig).name
+        if self.signals == 1:
+            log.info("%s: shutting down; no new requests, the %d answer(s) in flight get %.0f s to finish "
+                     "(Ctrl-C again: end them now)", name, self.engine.running, self.grace_s)
+            self.task = asyncio.create_task(self._drain(), name="shutdown")
+        elif self.signals == 2:
+            log.info("%s again: ending the answers in flight now", name)
+            self.engine.cut()
+        elif self.server is not None:
+            log.info("%s again: stopping without waiting for connections", name)
+            self.server.force_exit = True
+
+    async def _drain(self) -> None:
+        await self.engine.drain(self.grace_s)
+        self.drained = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def wait(self) -> None:
+        """After the server stopped: wait for the drain (sessions freed) if a signal began one."""
+        if self.task is not None:
+            await self.task
+
+
+async def _start_local_workers(settings: CoordinatorSettings, loaded, registry: Registry):  # noqa: ANN001, ANN202
+    """``--local-workers N``: start one worker per stage here and add them as peers; the LocalWorkers."""
+    from .local import LocalWorkers
+
+    if settings.local_workers != loaded.manifest.num_stages:
+        raise ManifestError(f"--local-workers {settings.local_workers}: this build has "
+                            f"{loaded.manifest.num_stages} stages; start one worker per stage")
+    local = LocalWorkers(settings.model, loaded.manifest.num_stages, settings.worker_threads,
+                         settings.inference_precision, security=settings.security)
+    await local.start()
+    for address in local.addresses:
+        registry.add_peer(address)
+    return local
+
+
+async def _report_ready(registry: Registry, loaded) -> None:  # noqa: ANN001 - LoadedManifest
+    if await registry.wait_ready(120):
+        log.info("fleet ready: %d stages, %s", loaded.manifest.num_stages, " -> ".join(registry.placement()))
+    else:
+        log.warning("still missing stage(s) %s after 120 s", registry.missing_stages())
+
+
 async def serve(settings: CoordinatorSettings) -> None:
-    """Run the coordinator until interrupted (SIGUSR1 logs what every task awaits). Raises
-    ``ManifestError`` for a bad build folder."""
+    """Run the coordinator until SIGINT/SIGTERM (see ``_Shutdown``; SIGUSR1 logs what every task
+    awaits). Raises ``ManifestError`` for a bad build folder."""
     dump_tasks_on_signal()
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)
     registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
     engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
-    local = None
-    if settings.local_workers:
-        from .local import LocalWorkers
-
-        if settings.local_workers != loaded.manifest.num_stages:
-            raise ManifestError(f"--local-workers {settings.local_workers}: this build has "
-                                f"{loaded.manifest.num_stages} stages; start one worker per stage")
-        local = LocalWorkers(settings.model, loaded.manifest.num_stages, settings.worker_threads,
-                             settings.inference_precision, security=settings.security)
-        await local.start()
-        for address in local.addresses:
-            registry.add_peer(address)
-    for peer in settings.peer:
-        registry.add_peer(peer)
-    await registry.start(discover=settings.discover)
-
-    def health() -> dict:
-        now = time.monotonic()
-
-        def worker(w) -> dict:  # noqa: ANN001 - registry.WorkerState
-            entry = {"address": w.address, "source": w.source, "healthy": w.healthy, "refused": w.refused,
-                     "missed_health_checks": w.missed, "load": registry.load(w.address),
-                     "rtt_ms": round(w.rtt_s * 1000, 2),
-                     "seen_s_ago": round(now - w.last_seen, 1) if w.last_seen else None, "stage": None}
-            if w.info is not None:
-                i = w.info
-                entry.update(stage=i.stage, worker_id=i.worker_id, layers=[i.layer_start, i.layer_end],
-                             device=i.device, sessions=i.sessions, sequences=i.sequences, busy=i.busy,
-                             kv_bytes=i.kv_bytes, kv_reserved_bytes=i.kv_reserved_bytes,
-                             kv_budget_bytes=i.kv_budget_bytes, protocol_version=i.protocol_version,
-                             openvino_version=i.openvino_version, manifest_sha256=i.manifest_sha256)
-            return entry
-
-        return {
-            "ready": not registry.missing_stages(),
-            "model": engine.model_name,
-            "manifest_sha256": loaded.sha256,
-            "num_stages": loaded.manifest.num_stages,
-            "protocol_version": PROTOCOL_VERSION,
-            "missing_stages": registry.missing_stages(),
-            "queued": engine._queued,
-            "running": engine.running,
-            "workers": [worker(w) for w in list(registry.workers.values())],
-        }
-
-    def state() -> dict:
-        return {"queued": engine._queued, "running": engine.running, "workers": [
-            {"address": w.address, "stage": w.info.stage, "healthy": int(w.healthy), "sessions": w.info.sessions,
-             "sequences": w.info.sequences, "kv_bytes": w.info.kv_bytes, "kv_reserved_bytes": w.info.kv_reserved_bytes,
-             "kv_budget_bytes": w.info.kv_budget_bytes, "busy": w.info.busy}
-            for w in list(registry.workers.values()) if w.info is not None]}
-
-    engine.metrics.watch(state)
-    app = create_app(engine, health)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            access_log=False)
-    server = uvicorn.Server(config)
-    zc = None
+    shutdown = _Shutdown(engine, settings.shutdown_grace_s)
+    shutdown.install()
+    local = zc = ready_task = None
     try:
-        async def report_ready() -> None:
-            if await registry.wait_ready(120):
-                log.info("fleet ready: %d stages, %s", loaded.manifest.num_stages, " -> ".join(registry.placement()))
-            else:
-                log.warning("still missing stage(s) %s after 120 s", registry.missing_stages())
-
-        ready_task = asyncio.create_task(report_ready())
+        if settings.local_workers:
+            local = await _start_local_workers(settings, loaded, registry)
+        for peer in settings.peer:
+            registry.add_peer(peer)
+        await registry.start(discover=settings.discover)
+        engine.metrics.watch(lambda: _state(engine, registry))
+        app = create_app(engine, lambda: _health(engine, registry, loaded))
+        # the server stops once drained (every stream ended): this bounds only a client that never reads
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                                access_log=False, timeout_graceful_shutdown=5)
+        server = _Server(config)
+        shutdown.attach(server)
+        if server.should_exit:  # signalled while starting
+            return
+        ready_task = asyncio.create_task(_report_ready(registry, loaded))
         if settings.announce:
             zc = await _announce_api(settings.host, settings.port, engine.model_name)
         await server.serve()
-        ready_task.cancel()
+        await shutdown.wait()
+    finally:
+        if ready_task is not None:
+            ready_task.cancel()
+        await _stop(zc, registry, local, channels, engine)
+
+
+async def _stop(zc, registry: Registry, local, channels: Channels, engine: Engine) -> None:  # noqa: ANN001
+    """Withdraw the announcement, stop health checks and pipelines, then the local workers (after the
+    drain: the answers in flight were ended first), then the channels and the draft model."""
+    try:
+        if zc is not None:
+            await zc[0].async_unregister_service(zc[1])
+            await zc[0].async_close()
+        await registry.stop()
     finally:
         try:
             if local is not None:
                 await local.stop()
         finally:
-            if zc is not None:
-                await zc[0].async_unregister_service(zc[1])
-                await zc[0].async_close()
-            await registry.stop()
             await channels.close()
             engine.close()
+    log.info("coordinator stopped")
 
 
 class Serve(CoordinatorSettings):
@@ -143,6 +233,9 @@ class Serve(CoordinatorSettings):
         except ManifestError as exc:
             log.error("%s", exc)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C before the coordinator's own handlers were installed
+            log.info("interrupted while starting")
+            sys.exit(130)
 
 
 def _replica_line(w: dict) -> str:

@@ -21,7 +21,8 @@ from fleet_common.manifest import LoadedManifest
 
 from .batching import BatchGroup, Batcher, Member
 from .metrics import CoordinatorMetrics
-from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, StageFailure
+from .errors import (ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown,
+                     StageFailure)
 from .registry import Registry
 from .sampling import SparseDist, choose_token, target_distribution
 from .draft import DraftModel
@@ -153,6 +154,8 @@ class Engine:
         self._kv_freed_event = asyncio.Event()  # set (and replaced) whenever KV is freed at the stages
         self.model_name = settings.served_model_name or self.manifest.model_id
         self._background: set[asyncio.Task] = set()  # best-effort closes of sessions left behind
+        self.stopping = False  # shutting down: new requests are refused
+        self._cut: asyncio.Future | None = None  # done: running requests end now (made in the loop, on first use)
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
         self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
@@ -171,6 +174,52 @@ class Engine:
     def close(self) -> None:
         if self.draft_model is not None:
             self.draft_model.close()
+
+    async def drain(self, grace_s: float, bound_s: float = 10.0) -> None:
+        """Shut down generation: refuse new requests (``ShuttingDown``) from now on, give running ones
+        ``grace_s`` to finish, then end the rest (``cut``), and wait up to ``bound_s`` until every
+        session they held is closed at the stages."""
+        self.stopping = True
+        if await self._settled(grace_s, self._requests_gone):
+            return
+        log.warning("shutting down: ending %d running request(s) and %d queued", self.running, self._queued)
+        self.cut()
+        if not await self._settled(bound_s, self._requests_gone):
+            log.warning("shutting down: %d request(s) still running after %.0f s", self.running, bound_s)
+        if not await self._settled(bound_s, self._sessions_freed):
+            log.warning("shutting down: sessions of %d batch group(s) may be left open at the stages",
+                        sum(not g.idle for g in self.batcher.groups))
+
+    def cut(self) -> None:
+        """End every running request now: its stream raises ``ShuttingDown`` and its sessions are freed."""
+        if not self._cut_future().done():
+            self._cut.set_result(None)
+
+    def _cut_future(self) -> asyncio.Future:
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().create_future()
+        return self._cut
+
+    def _requests_gone(self) -> bool:
+        return not self.running and not self._queued
+
+    def _sessions_freed(self) -> bool:
+        return not self._background and all(g.idle for g in self.batcher.groups)
+
+    @staticmethod
+    async def _settled(timeout_s: float, done) -> bool:  # noqa: ANN001 - () -> bool
+        """Wait up to ``timeout_s`` for ``done()``; whether it came true."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not done():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def _refuse_if_stopping(self) -> None:
+        if self.stopping:
+            raise ShuttingDown("the coordinator is shutting down and takes no new requests; send the request "
+                               "again once it is back (or to another coordinator)")
 
     def make_request(self, messages: list[dict], params: SamplingParams) -> Request:
         """Tokenize a chat; raises ``ContextLengthExceeded`` when the prompt leaves no room to answer."""
@@ -198,6 +247,7 @@ class Engine:
         (including the consumer closing this generator on client disconnect).
         """
         s = self.settings
+        self._refuse_if_stopping()
         if not self._slots.locked():
             await self._slots.acquire()  # free: returns without suspending
         elif self._queued >= s.max_queued_requests:
@@ -216,12 +266,30 @@ class Engine:
                 self._queued -= 1
         self.running += 1
         try:
+            self._refuse_if_stopping()  # it waited in the queue while the coordinator began to stop
             async with contextlib.aclosing(self._generate(request)) as deltas:
-                async for delta in deltas:
+                while (delta := await self._next(request, deltas)) is not None:
                     yield delta
         finally:
             self.running -= 1
             self._slots.release()
+
+    async def _next(self, request: Request, deltas: AsyncIterator[TextDelta]) -> TextDelta | None:
+        """The next delta of ``deltas`` (None after the last), or ``ShuttingDown`` when the coordinator
+        ends running requests first: ``deltas`` is then cancelled, which frees its sessions."""
+        pull = asyncio.ensure_future(_pull(deltas))
+        try:
+            await asyncio.wait((pull, self._cut_future()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut = not pull.done()  # the cut came first (or this task was cancelled: its client left)
+            if cut:
+                pull.cancel()
+                await asyncio.gather(pull, return_exceptions=True)
+        if not cut:
+            return pull.result()
+        raise ShuttingDown(f"the coordinator is shutting down: this answer was cut short after "
+                           f"{len(request.output_ids)} tokens; send the request again once it is back (or to "
+                           "another coordinator)")
 
     async def _open_session(self, pipeline, session: str, slots: int) -> None:  # noqa: ANN001
         """Open ``session`` with ``slots`` KV slots on every stage, waiting (up to ``queue_timeout_s``)
@@ -479,6 +547,10 @@ class Engine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+
+async def _pull(deltas: AsyncIterator[TextDelta]) -> TextDelta | None:
+    return await anext(deltas, None)
 
 
 def _generators(seed: int | None):  # noqa: ANN202

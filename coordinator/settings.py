@@ -75,6 +75,9 @@ class CoordinatorSettings(BaseSettings):
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated HTTP API keys, added to --api-key-file's; "
                                 "better set as FLEET_API_KEYS in the environment (a command line is visible to "
                                 "other users of this machine)")
+    shutdown_grace_s: float = Field(3.0, ge=0, description="on Ctrl-C or SIGTERM, seconds the answers in flight get "
+                                    "to finish before they are ended with an error saying the coordinator is "
+                                    "shutting down (a second Ctrl-C ends them at once)")
     log_level: str = Field("INFO", description="logging level")
 
     _security: Security = PrivateAttr(default_factory=Security)
