@@ -4,6 +4,10 @@ The embedded default for one-machine use and the demo. Each worker is a real ``f
 process on loopback; a child that exits is restarted (with backoff) until the coordinator stops.
 Children get the coordinator's ``--secret``/``--tls-*`` files (by path), so they accept its calls and
 each other's.
+
+Each child runs in its own session (process group), so a terminal's Ctrl-C, which signals the whole
+foreground group, reaches only the coordinator: it ends the answers in flight, then stops its workers.
+Linux SIGTERMs a child whose coordinator died any other way (even by SIGKILL).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
 import socket
 import sys
@@ -21,12 +26,17 @@ from fleet_common.security import Security
 log = logging.getLogger(__name__)
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it when the coordinator dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _die_with(parent: int):  # noqa: ANN202
+    """The child's ``preexec_fn``: ask Linux to SIGTERM it when the coordinator (pid ``parent``) dies,
+    even by SIGKILL; exit at once if it died before the request was made."""
+    def preexec() -> None:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,7 +69,8 @@ class LocalWorkers:
         cmd = [sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.ports[stage]), "--threads", str(self.threads),
                "--inference-precision", self.inference_precision, "--no-announce", *self.security.cli_args()]
-        self._procs[stage] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with_parent)
+        self._procs[stage] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with(os.getpid()),
+                                                                  start_new_session=True)
         log.info("local worker for stage %d started (pid %d, port %d)", stage, self._procs[stage].pid,
                  self.ports[stage])
 
@@ -81,6 +92,7 @@ class LocalWorkers:
                     await self._spawn(stage)
 
     async def stop(self) -> None:
+        """Stop the workers (SIGTERM; SIGKILL after 10 s) and keep them stopped."""
         self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -88,8 +100,10 @@ class LocalWorkers:
         for proc in self._procs.values():
             if proc.returncode is None:
                 proc.terminate()
+        log.info("stopping %d local worker(s)", sum(p.returncode is None for p in self._procs.values()))
         for proc in self._procs.values():
             try:
                 await asyncio.wait_for(proc.wait(), 10)
             except TimeoutError:
                 proc.kill()
+                await proc.wait()

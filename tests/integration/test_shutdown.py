@@ -1,23 +1,28 @@
 """Stopping ``fleet-coordinator serve`` (Ctrl-C, SIGTERM): a clean shutdown with real processes.
 
 The coordinator stops taking requests, ends the streams in flight within a bound with an SSE error
-that says it is shutting down, closes the workers' sessions and exits 0 without a traceback.
+that says it is shutting down, closes the workers' sessions and exits 0 without a traceback. With
+``--local-workers`` a terminal's Ctrl-C (SIGINT to the whole foreground process group) reaches only
+the coordinator, which drains and then stops its workers; they never outlive it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import threading
 import time
 
 import grpc
 import httpx
+import psutil
 import pytest
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from tests.conftest import Fleet
+from tests.conftest import Fleet, start_coordinator, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -119,3 +124,61 @@ def test_signal_ends_streams_in_flight_and_closes_sessions(build_2, tmp_path, si
         assert [_worker_sessions(a) for _, a in fleet.workers] == [0, 0], "the coordinator closed its sessions"
     finally:
         fleet.stop()
+
+
+def _local_worker_pids(proc) -> list[int]:  # noqa: ANN001 - conftest.Proc
+    return [int(p) for p in re.findall(r"local worker for stage \d+ started \(pid (\d+)", proc.text())]
+
+
+def _gone(pids: list[int], timeout: float) -> list[int]:
+    """The ``pids`` still alive (zombies count as gone) after waiting up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _local_fleet(build, tmp_path):  # noqa: ANN001, ANN202
+    proc, url = start_coordinator(build, tmp_path, "--local-workers", "2", "--no-discover", "--worker-threads", "1",
+                                  "--inference-precision", "f32")
+    try:
+        wait_ready(url, 120)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+def test_ctrl_c_on_the_terminal_drains_then_stops_local_workers(build_2, tmp_path):
+    proc, url = _local_fleet(build_2, tmp_path)
+    try:
+        pids = _local_worker_pids(proc)
+        assert len(pids) == 2
+        stream = _stream_in_flight(url)
+        signalled_at = time.monotonic()
+        os.killpg(proc.popen.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        _assert_shut_down_cleanly(proc, stream, signalled_at)
+        assert _gone(pids, 10) == [], "no local worker outlives the coordinator"
+        assert "restarting in" not in proc.text(), "the workers are stopped, not restarted"
+    finally:
+        proc.stop()
+
+
+def test_local_workers_die_with_a_killed_coordinator(build_2, tmp_path):
+    proc, url = _local_fleet(build_2, tmp_path)
+    try:
+        pids = _local_worker_pids(proc)
+        assert len(pids) == 2
+        os.kill(proc.popen.pid, signal.SIGKILL)  # the coordinator alone: no chance to stop them
+        proc.popen.wait(timeout=10)
+        assert _gone(pids, 15) == [], "local workers must not outlive a killed coordinator"
+    finally:
+        proc.stop()
