@@ -223,10 +223,17 @@ def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:
 
 def rope_tables(position_ids: ov.Output, cfg: ModelConfig) -> tuple[ov.Output, ov.Output]:
     """cos and sin [B, 1, S, head_dim] f32 of RoPE (Su et al. 2021, half-split "NeoX" layout as in
-    transformers) at logical ``position_ids`` [B, S] i64, computed once per stage."""
-    inv_freq = op.constant(np.asarray(cfg.inv_freq, dtype=np.float32).reshape(1, 1, -1))  # [1, 1, D/2]
-    pos = op.unsqueeze(op.convert(position_ids, ov.Type.f32), _i64([2]))  # [B, S, 1]
-    freqs = op.multiply(pos, inv_freq)  # [B, S, D/2]
+    transformers) at logical ``position_ids`` [B, S] i64, computed once per stage.
+
+    The angles are ``inv_freq [B, D/2, 1] @ positions [B, 1, S]`` as transformers' rotary embedding
+    writes them: the CPU plugin keeps that MatMul and Cos/Sin in f32 when it runs the rest in bf16
+    (an elementwise product instead ran in bf16 and cost the demo its answers: angles of ~40 rad
+    rounded to 8 bits of mantissa)."""
+    inv_freq = op.constant(np.asarray(cfg.inv_freq, dtype=np.float32).reshape(1, -1, 1))  # [1, D/2, 1]
+    pos = op.unsqueeze(op.convert(position_ids, ov.Type.f32), _i64([1]))  # [B, 1, S]
+    batch = op.gather(op.shape_of(position_ids, output_type="i64"), _i64([0]), _i64(0))
+    inv = op.broadcast(inv_freq, op.concat([batch, _i64([len(cfg.inv_freq), 1])], axis=0))  # [B, D/2, 1]
+    freqs = op.transpose(op.matmul(inv, pos, transpose_a=False, transpose_b=False), _i64([0, 2, 1]))  # [B, S, D/2]
     emb = op.unsqueeze(op.concat([freqs, freqs], axis=-1), _i64([1]))  # [B, 1, S, D]
     return op.cos(emb).output(0), op.sin(emb).output(0)
 
