@@ -132,20 +132,22 @@ class _Weights:
         return self.nodes[name]
 
     def _kept(self, name: str, shape: list[int]) -> ov.Output:
-        """A GGUF weight [rows, cols] in its own blocks of 32 (compiler/gguf.py): Constant(i8|i4|u4 [rows,
-        cols/32, 32]) -> Convert(f32) -> [Subtract(zero point f32)] -> Multiply(scale f32) -> Reshape [rows,
-        cols], the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed weights)."""
-        from .gguf import pack_nibbles
+        """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|i4|u4 [rows, cols/g, g])
+        -> Convert(f32) -> [Subtract(zero point f32)] -> Multiply(scale f32) -> Reshape [rows, cols], g = 32
+        (16 for Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
+        weights)."""
+        from .gguf import GROUP, STORED, WITH_ZERO_POINT, pack_nibbles
 
         kind = self.source.kind(name)
         rows, cols = shape
-        groups = [rows, cols // 32, 1]
-        wtype = {"Q8_0": ov.Type.i8, "Q4_0": ov.Type.i4, "Q4_1": ov.Type.u4}[kind]
+        g = GROUP[kind]
+        groups = [rows, cols // g, 1]
+        wtype = {"i8": ov.Type.i8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
         parts: dict[str, ov.Tensor] = {}
 
         def compute(part: str) -> ov.Tensor:
             if not parts:
-                weights = ov.Tensor(wtype, ov.Shape([rows, cols // 32, 32]))
+                weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
                 scale, zero_point = np.empty(groups, np.float32), np.empty(groups, np.float32)
                 raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
                 step = max(1, (32 << 20) // cols)
@@ -158,13 +160,13 @@ class _Weights:
                     if q.zero_point is not None:
                         zero_point[a:b, :, 0] = q.zero_point
                 parts.update(weights=self._read(name, weights), scale=ov.Tensor(scale))
-                if kind == "Q4_1":
+                if kind in WITH_ZERO_POINT:
                     parts["zero_point"] = ov.Tensor(zero_point)
             return parts.pop(part)
 
-        q = self._postponed(wtype, [rows, cols // 32, 32], lambda: compute("weights"), name)
+        q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f32)
-        if kind == "Q4_1":
+        if kind in WITH_ZERO_POINT:
             zp = self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{name}/zero_point")
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
         scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")

@@ -10,17 +10,21 @@ Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, a p
 f32 so the decompression ``(q - zp) * d`` gives the dequantized GGUF value to f32 rounding, never a
 second 4- or 8-bit rounding (../shared/research/compiler.md §1, §5):
 
-=====  =========================================  ===================================
-type   block (32 weights)                         kept as
-=====  =========================================  ===================================
-Q8_0   f16 d, 32 x int8 q: w = q d                i8 [rows, blocks, 32] x d
-Q4_0   f16 d, 16 B of nibbles: w = (q - 8) d      i4 (q - 8) x d
-Q4_1   f16 d, f16 m, 16 B of nibbles: w = q d + m  u4 q, zero point -m/d (f32), x d
-=====  =========================================  ===================================
+=====  ===============================================  ======================================
+type   block                                            kept as
+=====  ===============================================  ======================================
+Q8_0   32: f16 d, 32 x int8 q: w = q d                  i8 [rows, cols/32, 32] x d
+Q4_0   32: f16 d, 16 B of nibbles: w = (q - 8) d        i4 (q - 8) x d
+Q4_1   32: f16 d, f16 m, 16 B of nibbles: w = q d + m   u4 q, zero point -m/d, x d
+Q4_K   256: f16 d, dmin; 8 x 6-bit (sc, m); nibbles:    u4 q per 32, zero point dmin m / (d sc),
+       w = d sc q - dmin m                              x d sc
+Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc
+       w = d sc (q - 32)
+=====  ===============================================  ======================================
 
 GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
-Every other type (F16, BF16, Q5_*, Q4_K, Q6_K, ...) is dequantized by gguf-py (``gguf.quants``) and stored
+Every other type (F16, BF16, Q5_*, Q3_K, Q2_K, IQ*, ...) is dequantized by gguf-py (``gguf.quants``) and stored
 as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, biases) stay f32.
 """
 
@@ -47,7 +51,10 @@ GGUF_LAYER_TO_HF = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
-KEPT = ("Q8_0", "Q4_0", "Q4_1")
+KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16}  # weights per scale as kept
+STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8"}  # OpenVINO type of the values
+WITH_ZERO_POINT = ("Q4_1", "Q4_K")
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
 ROW_BLOCK_BYTES = 32 << 20
 
@@ -71,9 +78,9 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class QuantRows:
-    """Rows of a kept quantized weight: ``values`` [rows, blocks, 32] (int8 for Q8_0, i4 values -8..7 as
-    int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1), ``scale`` [rows, blocks] f32 and ``zero_point``
-    [rows, blocks] f32 (Q4_1 only): weight = (values - zero_point) * scale."""
+    """Rows of a kept quantized weight: ``values`` [rows, groups, GROUP[kind]] (int8 for Q8_0 and Q6_K, i4
+    values -8..7 as int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1 and Q4_K), ``scale`` [rows, groups]
+    f32 and ``zero_point`` [rows, groups] f32 (Q4_1, Q4_K): weight = (values - zero_point) * scale."""
 
     kind: str
     values: np.ndarray
@@ -188,11 +195,43 @@ class GGUFWeights:
             d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
             m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
             q = np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], axis=-1)
-            flat = d == 0  # every weight of the block is m: q = 0, zero point -m with scale 1
-            q[flat] = 0
-            scale = np.where(flat, np.float32(1), d)
-            return QuantRows("Q4_1", q, scale, (-m / scale).astype(np.float32))
+            return _with_minimum("Q4_1", q, d, m)
+        if t.qtype == "Q4_K":  # gguf-py's Q4_K.dequantize_blocks, kept apart
+            import gguf
+
+            b = raw.reshape(n, -1, 144)
+            blocks = b.shape[1]
+            d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            sc, mins = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+            scale = d[..., None] * sc.reshape(n, blocks, 8).astype(np.float32)  # [n, blocks, 8]
+            minimum = dmin[..., None] * mins.reshape(n, blocks, 8).astype(np.float32)
+            qs = b[..., 16:].reshape(n, blocks, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+            q = (qs & 0x0F).reshape(n, blocks * 8, 32)
+            return _with_minimum("Q4_K", q, scale.reshape(n, -1), -minimum.reshape(n, -1))
+        if t.qtype == "Q6_K":  # gguf-py's Q6_K.dequantize_blocks, kept apart
+            b = raw.reshape(n, -1, 210)
+            blocks = b.shape[1]
+            ql, qh = b[..., :128], b[..., 128:192]
+            sc = b[..., 192:208].view(np.int8).astype(np.float32)
+            d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+            ql = ql.reshape(n, blocks, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+            ql = (ql & 0x0F).reshape(n, blocks, 8, 32)
+            qh = qh.reshape(n, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+            qh = (qh & 0x03).reshape(n, blocks, 8, 32)
+            q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, blocks * 16, 16)
+            return QuantRows("Q6_K", q, (d[..., None] * sc).reshape(n, -1), None)
         raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
+
+
+def _with_minimum(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> QuantRows:
+    """Groups of w = q * scale + offset as (q - zero_point) * scale, zero_point = -offset / scale in f32; a
+    group of scale 0 (every weight = offset) becomes q = 0, scale 1, zero point -offset."""
+    flat = scale == 0
+    q = q.copy()
+    q[flat] = 0
+    scale = np.where(flat, np.float32(1), scale).astype(np.float32)
+    return QuantRows(kind, q, scale, (-offset / scale).astype(np.float32))
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@ transformers in f32 on the same GGUF's dequantized weights.
 
 * A tiny random llama written as llama.cpp would (gguf-py's ``GGUFWriter``, Q/K rows permuted by
   llama.cpp's ``LlamaModel.permute``), every weight kind at once: Q8_0, Q4_0 and Q4_1 matrices (through
-  ``gguf.quants.quantize``), F16, F32 norms. The reference is transformers' own GGUF loader
+  ``gguf.quants.quantize``), Q4_K and Q6_K blocks packed here from random bytes (gguf-py only
+  dequantizes those), F16, F32 norms. The reference is transformers' own GGUF loader
   (``from_pretrained(gguf_file=...)``: its dequantization and its un-permutation, no code of ours).
 * The demo's Q4_1 GGUF (Q4_1 layers, Q8_0 embedding) into 2 and 3 stages, against transformers on the
   demo's HF folder (the same GGUF dequantized to f32 by gguf-py).
@@ -32,7 +33,7 @@ from .test_architectures import SEQ, chained_logits
 
 pytestmark = pytest.mark.integration
 
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 256, 4, 4, 2
 KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
          "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
 
@@ -40,6 +41,18 @@ KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's Q/K row permutation (convert_hf_to_gguf.py ``LlamaModel.permute``)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Valid random Q4_K or Q6_K blocks for a [rows, cols] weight: uint8 [rows, cols / 256 * block bytes]."""
+    n = rows * cols // 256
+    if kind == "Q4_K":  # f16 d, f16 dmin, 12 B of 6-bit scales and mins, 128 B of nibbles
+        d = (rng.uniform(1, 3, (n, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+        blocks = np.concatenate([d, rng.integers(0, 256, (n, 140), dtype=np.uint8)], axis=1)
+    else:  # Q6_K: 128 B low nibbles, 64 B high bits, 16 int8 scales, f16 d
+        d = (rng.uniform(1, 3, (n, 1)) * 1e-4).astype(np.float16).view(np.uint8)
+        blocks = np.concatenate([rng.integers(0, 256, (n, 208), dtype=np.uint8), d], axis=1)
+    return blocks.reshape(rows, -1)
 
 
 def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
@@ -72,7 +85,9 @@ def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
         if heads:
             w = _permute(w, heads)
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "F16":
+        if kind in ("Q4_K", "Q6_K"):
+            writer.add_tensor(name, k_blocks(rows, cols, kind, rng), raw_dtype=qtype)
+        elif kind == "F16":
             writer.add_tensor(name, w.astype(np.float16))
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -86,6 +101,7 @@ def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
         kinds = {k: ("F16" if i == 1 and k == "ffn_up" else v) for k, v in KINDS.items()}  # an F16 matrix too
+        kinds["ffn_down"] = {2: "Q4_K", 3: "Q6_K"}.get(i, kinds["ffn_down"])  # K-quants need 256 columns
         matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, kinds["attn_q"], HEADS)
         matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, kinds["attn_k"], KV_HEADS)
         matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, kinds["attn_v"])
@@ -134,8 +150,9 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
         assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
         for kind, n in stage["compression"]["tensors"].items():
             kinds[kind] = kinds.get(kind, 0) + n
-    assert kinds == {"Q8_0": 1 + 2 * LAYERS, "Q4_0": 2 * LAYERS, "Q4_1": 3 * LAYERS - 1 + 1, "f16": 1,
-                     "f32": 2 * LAYERS + 1}, kinds
+    assert kinds == {"Q8_0": 1 + 2 * LAYERS - 2, "Q4_0": 2 * LAYERS, "Q4_1": 3 * LAYERS - 1 + 1, "Q4_K": 1,
+                     "Q6_K": 1, "f16": 1, "f32": 2 * LAYERS + 1}, kinds
+    check_blocks_against_gguf_py(path)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     ids = np.random.default_rng(1).integers(0, 49152, SEQ)
     garbage = np.random.default_rng(2).integers(0, 49152, 16)
@@ -143,6 +160,27 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
     expected = transformers_logits(reference, ids)
     assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
+    """Every kept weight's (values - zero point) * scale equals gguf-py's dequantization of its bytes."""
+    from compiler.gguf import GGUFWeights
+    from compiler.source import read_gguf
+
+    reader, _, config = read_gguf(path)
+    weights = GGUFWeights(path, reader, config)
+    seen = set()
+    for name in weights.tensors:
+        if weights.kind(name) in ("f16", "f32"):
+            continue
+        shape = weights.shape(name)
+        q = weights.blocks(name, (0, shape[0]))
+        zero = 0 if q.zero_point is None else q.zero_point[..., None]
+        ours = ((q.values.astype(np.float32) - zero) * q.scale[..., None]).reshape(shape)
+        theirs = weights.tensor(name, out=np.empty(shape, np.float32))  # gguf.quants.dequantize
+        assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max()), name
+        seen.add(q.kind)
+    assert seen == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}, seen
 
 
 @pytest.mark.parametrize("stages", [2, 3])
