@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .engine import Engine, SamplingParams
+from .sampling import Penalties
 from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,48 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # sampling fields left out take the model's defaults (generation_config.json), else OpenAI's
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="fleet extension (as in vLLM): sample among the k best (0 = all)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="fleet extension (as in vLLM, "
+                                             "transformers): > 1 discourages tokens of the prompt and output")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
     ignore_eos: bool = Field(False, description="fleet extension (as in vLLM): do not stop at end-of-sequence")
+
+
+# what a field is when neither the request nor the model's generation_config.json sets it (OpenAI's defaults)
+SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "frequency_penalty": 0.0,
+                      "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def resolve_sampling(body: ChatCompletionRequest, engine: Engine) -> tuple[SamplingParams, dict]:
+    """The request's sampling parameters: its own fields, else the model's defaults, else OpenAI's; and
+    the report of what was used (the response's ``fleet.sampling``, ``from_model`` naming the defaults taken)."""
+    model = engine.generation_defaults
+    used, from_model = {}, []
+    for name, fallback in SAMPLING_FALLBACKS.items():
+        value = getattr(body, name)
+        if value is None and name in model:
+            value = model[name]
+            from_model.append(name)
+        used[name] = fallback if value is None else value
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None and "max_tokens" in model:
+        max_tokens = max(1, int(model["max_tokens"]))
+        from_model.append("max_tokens")
+    used["max_tokens"] = max_tokens or engine.settings.max_tokens_default
+    params = SamplingParams(
+        max_tokens=used["max_tokens"], temperature=used["temperature"], top_p=used["top_p"], seed=body.seed,
+        ignore_eos=body.ignore_eos, top_k=used["top_k"],
+        penalties=Penalties(used["frequency_penalty"], used["presence_penalty"], used["repetition_penalty"]))
+    return params, {**used, "from_model": from_model}
 
 
 def _error_response(exc: FleetError) -> JSONResponse:
@@ -158,7 +193,9 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fleet"}]}
+                                            "owned_by": "fleet",
+                                            # fleet extension: what requests silent on a field get
+                                            "generation_defaults": engine.generation_defaults}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):  # noqa: ANN202
@@ -168,9 +205,8 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
-        params = SamplingParams(
-            max_tokens=body.max_completion_tokens or body.max_tokens or engine.settings.max_tokens_default,
-            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos)
+        params, sampling = resolve_sampling(body, engine)
+        params.stop = tuple(stop)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         size = sum(len(m["content"].encode("utf-8")) for m in messages)
         if size > byte_limit:
@@ -189,6 +225,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
         def stats() -> dict:
             return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
                     "draft": engine.draft_source, **request.speculation_stats(),
+                    "sampling": {**sampling, "max_tokens": request.params.max_tokens},
                     # the exact ids behind the text (tests compare them with a reference model's)
                     "completion_token_ids": list(request.output_ids)}
 

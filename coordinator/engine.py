@@ -24,7 +24,7 @@ from .metrics import CoordinatorMetrics
 from .errors import (ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown,
                      StageFailure)
 from .registry import Registry
-from .sampling import SparseDist, choose_token, target_distribution
+from .sampling import Penalties, SparseDist, generation_defaults, penalized_distribution
 from .draft import DraftModel
 from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
 from .settings import CoordinatorSettings
@@ -59,6 +59,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks, fixed-length runs)
+    top_k: int = 0  # sample among this many best candidates (0 = all the last stage returns)
+    penalties: Penalties = field(default_factory=Penalties)
 
 
 @dataclass
@@ -82,6 +84,23 @@ class Request:
     compactions: int = 0  # KV compactions (one state rewrite per stage each)
     batch_max: int = 0  # most sessions that shared one of its decode steps (its batch group's size)
     failovers: int = 0  # times it moved to replica workers after a stage failed
+    output_counts: dict[int, int] = field(default_factory=dict)  # times each token was generated (penalties)
+
+    def target(self, ids: np.ndarray, logprobs: np.ndarray, ahead: list[int] = ()) -> SparseDist:  # noqa: B006
+        """What to sample the next token from, given the last stage's candidates for it: after the
+        penalties over the output so far plus ``ahead`` (drafts before this position in a verify step)."""
+        p, counts = self.params, self.output_counts
+        if p.penalties.active and ahead:
+            counts = dict(counts)
+            for token in ahead:
+                counts[token] = counts.get(token, 0) + 1
+        seen = self._prompt_set() if p.penalties.repetition != 1.0 else frozenset()
+        return penalized_distribution(ids, logprobs, p.temperature, p.top_p, p.penalties, counts, seen, p.top_k)
+
+    def _prompt_set(self) -> frozenset[int]:
+        if not hasattr(self, "_prompt_tokens"):
+            self._prompt_tokens = frozenset(self.prompt_ids)
+        return self._prompt_tokens
 
     def record_verify(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """Count one decode step that verified ``drafted`` drafts, ``accepted`` of them accepted."""
@@ -111,6 +130,7 @@ class Request:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.output_ids.append(token)
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     def finish(self, reason: FinishReason) -> None:
         self.status, self.finish_reason, self.finished_at = RequestStatus.FINISHED, reason, time.perf_counter()
@@ -147,6 +167,8 @@ class Engine:
         model_context = self.manifest.architecture.max_context
         self.max_context = min(settings.max_context or model_context, model_context)
         self.eos_ids = set(self.manifest.eos_token_ids)
+        self.generation_defaults = generation_defaults(loaded.directory)  # the model's, for silent requests
+        log.info("model sampling defaults (generation_config.json): %s", self.generation_defaults or "none")
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
         self._queued = 0  # requests waiting for a slot
         self.running = 0  # requests generating
@@ -382,7 +404,8 @@ class Engine:
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
         rng_at, draft_rng_at = _generators(params.seed)
-        top_k = 1 if params.temperature <= 0 else s.sample_top_k
+        # greedy without penalties needs only the best candidate (bit-identical to plain argmax)
+        top_k = 1 if params.temperature <= 0 and not params.penalties.active else s.sample_top_k
         prompt = request.prompt_ids
         drafting = self.draft_source != "none"
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
@@ -406,8 +429,7 @@ class Engine:
             request.status = RequestStatus.DECODE
             logical = len(prompt)  # visible tokens at every stage
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
-            decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature, params.top_p,
-                                    rng_at(len(prompt)))]
+            decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(len(prompt)))]
             while True:
                 text = self._take(request, decided, detok, text, sent, hold)
                 if request.finish_reason is not None:
@@ -433,8 +455,7 @@ class Engine:
                     decided = self._verify(request, seat, out, draft, qs, logical, rng_at, policy, drafter,
                                            draft_s=t1 - t0, verify_s=t2 - t1)
                 else:
-                    decided = [choose_token(out.top_ids[-1], out.top_logprobs[-1], params.temperature,
-                                            params.top_p, rng_at(logical + 1))]
+                    decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(logical + 1))]
                 logical += len(decided)  # the fed token and the accepted drafts
             yield TextDelta(text[sent:], request.finish_reason)
         except (asyncio.CancelledError, GeneratorExit):
@@ -495,9 +516,8 @@ class Engine:
                 verify_s: float) -> list[int]:
         """The tokens a step that carried ``draft`` decided (accepted drafts, then the target's own
         token); counts the acceptance and hides the rejected drafts from the group's next step on."""
-        params = request.params
-        targets = [target_distribution(out.top_ids[i], out.top_logprobs[i], params.temperature, params.top_p)
-                   for i in range(len(draft) + 1)]
+        # the penalized targets: position i's penalties count the drafts before it (its context if accepted)
+        targets = [request.target(out.top_ids[i], out.top_logprobs[i], draft[:i]) for i in range(len(draft) + 1)]
         decided = verify(draft, qs, targets, [rng_at(logical + 1 + i) for i in range(len(draft) + 1)])
         accepted = len(decided) - 1
         request.record_verify(len(draft), accepted, draft_s * 1000, verify_s * 1000)

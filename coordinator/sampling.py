@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+
+# generation_config.json fields fleet takes as the model's defaults, and the request field each one fills
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -63,3 +72,71 @@ def choose_token(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_
     Temperature 0 is greedy (``ids[0]``, no randomness used). Deterministic for a given ``rng`` state.
     """
     return target_distribution(ids, logprobs, temperature, top_p).sample(rng)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Repetition penalties of one request (OpenAI's ``frequency_penalty``/``presence_penalty``, HF's
+    ``repetition_penalty``); the default applies none."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
+
+
+def penalize(ids: np.ndarray, logprobs: np.ndarray, penalties: Penalties, output_counts: dict[int, int],
+             seen: set[int] | frozenset[int] = frozenset()) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (``ids`` [k], ``logprobs`` [k]) with ``penalties`` applied, best first again.
+
+    OpenAI: score[t] -= frequency * count[t] + presence * (count[t] > 0), ``output_counts`` counting the
+    tokens generated so far (exact: a shift, the candidates' scores need no normalization). HF/CTRL
+    (Keskar et al. 2019): a token in ``seen`` (prompt + output) has a positive score divided by
+    ``repetition``, a negative one multiplied. The last stage returns log-softmax scores (always <= 0),
+    not raw logits, so a repeated candidate's score is multiplied: the same direction as HF's, on a
+    scale that does not depend on the logits' arbitrary offset. Only the k candidates are scored.
+    """
+    scores = logprobs.astype(np.float64)
+    counts = np.array([output_counts.get(int(t), 0) for t in ids], dtype=np.float64)
+    scores = scores - penalties.frequency * counts - penalties.presence * (counts > 0)
+    if penalties.repetition != 1.0:
+        repeated = np.array([int(t) in seen or int(t) in output_counts for t in ids], dtype=bool)
+        scores = np.where(repeated & (scores > 0), scores / penalties.repetition, scores)
+        scores = np.where(repeated & (scores <= 0), scores * penalties.repetition, scores)
+    order = np.argsort(-scores, kind="stable")
+    return ids[order], scores[order]
+
+
+def penalized_distribution(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_p: float,
+                           penalties: Penalties, output_counts: dict[int, int],
+                           seen: set[int] | frozenset[int] = frozenset(), top_k: int = 0) -> SparseDist:
+    """``target_distribution`` of the candidates after ``penalties`` (none when inactive: exactly the
+    plain one), then cut to the ``top_k`` best (0 = all; as transformers: penalties before top-k)."""
+    if penalties.active:
+        ids, logprobs = penalize(ids, logprobs, penalties, output_counts, seen)
+    if top_k > 0:
+        ids, logprobs = ids[:top_k], logprobs[:top_k]
+    return target_distribution(ids, logprobs, temperature, top_p)
+
+
+def generation_defaults(folder: Path) -> dict[str, float | int]:
+    """The model's own sampling defaults from ``folder/generation_config.json``, keyed by request field
+    (``max_new_tokens`` as ``max_tokens``): only the fields it holds, sanity-checked; {} without the file.
+    ``do_sample: false`` is transformers' library default, not a recommendation, and is not taken."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable (%s); no model sampling defaults", path, exc)
+        return {}
+    out: dict[str, float | int] = {}
+    for name, field in GENERATION_DEFAULTS.items():
+        value = raw.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            out[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
+    return out
