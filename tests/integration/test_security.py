@@ -220,6 +220,7 @@ def test_mutual_tls_fleet_with_local_workers(build_2, tmp_path):
     (tmp_path / "secret").write_text(SECRET)
     tls = ["--tls-cert", pem["coordinator"], "--tls-key", pem["coordinator-key"], "--tls-ca", pem["ca"]]
     coordinator, url = start_coordinator(build_2, tmp_path, "--local-workers", "2", "--worker-threads", "1",
+                                         "--inference-precision", "f32",  # the answer below, not a bf16 near-tie
                                          "--secret", str(tmp_path / "secret"), *tls, "--no-discover")
     try:
         wait_ready(url)
