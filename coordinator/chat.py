@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -46,6 +48,58 @@ class ContextFull(RuntimeError):
     """The conversation no longer fits the model's context."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C during an answer; ``partial`` is the text received until then."""
+
+    def __init__(self, partial: str) -> None:
+        super().__init__("interrupted")
+        self.partial = partial
+
+
+# fleet-chat's own default when the model's generation_config.json holds no sampling defaults: greedy with
+# a mild repetition penalty (deterministic, and measured on the demo model: plain greedy loops
+# "a tale of wonder and wonder ..." to the token cap; 1.1 ends its answers, see tests/integration/test_penalties.py)
+CHAT_REPETITION_PENALTY = 1.1
+
+
+def sampling_fields(args: argparse.Namespace, defaults: dict) -> dict:
+    """The request's sampling fields: the user's flags; nothing the model's ``defaults`` (from
+    /v1/models) already cover; fleet-chat's greedy + ``CHAT_REPETITION_PENALTY`` when the model has none."""
+    body = {}
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.repetition_penalty is not None:
+        body["repetition_penalty"] = args.repetition_penalty
+    if not body and not ({"temperature", "repetition_penalty"} & set(defaults)):
+        body = {"temperature": 0.0, "repetition_penalty": CHAT_REPETITION_PENALTY}
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
+    if args.seed is not None:
+        body["seed"] = args.seed
+    return body
+
+
+@contextlib.contextmanager
+def quiet_terminal() -> Iterator[None]:
+    """Keys typed while an answer streams are not echoed into it (they wait for the next prompt);
+    Ctrl-C still interrupts. Does nothing when stdin is not a terminal."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHONL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
 class ChatError(RuntimeError):
     """What went wrong, as one sentence for the user; ``detail`` holds the technical cause (``--verbose``)."""
 
@@ -77,11 +131,18 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: arg
 
     Raises ``ContextFull`` when the server says the conversation is too long, ``ChatError`` for
     other API errors and ``httpx.HTTPError`` for transport failures."""
-    body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "stream_options": {"include_usage": True}}
-    if args.seed is not None:
-        body["seed"] = args.seed
-    parts, usage, finish, t0, t_first = [], None, None, time.perf_counter(), None
+    body = {"messages": messages, "stream": True, **args.sampling, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    try:
+        with quiet_terminal():
+            return _stream(client, url, body, parts)
+    except KeyboardInterrupt:
+        raise Interrupted("".join(parts)) from None
+
+
+def _stream(client: httpx.Client, url: str, body: dict, parts: list[str]) -> str:
+    """``stream_reply``'s request: the answer's pieces go to ``parts`` as they arrive."""
+    usage, finish, t0, t_first = None, None, time.perf_counter(), None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -137,8 +198,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fleet-chat", description=__doc__)
     parser.add_argument("--url", help="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
     parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--max-tokens", type=int, default=512, help="longest answer in tokens (default: 512)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--max-tokens", type=int, help="longest answer in tokens (default: the model's, else the "
+                        "coordinator's --max-tokens-default, 512)")
+    parser.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation_config.json; "
+                        f"without sampling defaults there, greedy with --repetition-penalty {CHAT_REPETITION_PENALTY})")
+    parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating the conversation's tokens "
+                        "(default: the model's, see --temperature)")
     parser.add_argument("--seed", type=int, help="sampling seed, for reproducible answers")
     parser.add_argument("-p", "--prompt", action="append", help="ask this and exit (repeat for several turns)")
     parser.add_argument("--api-key", help="API key of a coordinator started with --api-key-file (default: "
@@ -157,8 +222,9 @@ def _report(error: ChatError, args: argparse.Namespace) -> None:
         print(f"fleet-chat: details: {error.detail}", file=sys.stderr)
 
 
-def _model(client: httpx.Client, url: str) -> str:
-    """The model the coordinator at ``url`` serves; raises ``ChatError`` when it does not answer as one."""
+def _model(client: httpx.Client, url: str) -> tuple[str, dict]:
+    """The model the coordinator at ``url`` serves and its sampling defaults; raises ``ChatError`` when it
+    does not answer as one."""
     try:
         response = client.get(f"{url}/v1/models")
     except httpx.HTTPError as exc:
@@ -166,36 +232,61 @@ def _model(client: httpx.Client, url: str) -> str:
     try:
         if response.status_code == 401:
             raise ChatError(f"{url} refused the API key: {response.json()['error']['message']}")
-        return response.json()["data"][0]["id"]
+        model = response.json()["data"][0]
+        return model["id"], model.get("generation_defaults") or {}
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise ChatError(f"{url} answers, but not as a fleet coordinator (HTTP {response.status_code} for "
                         "/v1/models): check the address (--url)", f"{type(exc).__name__}: {exc}") from None
+
+
+def line_reader() -> callable:  # type: ignore[valid-type]
+    """A ``read(prompt) -> str`` for the user's turns: prompt_toolkit (line editing, arrow-key history)
+    on a terminal, plain ``input`` otherwise (pipes, tests). Raises ``EOFError``/``KeyboardInterrupt``."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return input
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import InMemoryHistory
+
+    return PromptSession(history=InMemoryHistory()).prompt
+
+
+def _next_prompt(prompts: Iterator[str] | None, read) -> str | None:  # noqa: ANN001 - read(prompt) -> str
+    """The user's next message; None to quit (end of the -p prompts, Ctrl-D, Ctrl-C or an empty line)."""
+    if prompts is not None:
+        user = next(prompts, None)
+        if user is not None:
+            print(f"> {user}")
+        return user if user and user.strip() else None
+    try:
+        user = read("> ")
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return None
+    return user if user.strip() else None
+
+
+def _keep_interrupted(messages: list[dict], partial: str) -> None:
+    """After Ctrl-C: the turn stays with its partial answer, or goes when nothing came, and either is said."""
+    if partial:
+        messages.append({"role": "assistant", "content": partial})
+        print("\n(interrupted; kept in the conversation)", file=sys.stderr)
+    else:
+        messages.pop()
+        print("\n(interrupted before the answer began; the question was dropped from the conversation)",
+              file=sys.stderr)
 
 
 def _converse(client: httpx.Client, url: str, args: argparse.Namespace) -> int:
     """Ask the ``-p`` prompts (then exit) or read them from the terminal; the exit status."""
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = iter(args.prompt) if args.prompt else None
-    while True:
-        if prompts is not None:
-            user = next(prompts, None)
-            if user is None:
-                return 0
-            print(f"> {user}")
-        else:
-            try:
-                user = input("> ")
-            except (EOFError, KeyboardInterrupt):
-                print()
-                return 0
-        if not user.strip():
-            return 0
+    read = line_reader() if prompts is None else input
+    while (user := _next_prompt(prompts, read)) is not None:
         messages.append({"role": "user", "content": user})
         try:
             answer = ask(client, url, messages, args)
-        except KeyboardInterrupt:
-            print("\n[interrupted]", file=sys.stderr)
-            messages.pop()
+        except (Interrupted, KeyboardInterrupt) as exc:
+            _keep_interrupted(messages, exc.partial if isinstance(exc, Interrupted) else "")
             if prompts is not None:
                 return 130
             continue
@@ -207,6 +298,7 @@ def _converse(client: httpx.Client, url: str, args: argparse.Namespace) -> int:
                 return 1
             continue
         messages.append({"role": "assistant", "content": answer})
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), headers=headers) as client:
         try:
-            model = _model(client, url)
+            model, defaults = _model(client, url)
         except ChatError as exc:
             _report(exc, args)
             return 2
+        args.sampling = sampling_fields(args, defaults)
         quits = "" if args.prompt else "; empty line or Ctrl-D quits"
         print(f"fleet-chat: connected to {url} ({model}){quits}", file=sys.stderr)
         return _converse(client, url, args)
