@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .weights import F16_MAX, WeightsError
+from .weights import F16_MAX, WeightsError, check_shapes
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +138,7 @@ class GGUFWeights:
 
     def check(self, expected: dict[str, tuple[int, ...]], where: str = "GGUF metadata") -> None:
         """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
-        for name, shape in expected.items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise WeightsError(f"{self.folder}: tensor {name} missing, though {where} implies it")
-            if t.shape != tuple(shape):
-                raise WeightsError(f"{self.folder.name}: tensor {name} is {list(t.shape)}, but {where} implies "
-                                   f"{list(shape)}")
+        check_shapes(self.tensors, expected, self.folder, where)
 
     def _rows(self, t: _Tensor, rows: tuple[int, int] | None) -> np.ndarray:
         """The raw rows [start, stop) in HF order (the permutation undone by picking source rows)."""

@@ -86,6 +86,19 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def check_shapes(tensors: dict, expected: dict[str, tuple[int, ...]], folder: Path, where: str) -> None:
+    """Raise ``WeightsError`` unless every name in ``expected`` is in ``tensors`` (objects with ``shape``,
+    and ``file`` where known) with that shape, naming the file, the tensor and both shapes."""
+    for name, shape in expected.items():
+        info = tensors.get(name)
+        if info is None:
+            raise WeightsError(f"{folder}: tensor {name} missing, though {where} implies it")
+        if tuple(info.shape) != tuple(shape):
+            file = getattr(info, "file", folder).name
+            raise WeightsError(f"{file}: tensor {name} is {list(info.shape)}, but {where} implies {list(shape)}: "
+                               "config and weights do not match")
+
+
 class SafetensorsWeights:
     """The tensors of an HF model folder's ``model.safetensors`` or ``model.safetensors.index.json``.
 
@@ -130,13 +143,7 @@ class SafetensorsWeights:
 
     def check(self, expected: dict[str, tuple[int, ...]], where: str = "config.json") -> None:
         """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
-        for name, shape in expected.items():
-            info = self.tensors.get(name)
-            if info is None:
-                raise WeightsError(f"{self.folder}: tensor {name} missing, though {where} implies it")
-            if info.shape != tuple(shape):
-                raise WeightsError(f"{info.file.name}: tensor {name} is {list(info.shape)}, but {where} implies "
-                                   f"{list(shape)}: config and weights do not match")
+        check_shapes(self.tensors, expected, self.folder, where)
 
     def raw(self, name: str) -> np.ndarray:
         """Tensor ``name`` as stored (f16 or f32; ``WeightsError`` for bf16, which numpy cannot hold)."""
