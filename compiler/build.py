@@ -336,18 +336,8 @@ def build(
                 # drafts first: a draft with another vocabulary fails the build before the long part
                 draft_entries = [export_draft(spec, source, staging, kv_cache_precision, Path(tmp), bar,
                                               draft_weights, **overrides) for spec in drafts]
-                stages = []
-                for index, (start, end) in enumerate(ranges):
-                    rel = f"stage_{index}/openvino_model"
-                    (staging / f"stage_{index}").mkdir()
-                    stage = StageSpec(index, start, end, cfg.num_layers)
-                    fmt = "gguf" if keep_stage[index] else specs[index].format
-                    save_stage(cfg, source.weights, stage, staging / f"{rel}.xml", specs[index], kv_cache_precision,
-                               bar, f"stage {index} [{start}:{end}) {fmt}", keep_blocks=keep_stage[index])
-                    compression = (kept_formats(source.weights, cfg, stage) if keep_stage[index]
-                                   else specs[index].parameters())
-                    stages.append(StageEntry(index=index, start=start, end=end, xml=f"{rel}.xml", bin=f"{rel}.bin",
-                                             weights=fmt, compression=compression))
+                stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i], staging,
+                                       kv_cache_precision, bar) for i, (a, b) in enumerate(ranges)]
             with _disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
                     if (source.folder / name).is_file():
@@ -360,6 +350,19 @@ def build(
             raise
     log.info("wrote %d stage(s) to %s", len(stages), out)
     return manifest
+
+
+def _write_stage(source: Source, stage: StageSpec, spec: WeightSpec, keep_blocks: bool, staging: Path,
+                 kv_cache_precision: str, bar: Progress) -> StageEntry:
+    """Build ``stage`` into ``staging/stage_<i>/`` (``save_stage``); return its manifest entry."""
+    rel = f"stage_{stage.index}/openvino_model"
+    (staging / f"stage_{stage.index}").mkdir()
+    fmt = "gguf" if keep_blocks else spec.format
+    save_stage(source.config, source.weights, stage, staging / f"{rel}.xml", spec, kv_cache_precision, bar,
+               f"stage {stage.index} [{stage.start}:{stage.end}) {fmt}", keep_blocks=keep_blocks)
+    compression = kept_formats(source.weights, source.config, stage) if keep_blocks else spec.parameters()
+    return StageEntry(index=stage.index, start=stage.start, end=stage.end, xml=f"{rel}.xml", bin=f"{rel}.bin",
+                      weights=fmt, compression=compression)
 
 
 def _manifest(folder: Path, cfg: ModelConfig, src: Path, model_id: str | None, stages: list[StageEntry],
