@@ -56,22 +56,26 @@ class Interrupted(Exception):
         self.partial = partial
 
 
-# fleet-chat's own default when the model's generation_config.json holds no sampling defaults: greedy with
-# a mild repetition penalty (deterministic, and measured on the demo model: plain greedy loops
-# "a tale of wonder and wonder ..." to the token cap; 1.1 ends its answers, see tests/integration/test_penalties.py)
-CHAT_REPETITION_PENALTY = 1.1
+# fleet-chat's own default when the model's generation_config.json holds no sampling defaults: greedy (answers
+# stay deterministic) with OpenAI's frequency penalty at 0.3. Tried on the demo model (max_tokens 512): plain
+# greedy loops on "Write a short poem about the sea." to the cap ("A world where the sea is a place, a place
+# where the sea is a place, ..."), 0.3 ends it after 160 tokens; short answers ("Hi!", "What is the capital of
+# France?") are unchanged. repetition_penalty (scaled here on log-probabilities, the last stage sends no raw
+# logits) still looped at 1.3; temperature 0.7 wandered ("Le Grand Paris, Le Havre is the capital of France.").
+CHAT_SAMPLING = {"temperature": 0.0, "frequency_penalty": 0.3}
 
 
 def sampling_fields(args: argparse.Namespace, defaults: dict) -> dict:
-    """The request's sampling fields: the user's flags; nothing the model's ``defaults`` (from
-    /v1/models) already cover; fleet-chat's greedy + ``CHAT_REPETITION_PENALTY`` when the model has none."""
+    """The request's sampling fields: the user's flags; else nothing when the model's ``defaults`` (from
+    /v1/models) hold a temperature or repetition penalty; else fleet-chat's ``CHAT_SAMPLING``."""
     body = {}
     if args.temperature is not None:
         body["temperature"] = args.temperature
-    if args.repetition_penalty is not None:
-        body["repetition_penalty"] = args.repetition_penalty
+    for name in ("frequency_penalty", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
     if not body and not ({"temperature", "repetition_penalty"} & set(defaults)):
-        body = {"temperature": 0.0, "repetition_penalty": CHAT_REPETITION_PENALTY}
+        body = dict(CHAT_SAMPLING)
     if args.max_tokens is not None:
         body["max_tokens"] = args.max_tokens
     if args.seed is not None:
@@ -201,9 +205,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="longest answer in tokens (default: the model's, else the "
                         "coordinator's --max-tokens-default, 512)")
     parser.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation_config.json; "
-                        f"without sampling defaults there, greedy with --repetition-penalty {CHAT_REPETITION_PENALTY})")
+                        "without sampling defaults there, greedy with --frequency-penalty "
+                        f"{CHAT_SAMPLING['frequency_penalty']})")
+    parser.add_argument("--frequency-penalty", type=float, help="OpenAI's: > 0 discourages repeating the answer's "
+                        "tokens, by how often they came (default: see --temperature)")
     parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating the conversation's tokens "
-                        "(default: the model's, see --temperature)")
+                        "(default: the model's)")
     parser.add_argument("--seed", type=int, help="sampling seed, for reproducible answers")
     parser.add_argument("-p", "--prompt", action="append", help="ask this and exit (repeat for several turns)")
     parser.add_argument("--api-key", help="API key of a coordinator started with --api-key-file (default: "

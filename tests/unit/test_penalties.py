@@ -74,3 +74,16 @@ def test_without_model_defaults_openai_defaults_apply():
     params, used = resolve_sampling(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), _engine({}))
     assert (params.temperature, params.top_p, params.max_tokens, params.penalties.active) == (1.0, 1.0, 512, False)
     assert used["from_model"] == []
+
+
+def test_verify_targets_count_the_drafts_before_their_position():
+    """In a verify step, position i's target is penalized for the drafts before it (its context if they are
+    accepted): the same distribution plain decoding would sample from there."""
+    from coordinator.engine import Request, SamplingParams
+
+    request = Request("r", [1, 2], SamplingParams(max_tokens=8, temperature=0.0, penalties=Penalties(frequency=1.0)))
+    assert request.target(IDS, LOGPROBS).ids.tolist() == [7]
+    assert request.target(IDS, LOGPROBS, [7]).ids.tolist() == [3]
+    request.append(7)
+    assert request.target(IDS, LOGPROBS).ids.tolist() == [3]
+    assert request.output_counts == {7: 1}

@@ -1,0 +1,95 @@
+"""Penalties and the model's sampling defaults through the API, on the real demo build (issue 20, item 7).
+
+Greedy, the demo model loops on this prompt to the token cap ("A world where the sea is a place, a place
+where the sea is a place, ..."); a frequency penalty of 0.3 (fleet-chat's default for a model without
+sampling defaults) ends the poem. With a draft model on, penalized greedy answers are the same tokens as
+without one (verification uses the penalized targets), and greedy without penalties is unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from coordinator.chat import CHAT_SAMPLING
+from tests.conftest import Fleet, start_coordinator, start_worker, wait_ready
+
+POEM = "Write a short poem about the sea."
+
+
+def ask(url: str, **kw) -> dict:
+    body = {"messages": [{"role": "user", "content": POEM}], "max_tokens": 300, **kw}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def plain(build_2, tmp_path_factory):
+    fleet = Fleet(build_2, tmp_path_factory.mktemp("plain"), peers=True)
+    yield fleet.url
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def drafted(build_2, tmp_path_factory):
+    fleet = Fleet(build_2, tmp_path_factory.mktemp("drafted"), "--draft", "self-int4", "--spec-k", "3", peers=True)
+    yield fleet.url
+    fleet.stop()
+
+
+def test_a_penalty_ends_the_greedy_loop(plain):
+    looping = ask(plain, temperature=0)
+    assert looping["choices"][0]["finish_reason"] == "length"
+    assert looping["choices"][0]["message"]["content"].count("a place where the sea is a place") >= 3
+    penalized = ask(plain, **CHAT_SAMPLING)
+    assert penalized["choices"][0]["finish_reason"] == "stop"
+    assert penalized["fleet"]["completion_token_ids"] != looping["fleet"]["completion_token_ids"]
+    used = penalized["fleet"]["sampling"]
+    assert used["frequency_penalty"] == CHAT_SAMPLING["frequency_penalty"] and used["temperature"] == 0
+    assert used["from_model"] == []  # the demo's generation_config.json holds no sampling defaults
+
+
+def test_drafting_with_penalties_gives_the_same_answer(plain, drafted):
+    for kw in ({"temperature": 0}, {**CHAT_SAMPLING}, {"temperature": 0, "repetition_penalty": 1.3,
+                                                       "presence_penalty": 0.2}):
+        want = ask(plain, **kw)["fleet"]["completion_token_ids"]
+        got = ask(drafted, **kw)
+        assert got["fleet"]["completion_token_ids"] == want, kw
+        assert got["fleet"]["drafted_tokens"] > 0
+    sampled = ask(drafted, temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.5, max_tokens=60)
+    assert sampled["choices"][0]["finish_reason"] in ("stop", "length") and sampled["choices"][0]["message"]["content"]
+    assert sampled["fleet"]["drafted_tokens"] > 0
+
+
+def test_model_defaults_apply_and_an_explicit_temperature_wins(build_2, plain, tmp_path):
+    """A copy of the build whose generation_config.json holds sampling defaults, served by its own
+    coordinator over the same workers' build."""
+    copy = tmp_path / "build"
+    copy.mkdir()
+    for entry in build_2.iterdir():
+        if entry.name != "generation_config.json":
+            (copy / entry.name).symlink_to(entry)
+    (copy / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1.3, "top_p": 0.95,
+                                                             "max_new_tokens": 12}))
+    workers = [start_worker(build_2, shard, tmp_path, "--no-announce") for shard in range(2)]
+    coordinator = None
+    try:
+        peers = [a for _, address in workers for a in ("--peer", address)]
+        coordinator, url = start_coordinator(copy, tmp_path, "--no-discover", *peers)
+        wait_ready(url)
+        silent = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": POEM}]},
+                            timeout=120).json()
+        used = silent["fleet"]["sampling"]
+        assert (used["temperature"], used["top_p"], used["max_tokens"]) == (1.3, 0.95, 12)
+        assert set(used["from_model"]) == {"temperature", "top_p", "max_tokens"}
+        assert silent["usage"]["completion_tokens"] <= 12
+        greedy = ask(url, temperature=0, max_tokens=40)
+        assert greedy["fleet"]["sampling"]["temperature"] == 0 and "temperature" not in greedy["fleet"]["sampling"]["from_model"]
+        assert greedy["fleet"]["completion_token_ids"] == ask(plain, temperature=0, max_tokens=40)["fleet"]["completion_token_ids"]
+    finally:
+        if coordinator is not None:
+            coordinator.stop()
+        for proc, _ in workers:
+            proc.stop()
