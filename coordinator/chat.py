@@ -91,8 +91,10 @@ def quiet_terminal() -> Iterator[None]:
         import termios
 
         fd = sys.stdin.fileno()
-        saved = termios.tcgetattr(fd)
+        saved = termios.tcgetattr(fd) if os.isatty(fd) else None
     except (ImportError, OSError, ValueError, AttributeError):
+        saved = None
+    if saved is None:
         yield
         return
     quiet = list(saved)
