@@ -15,17 +15,19 @@ import httpx
 from fleet_common import API_SERVICE_TYPE
 
 
-def discover_api(timeout_s: float = 3.0) -> str | None:
-    """Base URL (``http://host:port``) of the first coordinator announced on the LAN, or None."""
+def discover_apis(timeout_s: float = 2.0) -> list[tuple[str, str]]:
+    """Every coordinator announced on the LAN within ``timeout_s`` (zeroconf, ``_fleet-api._tcp``), as
+    (base URL ``http://host:port``, model) sorted by URL; the model is the announcement's TXT ``model``."""
     from zeroconf import ServiceBrowser, ServiceListener, Zeroconf
 
-    found: list[str] = []
+    found: dict[str, str] = {}
 
     class Listener(ServiceListener):
         def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
             info = zc.get_service_info(type_, name, timeout=int(timeout_s * 1000))
             if info and info.parsed_addresses():
-                found.append(f"http://{info.parsed_addresses()[0]}:{info.port}")
+                model = (info.properties or {}).get(b"model", b"") or b""
+                found[f"http://{info.parsed_addresses()[0]}:{info.port}"] = model.decode("utf-8", "replace")
 
         def update_service(self, zc: Zeroconf, type_: str, name: str) -> None:
             pass
@@ -36,12 +38,29 @@ def discover_api(timeout_s: float = 3.0) -> str | None:
     zc = Zeroconf()
     try:
         ServiceBrowser(zc, API_SERVICE_TYPE, Listener())
-        deadline = time.monotonic() + timeout_s
-        while not found and time.monotonic() < deadline:
-            time.sleep(0.05)
+        time.sleep(timeout_s)  # wait the whole window: taking the first answer picked a fleet at random
     finally:
         zc.close()
-    return found[0] if found else None
+    return sorted(found.items())
+
+
+class NoCoordinator(RuntimeError):
+    """No coordinator, or more than one, matches: the message lists them and says what to pass."""
+
+
+def choose_api(found: list[tuple[str, str]], model: str | None, prog: str) -> str:
+    """The one coordinator of ``found`` serving ``model`` (any model when None). Raises ``NoCoordinator``
+    naming what was found when none matches, or when several do (never picks one silently)."""
+    matches = [(url, m) for url, m in found if model is None or m == model]
+    if len(matches) == 1:
+        return matches[0][0]
+    listing = "; ".join(f"{m or '?'} at {url}" for url, m in found)
+    if not found:
+        raise NoCoordinator(f"{prog}: no coordinator found with zeroconf; pass --url http://HOST:PORT")
+    if not matches:
+        raise NoCoordinator(f"{prog}: no coordinator serves model {model!r}; found: {listing}")
+    raise NoCoordinator(f"{prog}: {len(matches)} coordinators found ({listing}); choose one with "
+                        + ("--url" if model else "--model NAME or --url"))
 
 
 class ContextFull(RuntimeError):
@@ -203,6 +222,8 @@ def ask(client: httpx.Client, url: str, messages: list[dict], args: argparse.Nam
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fleet-chat", description=__doc__)
     parser.add_argument("--url", help="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
+    parser.add_argument("--model", help="with several coordinators on the LAN, the one serving this model "
+                                        "(as `fleet-coordinator status` and the list fleet-chat prints name it)")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-tokens", type=int, help="longest answer in tokens (default: the model's, else the "
                         "coordinator's --max-tokens-default, 512)")
@@ -313,9 +334,10 @@ def _converse(client: httpx.Client, url: str, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fleet-chat`` console script."""
     args = _parse(argv)
-    url = args.url or discover_api()
-    if not url:
-        print("fleet-chat: no coordinator found with zeroconf; pass --url http://HOST:PORT", file=sys.stderr)
+    try:
+        url = args.url or choose_api(discover_apis(), args.model, "fleet-chat")
+    except NoCoordinator as exc:
+        print(exc, file=sys.stderr)
         return 2
     url = url.rstrip("/")
     if "://" not in url:

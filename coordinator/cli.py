@@ -288,17 +288,18 @@ class Status(BaseModel):
     """Print the fleet a coordinator sees: stages, replicas, addresses, health, load, versions."""
 
     url: str = Field("", description="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
+    model: str | None = Field(None, description="with several coordinators on the LAN, the one serving this model")
     json_output: bool = Field(False, alias="json", description="print the coordinator's /health JSON instead")
 
     def cli_cmd(self) -> None:
         import httpx
 
-        from .chat import discover_api
+        from .chat import NoCoordinator, choose_api, discover_apis
 
-        url = self.url or discover_api()
-        if not url:
-            print("fleet-coordinator status: no coordinator found with zeroconf; pass --url http://HOST:PORT",
-                  file=sys.stderr)
+        try:
+            url = self.url or choose_api(discover_apis(), self.model, "fleet-coordinator status")
+        except NoCoordinator as exc:
+            print(exc, file=sys.stderr)
             sys.exit(1)
         try:
             r = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
