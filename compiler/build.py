@@ -322,6 +322,9 @@ def build(
                                  str(source.folder / "config.json"))
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         keep = source.gguf and weights is None  # a GGUF's own blocks, unless other weights are asked for
+        if source.gguf and not keep:
+            log.warning("--weights %s: the GGUF's quantized blocks are dequantized and compressed again (without "
+                        "--weights they are kept as they are)", weights)
         formats = ({i: weights or "fp16" for i in range(len(ranges))}
                    | parse_stage_weights(stage_weights or "", len(ranges)))
         keep_stage = {i: keep and i not in parse_stage_weights(stage_weights or "", len(ranges)) for i in formats}

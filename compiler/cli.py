@@ -56,6 +56,8 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
     if args.plan is None:
         args.kv_cache_precision = args.kv_cache_precision or "f16"  # weights None: fp16, a GGUF's own blocks
         args.shards = 2 if args.shards is None else args.shards
+        if args.shards < 1:
+            raise ValueError(f"--shards {args.shards}: a build needs at least 1 stage")
         return None
     from .planner import check_source, read_plan
 
@@ -78,7 +80,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from .build import build
     from .compress import describe
 
-    manifest = build(args.src, args.out, shards=args.shards or 2, layers=args.layers,
+    manifest = build(args.src, args.out, shards=args.shards, layers=args.layers,
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
                      ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty())

@@ -251,7 +251,8 @@ def _check(dims: ModelDims, nodes: list[Node], s: _Settings) -> None:
     if len(nodes) > dims.num_layers:
         raise ValueError(f"{len(nodes)} nodes but the model has {dims.num_layers} layers: each node needs one")
     if len({n.name for n in nodes}) != len(nodes):
-        raise ValueError(f"node names must differ: {[n.name for n in nodes]}")
+        raise ValueError(f"node names must differ: {[n.name for n in nodes]} (records of one PC take its host name: "
+                         "give each `fleet-worker --profile` its own --name)")
     if len({n.ms_per_layer is None for n in nodes}) > 1:
         raise ValueError("give every node a measured ms per layer (fleet-worker --profile) or none (relative speeds)")
     if s.weights not in FORMATS:

@@ -74,8 +74,9 @@ class BatchGroup:
 
     def __init__(self, pipeline: Pipeline, slack: int, compact_share: float, compact_min_slots: int,
                  timeout_s, max_rows: int, wait_s: float,  # noqa: ANN001 - timeout_s: tokens -> seconds
-                 on_freed: Callable[[], None] = lambda: None) -> None:
+                 on_freed: Callable[[], None] = lambda: None, context_limit: int = 1 << 30) -> None:
         self.pipeline = pipeline
+        self.context_limit = context_limit  # the stages' KV slots per session: the group never asks for more
         self.on_freed = on_freed  # called whenever this group frees KV at the stages (a row dropped, a close)
         self.group_id = f"group-{uuid.uuid4().hex[:16]}"
         self.slack = slack  # extra slots so that the longest row plus the longest chunk always fit
@@ -234,7 +235,7 @@ class BatchGroup:
 
     async def _merge_rows(self, joining: list[tuple[Member, asyncio.Future]], new: list[Member]) -> None:
         need = max([m.slots for m in new] + [m.slots for m in self.members]) + self.slack
-        max_context = max(self.max_context, need)
+        max_context = min(max(self.max_context, need), self.context_limit)
         sources = ([self.group_id] if self.rows else []) + [m.session_id for m in new]
         try:
             length = await self.pipeline.merge(self.group_id, sources, max_context, self.timeout_s(0))
@@ -346,11 +347,13 @@ class Batcher:
     full), each of at most ``max_rows`` sessions, a new session joining the least-loaded open group."""
 
     def __init__(self, groups: int, max_rows: int, slack: int, compact_share: float, compact_min_slots: int,
-                 timeout_s, wait_s: float, on_freed: Callable[[], None] = lambda: None) -> None:  # noqa: ANN001
+                 timeout_s, wait_s: float, on_freed: Callable[[], None] = lambda: None,  # noqa: ANN001
+                 context_limit: int = 1 << 30) -> None:
         self.target_groups = groups
         self._new_group = functools.partial(BatchGroup, slack=slack, compact_share=compact_share,
                                             compact_min_slots=compact_min_slots, timeout_s=timeout_s,
-                                            max_rows=max_rows, wait_s=wait_s, on_freed=on_freed)
+                                            max_rows=max_rows, wait_s=wait_s, on_freed=on_freed,
+                                            context_limit=context_limit)
         self.groups: list[BatchGroup] = []
 
     def assign(self, pipeline: Pipeline) -> BatchGroup:

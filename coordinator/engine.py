@@ -181,7 +181,8 @@ class Engine:
         self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
         self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
-                               self._timeout, settings.batch_wait_ms / 1000, on_freed=self._kv_freed)
+                               self._timeout, settings.batch_wait_ms / 1000, on_freed=self._kv_freed,
+                               context_limit=self.max_context)
         self.draft_source = settings.draft
         if self.draft_source == "auto":
             self.draft_source = self.manifest.drafts[0].name if self.manifest.drafts else "none"

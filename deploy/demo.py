@@ -115,5 +115,17 @@ def main() -> int:
     return 0
 
 
+def run_demo() -> int:
+    """``main`` with a failed step reported in one line (the step's own error is printed above it)."""
+    try:
+        return main()
+    except subprocess.CalledProcessError as exc:
+        tool = Path(str(exc.cmd[0])).name
+        print(f"demo: the {tool} step failed (exit {exc.returncode}; its error is above)"
+              + ("; without network, run `fleet-compiler fetch-demo` where PyPI is reachable and copy the folder"
+                 if "fetch-demo" in map(str, exc.cmd) else ""), file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_demo())
