@@ -648,8 +648,9 @@ MAX_CONTEXT = 96
 makes any prompt beyond a few hundred characters too long."""
 GOOD_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
 NOT_POSITIVE = st.sampled_from([0, -1, -10**12, -2**63, -10**30, "-3", 1.5, [], {}, "many", 1e400])
-NOT_TEMPERATURE = st.sampled_from([-0.1, -1, 2.0001, 3, 1e308, -1e308, 1e400, -1e400, "hot", [], {}, None, "NaN"])
-NOT_TOP_P = st.sampled_from([0, 0.0, -0.5, 1.0001, 2, 1e400, "all", [], {}, None])
+# null is valid for both (OpenAI: "number or null"; fleet then takes the model's default)
+NOT_TEMPERATURE = st.sampled_from([-0.1, -1, 2.0001, 3, 1e308, -1e308, 1e400, -1e400, "hot", [], {}, "NaN"])
+NOT_TOP_P = st.sampled_from([0, 0.0, -0.5, 1.0001, 2, 1e400, "all", [], {}])
 NOT_BOOL = st.sampled_from([2, -1, "maybe", "", [], {}, 1.5, "TRUE!"])
 TEXT = st.text(max_size=30)
 CONTENT_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "", "TEXT"]), "text": TEXT})
