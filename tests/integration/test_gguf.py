@@ -55,14 +55,16 @@ def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nd
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
-    """A 4-layer random llama GGUF with the demo's tokenizer metadata and every kept block type."""
+def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  # noqa: ANN001
+                    kinds: dict[str, str] | None = None) -> None:
+    """A 4-layer random llama GGUF with the demo's tokenizer metadata and every kept block type (``arch``,
+    ``pre`` and ``kinds`` replace the architecture, the pre-tokenizer and layer matrices' types)."""
     import gguf
 
     demo = gguf.GGUFReader(str(demo_gguf))
     tokens = demo.fields["tokenizer.ggml.tokens"].contents()
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -72,7 +74,7 @@ def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_merges(demo.fields["tokenizer.ggml.merges"].contents())
     writer.add_token_types(demo.fields["tokenizer.ggml.token_type"].contents())
@@ -100,15 +102,15 @@ def write_tiny_gguf(path, demo_gguf) -> None:  # noqa: ANN001
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
-        kinds = {k: ("F16" if i == 1 and k == "ffn_up" else v) for k, v in KINDS.items()}  # an F16 matrix too
-        kinds["ffn_down"] = {2: "Q4_K", 3: "Q6_K"}.get(i, kinds["ffn_down"])  # K-quants need 256 columns
-        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, kinds["attn_q"], HEADS)
-        matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, kinds["attn_k"], KV_HEADS)
-        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, kinds["attn_v"])
-        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, kinds["attn_output"])
-        matrix(f"blk.{i}.ffn_gate.weight", INTER, HIDDEN, kinds["ffn_gate"])
-        matrix(f"blk.{i}.ffn_up.weight", INTER, HIDDEN, kinds["ffn_up"])
-        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, INTER, kinds["ffn_down"])
+        layer = {k: ("F16" if i == 1 and k == "ffn_up" else v) for k, v in (kinds or KINDS).items()}  # an F16 too
+        layer["ffn_down"] = {2: "Q4_K", 3: "Q6_K"}.get(i, layer["ffn_down"])  # K-quants need 256 columns
+        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, layer["attn_q"], HEADS)
+        matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, layer["attn_k"], KV_HEADS)
+        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, layer["attn_v"])
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, layer["attn_output"])
+        matrix(f"blk.{i}.ffn_gate.weight", INTER, HIDDEN, layer["ffn_gate"])
+        matrix(f"blk.{i}.ffn_up.weight", INTER, HIDDEN, layer["ffn_up"])
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, INTER, layer["ffn_down"])
     norm("output_norm.weight")
     matrix("output.weight", len(tokens), HIDDEN, "Q4_1")
     writer.write_header_to_file()
