@@ -127,7 +127,8 @@ class ModelConfig:
         """``from_hf`` on ``folder/config.json``; ``FileNotFoundError`` when there is none."""
         path = Path(folder) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{folder} is neither a .gguf file nor a Hugging Face model folder (no config.json)")
+            raise FileNotFoundError(f"{folder} is neither a .gguf file nor a Hugging Face model folder "
+                                    "(no config.json)")
         try:
             config = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -1,11 +1,11 @@
 """``fleet-compiler build``: HF folder or GGUF -> stateful IR shards + tokenizer + manifest, no torch.
 
 Each stage is built by compiler/export.py straight from the memory-mapped weights and written at once,
-one tensor in memory at a time; int8/int4 stages are then compressed by NNCF from that fp16 stage IR
-(read back memory-mapped), so a build's peak memory follows its largest stage, not the model
-(bench/build_memory.py measures it). The build is written into a hidden folder beside ``out`` and
-moved into place only when complete: a failed build (bad file, full disk, Ctrl-C) leaves ``out`` as
-it was and nothing half-written.
+one tensor in memory at a time (fp16, int8 by NNCF's per-channel lowering, a GGUF's own blocks); int4
+stages are then compressed by NNCF from that fp16 stage IR read back memory-mapped. So fp16 and int8
+builds peak at about one tensor, not the model (bench/build_memory.py measures it). The build is
+written into a hidden folder beside ``out`` and moved into place only when complete: a failed build
+(bad file, full disk, Ctrl-C) leaves ``out`` as it was and nothing half-written.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -139,7 +140,7 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     per-channel lowering, in blocks of rows: compress.int8_rows). int4 (NNCF ranks every layer of the
     stage to pick which go to 4 bits, so it needs the stage whole): the fp16 IR is written first, read
     back memory-mapped and compressed by NNCF. Raises ``BuildError`` on a full disk."""
-    total = sum(int(_numel(shape)) * 2 for shape in stage_tensors(cfg, stage).values())
+    total = stage_fp16_bytes(cfg, stage)
     model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,
                          int8=spec if spec.format == "int8" else None, keep_blocks=keep_blocks)
     fp16 = path if spec.format in ("fp16", "int8") else path.with_name(path.stem + ".fp16.xml")
@@ -170,11 +171,10 @@ def save_whole_model(src: Path, xml: Path, kv_cache_precision: str = "f16", logi
     return Path(xml)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def stage_fp16_bytes(cfg: ModelConfig, stage: StageSpec) -> int:
+    """Bytes of ``stage``'s tensors at 2 per weight: what an fp16 stage writes, and the unit of the
+    progress bar (export.py reports each tensor so, whatever it is stored as)."""
+    return sum(2 * math.prod(shape) for shape in stage_tensors(cfg, stage).values())
 
 
 @contextmanager
@@ -201,8 +201,7 @@ def _size(nbytes: int) -> str:
 def estimated_bytes(cfg: ModelConfig, ranges: list[tuple[int, int]], drafts: int) -> int:
     """Bytes a build writes at most: every stage in fp16 (compressed stages pass through fp16 one at a
     time), plus each draft as a whole model."""
-    stages = sum(sum(_numel(s) * 2 for s in stage_tensors(cfg, StageSpec(i, a, b, cfg.num_layers)).values())
-                 for i, (a, b) in enumerate(ranges))
+    stages = sum(stage_fp16_bytes(cfg, StageSpec(i, a, b, cfg.num_layers)) for i, (a, b) in enumerate(ranges))
     return stages + drafts * cfg.parameters() * 2
 
 
@@ -234,7 +233,7 @@ def kept_formats(weights, cfg: ModelConfig, stage: StageSpec) -> dict[str, objec
             "dequantized_to_f16": dict(sorted(dequantized.items()))}
 
 
-def check_layers(weights: SafetensorsWeights, cfg: ModelConfig, where: str) -> None:
+def check_layers(weights, cfg: ModelConfig, where: str) -> None:  # noqa: ANN001 - a Source's weights
     """Refuse (``WeightsError``) weights of decoder layers the config does not have: a config cut short
     would otherwise build a truncated model without a word."""
     extra = sorted({int(n.split(".")[2]) for n in weights.tensors

@@ -167,7 +167,8 @@ def int8_rows(read, shape: tuple[int, ...], symmetric: bool, out: np.ndarray) ->
 
     import nncf
 
-    config = WeightCompressionConfig(nncf.CompressWeightsMode.INT8_SYM if symmetric else nncf.CompressWeightsMode.INT8_ASYM)
+    mode = nncf.CompressWeightsMode.INT8_SYM if symmetric else nncf.CompressWeightsMode.INT8_ASYM
+    config = WeightCompressionConfig(mode)
     rows, cols = shape
     scale = np.empty((rows, 1), np.float16)
     zero_point = None if symmetric else np.empty((rows, 1), np.uint8)

@@ -22,7 +22,8 @@ The 4-D causal + visibility mask is built inside the graph from ``attention_mask
 the chunk (physical slot ``P + i``) sees slot ``j`` iff ``j <= P + i`` and ``attention_mask[j] == 1``.
 
 Weights are float16 ``Constant -> Convert(f32)`` (the layout ``save_model(compress_to_fp16=True)``
-writes). Each is a ``PostponedConstant`` whose maker reads the tensor from the source only when
+writes), or NNCF's per-channel int8 decompression, or a GGUF's own blocks (``_Weights``). Each is a
+``PostponedConstant`` whose maker reads the tensor from the source only when
 ``ov.save_model`` writes it, so a stage's build holds one tensor at a time, never the stage
 (openvino/utils/postponed_constant.py; ../shared/research/compiler.md §2). Save with
 ``compress_to_fp16=False``: the weights already are f16, and RoPE's frequencies stay f32.
@@ -31,6 +32,7 @@ writes). Each is a ``PostponedConstant`` whose maker reads the tensor from the s
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,9 +104,25 @@ class _Weights:
         return const
 
     def _read(self, name: str, tensor: ov.Tensor) -> ov.Tensor:
+        """``tensor`` (read for ``name``), reported to ``on_read`` at 2 bytes per weight whatever it is stored
+        as, the unit the build's progress totals count in (``build.stage_fp16_bytes``)."""
         if self.on_read is not None:
-            self.on_read(name, tensor.byte_size)
+            self.on_read(name, 2 * math.prod(self.source.shape(name)))
         return tensor
+
+    @staticmethod
+    def _once(make: Callable[[], dict[str, ov.Tensor]]) -> Callable[[str], ov.Tensor]:
+        """A getter of the parts (weights, scale, zero point) of one compressed weight: ``make`` runs when
+        the serializer asks for the first part, and each part is handed out once and then dropped, so a
+        stage never holds its compressed weights whole."""
+        parts: dict[str, ov.Tensor] = {}
+
+        def get(part: str) -> ov.Tensor:
+            if not parts:
+                parts.update(make())
+            return parts.pop(part)
+
+        return get
 
     def __call__(self, name: str, matrix: bool = False) -> ov.Output:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
@@ -113,7 +131,7 @@ class _Weights:
         if name in self.nodes:
             return self.nodes[name]
         shape = list(self.source.shape(name))
-        kind = self.source.kind(name) if hasattr(self.source, "kind") else "f16"
+        kind = self.source.kind(name)
         if matrix and self.keep_blocks and kind not in ("f16", "f32"):
             self.nodes[name] = self._kept(name, shape)
             return self.nodes[name]
@@ -143,27 +161,24 @@ class _Weights:
         g = GROUP[kind]
         groups = [rows, cols // g, 1]
         wtype = {"i8": ov.Type.i8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
-        parts: dict[str, ov.Tensor] = {}
 
-        def compute(part: str) -> ov.Tensor:
-            if not parts:
-                weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
-                scale, zero_point = np.empty(groups, np.float32), np.empty(groups, np.float32)
-                raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
-                step = max(1, (32 << 20) // cols)
-                for a in range(0, rows, step):
-                    b = min(rows, a + step)
-                    q = self.source.blocks(name, (a, b))
-                    raw[a:b] = (q.values.reshape(b - a, -1) if wtype == ov.Type.i8
-                                else pack_nibbles(q.values).reshape(b - a, -1))
-                    scale[a:b, :, 0] = q.scale
-                    if q.zero_point is not None:
-                        zero_point[a:b, :, 0] = q.zero_point
-                parts.update(weights=self._read(name, weights), scale=ov.Tensor(scale))
-                if kind in WITH_ZERO_POINT:
-                    parts["zero_point"] = ov.Tensor(zero_point)
-            return parts.pop(part)
+        def make() -> dict[str, ov.Tensor]:
+            weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
+            scale, zero_point = np.empty(groups, np.float32), np.empty(groups, np.float32)
+            raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
+            step = max(1, (32 << 20) // cols)
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                q = self.source.blocks(name, (a, b))
+                packed = q.values if wtype == ov.Type.i8 else pack_nibbles(q.values)
+                raw[a:b] = packed.reshape(b - a, -1)
+                scale[a:b, :, 0] = q.scale
+                if q.zero_point is not None:
+                    zero_point[a:b, :, 0] = q.zero_point
+            parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
+            return parts | ({"zero_point": ov.Tensor(zero_point)} if kind in WITH_ZERO_POINT else {})
 
+        compute = self._once(make)
         q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f32)
         if kind in WITH_ZERO_POINT:
@@ -179,18 +194,15 @@ class _Weights:
         from .compress import int8_rows
 
         symmetric = self.int8.symmetric
-        parts: dict[str, ov.Tensor] = {}
 
-        def compute(part: str) -> ov.Tensor:
-            if not parts:
-                weights = ov.Tensor(ov.Type.i8 if symmetric else ov.Type.u8, ov.Shape(shape))
-                scale, zero_point = int8_rows(lambda a, b: self.source.tensor(name, rows=(a, b)), tuple(shape),
-                                              symmetric, weights.data)
-                parts.update(weights=self._read(name, weights), scale=ov.Tensor(scale))
-                if zero_point is not None:
-                    parts["zero_point"] = ov.Tensor(zero_point)
-            return parts.pop(part)
+        def make() -> dict[str, ov.Tensor]:
+            weights = ov.Tensor(ov.Type.i8 if symmetric else ov.Type.u8, ov.Shape(shape))
+            scale, zero_point = int8_rows(lambda a, b: self.source.tensor(name, rows=(a, b)), tuple(shape),
+                                          symmetric, weights.data)
+            parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
+            return parts | ({} if zero_point is None else {"zero_point": ov.Tensor(zero_point)})
 
+        compute = self._once(make)
         rows = [shape[0], 1]
         q = self._postponed(ov.Type.i8 if symmetric else ov.Type.u8, shape, lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f16)

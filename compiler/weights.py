@@ -138,6 +138,10 @@ class SafetensorsWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
 
+    def kind(self, name: str) -> str:
+        """How the builder stores ``name``: always ``"f16"`` (``gguf.GGUFWeights.kind`` has more)."""
+        return "f16"
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
