@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .weights import F16_MAX, WeightsError, check_shapes
+from .weights import WeightsError, check_f16_range, check_shapes
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,8 @@ class GGUFWeights:
             b = min(shape[0], a + step)
             raw = self._rows(t, (first + a, first + b))
             values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.qtype]).reshape(b - a, *t.shape[1:])
-            if dtype is np.float16 and not float(np.abs(values).max(initial=0)) <= F16_MAX:
-                raise WeightsError(f"{self.folder.name}: tensor {name} has values beyond float16's range")
+            if dtype is np.float16:
+                check_f16_range(values, self.folder.name, name)
             out[a:b] = values
         return out
 

@@ -34,6 +34,15 @@ class WeightsError(ValueError):
     """A weights file is missing, truncated, corrupt or does not hold what the config says."""
 
 
+def check_f16_range(values: np.ndarray, file: str, name: str) -> None:
+    """Raise ``WeightsError`` naming ``file`` and tensor ``name`` when ``values`` (f32) hold a value beyond
+    float16's range, or NaN: fleet stores float16 weights, and such a value would turn into inf."""
+    peak = float(np.abs(values).max(initial=0))
+    if not peak <= F16_MAX:  # also catches NaN
+        raise WeightsError(f"{file}: tensor {name} has values beyond float16's range (max |x| {peak:.3g}); "
+                           "fleet stores float16 weights")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lives: ``file``, byte ``offset`` from the file's start, dtype and shape."""
@@ -190,10 +199,7 @@ class SafetensorsWeights:
                 flat[start:start + count] = raw
                 continue
             wide = (raw.astype(np.uint32) << 16).view(np.float32) if info.dtype == "BF16" else raw
-            peak = float(np.abs(wide).max(initial=0))
-            if not peak <= F16_MAX:  # also catches NaN
-                raise WeightsError(f"{info.file.name}: tensor {name} has values beyond float16's range "
-                                   f"(max |x| {peak:.3g}); fleet stores float16 weights")
+            check_f16_range(wide, info.file.name, name)
             flat[start:start + count] = wide
             del raw, wide
         return out
