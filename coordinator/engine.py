@@ -26,6 +26,7 @@ from .errors import (ContextLengthExceeded, InvalidRequest, Overloaded, Pipeline
 from .registry import Registry
 from .sampling import Penalties, SparseDist, generation_defaults, penalized_distribution
 from .draft import DraftModel
+from .logprobs import LogprobLog, TokenLogprob
 from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
@@ -61,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks, fixed-length runs)
     top_k: int = 0  # sample among this many best candidates (0 = all the last stage returns)
     penalties: Penalties = field(default_factory=Penalties)
+    logprobs: int | None = None  # None: none; N: each token's logprob and its N best candidates' (logprobs.py)
 
 
 @dataclass
@@ -85,11 +87,21 @@ class Request:
     batch_max: int = 0  # most sessions that shared one of its decode steps (its batch group's size)
     failovers: int = 0  # times it moved to replica workers after a stage failed
     output_counts: dict[int, int] = field(default_factory=dict)  # times each token was generated (penalties)
+    prefilled: int = 0  # prompt tokens on the stages so far (streamed as prefill progress)
+    logprobs: LogprobLog | None = None  # one record per output token, when params.logprobs asks for them
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = LogprobLog(self.params.logprobs)
 
     def target(self, ids: np.ndarray, logprobs: np.ndarray, ahead: list[int] = ()) -> SparseDist:  # noqa: B006
         """What to sample the next token from, given the last stage's candidates for it: after the
-        penalties over the output so far plus ``ahead`` (drafts before this position in a verify step)."""
+        penalties over the output so far plus ``ahead`` (drafts before this position in a verify step).
+        With logprobs asked for, the candidates are kept for the token decided here: the ``len(ahead)``-th
+        of its step, which ``append`` takes them for."""
         p, counts = self.params, self.output_counts
+        if self.logprobs is not None:
+            self.logprobs.offer(ids, logprobs, len(ahead))
         if p.penalties.active and ahead:
             counts = dict(counts)
             for token in ahead:
@@ -126,11 +138,19 @@ class Request:
             "failovers": self.failovers,
         }
 
-    def append(self, token: int) -> None:
+    def append(self, token: int, offset: int = 0) -> None:
+        """Add an output token; ``offset``: the characters of completion text before its own."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.output_ids.append(token)
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        if self.logprobs is not None:
+            self.logprobs.record(token, offset)
+
+    def take_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
+        """The logprob records not yet taken of tokens whose text starts before character ``upto``
+        (None: all), for the TextDelta carrying that text; () when none were asked for."""
+        return () if self.logprobs is None else self.logprobs.take(upto)
 
     def finish(self, reason: FinishReason) -> None:
         self.status, self.finish_reason, self.finished_at = RequestStatus.FINISHED, reason, time.perf_counter()
@@ -153,6 +173,7 @@ class TextDelta:
 
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text starts in ``text`` (when asked for)
 
 
 class Engine:
@@ -354,9 +375,10 @@ class Engine:
             raise
         return _Seat(self, request, pipeline, slots)
 
-    async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool):  # noqa: ANN001
+    async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool,  # noqa: ANN001
+                       request: Request | None = None):
         """Run ``tokens`` through every stage in ``prefill_chunk`` steps; the last step's candidates
-        (``logits``) or None. Raises ``StageFailure``."""
+        (``logits``) or None; ``request.prefilled`` counts the tokens done. Raises ``StageFailure``."""
         out, chunk_len = None, self.settings.prefill_chunk
         for start in range(0, len(tokens), chunk_len):
             chunk = tokens[start:start + chunk_len]
@@ -365,6 +387,8 @@ class Engine:
             out = await pipeline.step(session, chunk, start, start, 1 if last and logits else 0, top_k,
                                       self._timeout(len(chunk)))
             self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
+            if request is not None:
+                request.prefilled = start + len(chunk)
         return out
 
     async def _fail_over(self, request: Request, failure: StageFailure, pipeline, session: str, slots: int,  # noqa: ANN001
@@ -407,6 +431,7 @@ class Engine:
         rng_at, draft_rng_at = _generators(params.seed)
         # greedy without penalties needs only the best candidate (bit-identical to plain argmax)
         top_k = 1 if params.temperature <= 0 and not params.penalties.active else s.sample_top_k
+        top_k = max(top_k, params.logprobs or 0)  # the API refuses more than sample_top_k
         prompt = request.prompt_ids
         drafting = self.draft_source != "none"
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
@@ -437,7 +462,8 @@ class Engine:
                     break
                 safe = len(text) - hold if params.stop else len(text)
                 if safe > sent:
-                    yield TextDelta(text[sent:safe])  # a slow client blocks here; its group goes on without it
+                    # a slow client blocks here; its group goes on without it
+                    yield TextDelta(text[sent:safe], logprobs=request.take_logprobs(safe))
                     sent = safe
                 if seat.group is None:  # decode in a batch group: one infer call per stage for all its sessions
                     await seat.join(logical)
@@ -458,7 +484,7 @@ class Engine:
                 else:
                     decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(logical + 1))]
                 logical += len(decided)  # the fed token and the accepted drafts
-            yield TextDelta(text[sent:], request.finish_reason)
+            yield TextDelta(text[sent:], request.finish_reason, request.take_logprobs())
         except (asyncio.CancelledError, GeneratorExit):
             # a consumer closing this generator after the last delta (the API does, streamed or not)
             # ends a finished request; only one closed before that was cancelled
@@ -482,13 +508,15 @@ class Engine:
             if token in self.eos_ids and not params.ignore_eos:
                 request.finish(FinishReason.STOP)
                 break
-            request.append(token)
+            request.append(token, len(text))
             text += detok.push(token)
             if params.stop:
                 cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
                           default=-1)
                 if cut >= 0:
                     request.finish(FinishReason.STOP)
+                    if request.logprobs is not None:
+                        request.logprobs.cut(cut)
                     return text[:cut]
             if len(request.output_ids) >= params.max_tokens:
                 request.finish(FinishReason.LENGTH)
@@ -605,7 +633,8 @@ class _Seat:
         the prefill starts over on replicas (a fresh session: nothing to replay)."""
         while True:
             try:
-                return await self.engine._prefill(self.pipeline, self.session, prompt, top_k, logits=True)
+                return await self.engine._prefill(self.pipeline, self.session, prompt, top_k, logits=True,
+                                                  request=self.request)
             except StageFailure as exc:
                 await self._move(exc, [])
 
