@@ -267,15 +267,20 @@ class Engine:
 
     def make_request(self, messages: list[dict], params: SamplingParams) -> Request:
         """Tokenize a chat; raises ``ContextLengthExceeded`` when the prompt leaves no room to answer."""
-        prompt_ids = self.tokenizer.encode_chat(messages)
+        return self.request_for(self.tokenizer.encode_chat(messages), params)
+
+    def request_for(self, prompt_ids: list[int], params: SamplingParams, param: str = "messages",
+                    kind: str = "chatcmpl") -> Request:
+        """A request for ``prompt_ids`` (id ``kind-...``); raises ``ContextLengthExceeded`` (naming the
+        request field ``param``) when the prompt leaves no room to answer."""
         if len(prompt_ids) >= self.max_context:
             raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_context} tokens. However, your messages "
-                f"resulted in {len(prompt_ids)} tokens. Please reduce the length of the messages.", param="messages")
+                f"This model's maximum context length is {self.max_context} tokens. However, your {param} "
+                f"resulted in {len(prompt_ids)} tokens. Please reduce the length of the {param}.", param=param)
         if params.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         params.max_tokens = min(params.max_tokens, self.max_context - len(prompt_ids))
-        return Request(f"chatcmpl-{uuid.uuid4().hex[:24]}", prompt_ids, params)
+        return Request(f"{kind}-{uuid.uuid4().hex[:24]}", prompt_ids, params)
 
     def _timeout(self, tokens: int) -> float:
         s = self.settings
