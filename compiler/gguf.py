@@ -26,11 +26,17 @@ GGUF stores element j of a block in the low nibble of byte j and element j + 16 
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
 Every other type (F16, BF16, Q5_*, Q3_K, Q2_K, IQ*, ...) is dequantized by gguf-py (``gguf.quants``) and stored
 as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, biases) stay f32.
+
+Split files (llama.cpp's ``gguf-split``: ``<prefix>-00001-of-0000N.gguf``, ..., the name pattern of llama.h's
+``llama_model_load_from_file``; the first part holds the metadata, every part ``split.no``, ``split.count`` and
+``split.tensors.count``) are opened from the first part, every part memory-mapped (``open_reader``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +63,7 @@ STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8"} 
 WITH_ZERO_POINT = ("Q4_1", "Q4_K")
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
 ROW_BLOCK_BYTES = 32 << 20
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
 
 
 def hf_name(name: str) -> str:
@@ -235,6 +242,83 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
 
 
+@dataclass(frozen=True)
+class SplitReader:
+    """The parts of a split GGUF read as one file: the first part's metadata (``fields``), every part's
+    tensors in order (``tensors``: gguf-py ``ReaderTensor`` views into each part's memory map), the parts'
+    paths (``parts``). Has what the builder uses of a ``gguf.GGUFReader``."""
+
+    fields: dict
+    tensors: list
+    parts: tuple[Path, ...]
+
+
+def split_parts(path: Path, count: int) -> list[Path]:
+    """The paths of a ``count``-part split GGUF whose first part is ``path``, named as llama.cpp names them
+    (``llama_split_path``: ``<prefix>-%05d-of-%05d.gguf``, numbered from 1). ``ValueError`` when ``path`` is not
+    named so, or is not the first part (naming the first)."""
+    path = Path(path)
+    match = SPLIT_NAME.match(path.name)
+    if match is None or int(match["count"]) != count:
+        raise ValueError(f"{path}: metadata split.count says {count} parts, but the file is not named "
+                         f"<name>-00001-of-{count:05d}.gguf, so the other parts cannot be found")
+    names = [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    if int(match["no"]) != 1:
+        raise ValueError(f"{path} is part {int(match['no'])} of {count} of a split GGUF: give the first part, "
+                         f"{names[0]}")
+    return names
+
+
+def _open_part(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
+    """gguf-py's memory-mapped reader of ``path``; ``ValueError`` naming the file when it is not a readable GGUF."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt ({exc})") from None
+
+
+def _split_field(reader, key: str, path: Path, default: int | None = None) -> int:  # noqa: ANN001
+    field = reader.fields.get(key)
+    if field is None and default is None:
+        raise ValueError(f"{path}: metadata {key} missing (a part of a split GGUF has split.no, split.count and "
+                         "split.tensors.count)")
+    return default if field is None else int(field.contents())
+
+
+def open_reader(path: Path):  # noqa: ANN201 - a gguf.GGUFReader or a SplitReader
+    """Open GGUF ``path`` memory-mapped: a ``gguf.GGUFReader``, or for the first part of a split file a
+    ``SplitReader`` over all its parts (each memory-mapped; nothing is read but the headers).
+
+    Raises ``ValueError`` naming the file for an unreadable, truncated or corrupt file or part, a part given
+    that is not the first, parts that disagree on ``split.count``/``split.no`` or whose tensors do not add up
+    to ``split.tensors.count``; ``FileNotFoundError`` naming every missing part."""
+    path = Path(path)
+    first = _open_part(path)
+    count = _split_field(first, "split.count", path, default=1)
+    if count <= 1:
+        return first
+    names = split_parts(path, count)
+    missing = [str(p) for p in names[1:] if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is part 1 of a {count}-part split GGUF; missing part(s): "
+                                f"{', '.join(missing)}")
+    readers = [first] + [_open_part(p) for p in names[1:]]
+    for number, (part, reader) in enumerate(zip(names, readers)):
+        no, parts = _split_field(reader, "split.no", part), _split_field(reader, "split.count", part)
+        if (no, parts) != (number, count):
+            raise ValueError(f"{part}: metadata split.no {no}, split.count {parts}: not part {number + 1} of "
+                             f"the {count} of {path.name}")
+    tensors = [t for reader in readers for t in reader.tensors]
+    total = _split_field(first, "split.tensors.count", path)
+    names_seen = {t.name for t in tensors}
+    if len(tensors) != total or len(names_seen) != total:
+        raise ValueError(f"{path}: metadata split.tensors.count {total}, but the {count} parts hold "
+                         f"{len(tensors)} tensors ({len(names_seen)} names)")
+    return SplitReader(first.fields, tensors, tuple(names))
+
+
 def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     """An HF ``config.json`` dict from a GGUF's metadata (llama.cpp's key names, gguf-py/gguf/constants.py
     ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``). Raises ``UnsupportedModel``/``ValueError`` naming
@@ -260,14 +344,21 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported")
+    head_dim = int(key("attention.key_length", hidden // heads))  # llama.cpp's n_embd_head_k
+    for other in ("attention.value_length", "rope.dimension_count"):  # llama.cpp: both default to head_dim
+        if int(key(other, head_dim)) != head_dim:
+            raise UnsupportedModel(f"{where}: metadata {arch}.{other} {int(key(other))} differs from the head size "
+                                   f"{head_dim} ({arch}.attention.key_length): partial rotary or other value heads "
+                                   "are not supported")
     vocab = _field(reader, "tokenizer.ggml.tokens")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return {
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(f"{where}: tensor token_embd.weight missing")
+    config = {
         "architectures": [f"{arch.capitalize()}ForCausalLM"], "model_type": ARCHITECTURES[arch], "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default"},
         "max_position_embeddings": int(key("context_length", 2048)),
@@ -275,6 +366,10 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
         "tie_word_embeddings": "output.weight" not in names, "attention_bias": arch == "qwen2", "mlp_bias": False,
         "has_rope_freqs": "rope_freqs.weight" in names,
     }
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:  # exact while the context fits the window: arch.py serves no more than that
+        config |= {"sliding_window": int(window), "use_sliding_window": True}
+    return config
 
 
 def rope_freqs(reader) -> np.ndarray | None:  # noqa: ANN001

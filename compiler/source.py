@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -182,17 +181,13 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """Open ``gguf_path`` (memory-mapped) and read its tokenizer metadata and HF config (``gguf.gguf_config``).
-    Raises ``ValueError`` naming the file for a truncated or corrupt file, an unsupported architecture,
-    tokenizer or missing metadata."""
-    import gguf
+    """Open ``gguf_path`` (memory-mapped; the first part of a split file opens every part, ``gguf.open_reader``)
+    and read its tokenizer metadata and HF config (``gguf.gguf_config``). Raises ``ValueError`` naming the file
+    for a truncated or corrupt file, an unsupported architecture, tokenizer or missing metadata,
+    ``FileNotFoundError`` for missing parts of a split file."""
+    from .gguf import gguf_config, open_reader
 
-    from .gguf import gguf_config
-
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
-        raise ValueError(f"{gguf_path}: not a readable GGUF file, truncated or corrupt ({exc})") from None
+    reader = open_reader(gguf_path)
     meta = _read_gguf_tokenizer(reader, gguf_path)
     return reader, meta, gguf_config(reader, str(gguf_path))
 

@@ -56,21 +56,37 @@ def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nd
 
 
 def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  # noqa: ANN001
-                    kinds: dict[str, str] | None = None) -> None:
-    """A 4-layer random llama GGUF with the demo's tokenizer metadata and every kept block type (``arch``,
-    ``pre`` and ``kinds`` replace the architecture, the pre-tokenizer and layer matrices' types)."""
+                    kinds: dict[str, str] | None = None, *, head_dim: int | None = None, tied: bool = False,
+                    model_name: str | None = None, rope_freqs: np.ndarray | None = None,
+                    split_max_tensors: int = 0) -> None:
+    """A 4-layer random GGUF with the demo's tokenizer metadata and every kept block type, written as
+    llama.cpp's converter writes ``arch`` (convert_hf_to_gguf.py: ``LlamaModel`` permutes Q/K rows,
+    ``Qwen2Model`` adds q/k/v biases, ``Qwen3Model`` q/k norms; neither Qwen permutes).
+
+    ``pre`` and ``kinds`` replace the pre-tokenizer and the layer matrices' types; ``model_name`` is
+    ``general.name``; ``head_dim`` (default hidden / heads) is written as ``{arch}.attention.key_length``
+    (and ``rope.dimension_count`` for llama, as ``LlamaModel`` does); ``tied`` leaves ``output.weight`` out;
+    ``rope_freqs`` adds ``rope_freqs.weight`` (Llama 3.1's); ``split_max_tensors`` > 0 splits the file as
+    gguf-split does, into ``<stem>-00001-of-0000N.gguf``, ... (gguf-py's ``SHARD_NAME_FORMAT``)."""
     import gguf
 
     demo = gguf.GGUFReader(str(demo_gguf))
     tokens = demo.fields["tokenizer.ggml.tokens"].contents()
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    if model_name:
+        writer.add_name(model_name)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTER)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        if arch == "llama":
+            writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_tokenizer_model("gpt2")
@@ -84,7 +100,7 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
 
     def matrix(name: str, rows: int, cols: int, kind: str, heads: int = 0) -> None:
         w = (rng.standard_normal((rows, cols)) * 0.15).astype(np.float32)
-        if heads:
+        if heads and arch == "llama":
             w = _permute(w, heads)
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in ("Q4_K", "Q6_K"):
@@ -94,25 +110,35 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    def norm(name: str, size: int = HIDDEN) -> None:
+        writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(size)).astype(np.float32))
 
     matrix("token_embd.weight", len(tokens), HIDDEN, "Q8_0")
-    kv = KV_HEADS * HIDDEN // HEADS
+    d = head_dim or HIDDEN // HEADS
+    q, kv = HEADS * d, KV_HEADS * d
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
         layer = {k: ("F16" if i == 1 and k == "ffn_up" else v) for k, v in (kinds or KINDS).items()}  # an F16 too
         layer["ffn_down"] = {2: "Q4_K", 3: "Q6_K"}.get(i, layer["ffn_down"])  # K-quants need 256 columns
-        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, layer["attn_q"], HEADS)
+        matrix(f"blk.{i}.attn_q.weight", q, HIDDEN, layer["attn_q"], HEADS)
         matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, layer["attn_k"], KV_HEADS)
         matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, layer["attn_v"])
-        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, layer["attn_output"])
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, q, layer["attn_output"])
         matrix(f"blk.{i}.ffn_gate.weight", INTER, HIDDEN, layer["ffn_gate"])
         matrix(f"blk.{i}.ffn_up.weight", INTER, HIDDEN, layer["ffn_up"])
         matrix(f"blk.{i}.ffn_down.weight", HIDDEN, INTER, layer["ffn_down"])
+        if arch == "qwen2":  # Qwen2Model: q/k/v biases (F32: llama.cpp keeps 1-D tensors in f32)
+            for part, size in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                writer.add_tensor(f"blk.{i}.{part}.bias", (0.5 * rng.standard_normal(size)).astype(np.float32))
+        if arch == "qwen3":  # Qwen3Model: per-head RMSNorm weights [head_dim]
+            norm(f"blk.{i}.attn_q_norm.weight", d)
+            norm(f"blk.{i}.attn_k_norm.weight", d)
     norm("output_norm.weight")
-    matrix("output.weight", len(tokens), HIDDEN, "Q4_1")
+    if not tied:
+        matrix("output.weight", len(tokens), HIDDEN, "Q4_1")
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
