@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .engine import Engine, SamplingParams
 from .sampling import Penalties
 from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest, ModelNotFound
+from .web import add_web_routes
 
 log = logging.getLogger(__name__)
 
@@ -275,4 +276,5 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
     return app

@@ -25,6 +25,7 @@ from .pipeline import Channels
 from .registry import Registry
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer
+from .web import print_page_urls
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         shutdown.attach(server)
         if server.should_exit:  # signalled while starting
             return
-        ready_task = asyncio.create_task(_report_ready(registry, loaded))
+        ready_task = asyncio.gather(_report_ready(registry, loaded), print_page_urls(server, settings.host))
         if settings.announce:
             zc = await _announce_api(settings.host, settings.port, engine.model_name)
         await server.serve()

@@ -5,6 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The chat page's test drives Debian's chromium through its chromedriver (apt packages, not a browser download).
+# Installed only when missing; where apt-get is not ours to use, the test skips and says why (CI fails instead).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver fonts-liberation \
+        >/dev/null; } || echo "setup: apt-get could not install chromium: the chat page's browser test will skip" >&2
+  else
+    echo "setup: chromium/chromedriver missing and apt-get unavailable (or not root): install Debian's chromium" \
+         "and chromium-driver, or the chat page's browser test skips" >&2
+  fi
+fi
 STAMP=.venv/.fleet-installed
 WANT=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi

@@ -1,0 +1,278 @@
+"""The browser chat page at ``/`` in a real headless Chromium (Debian's ``chromium`` and ``chromedriver``,
+driven by Selenium) against a real 2-stage demo fleet: a streamed answer with its numbers, history that
+survives a reload, Stop ending the generation on the fleet (its KV freed), the fleet panel, markdown
+escaping, export, and the API-key prompt of a coordinator that requires a key."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_coordinator, start_worker, wait_ready
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+KEY = "page-key-5d1e"
+QUESTION = "What is the capital of France?"
+# greedy without a penalty loops on this to any max_tokens (coordinator/chat.py): a long answer to stop
+LONG = "Write a poem about the sea."
+
+# the last assistant message: [state, text, rendered HTML, stats line]
+LAST_ANSWER = """const m = [...document.querySelectorAll('.message.assistant')].pop();
+return m ? [m.dataset.state, m.querySelector('.content').textContent, m.querySelector('.content').innerHTML,
+            m.querySelector('.stats').textContent] : null;"""
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One headless Chromium for the module (each coordinator is its own origin, so its own localStorage)."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        reason = ("Debian's chromium and chromium-driver are not installed (deploy/setup.sh installs them where "
+                  "apt-get is usable)")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    downloads = tmp_path_factory.mktemp("downloads")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900",
+                "--no-first-run", "--disable-background-networking", "--disable-sync", "--disable-extensions",
+                "--disable-component-update", "--disable-default-apps", "--metrics-recording-only"):
+        options.add_argument(arg)
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads)})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # a driver path given: Selenium Manager (which downloads drivers) is not run
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    driver.downloads = downloads
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def fleet(build_2, tmp_path_factory):
+    """Two workers (no mDNS) and two coordinators on them: one open, one requiring ``KEY``."""
+    d = tmp_path_factory.mktemp("web")
+    procs = []
+    try:
+        addresses = []
+        for shard in range(2):
+            proc, address = start_worker(build_2, shard, d, "--no-announce")
+            procs.append(proc)
+            addresses.append(address)
+        peers = ["--no-discover", *(a for address in addresses for a in ("--peer", address))]
+        (d / "open").mkdir()
+        (d / "keyed").mkdir()
+        (d / "keys").write_text(f"{KEY}\n")
+        open_coordinator, url = start_coordinator(build_2, d / "open", *peers)
+        procs.append(open_coordinator)
+        keyed, keyed_url = start_coordinator(build_2, d / "keyed", *peers, "--api-key-file", str(d / "keys"))
+        procs.append(keyed)
+        wait_ready(url)
+        wait_ready(keyed_url)
+        yield {"url": url, "keyed_url": keyed_url, "coordinator": open_coordinator, "workers": addresses}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def wait_until(fn, timeout: float = 30.0, every: float = 0.05, what: str = "condition"):  # noqa: ANN001, ANN201
+    """``fn()``'s first truthy value, polled; fails naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := fn():
+            return value
+        time.sleep(every)
+    pytest.fail(f"{what}: not seen after {timeout} s")
+
+
+def open_page(browser, url: str) -> None:  # noqa: ANN001
+    browser.get(url + "/")
+    wait_until(lambda: browser.execute_script("return document.getElementById('model-name').textContent")
+               not in ("", "…") or browser.execute_script("return document.getElementById('key-dialog').open"),
+               what="the page's model name or its key prompt")
+
+
+def ask(browser, text: str) -> None:  # noqa: ANN001
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.ID, "input").send_keys(text)
+    browser.find_element(By.ID, "send").click()
+
+
+def answered(browser, timeout: float = 60.0) -> list:  # noqa: ANN001
+    """The last answer once it has stopped streaming."""
+    return wait_until(lambda: (a := browser.execute_script(LAST_ANSWER)) and a[0] != "streaming" and a,
+                      timeout=timeout, what="the answer to end")
+
+
+def set_field(browser, element_id: str, value: str) -> None:  # noqa: ANN001
+    from selenium.webdriver.common.by import By
+
+    field = browser.find_element(By.ID, element_id)
+    field.clear()
+    if value:
+        field.send_keys(value)
+
+
+def test_answer_streams_with_its_numbers_and_survives_a_reload(browser, fleet):
+    assert re.search(rf"chat page: {re.escape(fleet['url'])}/", fleet["coordinator"].text())
+    open_page(browser, fleet["url"])
+    ask(browser, QUESTION)
+    state, text, _, stats = answered(browser)
+    assert state == "done" and "Paris" in text, (state, text)
+    assert re.search(r"TTFT \d+ ms · [\d.]+ tokens/s · \d+ tokens · prompt \d+", stats), stats
+    first_completion, first_prompt = (int(n) for n in re.search(r"(\d+) tokens · prompt (\d+)", stats).groups())
+
+    # the fleet panel (from /health): both stages, each with its healthy replica and its KV
+    wait_until(lambda: len(browser.find_elements("css selector", "#fleet-stages .stage .replica .up")) == 2,
+               what="two healthy replicas in the fleet panel")
+    headings = [e.text for e in browser.find_elements("css selector", "#fleet-stages .stage .heading")]
+    assert [h.split(" · ")[0] for h in headings] == ["stage 0", "stage 1"] and all("1 of 1" in h for h in headings)
+    assert browser.find_element("id", "fleet-state").text == "ready"
+    if shot := os.environ.get("FLEET_WEB_SCREENSHOT"):  # a PNG of the page after an answer, to look at
+        browser.save_screenshot(shot)
+
+    # a second turn carries the first (the history is sent): its prompt holds the first turn and its answer
+    ask(browser, "And of Germany?")
+    state, text, _, stats = answered(browser)
+    assert state == "done" and "Berlin" in text, (state, text)
+    assert int(re.search(r"prompt (\d+)", stats).group(1)) > first_prompt + first_completion
+
+    browser.refresh()
+    wait_until(lambda: len(browser.find_elements("css selector", "#messages .message")) == 4,
+               what="4 messages after a reload")
+    texts = [e.text for e in browser.find_elements("css selector", "#messages .message .content")]
+    assert texts[0] == QUESTION and "Paris" in texts[1] and texts[2] == "And of Germany?" and "Berlin" in texts[3]
+    assert "TTFT" in browser.find_elements("css selector", "#messages .message .stats")[-1].text
+    titles = [e.text for e in browser.find_elements("css selector", "#conversation-list .open")]
+    assert titles[0] == QUESTION
+
+    # export: one JSON file with the conversation, its messages and their numbers
+    browser.find_element("id", "export").click()
+    exported = wait_until(lambda: [p for p in browser.downloads.glob("fleet-chats-*.json")], timeout=10,
+                          what="the exported file")
+    data = json.loads(exported[0].read_text())
+    messages = data["conversations"][0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2 and "Paris" in messages[1]["content"]
+    assert messages[1]["stats"]["completion_tokens"] == first_completion
+
+
+def worker_sessions(url: str) -> tuple[int, list[int], int]:
+    """(requests running, sessions on each worker, retained sessions of the prefix cache) from ``/health``."""
+    health = httpx.get(f"{url}/health", timeout=5).json()
+    retained = (health.get("prefix_cache") or {}).get("sessions", 0)
+    return health["running"], [w["sessions"] for w in health["workers"]], retained
+
+
+def test_stop_ends_the_generation_on_the_fleet(browser, fleet):
+    url = fleet["url"]
+    open_page(browser, url)
+    browser.find_element("id", "new-chat").click()
+    set_field(browser, "settings-temperature", "0")  # greedy, no penalty: the poem loops to max tokens
+    set_field(browser, "settings-max-tokens", "4000")
+    ask(browser, LONG)
+    # the answer streams: text is on the page, and grows, while the fleet still generates it
+    first = wait_until(lambda: (a := browser.execute_script(LAST_ANSWER)) and a[0] == "streaming" and len(a[1]) > 20
+                       and a, timeout=30, what="streamed text")
+    wait_until(lambda: len(browser.execute_script(LAST_ANSWER)[1]) > len(first[1]), what="the streamed text to grow")
+    assert worker_sessions(url)[0] == 1
+    browser.find_element("id", "stop").click()
+    state, text, _, stats = answered(browser, timeout=5)
+    assert state == "stopped" and text.startswith(first[1]) and "stopped" in stats, (state, stats)
+    stopped_at = int(re.search(r"~(\d+) tokens", stats).group(1))
+    assert stopped_at < 1000
+    fleet["coordinator"].wait_for(r": cancelled, prompt \d+ tokens", timeout=10)
+    # every stage freed it: nothing runs, and the workers hold only what the prefix cache retains
+    wait_until(lambda: (s := worker_sessions(url))[0] == 0 and all(n == s[2] for n in s[1]), timeout=10, every=0.2,
+               what="the stopped answer's KV freed on every worker")
+    retained = str(worker_sessions(url)[2])
+
+    def panel_freed() -> bool:
+        replicas = browser.find_elements("css selector", "#fleet-stages .replica")
+        return ("0 running" in browser.find_element("id", "fleet-summary").text
+                and [e.get_attribute("data-sessions") for e in replicas] == [retained, retained])
+
+    wait_until(panel_freed, timeout=10, what="the fleet panel showing the stopped answer's KV freed")
+    time.sleep(0.5)
+    assert browser.execute_script(LAST_ANSWER)[1] == text  # nothing arrives after Stop
+    browser.refresh()  # the partial answer is kept
+    assert answered(browser)[1] == text
+    set_field(browser, "settings-temperature", "")
+    set_field(browser, "settings-max-tokens", "")
+
+
+MARKDOWN = [
+    ("**bold** *it* `a<b>` snake_case", "<p><strong>bold</strong> <em>it</em> <code>a&lt;b&gt;</code> snake_case</p>"),
+    ("<img src=x onerror=alert(1)> & 'q'", "<p>&lt;img src=x onerror=alert(1)&gt; &amp; &#39;q&#39;</p>"),
+    ("- a\n- b\n  1. c", "<ul><li>a</li><li>b<ol><li>c</li></ol></li></ul>"),
+    ("line\nnext\n\npara", "<p>line<br>next</p><p>para</p>"),
+    ("[x](javascript:alert(1)) [y](https://a.org/b_c_d)",
+     '<p>[x](javascript:alert(1)) <a href="https://a.org/b_c_d" target="_blank" rel="noopener noreferrer">y</a></p>'),
+]
+
+
+def test_markdown_is_rendered_and_escaped(browser, fleet):
+    open_page(browser, fleet["url"])
+    for source, html in MARKDOWN:
+        assert browser.execute_script("return renderMarkdown(arguments[0])", source) == html
+    code = browser.execute_script("return renderMarkdown(arguments[0])", "```python\nx = '<b>'\n```\nafter")
+    assert '<pre><code class="language-python">x = &#39;&lt;b&gt;&#39;</code></pre>' in code
+    assert code.endswith("<p>after</p>")
+    # unclosed fence, as while an answer streams: still a code block
+    unclosed = browser.execute_script("return renderMarkdown(arguments[0])", "```\ndef f():")
+    assert "<pre><code>def f():</code></pre>" in unclosed
+    # the page's own headers: nothing inline may run even if escaping failed
+    r = httpx.get(fleet["url"] + "/", timeout=5)
+    assert r.status_code == 200 and "script-src 'self'" in r.headers["content-security-policy"]
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def test_api_key_prompt_then_import(browser, fleet, tmp_path):
+    url = fleet["keyed_url"]
+    # the page and its files are open, the API is not
+    assert httpx.get(url + "/", timeout=5).status_code == 200
+    assert httpx.get(url + "/static/app.js", timeout=5).status_code == 200
+    assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
+    open_page(browser, url)
+    assert browser.execute_script("return document.getElementById('key-dialog').open")
+    set_field(browser, "key-input", "wrong-key")
+    browser.find_element("id", "key-save").click()
+    wait_until(lambda: browser.find_element("id", "key-error").text == "invalid API key", what="the refusal")
+    set_field(browser, "key-input", KEY)
+    browser.find_element("id", "key-save").click()
+    wait_until(lambda: not browser.execute_script("return document.getElementById('key-dialog').open"),
+               what="the key prompt to close")
+    ask(browser, QUESTION)
+    state, text, _, _ = answered(browser)
+    assert state == "done" and "Paris" in text, (state, text)
+    browser.refresh()  # the key is remembered
+    open_page(browser, url)
+    time.sleep(0.3)
+    assert not browser.execute_script("return document.getElementById('key-dialog').open")
+
+    # import: another browser's export adds its conversations (a file of anything else is refused, losing nothing)
+    exported = tmp_path / "chats.json"
+    exported.write_text(json.dumps({"format": "fleet-chat", "version": 1, "conversations": [
+        {"id": "c-imported", "title": "From elsewhere", "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello **there**"}]}]}))
+    (tmp_path / "bad.json").write_text('{"conversations": [{"messages": "no"}]}')
+    browser.find_element("id", "import").send_keys(str(tmp_path / "bad.json"))
+    wait_until(lambda: "not a fleet chat export" in browser.find_element("id", "banner").text, what="the refusal")
+    browser.find_element("id", "import").send_keys(str(exported))
+    wait_until(lambda: "Imported 1 conversation" in browser.find_element("id", "banner").text, what="the import")
+    titles = [e.text for e in browser.find_elements("css selector", "#conversation-list .open")]
+    assert titles == ["From elsewhere", QUESTION]
+    browser.find_element("css selector", "#conversation-list .open").click()
+    assert browser.execute_script(LAST_ANSWER)[2] == "<p>Hello <strong>there</strong></p>"

@@ -1,0 +1,79 @@
+"""The chat page's serving (coordinator/web.py): routes, headers, the key middleware leaving the page open,
+the addresses ``serve`` prints, and the static files in a built wheel."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from coordinator.api import ApiKeys
+from coordinator.web import STATIC, add_web_routes, lan_addresses, page_urls
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE_FILES = ("index.html", "app.js", "markdown.js", "style.css")
+
+
+def test_page_and_static_files_are_open_while_the_api_needs_a_key():
+    app = FastAPI()
+    add_web_routes(app)
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"data": []}
+
+    app.add_middleware(ApiKeys, keys=["k"])
+    client = TestClient(app)
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert '<script src="/static/app.js"' in page.text and "http" not in page.text.split("<body>")[0]
+    for name in PAGE_FILES:
+        r = client.get(f"/static/{name}")
+        assert r.status_code == 200 and r.content == (STATIC / name).read_bytes()
+    assert client.get("/static/app.js").headers["content-type"].split(";")[0] in ("text/javascript",
+                                                                                  "application/javascript")
+    assert client.get("/static/../web.py").status_code == 404
+    assert client.get("/static/missing.js").status_code == 404
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_the_page_fetches_nothing_from_elsewhere():
+    """Works on a LAN without internet: no absolute URL in a src, href, url() or fetch of the page's files."""
+    for name in PAGE_FILES:
+        text = (STATIC / name).read_text()
+        for marker in ('src="http', "href=\"http", "url(http", "fetch(\"http", "fetch('http", "@import"):
+            assert marker not in text, (name, marker)
+
+
+def test_page_urls():
+    assert page_urls("127.0.0.1", 8000) == ["http://127.0.0.1:8000/"]
+    assert page_urls("::1", 8000) == ["http://[::1]:8000/"]
+    assert page_urls("192.168.1.20", 80) == ["http://192.168.1.20:80/"]
+    wildcard = page_urls("0.0.0.0", 8000)
+    assert wildcard[-1] == "http://127.0.0.1:8000/"
+    assert wildcard[:-1] == [f"http://{ip}:8000/" for ip in lan_addresses()]
+    assert all(not ip.startswith(("127.", "169.254.")) for ip in lan_addresses())
+
+
+def test_a_built_wheel_holds_the_page(tmp_path):
+    """A non-editable install gets the static files (pyproject's package-data), not only the editable one."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("fleet_common", "compiler", "worker", "coordinator", "bench"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True, capture_output=True, timeout=120)
+    (wheel,) = (tmp_path / "dist").glob("fleet-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"coordinator/static/{name}" for name in PAGE_FILES} <= names
+    assert "coordinator/web.py" in names
