@@ -29,6 +29,7 @@ from .arch import ModelConfig
 from .compress import WeightSpec, compress, parse_stage_weights, resolve
 from .draft import check_self_draft, draft_name, export_draft
 from .export import StageSpec, export_stage, stage_tensors
+from .gguf import is_gguf_file
 from .plan import balanced_split, decode_weights, parse_layers
 from .weights import SafetensorsWeights, WeightsError
 
@@ -57,12 +58,12 @@ class Source:
 
 
 def open_source(src: Path, workdir: Path) -> Source:
-    """Open ``src``: an HF folder (config.json + safetensors) or a ``.gguf`` file (its config and tokenizer
+    """Open ``src``: an HF folder (config.json + safetensors) or a GGUF file (its config and tokenizer
     written into ``workdir``; compiler/gguf.py). Reads headers and metadata only. Raises
     ``FileNotFoundError`` / ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and
     the problem."""
     src = Path(src)
-    if src.suffix == ".gguf":
+    if src.suffix == ".gguf" or is_gguf_file(src):  # an Ollama blob (sha256-<hex>) has no suffix
         return open_gguf(src, Path(workdir) / f"{src.stem}-tokenizer")
     config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
     return Source(config, SafetensorsWeights(src), src)

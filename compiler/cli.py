@@ -75,12 +75,18 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    from .locate import locate
+
+    located = locate(args.src)  # a path, an Ollama name or an LM Studio model (compiler/locate.py)
+    if located.origin != "path":
+        print(f"{located.origin} model {args.src}: {located.path}")
+    args.src = located.path
     devices = _follow_plan(args)
     _check_weights_args(args)  # bad options fail before any weight is read
     from .build import build
     from .compress import describe
 
-    manifest = build(args.src, args.out, shards=args.shards, layers=args.layers,
+    manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, model_id=located.model_id,
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
                      ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty())
@@ -203,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                        description="Build each stage's stateful OpenVINO IR straight from the weights, one stage and "
                                    "one tensor at a time (compiler/export.py): architectures llama (Llama 2/3.x), "
                                    "mistral, qwen2 (Qwen2/2.5), qwen3; HF folders with safetensors (one file or a "
-                                   "sharded index; bf16, fp16, f32) or a llama .gguf file.")
-    p.add_argument("src", type=Path, help="Hugging Face model folder or .gguf file")
+                                   "sharded index; bf16, fp16, f32) or a .gguf file (split files: the first part), "
+                                   "also named as Ollama or LM Studio have it (compiler/locate.py; nothing is "
+                                   "downloaded).")
+    p.add_argument("src", help="Hugging Face model folder, .gguf file (the first part of a split one), folder of "
+                               ".gguf files (FOLDER@Q4_K_M names one), Ollama model (llama3.2:1b, read from "
+                               "$OLLAMA_MODELS or ~/.ollama/models) or LM Studio model (publisher/model[@QUANT])")
     _add_weights_args(p)
     p.add_argument("--shards", type=int, help="number of stages (default 2); layers are split to balance weight "
                                                "reads per token, the LM head counting on the last stage")

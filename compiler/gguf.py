@@ -269,6 +269,15 @@ def split_parts(path: Path, count: int) -> list[Path]:
     return names
 
 
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic ``b"GGUF"`` (any name: Ollama's blobs have none)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _open_part(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
     """gguf-py's memory-mapped reader of ``path``; ``ValueError`` naming the file when it is not a readable GGUF."""
     import gguf

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from functools import cache
 
 import numpy as np
 import pytest
@@ -55,10 +56,21 @@ def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nd
     return blocks.reshape(rows, -1)
 
 
+@cache
+def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
+    """The demo GGUF's tokens, merges, token types and chat template, read once per run (gguf-py takes
+    seconds to parse its ~100k strings)."""
+    import gguf
+
+    fields = gguf.GGUFReader(demo_gguf).fields
+    return tuple(fields[f"tokenizer.{k}"].contents()
+                 for k in ("ggml.tokens", "ggml.merges", "ggml.token_type", "chat_template"))
+
+
 def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  # noqa: ANN001
                     kinds: dict[str, str] | None = None, *, head_dim: int | None = None, tied: bool = False,
                     model_name: str | None = None, rope_freqs: np.ndarray | None = None,
-                    split_max_tensors: int = 0) -> None:
+                    split_max_tensors: int = 0, vocab: int | None = None) -> None:
     """A 4-layer random GGUF with the demo's tokenizer metadata and every kept block type, written as
     llama.cpp's converter writes ``arch`` (convert_hf_to_gguf.py: ``LlamaModel`` permutes Q/K rows,
     ``Qwen2Model`` adds q/k/v biases, ``Qwen3Model`` q/k norms; neither Qwen permutes).
@@ -67,11 +79,16 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
     ``general.name``; ``head_dim`` (default hidden / heads) is written as ``{arch}.attention.key_length``
     (and ``rope.dimension_count`` for llama, as ``LlamaModel`` does); ``tied`` leaves ``output.weight`` out;
     ``rope_freqs`` adds ``rope_freqs.weight`` (Llama 3.1's); ``split_max_tensors`` > 0 splits the file as
-    gguf-split does, into ``<stem>-00001-of-0000N.gguf``, ... (gguf-py's ``SHARD_NAME_FORMAT``)."""
+    gguf-split does, into ``<stem>-00001-of-0000N.gguf``, ... (gguf-py's ``SHARD_NAME_FORMAT``); ``vocab`` keeps
+    the demo's first ``vocab`` tokens and the merges among them (a smaller file gguf-py and transformers parse
+    in a fraction of the time; the special tokens are the first ones)."""
     import gguf
 
-    demo = gguf.GGUFReader(str(demo_gguf))
-    tokens = demo.fields["tokenizer.ggml.tokens"].contents()
+    tokens, merges, types, template = demo_vocabulary(str(demo_gguf))
+    if vocab is not None:
+        tokens, types = tokens[:vocab], types[:vocab]
+        kept = set(tokens)
+        merges = [m for m in merges if (pair := m.split(" "))[0] in kept and pair[1] in kept and "".join(pair) in kept]
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     if model_name:
@@ -92,11 +109,11 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_merges(demo.fields["tokenizer.ggml.merges"].contents())
-    writer.add_token_types(demo.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(demo.fields["tokenizer.chat_template"].contents())
+    writer.add_chat_template(template)
 
     def matrix(name: str, rows: int, cols: int, kind: str, heads: int = 0) -> None:
         w = (rng.standard_normal((rows, cols)) * 0.15).astype(np.float32)
