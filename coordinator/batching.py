@@ -95,6 +95,7 @@ class BatchGroup:
         self.last_rows = 0  # members that took part in the last step
         self.broken: BaseException | None = None
         self._joining: list[tuple[Member, asyncio.Future]] = []
+        self._detaching: list[tuple[Member, str, int, asyncio.Future]] = []  # rows to copy out before the next step
         self._merging: list[Member] = []  # joining members whose Merge is in flight (counted in load)
         self._pending: dict[Member, _Submission] = {}
         self._task: asyncio.Task | None = None
@@ -132,6 +133,22 @@ class BatchGroup:
         self._pending[member] = _Submission(tokens, start_position, logits_count, top_k, future)
         self._kick()
         return await self._wait(future, "the step")
+
+    async def detach(self, member: Member, session_id: str, tokens: int) -> int:
+        """Copy ``member``'s first ``tokens`` visible tokens out of the group into a new session ``session_id`` on every
+        stage (between steps: the ``Copy`` RPC, packed), then take it out of the group as ``leave``
+        does: a finished request's KV is retained this way. Returns the tokens copied. Raises
+        ``StageFailure`` or ``Overloaded`` (no room for the copy); the member has left either way."""
+        if self.broken is not None:
+            self.leave(member)
+            raise self._failure()
+        future = asyncio.get_running_loop().create_future()
+        self._detaching.append((member, session_id, tokens, future))
+        self._kick()
+        try:
+            return await self._wait(future, "the copy")
+        finally:
+            self.leave(member)
 
     def _failure(self) -> StageFailure:
         """What a member of the broken group is told: the stage failure that broke it, or (a bug) that a
@@ -175,7 +192,7 @@ class BatchGroup:
 
     # -- the group's one worker task --------------------------------------------------------------
     def _ready(self) -> bool:
-        if self._joining:
+        if self._joining or self._detaching:
             return True
         if not self.members:
             return bool(self.rows)  # close the state at the stages
@@ -203,7 +220,9 @@ class BatchGroup:
 
     async def _run(self) -> None:
         try:
-            if self._joining:
+            if self._detaching:
+                await self._copy_out()
+            elif self._joining:
                 await self._merge()
             elif not self.members:
                 await self._close()
@@ -211,10 +230,11 @@ class BatchGroup:
                 await self._step()
         except BaseException as exc:  # noqa: BLE001 - every waiter learns of it
             self.broken = exc if not isinstance(exc, asyncio.CancelledError) else StageFailure("group cancelled")
-            for future in [f for _, f in self._joining] + [sub.future for sub in self._pending.values()]:
+            waiting = [f for _, f in self._joining] + [sub.future for sub in self._pending.values()]
+            for future in waiting + [f for *_, f in self._detaching]:
                 if not future.done():
                     future.set_exception(self._failure())
-            self._joining, self._pending = [], {}
+            self._joining, self._pending, self._detaching = [], {}, []
             if not isinstance(exc, (StageFailure, asyncio.CancelledError)):
                 log.exception("%s failed", self.group_id)
             await self._close_session(self.group_id, 5.0)
@@ -259,6 +279,26 @@ class BatchGroup:
         for _, future in joining:
             if not future.done():
                 future.set_result(None)
+
+    async def _copy_out(self) -> None:
+        """Run the queued detaches, one ``Copy`` per member (a failed copy fails that member's detach
+        only: the group's state is untouched by a copy)."""
+        detaching, self._detaching = self._detaching, []
+        for member, session_id, tokens, future in detaching:
+            if member not in self.rows:
+                future.set_exception(StageFailure(f"{member.session_id} has no row in {self.group_id}"))
+                continue
+            try:
+                await self.pipeline.copy(session_id, self.group_id, self.rows.index(member), tokens, tokens,
+                                         self.timeout_s(tokens))
+            except Exception as exc:  # noqa: BLE001 - the member learns of it
+                if not future.done():
+                    future.set_exception(exc)
+                continue
+            if not future.done():
+                future.set_result(tokens)
+            else:  # its request gave up waiting: nobody will retain the copy
+                await self._close_session(session_id, self.timeout_s(0))
 
     async def _close(self) -> None:
         self.rows, self.length, self.max_context = [], 0, 0

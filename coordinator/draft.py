@@ -68,9 +68,21 @@ class DraftSession:
             compact(self.kv, self.kv.length, [])
 
     def prefill(self, prompt: list[int]) -> None:
-        """Feed the prompt (run while the target prefills)."""
-        self._feed(prompt, logits=False)
+        """Feed the prompt tokens the session does not hold (run while the target prefills): all of them,
+        or those after a retained conversation's (``retain``; the prompt begins with its tokens)."""
+        self._reconcile(prompt)
+        self._feed(prompt[self.n:], logits=False)
         self.n = len(prompt)
+
+    def retain(self, context: list[int], keep: int) -> None:
+        """Hold exactly ``context[:keep]`` from now on (prefix cache): the drafts the target accepted are
+        kept, every other slot hidden, then the state packed (slot i holds position i)."""
+        self._reconcile(context)
+        slots = np.flatnonzero(self.kv.visible[0, : self.kv.length])
+        keep = min(keep, self.n)
+        self.kv.visible[0, slots[keep:]] = 0
+        self.n = keep
+        compact(self.kv, self.kv.length, [])
 
     def propose(self, context: list[int], k: int, temperature: float, top_p: float,
                 rng_at: Callable[[int], np.random.Generator]) -> tuple[list[int], list[SparseDist]]:
@@ -154,6 +166,19 @@ class DraftModel:
         """A fresh draft session of at most ``max_slots`` KV slots (capped by the draft's context)."""
         kv = KVSession(session_id, self.compiled.create_infer_request(), min(max_slots, self.entry.max_context))
         return DraftSession(kv, *self._options)
+
+    def reopen(self, draft: DraftSession, max_slots: int) -> DraftSession | None:
+        """``draft`` (a retained session) allowed to grow to ``max_slots`` KV slots (capped by the draft's
+        context); None when what it holds leaves no room for that."""
+        cap = min(max_slots, self.entry.max_context)
+        kv = draft.kv
+        if kv.length >= cap:
+            return None
+        visible = np.zeros((1, cap), dtype=np.int64)
+        width = min(cap, kv.max_context)
+        visible[:, :width] = kv.visible[:, :width]
+        kv.visible, kv.max_context = visible, cap
+        return draft
 
     async def run(self, fn: Callable, *args):  # noqa: ANN201 - returns fn's result
         """Run ``fn(*args)`` (a ``DraftSession`` method) on the draft thread."""

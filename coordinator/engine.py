@@ -27,6 +27,7 @@ from .registry import Registry
 from .sampling import Penalties, SparseDist, generation_defaults, penalized_distribution
 from .draft import DraftModel
 from .logprobs import LogprobLog, TokenLogprob
+from .prefix_cache import PrefixCache, Retained, new_session_id
 from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
@@ -88,6 +89,7 @@ class Request:
     failovers: int = 0  # times it moved to replica workers after a stage failed
     output_counts: dict[int, int] = field(default_factory=dict)  # times each token was generated (penalties)
     prefilled: int = 0  # prompt tokens on the stages so far (streamed as prefill progress)
+    cached_tokens: int = 0  # prompt tokens whose KV a retained session gave (prefix cache), not prefilled
     logprobs: LogprobLog | None = None  # one record per output token, when params.logprobs asks for them
 
     def __post_init__(self) -> None:
@@ -214,6 +216,24 @@ class Engine:
                                           settings.compact_share, settings.compact_min_slots)
         log.info("speculative decoding: draft %s, K %s", self.draft_source,
                  settings.spec_k or f"adaptive (max {settings.spec_k_max})")
+        self.prefix_cache: PrefixCache | None = None
+        if settings.prefix_cache:
+            self.prefix_cache = PrefixCache(self._evict_retained, settings.prefix_cache_min_tokens,
+                                            settings.prefix_cache_tokens, settings.prefix_cache_idle_s)
+
+    def prefix_cache_state(self) -> dict:
+        """What the prefix cache holds (``/health``, metrics): retained sessions and their tokens."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {"enabled": False, "sessions": 0, "tokens": 0, "evictions": 0}
+        return {"enabled": True, "sessions": len(cache.entries), "tokens": cache.held_tokens,
+                "evictions": cache.evictions, "max_tokens": cache.max_tokens}
+
+    def _evict_retained(self, entry: Retained) -> None:
+        """Free an evicted retained session on every stage (in the background)."""
+        self.metrics.prefix_evictions.inc()
+        log.debug("prefix cache: freeing %s (%d tokens)", entry.session_id, len(entry.tokens))
+        self._close_in_background(entry.pipeline, entry.session_id)
 
     def close(self) -> None:
         if self.draft_model is not None:
@@ -340,9 +360,16 @@ class Engine:
                            f"{len(request.output_ids)} tokens; send the request again once it is back (or to "
                            "another coordinator)")
 
-    async def _open_session(self, pipeline, session: str, slots: int) -> None:  # noqa: ANN001
-        """Open ``session`` with ``slots`` KV slots on every stage, waiting (up to ``queue_timeout_s``)
-        while a stage has no room: admission control by the workers' KV budgets. Raises ``Overloaded``."""
+    async def _open_session(self, pipeline, session: str, slots: int, resume: bool = False) -> None:  # noqa: ANN001
+        """Open ``session`` with ``slots`` KV slots on every stage (``resume``: a retained session it
+        takes over), waiting while a stage has no room (``_admitted``). Raises ``Overloaded``."""
+        await self._admitted(session, lambda: pipeline.open_session(session, slots, self.settings.rpc_timeout_s, resume))
+
+    async def _admitted(self, session: str, attempt) -> None:  # noqa: ANN001 - () -> Awaitable (raises Overloaded)
+        """Run ``attempt`` (an OpenSession or a Copy on every stage) until a stage stops refusing it for
+        KV room, up to ``queue_timeout_s``: admission control by the workers' KV budgets. Under that
+        pressure retained sessions (prefix cache) are freed first, least recently used first. Raises
+        ``Overloaded``."""
         s = self.settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.queue_timeout_s
@@ -350,10 +377,12 @@ class Engine:
         while True:
             freed = self._kv_freed_event  # taken before the attempt: a free during it is not missed
             try:
-                await pipeline.open_session(session, slots, s.rpc_timeout_s)
+                await attempt()
                 return
             except Overloaded as exc:
-                if not waited:
+                if self.prefix_cache is not None and self.prefix_cache.evict_lru():
+                    log.info("%s: no KV room at a stage; freed a retained session (prefix cache)", session)
+                elif not waited:
                     log.info("%s: waiting up to %.0f s for KV room: %s", session, deadline - loop.time(), exc.message)
                     waited = True
                 if loop.time() >= deadline:
@@ -370,7 +399,10 @@ class Engine:
             pipeline = await self.registry.pipeline()
             if pipeline.observe_link is None:
                 pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
-            await self._open_session(pipeline, request.request_id, slots)
+            seat = await self._seat_on_retained(request, slots)
+            if seat is None:
+                await self._open_session(pipeline, request.request_id, slots)
+                seat = _Seat(self, request, pipeline, slots)
         except StageFailure as failure:
             if failure.address is not None:
                 await self.registry.recheck([failure.address])
@@ -378,22 +410,56 @@ class Engine:
                 raise StageFailure(f"{failure.summary}; {self.registry.missing_message(missing)}",
                                    detail=failure.detail, stage=failure.stage, address=failure.address) from failure
             raise
-        return _Seat(self, request, pipeline, slots)
+        return seat
+
+    async def _seat_on_retained(self, request: Request, slots: int) -> _Seat | None:
+        """A seat on a retained session's KV when ``request``'s prompt begins with one (prefix cache):
+        the session itself when the prompt extends it, else a copy of the common prefix; None when
+        nothing is reused (or the reuse failed: the prompt is then prefilled in full). Raises
+        ``Overloaded`` when the stages have no room for it."""
+        if self.prefix_cache is None:
+            return None
+        hit = self.prefix_cache.lookup(request.prompt_ids, lambda e: e.pipeline.healthy)
+        if hit is None:
+            return None
+        entry, session = hit.entry, hit.entry.session_id if hit.take else request.request_id
+        timeout_s = self._timeout(hit.tokens)
+        try:
+            if hit.take:
+                await self._open_session(entry.pipeline, session, slots, resume=True)
+            else:
+                await self._admitted(session, lambda: entry.pipeline.copy(session, entry.session_id, 0, hit.tokens,
+                                                                          slots, timeout_s))
+        except Exception as exc:
+            if hit.take:
+                self._evict_retained(entry)
+            if isinstance(exc, Overloaded):
+                raise
+            log.warning("%s: could not reuse %d cached tokens of %s (%s); prefilling the whole prompt",
+                        request.request_id, hit.tokens, entry.session_id, exc)
+            return None
+        finally:
+            self.prefix_cache.copied(hit)
+        request.cached_tokens = hit.tokens
+        seat = _Seat(self, request, entry.pipeline, slots, session=session, cached=hit.tokens)
+        seat.draft = entry.draft if hit.take else None
+        return seat
 
     async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool,  # noqa: ANN001
-                       request: Request | None = None):
-        """Run ``tokens`` through every stage in ``prefill_chunk`` steps; the last step's candidates
-        (``logits``) or None; ``request.prefilled`` counts the tokens done. Raises ``StageFailure``."""
+                       request: Request | None = None, offset: int = 0):
+        """Run ``tokens`` through every stage in ``prefill_chunk`` steps, after the ``offset`` tokens the
+        session holds already (a retained session's); the last step's candidates (``logits``) or None;
+        ``request.prefilled`` counts the prompt tokens on the stages. Raises ``StageFailure``."""
         out, chunk_len = None, self.settings.prefill_chunk
         for start in range(0, len(tokens), chunk_len):
             chunk = tokens[start:start + chunk_len]
             last = start + len(chunk) == len(tokens)
             t0 = time.perf_counter()
-            out = await pipeline.step(session, chunk, start, start, 1 if last and logits else 0, top_k,
-                                      self._timeout(len(chunk)))
+            out = await pipeline.step(session, chunk, offset + start, offset + start, 1 if last and logits else 0,
+                                      top_k, self._timeout(len(chunk)))
             self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
             if request is not None:
-                request.prefilled = start + len(chunk)
+                request.prefilled = offset + start + len(chunk)
         return out
 
     async def _fail_over(self, request: Request, failure: StageFailure, pipeline, session: str, slots: int,  # noqa: ANN001
@@ -438,26 +504,17 @@ class Engine:
         top_k = 1 if params.temperature <= 0 and not params.penalties.active else s.sample_top_k
         top_k = max(top_k, params.logprobs or 0)  # the API refuses more than sample_top_k
         prompt = request.prompt_ids
-        drafting = self.draft_source != "none"
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
         # theirs (masked, never trimmed) until a compaction, hence the slack
-        slots = len(prompt) + params.max_tokens + (s.spec_slack if drafting else 0)
+        slots = len(prompt) + params.max_tokens + (s.spec_slack if self.draft_source != "none" else 0)
         seat = await self._seat(request, slots)
-        drafter = self.draft_model.open(request.request_id, slots) if self.draft_model is not None else None
-        if drafter is not None and len(prompt) + s.spec_k_max + 1 > drafter.kv.max_context:
-            drafter, drafting = None, False  # the prompt does not fit the draft model's context
-        draft_prefill = None
+        drafter = self._drafter(request, seat, slots)
+        drafting = self.draft_source != "none" and (self.draft_model is None or drafter is not None)
         detok = IncrementalDetokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
         try:
-            request.status = RequestStatus.PREFILL
-            if drafter is not None:  # the draft prefills here while the stages prefill
-                draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, prompt))
-            out = await seat.prefill(prompt, top_k)
-            if draft_prefill is not None:
-                await draft_prefill
-            request.status = RequestStatus.DECODE
+            out = await self._prefill_all(request, seat, drafter, top_k)
             logical = len(prompt)  # visible tokens at every stage
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
             decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(len(prompt)))]
@@ -501,7 +558,32 @@ class Engine:
             self.metrics.errors.labels(type(exc).__name__).inc()
             raise
         finally:
-            await self._end(request, seat, draft_prefill)
+            await self._end(request, seat, drafter)
+
+    def _drafter(self, request: Request, seat: _Seat, slots: int):  # noqa: ANN202 - DraftSession | None
+        """The draft model's session for ``request``: the retained one of its seat's session (prefix
+        cache) when that fits, else a fresh one; None without a draft model or when the prompt does not
+        fit the draft's context."""
+        if self.draft_model is None:
+            return None
+        drafter = self.draft_model.reopen(seat.draft, slots) if seat.draft is not None else None
+        if drafter is None:
+            drafter = self.draft_model.open(request.request_id, slots)
+        if len(request.prompt_ids) + self.settings.spec_k_max + 1 > drafter.kv.max_context:
+            return None
+        return drafter
+
+    async def _prefill_all(self, request: Request, seat: _Seat, drafter, top_k: int):  # noqa: ANN001, ANN202
+        """Prefill the prompt on the stages and, at the same time, in the draft model; the candidates of
+        the prompt's last position (a StepOutput)."""
+        request.status = RequestStatus.PREFILL
+        if drafter is not None:  # the draft prefills here while the stages prefill
+            seat.draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, request.prompt_ids))
+        out = await seat.prefill(request.prompt_ids, top_k)
+        if seat.draft_prefill is not None:
+            await seat.draft_prefill
+        request.status = RequestStatus.DECODE
+        return out
 
     def _take(self, request: Request, decided: list[int], detok: IncrementalDetokenizer, text: str, sent: int,
               hold: int) -> str:
@@ -563,26 +645,74 @@ class Engine:
         seat.group.reject(seat.member, len(draft) - accepted)  # hidden from the next step on, never trimmed
         return decided
 
-    async def _end(self, request: Request, seat: _Seat, draft_prefill: asyncio.Future | None) -> None:
-        """However ``request`` ended: count and log it, and free its KV on every stage."""
-        if draft_prefill is not None and not draft_prefill.done():
-            draft_prefill.cancel()
-        owned = seat.leave()  # its KV row is dropped by the group's next step (or the group closes)
+    async def _end(self, request: Request, seat: _Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
+        """However ``request`` ended: count and log it, and keep its KV on every stage for a later prompt
+        that begins with its tokens (a finished request, with the prefix cache on) or free it."""
+        if seat.draft_prefill is not None and not seat.draft_prefill.done():
+            seat.draft_prefill.cancel()
+        seat.count_compactions()
         self.metrics.finished(request)
-        log.info("%s: %s, prompt %d tokens, completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d accepted "
-                 "in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
+        log.info("%s: %s, prompt %d tokens (%d cached), completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d "
+                 "accepted in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
                  seat.session, request.finish_reason.value if request.finish_reason else request.status.value,
-                 len(request.prompt_ids), len(request.output_ids),
+                 len(request.prompt_ids), request.cached_tokens, len(request.output_ids),
                  f"{request.ttft_ms:.0f}" if request.ttft_ms else "-", request.decode_tokens_per_s or 0.0,
                  request.accepted, request.drafted, request.verify_steps, request.draft_ms, request.verify_ms,
                  request.compactions, request.failovers)
         # everything above runs even when a client's disconnect cancels this task, whose every
-        # await then raises again at once: the close goes on in the background and wakes
-        # requests waiting for KV room
-        if owned:  # its group frees the KV (the merge may still be running); it no longer runs on this pipeline
+        # await then raises again at once: the rest goes on in the background (a close then wakes
+        # requests waiting for KV room)
+        if self.prefix_cache is not None and request.status is RequestStatus.FINISHED:
+            await asyncio.shield(self._in_background(self._retain(request, seat, drafter)))
+        else:
+            await asyncio.shield(self._in_background(self._free(seat)))
+
+    async def _free(self, seat: _Seat) -> None:
+        """Free the seat's KV on every stage: its batch group drops its row, or its session is closed."""
+        if seat.leave():  # its group frees the KV (the merge may still be running); it no longer runs here
             seat.pipeline.forget(seat.session)
         else:
-            await asyncio.shield(self._close_in_background(seat.pipeline, seat.session))
+            await self._close_in_background(seat.pipeline, seat.session)
+
+    async def _retain(self, request: Request, seat: _Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
+        """Keep a finished request's KV on the stages as a retained session (prefix cache): its row copied
+        out of its batch group, or its solo session (prefilled only) kept with its reservation shrunk to
+        what it holds; with the draft model's session for the same tokens. Frees it when that fails."""
+        if seat.group is None and seat.member is not None:  # failed over and not back in a group: free it
+            return await self._free(seat)
+        # the tokens fed: the prompt, then the output but its newest token (decided, never fed); past the
+        # output only drafts accepted after a stop (an end-of-sequence, a stop string) that no list holds
+        context = request.prompt_ids + request.output_ids
+        held = min(seat.member.visible, len(context)) if seat.group is not None else len(request.prompt_ids)
+        tokens = context[:held]
+        pipeline = seat.pipeline
+        try:
+            if seat.group is not None:
+                session = new_session_id()
+                copy = seat.detach(session, held)  # the member leaves its group (which frees its row) either way
+                seat.pipeline.forget(seat.session)
+                await copy
+            else:
+                session = seat.session
+                await pipeline.open_session(session, held, self.settings.rpc_timeout_s, resume=True)
+        except Exception as exc:  # noqa: BLE001 - retention is best effort
+            log.warning("%s: its KV is not retained (%s)", seat.session, exc)
+            if seat.group is None and seat.member is None:
+                await self._close_in_background(pipeline, seat.session)
+            return None
+        draft = None
+        if drafter is not None and seat.draft_prefill is not None and seat.draft_prefill.done():
+            await self.draft_model.run(drafter.retain, request.prompt_ids + request.output_ids, held)
+            draft = drafter
+        self.prefix_cache.retain(Retained(session, pipeline, tokens, draft))
+        return None
+
+    def _in_background(self, coro) -> asyncio.Task:  # noqa: ANN001
+        """``coro`` as a task that a cancellation of the caller does not stop."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _kv_freed(self) -> None:
         """Wake every request waiting for KV room (a session closed, or a batch group closed or dropped
@@ -597,10 +727,7 @@ class Engine:
             await pipeline.close_session(session, self.settings.rpc_timeout_s)
             self._kv_freed()
 
-        task = asyncio.ensure_future(close())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self._in_background(close())
 
 
 async def _pull(deltas: AsyncIterator[TextDelta]) -> TextDelta | None:
@@ -626,22 +753,27 @@ class _Seat:
     A stage failure moves it to replica workers (``Engine._fail_over``), which rebuild the KV from the
     tokens the coordinator owns."""
 
-    def __init__(self, engine: Engine, request: Request, pipeline, slots: int) -> None:  # noqa: ANN001
+    def __init__(self, engine: Engine, request: Request, pipeline, slots: int,  # noqa: ANN001
+                 session: str | None = None, cached: int = 0) -> None:
         self.engine, self.request, self.slots = engine, request, slots
-        self.pipeline, self.session = pipeline, request.request_id
+        self.pipeline, self.session = pipeline, session or request.request_id
+        self.cached = cached  # prompt tokens the session holds already (a retained session's KV)
+        self.draft = None  # the retained draft session of those tokens (a DraftSession), if any
+        self.draft_prefill: asyncio.Future | None = None
         self.group: BatchGroup | None = None
         self.member: Member | None = None
         self._joined_compactions = 0  # the group's compactions when it joined (the rest count for it)
 
     async def prefill(self, prompt: list[int], top_k: int):  # noqa: ANN201 - StepOutput
-        """Prefill ``prompt`` on the stages; the candidates of its last position. On a stage failure
-        the prefill starts over on replicas (a fresh session: nothing to replay)."""
+        """Prefill ``prompt`` on the stages after its ``cached`` tokens; the candidates of its last
+        position. On a stage failure the prefill starts over on replicas (a fresh session, given the
+        cached tokens again first)."""
         while True:
             try:
-                return await self.engine._prefill(self.pipeline, self.session, prompt, top_k, logits=True,
-                                                  request=self.request)
+                return await self.engine._prefill(self.pipeline, self.session, prompt[self.cached:], top_k,
+                                                  logits=True, request=self.request, offset=self.cached)
             except StageFailure as exc:
-                await self._move(exc, [])
+                await self._move(exc, prompt[:self.cached])
 
     async def join(self, logical: int) -> None:
         """Move the prefilled session (``logical`` tokens visible) into a batch group of its pipeline,
@@ -677,12 +809,25 @@ class _Seat:
         self.pipeline, self.session = await self.engine._fail_over(self.request, failure, self.pipeline,
                                                                    self.session, self.slots, visible)
 
+    def count_compactions(self) -> None:
+        """Count the group's compactions since the last count for the request."""
+        if self.group is not None:
+            self.request.compactions += self.group.compactions - self._joined_compactions
+            self._joined_compactions = self.group.compactions
+
     def leave(self) -> bool:
         """Leave the batch group, if in one; True when the group holds the session's KV (and frees it)."""
         if self.group is None:
             return False
         owned = self.member.owned
-        self.request.compactions += self.group.compactions - self._joined_compactions
+        self.count_compactions()
         self.group.leave(self.member)
         self.group = None
         return owned
+
+    def detach(self, session_id: str, tokens: int) -> asyncio.Future:
+        """Leave the batch group with the first ``tokens`` of the session's KV copied into a new session
+        ``session_id`` on every stage (``BatchGroup.detach``); the future the copy's outcome comes in."""
+        self.count_compactions()
+        group, self.group = self.group, None
+        return asyncio.ensure_future(group.detach(self.member, session_id, tokens))

@@ -27,7 +27,11 @@ class CoordinatorMetrics:
         r = self.registry
         self.requests = Counter("fleet_requests", "Chat completion requests by outcome "
                                 "(finished, failed, cancelled, refused)", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("fleet_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("fleet_prompt_tokens", "Prompt tokens of requests that ran", registry=r)
+        self.cached_tokens = Counter("fleet_prompt_cached_tokens", "Prompt tokens served from retained KV (prefix "
+                                     "cache) instead of being prefilled", registry=r)
+        self.prefix_evictions = Counter("fleet_prefix_cache_evictions", "Retained sessions freed (LRU, idle, "
+                                        "admission pressure)", registry=r)
         self.completion_tokens = Counter("fleet_completion_tokens", "Completion tokens generated", registry=r)
         self.ttft = Histogram("fleet_ttft_seconds", "Time to first token (request start to first token, queue "
                               "included)", buckets=LATENCY_BUCKETS, registry=r)
@@ -56,6 +60,7 @@ class CoordinatorMetrics:
         """Count one request that ran (any outcome but refused)."""
         self.requests.labels(request.status.value).inc()
         self.prompt_tokens.inc(len(request.prompt_ids))
+        self.cached_tokens.inc(request.cached_tokens)
         self.completion_tokens.inc(len(request.output_ids))
         if request.ttft_ms is not None:
             self.ttft.observe(request.ttft_ms / 1000)
@@ -75,6 +80,10 @@ class _StateCollector(Collector):
         s = self.state()
         yield GaugeMetricFamily("fleet_queue_depth", "Requests waiting for a slot or for KV room", value=s["queued"])
         yield GaugeMetricFamily("fleet_running_requests", "Requests generating now", value=s["running"])
+        yield GaugeMetricFamily("fleet_prefix_cache_sessions", "Retained sessions (prefix cache)",
+                                value=s.get("retained_sessions", 0))
+        yield GaugeMetricFamily("fleet_prefix_cache_tokens", "Tokens the retained sessions hold",
+                                value=s.get("retained_tokens", 0))
         series = {
             "healthy": "1 if the worker passed its last health check",
             "sessions": "KV states the worker holds (sessions and batch groups)",

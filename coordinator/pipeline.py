@@ -144,22 +144,25 @@ class Pipeline:
             await asyncio.gather(self._reader, return_exceptions=True)
 
     # -- sessions ------------------------------------------------------------------------------
-    async def open_session(self, session_id: str, max_context: int, timeout_s: float) -> None:
-        """Open ``session_id`` on every stage at once. Raises ``Overloaded`` when a stage is full,
-        ``InvalidRequest`` when the session could never fit a stage's KV budget, ``StageFailure``
-        otherwise (the stages that did open are closed again)."""
+    async def open_session(self, session_id: str, max_context: int, timeout_s: float, resume: bool = False) -> None:
+        """Open ``session_id`` on every stage at once (``resume``: keep the KV it holds there, only its
+        reservation becomes ``max_context`` slots). Raises ``Overloaded`` when a stage is full (a resumed
+        session is kept then), ``InvalidRequest`` when the session could never fit a stage's KV budget,
+        ``StageFailure`` otherwise (the session is closed again on every stage)."""
         self.sessions.add(session_id)  # before any await: the next placement already counts it
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
-                                        manifest_sha256=self.manifest_sha256)
+                                        manifest_sha256=self.manifest_sha256, resume=resume)
         results = await asyncio.gather(
             *(self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses),
             return_exceptions=True,
         )
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
-            await self.close_session(session_id, timeout_s)
             address, exc = errors[0]
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            full = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if not (resume and full):
+                await self.close_session(session_id, timeout_s)
+            if full:
                 raise Overloaded(f"worker {address} is full: {exc.details()}")
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequest(f"this request can never be served by worker {address}: {exc.details()}; "
@@ -194,6 +197,24 @@ class Pipeline:
             if isinstance(r, BaseException):
                 raise _failure(index, address, what, r)
         return results
+
+    async def copy(self, session_id: str, source: str, row: int, tokens: int, max_context: int,
+                   timeout_s: float) -> None:
+        """Make ``session_id`` on every stage from the first ``tokens`` visible slots of ``row`` of
+        ``source`` (the ``Copy`` RPC; ``source`` is untouched). Raises ``Overloaded`` when a stage has no
+        room, ``StageFailure`` otherwise; the copy is closed again on every stage on failure."""
+        self.sessions.add(session_id)
+        request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
+                                 max_context=max_context, manifest_sha256=self.manifest_sha256)
+        results = await asyncio.gather(
+            *(self.channels.stub(a).Copy(request, timeout=timeout_s) for a in self.addresses), return_exceptions=True)
+        errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
+        if errors:
+            await self.close_session(session_id, timeout_s)
+            address, exc = errors[0]
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Overloaded(f"worker {address} has no room for the copy: {exc.details()}")
+            raise _failure(self.addresses.index(address), address, "to copy a retained session's KV", exc)
 
     async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float,
                       hide_rows: list[int] = ()) -> int:

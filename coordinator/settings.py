@@ -60,6 +60,13 @@ class CoordinatorSettings(BaseSettings):
                               "only when all are full")
     batch_wait_ms: float = Field(200.0, gt=0, description="longest a batch group's step waits for a member's chunk; "
                                  "a member later than that sits the step out (a slow client never stalls the others)")
+    prefix_cache: bool = Field(True, description="keep a finished request's KV on the stages and prefill only what a "
+                               "new prompt adds to it (the next turn of a chat)")
+    prefix_cache_tokens: int = Field(16384, ge=0, description="bound on the tokens all retained sessions hold "
+                                     "together (least recently used evicted first; the workers' KV budgets bound "
+                                     "them too)")
+    prefix_cache_min_tokens: int = Field(16, ge=1, description="shortest common prefix worth reusing")
+    prefix_cache_idle_s: float = Field(300.0, gt=0, description="a retained session unused this long is freed")
     failover_attempts: int = Field(2, ge=0, le=16, description="times a request moves to replica workers after a "
                                    "stage fails mid-generation (its KV rebuilt from its tokens); 0 = fail at once")
     secret: Path | None = Field(None, description="file holding the fleet's shared key (stripped): every call to a "

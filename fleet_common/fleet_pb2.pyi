@@ -17,14 +17,16 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_context", "manifest_sha256")
+    __slots__ = ("session_id", "max_context", "manifest_sha256", "resume")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_context: int
     manifest_sha256: str
-    def __init__(self, session_id: _Optional[str] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, session_id: _Optional[str] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("stage",)
@@ -131,6 +133,30 @@ class MergeReply(_message.Message):
     length: int
     rows: int
     def __init__(self, length: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class CopyRequest(_message.Message):
+    __slots__ = ("session_id", "source", "row", "tokens", "max_context", "manifest_sha256")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    source: str
+    row: int
+    tokens: int
+    max_context: int
+    manifest_sha256: str
+    def __init__(self, session_id: _Optional[str] = ..., source: _Optional[str] = ..., row: _Optional[int] = ..., tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+
+class CopyReply(_message.Message):
+    __slots__ = ("length", "compute_ms")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    compute_ms: float
+    def __init__(self, length: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("subscriber_id",)

@@ -59,6 +59,11 @@ class StageStub:
                 request_serializer=fleet__pb2.MergeRequest.SerializeToString,
                 response_deserializer=fleet__pb2.MergeReply.FromString,
                 _registered_method=True)
+        self.Copy = channel.unary_unary(
+                '/fleet.v1.Stage/Copy',
+                request_serializer=fleet__pb2.CopyRequest.SerializeToString,
+                response_deserializer=fleet__pb2.CopyReply.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/fleet.v1.Stage/Subscribe',
                 request_serializer=fleet__pb2.SubscribeRequest.SerializeToString,
@@ -104,6 +109,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Copy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Subscribe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -143,6 +154,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Merge,
                     request_deserializer=fleet__pb2.MergeRequest.FromString,
                     response_serializer=fleet__pb2.MergeReply.SerializeToString,
+            ),
+            'Copy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Copy,
+                    request_deserializer=fleet__pb2.CopyRequest.FromString,
+                    response_serializer=fleet__pb2.CopyReply.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -290,6 +306,33 @@ class Stage:
             '/fleet.v1.Stage/Merge',
             fleet__pb2.MergeRequest.SerializeToString,
             fleet__pb2.MergeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Copy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.Stage/Copy',
+            fleet__pb2.CopyRequest.SerializeToString,
+            fleet__pb2.CopyReply.FromString,
             options,
             channel_credentials,
             insecure,

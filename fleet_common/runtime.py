@@ -297,6 +297,38 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
             lock.release()
 
 
+def copy_prefix(session_id: str, source: KVSession, row: int, tokens: int, request: ov.InferRequest,
+                max_context: int) -> KVSession:
+    """A new one-row session holding the first ``tokens`` visible slots of ``row`` of ``source``, packed
+    (slot i holds logical position i: a row's visible slots hold its tokens in order, keys stored rotated,
+    so attention over the copy is unchanged). ``source`` is not modified. The new session reserves
+    ``max_context`` slots. A retained conversation's KV is taken this way (prefix caching).
+
+    Raises ``ChunkError`` for a row or token count the source does not have, ``ContextOverflow`` when
+    ``max_context < tokens``, ``SessionConflict`` for a closed source.
+    """
+    with source.lock:
+        _check_open(source, source.length)
+        if not 0 <= row < source.rows:
+            raise ChunkError(f"row {row} is not one of the session's {source.rows}")
+        keep = np.flatnonzero(source.visible[row, : source.length])
+        if not 0 < tokens <= len(keep):
+            raise ChunkError(f"cannot copy {tokens} tokens: row {row} holds {len(keep)} visible slots")
+        if tokens > max_context:
+            raise ContextOverflow(f"copying {tokens} tokens exceeds max context {max_context}")
+        keep = keep[:tokens]
+        contiguous = keep[-1] == tokens - 1  # nothing hidden before the copied slots: one slice
+        request.reset_state()
+        states = {st.name: st.state.data for st in source.request.query_state()}
+        for state in request.query_state():
+            kv = states[state.name]  # [rows, kv_heads, slots, head_dim]
+            part = kv[row:row + 1, :, :tokens] if contiguous else kv[row:row + 1, :, keep]
+            state.state = ov.Tensor(np.ascontiguousarray(part))
+    copy = KVSession(session_id, request, max_context, length=tokens)
+    copy.visible[0, :tokens] = 1
+    return copy
+
+
 def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-``k`` token ids and their log-softmax (over the full vocabulary) per position.
 

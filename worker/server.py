@@ -112,10 +112,14 @@ class StageService(pb_grpc.StageServicer):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
         max_context = min(request.max_context or self.max_context, self.max_context)
         try:
-            self.store.open(request.session_id, max_context)
-        except SessionError as exc:
+            if request.resume:
+                self.store.resume(request.session_id, max_context)
+            else:
+                self.store.open(request.session_id, max_context)
+        except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), str(exc))
-        log.debug("session %s opened (max_context %d)", request.session_id, max_context)
+        log.debug("session %s %s (max_context %d)", request.session_id, "resumed" if request.resume else "opened",
+                  max_context)
         return pb.OpenSessionReply(stage=self.runner.stage)
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionReply:
@@ -209,6 +213,24 @@ class StageService(pb_grpc.StageServicer):
         self.compactions += 1
         log.debug("session %s compacted to %d slots in %.1f ms", request.session_id, length, ms)
         return pb.CompactReply(length=length, compute_ms=ms)
+
+    async def Copy(self, request: pb.CopyRequest, context: grpc.aio.ServicerContext) -> pb.CopyReply:
+        if msg := self._check_manifest(request.manifest_sha256):
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if not request.session_id:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        max_context = min(request.max_context or self.max_context, self.max_context)
+        t0 = time.perf_counter()
+        try:  # on the inference thread: the source's state must not change while it is copied
+            session = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.store.copy, request.session_id, request.source, request.row, request.tokens,
+                max_context)
+        except (ChunkError, SessionError) as exc:
+            await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
+        ms = (time.perf_counter() - t0) * 1000
+        log.debug("session %s: %d tokens of row %d of %s copied in %.1f ms", request.session_id, request.tokens,
+                  request.row, request.source, ms)
+        return pb.CopyReply(length=session.length, compute_ms=ms)
 
     async def Merge(self, request: pb.MergeRequest, context: grpc.aio.ServicerContext) -> pb.MergeReply:
         if msg := self._check_manifest(request.manifest_sha256):

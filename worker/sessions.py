@@ -8,7 +8,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from fleet_common.runtime import KVSession, merge, shown_id
+import numpy as np
+
+from fleet_common.runtime import ContextOverflow, KVSession, copy_prefix, merge, shown_id
 
 
 def _libc_trim():  # noqa: ANN202
@@ -88,34 +90,82 @@ class SessionStore:
         """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the session cap or
         when its KV for ``max_context`` slots does not fit the budget now, ``SessionTooLarge`` when it
         would not fit even an empty worker."""
-        mib = 1 << 20
         with self._lock:
-            old = self._sessions.pop(session_id, None)
-            reserved = self._reserved_slots() * self.kv_bytes_per_slot
-            need = max_context * self.kv_bytes_per_slot
-            problem = None
-            if self.kv_budget_bytes and need > self.kv_budget_bytes:
-                if old is not None:
-                    self._sessions[session_id] = old
-                raise SessionTooLarge(f"the session needs {need / mib:.1f} MiB of KV for {max_context} slots, more "
-                                      f"than this worker's whole budget of {self.kv_budget_bytes / mib:.0f} MiB "
-                                      "(--kv-budget-mb)")
-            if len(self._sessions) >= self.max_sessions:
-                problem = f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later"
-            elif self.kv_budget_bytes and reserved + need > self.kv_budget_bytes:
-                problem = (f"KV budget full: the session needs {need / mib:.1f} MiB for {max_context} slots, "
-                           f"{(self.kv_budget_bytes - reserved) / mib:.1f} MiB of the worker's "
-                           f"{self.kv_budget_bytes / mib:.0f} MiB (--kv-budget-mb) are free; retry later")
-            if problem:
-                if old is not None:
-                    self._sessions[session_id] = old
-                raise SessionLimit(problem)
+            old = self._sessions.get(session_id)
+            self._admit(max_context, skip=(session_id,), new=old is None)
             request = old.request if old is not None else self._make_request()
             if old is not None:
                 request.reset_state()
             session = KVSession(session_id, request, max_context, last_used=self._clock())
             self._sessions[session_id] = session
             return session
+
+    def resume(self, session_id: str, max_context: int) -> KVSession:
+        """Keep ``session_id``'s KV and change its reservation to ``max_context`` slots (at least its
+        length): a retained conversation taken up by its next request, or one set aside. Raises
+        ``SessionNotFound``, ``ContextOverflow`` below its length, and what ``open`` raises for room."""
+        with self._lock:
+            session = self._live(session_id)
+            if session.rows != 1 or max_context < session.length:
+                raise ContextOverflow(f"session {shown_id(session_id)} holds {session.rows} rows of "
+                                      f"{session.length} slots; cannot resume it with {max_context}")
+            self._admit(max_context, skip=(session_id,), new=False)
+            visible = np.zeros((1, max_context), dtype=np.int64)
+            width = min(max_context, session.max_context)
+            visible[:, :width] = session.visible[:, :width]
+            session.visible, session.max_context, session.reserved = visible, max_context, [max_context]
+            session.last_used = self._clock()
+            return session
+
+    def copy(self, session_id: str, source: str, row: int, tokens: int, max_context: int) -> KVSession:
+        """A new session ``session_id`` with the first ``tokens`` visible slots of ``row`` of ``source``
+        (``fleet_common.runtime.copy_prefix``); ``source`` stays as it is. Runs on the inference thread.
+        Raises ``SessionNotFound``, ``BadMerge`` when ``session_id`` exists, ``ChunkError`` for a bad row
+        or count, and what ``open`` raises for room."""
+        with self._lock:
+            if session_id in self._sessions:
+                raise BadMerge(f"session {shown_id(session_id)} exists; a copy needs a new id")
+            src = self._live(source)
+            self._admit(max_context, new=True)
+            placeholder = KVSession(session_id, None, 0)  # holds the id (and its reservation) while copying
+            placeholder.reserved = [max_context]
+            self._sessions[session_id] = placeholder
+        try:
+            session = copy_prefix(session_id, src, row, tokens, self._make_request(), max_context)
+        except BaseException:
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            raise
+        session.last_used = self._clock()
+        with self._lock:
+            if self._sessions.get(session_id) is not placeholder:  # closed while copying
+                raise SessionNotFound(f"session {shown_id(session_id)} was closed while it was being copied")
+            self._sessions[session_id] = session
+        return session
+
+    def _live(self, session_id: str) -> KVSession:
+        session = self._sessions.get(session_id)
+        if session is None or session.request is None:
+            raise SessionNotFound(f"unknown session {shown_id(session_id)} (never opened, closed, or expired "
+                                  "when idle)")
+        return session
+
+    def _admit(self, slots: int, skip: tuple[str, ...] = (), new: bool = True) -> None:
+        """Raise unless a session of ``slots`` KV slots fits now (the ``skip`` sessions' reservations
+        not counted: they are being replaced); ``new``: it adds a session (the cap counts)."""
+        mib = 1 << 20
+        need = slots * self.kv_bytes_per_slot
+        if self.kv_budget_bytes and need > self.kv_budget_bytes:
+            raise SessionTooLarge(f"the session needs {need / mib:.1f} MiB of KV for {slots} slots, more "
+                                  f"than this worker's whole budget of {self.kv_budget_bytes / mib:.0f} MiB "
+                                  "(--kv-budget-mb)")
+        reserved = self._reserved_slots(skip) * self.kv_bytes_per_slot
+        if new and len(self._sessions) >= self.max_sessions:
+            raise SessionLimit(f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later")
+        if self.kv_budget_bytes and reserved + need > self.kv_budget_bytes:
+            raise SessionLimit(f"KV budget full: the session needs {need / mib:.1f} MiB for {slots} slots, "
+                               f"{(self.kv_budget_bytes - reserved) / mib:.1f} MiB of the worker's "
+                               f"{self.kv_budget_bytes / mib:.0f} MiB (--kv-budget-mb) are free; retry later")
 
     def merge(self, session_id: str, sources: list[str], max_context: int) -> KVSession:
         """Replace the ``sources`` sessions by one batch group ``session_id`` holding their rows in
@@ -161,7 +211,8 @@ class SessionStore:
             session = self._sessions.pop(session_id, None)
         if session is not None:
             with session.lock:
-                session.request.reset_state()
+                if session.request is not None:  # None: a copy still being made (it is dropped when done)
+                    session.request.reset_state()
                 session.request = None  # drop the InferRequest: its KV state memory goes with it
             release_free_memory()
         return session
