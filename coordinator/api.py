@@ -1,110 +1,32 @@
-"""OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/models``, ``/health``) and Prometheus
-``/metrics``."""
+"""OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/health``) and Prometheus ``/metrics``. The request bodies and the fields fleet refuses are in
+``openai_schema``; what chat and legacy completions share in ``completions``."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Literal
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field, model_validator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .engine import Engine, SamplingParams
-from .sampling import Penalties
-from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest, ModelNotFound
+from .completions import Generation, add_completions, check_model, fleet_stats, sse_response, usage
+from .engine import Engine, TextDelta
+from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest
+from .logprobs import TokenBytes, chat_logprobs
+from .openai_schema import ChatCompletionRequest, resolve_sampling
 from .web import add_web_routes
 
+__all__ = ["ApiKeys", "ChatCompletionRequest", "create_app", "resolve_sampling"]
+
 log = logging.getLogger(__name__)
-
-
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = ""
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-    @model_validator(mode="after")
-    def _unicode(self) -> ChatMessage:
-        """JSON may carry lone surrogates (``"\\ud800"``, or their UTF-8-like bytes): not characters,
-        and the tokenizer cannot take them."""
-        try:
-            self.text().encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"content is not valid Unicode: a lone surrogate at character {exc.start}") from None
-        return self
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    """The subset of OpenAI's chat completion request fleet honours (unknown fields are ignored)."""
-
-    model: str = ""
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    # sampling fields left out take the model's defaults (generation_config.json), else OpenAI's
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="fleet extension (as in vLLM): sample among the k best (0 = all)")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="fleet extension (as in vLLM, "
-                                             "transformers): > 1 discourages tokens of the prompt and output")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only one choice per request")
-    ignore_eos: bool = Field(False, description="fleet extension (as in vLLM): do not stop at end-of-sequence")
-
-
-# what a field is when neither the request nor the model's generation_config.json sets it (OpenAI's defaults)
-SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "frequency_penalty": 0.0,
-                      "presence_penalty": 0.0, "repetition_penalty": 1.0}
-
-
-def resolve_sampling(body: ChatCompletionRequest, engine: Engine) -> tuple[SamplingParams, dict]:
-    """The request's sampling parameters: its own fields, else the model's defaults, else OpenAI's; and
-    the report of what was used (the response's ``fleet.sampling``, ``from_model`` naming the defaults taken)."""
-    model = engine.generation_defaults
-    used, from_model = {}, []
-    for name, fallback in SAMPLING_FALLBACKS.items():
-        value = getattr(body, name)
-        if value is None and name in model:
-            value = model[name]
-            from_model.append(name)
-        used[name] = fallback if value is None else value
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None and "max_tokens" in model:
-        max_tokens = max(1, int(model["max_tokens"]))
-        from_model.append("max_tokens")
-    used["max_tokens"] = max_tokens or engine.settings.max_tokens_default
-    params = SamplingParams(
-        max_tokens=used["max_tokens"], temperature=used["temperature"], top_p=used["top_p"], seed=body.seed,
-        ignore_eos=body.ignore_eos, top_k=used["top_k"],
-        penalties=Penalties(used["frequency_penalty"], used["presence_penalty"], used["repetition_penalty"]))
-    return params, {**used, "from_model": from_model}
 
 
 def _error_response(exc: FleetError) -> JSONResponse:
@@ -156,6 +78,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``ApiKeys``)."""
     app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator")
     byte_limit = prompt_byte_limit(engine)
+    vocab = TokenBytes(engine.tokenizer.tokenizer)
     if keys := engine.settings.allowed_api_keys:
         app.add_middleware(ApiKeys, keys=keys)
         log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
@@ -191,23 +114,24 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "fleet",
+                # fleet extension: what requests silent on a field get
+                "generation_defaults": engine.generation_defaults}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fleet",
-                                            # fleet extension: what requests silent on a field get
-                                            "generation_defaults": engine.generation_defaults}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        check_model(model_id or "?", engine)
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):  # noqa: ANN202
-        if body.model and body.model != engine.model_name:
-            raise ModelNotFound(f"model {body.model!r} not served here; this fleet serves {engine.model_name!r}",
-                                param="model")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
+        check_model(body.model, engine)
         params, sampling = resolve_sampling(body, engine)
-        params.stop = tuple(stop)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         size = sum(len(m["content"].encode("utf-8")) for m in messages)
         if size > byte_limit:
@@ -216,65 +140,41 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
                 f"{size} bytes long, more than {engine.max_context} tokens can hold ({byte_limit} bytes). Please "
                 "reduce the length of the messages.", param="messages")
         request = engine.make_request(messages, params)
-        created = int(time.time())
-        stream = engine.generate(request)
+        head = {"id": request.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": engine.model_name}
+        n = params.logprobs
 
-        def usage() -> dict:
-            n_in, n_out = len(request.prompt_ids), len(request.output_ids)
-            return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
-        def stats() -> dict:
-            return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
-                    "draft": engine.draft_source, **request.speculation_stats(),
-                    "sampling": {**sampling, "max_tokens": request.params.max_tokens},
-                    # the exact ids behind the text (tests compare them with a reference model's)
-                    "completion_token_ids": list(request.output_ids)}
-
-        if not body.stream:
-            try:
-                text = "".join([d.text async for d in stream])
-            finally:
-                await stream.aclose()
-            return {
-                "id": request.request_id, "object": "chat.completion", "created": created, "model": engine.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": request.finish_reason.value, "logprobs": None}],
-                "usage": usage(), "fleet": stats(),
-            }
+        def logprobs(records: tuple) -> dict | None:
+            return None if n is None else chat_logprobs(list(records), vocab, n)
 
         # Start generating before the 200 goes out, so admission and pipeline errors get a status code.
-        first = await anext(stream)
+        gen = Generation(engine, request)
+        await gen.start()
+        if not body.stream:
+            deltas = await gen.deltas()
+            return {
+                **head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                             "finish_reason": request.finish_reason.value,
+                             "logprobs": logprobs(tuple(r for d in deltas for r in d.logprobs))}],
+                "usage": usage(request), "fleet": fleet_stats(engine, request, sampling),
+            }
 
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            return "data: " + json.dumps({
-                "id": request.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": engine.model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            }) + "\n\n"
+        def choice(delta: TextDelta) -> dict | None:
+            if not delta.text and not delta.logprobs:
+                return None
+            return {"index": 0, "delta": {"content": delta.text}, "logprobs": logprobs(delta.logprobs),
+                    "finish_reason": None}
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                delta = first
-                while True:
-                    if delta.text:
-                        yield chunk({"content": delta.text})
-                    if delta.finish_reason is not None:
-                        yield chunk({}, delta.finish_reason.value)
-                        break
-                    delta = await anext(stream)
-                if body.stream_options and body.stream_options.include_usage:
-                    yield "data: " + json.dumps({"id": request.request_id, "object": "chat.completion.chunk",
-                                                 "created": created, "model": engine.model_name, "choices": [],
-                                                 "usage": usage(), "fleet": stats()}) + "\n\n"
-            except FleetError as exc:
-                log.warning("%s: failed mid-stream: %s%s", request.request_id, exc.message,
-                            f" ({exc.detail})" if exc.detail else "")
-                yield "data: " + json.dumps(exc.body()) + "\n\n"
-            finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
+        def finish(delta: TextDelta) -> dict:
+            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason.value}
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        tail = (lambda: {"usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}) if include_usage \
+            else None
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return sse_response(gen, head, choice, finish, tail, opening)
 
+    add_completions(app, engine, vocab, byte_limit)
     add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
     return app

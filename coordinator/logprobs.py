@@ -85,7 +85,7 @@ class LogprobLog:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet (byte -> the printable character standing for it in the vocabulary),
     as HF tokenizers' ``ByteLevel`` pre-tokenizer and decoder use (openai/gpt-2 ``encoder.py``)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = list(printable), 0
     for b in range(256):
         if b not in printable:

@@ -1,0 +1,214 @@
+"""What the chat and the legacy completion endpoints share (a request's deltas with prefill progress,
+the SSE stream, usage and the ``fleet`` report), and ``/v1/completions`` itself: a raw prompt (a
+string or token ids), not run through the chat template."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from .engine import Engine, Request, RequestStatus, TextDelta
+from .errors import ContextLengthExceeded, FleetError, InvalidRequest, ModelNotFound
+from .logprobs import TokenBytes, completion_logprobs
+from .openai_schema import CompletionRequest, resolve_sampling
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.5  # a streamed request admitted this long without a token starts its response
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens of a legacy completion (vLLM's too)
+
+
+class Generation:
+    """One request's deltas for an HTTP response: ``start``, then ``events`` (streamed) or ``text``.
+
+    A streamed request's response starts (HTTP 200) with its first delta, or once it is admitted (KV
+    open on every stage) and has prefilled for ``PROGRESS_INTERVAL_S`` without one: then, until the
+    first delta, an SSE comment ``: prefill DONE/TOTAL`` (prompt tokens on the stages, in
+    ``prefill_chunk`` steps) goes out at once and every ``PROGRESS_INTERVAL_S``, which clients skip (openai-python
+    ignores lines starting with ``:``) and which keeps proxies from timing a long prefill out.
+    Errors before the response starts (the queue, admission, no pipeline) keep their status code;
+    later ones go out in the stream as an error event."""
+
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self.request = request
+        self._deltas = engine.generate(request)
+        self._pull: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        """Wait for the first delta or for a long prefill under way; raises what the engine raised."""
+        self._pull = asyncio.ensure_future(anext(self._deltas))
+        try:
+            while not self._pull.done():
+                await asyncio.wait({self._pull}, timeout=PROGRESS_INTERVAL_S)
+                if self.request.status is not RequestStatus.WAITING:
+                    break
+            if self._pull.done():
+                self._pull.result()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def events(self) -> AsyncIterator[TextDelta | str]:
+        """The deltas up to the finishing one, after ``start``; before the first, SSE progress comments."""
+        while self._pull is not None:
+            if not self._pull.done() and self.request.status is RequestStatus.PREFILL:
+                yield f": prefill {self.request.prefilled}/{len(self.request.prompt_ids)}\n\n"
+            await asyncio.wait({self._pull}, timeout=PROGRESS_INTERVAL_S)
+            if not self._pull.done():
+                continue
+            pull, self._pull = self._pull, None
+            delta = pull.result()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+        while (delta := await anext(self._deltas)).finish_reason is None:
+            yield delta
+        yield delta
+
+    async def deltas(self) -> list[TextDelta]:
+        """Every delta (a request not streamed), after ``start``."""
+        try:
+            return [d async for d in self.events() if not isinstance(d, str)]
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop generating (when not finished: the request is cancelled and its KV freed)."""
+        if self._pull is not None and not self._pull.done():
+            self._pull.cancel()
+            with contextlib.suppress(BaseException):
+                await self._pull
+        self._pull = None
+        await self._deltas.aclose()
+
+
+def usage(request: Request) -> dict:
+    n_in, n_out = len(request.prompt_ids), len(request.output_ids)
+    # cached_tokens: prompt tokens whose KV a retained session gave (prefix cache), not prefilled
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+
+
+def fleet_stats(engine: Engine, request: Request, sampling: dict) -> dict:
+    """The response's ``fleet`` field: timings, speculation, the sampling used and the output ids."""
+    return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
+            "draft": engine.draft_source, **request.speculation_stats(), "cached_tokens": request.cached_tokens,
+            "sampling": {**sampling, "max_tokens": request.params.max_tokens},
+            # the exact ids behind the text (tests compare them with a reference model's)
+            "completion_token_ids": list(request.output_ids)}
+
+
+def check_model(name: str, engine: Engine) -> None:
+    if name and name != engine.model_name:
+        raise ModelNotFound(f"model {name!r} not served here; this fleet serves {engine.model_name!r}", param="model")
+
+
+def sse_response(gen: Generation, head: dict, choice: Callable[[TextDelta], dict | None],
+                 finish: Callable[[TextDelta], dict], tail: Callable[[], dict] | None,
+                 opening: dict | None = None) -> StreamingResponse:
+    """The SSE stream of a started ``gen``: one chunk ``{**head, choices: [choice(delta)]}`` per delta
+    (skipped when ``choice`` gives None), then ``finish(last delta)``'s chunk, then (``tail``, for
+    ``stream_options.include_usage``) a chunk with no choices and ``tail()``'s fields, then
+    ``data: [DONE]``. Every chunk before that carries ``usage: null`` when ``tail`` is given (OpenAI's
+    rule). A failure mid-stream is sent as an ``{"error": ...}`` event (openai-python raises it)."""
+    extra = {"usage": None} if tail is not None else {}
+
+    def data(choices: list[dict]) -> str:
+        return "data: " + json.dumps({**head, "choices": choices, **extra}) + "\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if opening is not None:
+                yield data([opening])
+            async for item in gen.events():
+                if isinstance(item, str):
+                    yield item
+                    continue
+                if (c := choice(item)) is not None:
+                    yield data([c])
+                if item.finish_reason is not None:
+                    yield data([finish(item)])
+            if tail is not None:
+                yield "data: " + json.dumps({**head, "choices": [], **tail()}) + "\n\n"
+        except FleetError as exc:
+            log.warning("%s: failed mid-stream: %s%s", gen.request.request_id, exc.message,
+                        f" ({exc.detail})" if exc.detail else "")
+            yield "data: " + json.dumps(exc.body()) + "\n\n"
+        finally:
+            await gen.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def prompt_ids(prompt: str | list[int], engine: Engine, byte_limit: int) -> list[int]:
+    """A legacy completion's prompt as token ids: a string is tokenized as it is (no chat template;
+    special tokens the tokenizer's post-processor adds, such as a BOS, are added, as transformers'
+    ``tokenizer(prompt)`` does); token ids must be ids of the model's vocabulary. Raises
+    ``InvalidRequest`` / ``ContextLengthExceeded``."""
+    if isinstance(prompt, list):
+        vocab = engine.manifest.architecture.vocab_size
+        if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
+            raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary (0 to {vocab - 1})",
+                                 param="prompt")
+        return list(prompt)
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"prompt is not valid Unicode: a lone surrogate at character {exc.start}",
+                             param="prompt") from None
+    if size > byte_limit:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {engine.max_context} tokens. However, your prompt is {size} "
+            f"bytes long, more than {engine.max_context} tokens can hold ({byte_limit} bytes). Please reduce the "
+            "length of the prompt.", param="prompt")
+    ids = engine.tokenizer.tokenizer.encode(prompt, add_special_tokens=True).ids
+    if not ids:
+        raise InvalidRequest("prompt is empty: give at least one token", param="prompt")
+    return ids
+
+
+def add_completions(app: FastAPI, engine: Engine, vocab: TokenBytes, byte_limit: int) -> None:
+    """Serve ``POST /v1/completions`` (OpenAI's legacy completions) on ``app``."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):  # noqa: ANN202
+        check_model(body.model, engine)
+        params, sampling = resolve_sampling(body, engine, COMPLETION_MAX_TOKENS)
+        request = engine.request_for(prompt_ids(body.single_prompt(), engine, byte_limit), params, "prompt", "cmpl")
+        head = {"id": request.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": engine.model_name}
+        n = params.logprobs
+
+        def logprobs(records: tuple) -> dict | None:
+            return None if n is None else completion_logprobs(list(records), vocab, n)
+
+        gen = Generation(engine, request)
+        await gen.start()
+        if not body.stream:
+            deltas = await gen.deltas()
+            records = tuple(r for d in deltas for r in d.logprobs)
+            return {**head, "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
+                                         "logprobs": logprobs(records),
+                                         "finish_reason": request.finish_reason.value}],
+                    "usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}
+
+        def choice(delta: TextDelta) -> dict | None:
+            if not delta.text and not delta.logprobs:
+                return None
+            return {"index": 0, "text": delta.text, "logprobs": logprobs(delta.logprobs), "finish_reason": None}
+
+        def finish(delta: TextDelta) -> dict:
+            return {"index": 0, "text": "", "logprobs": None, "finish_reason": delta.finish_reason.value}
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        tail = (lambda: {"usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}) if include_usage \
+            else None
+        return sse_response(gen, head, choice, finish, tail)

@@ -1,0 +1,231 @@
+"""The OpenAI request bodies fleet takes (chat and legacy completions), what each field becomes, and a
+clear 400 for every field OpenAI defines that fleet does not implement.
+
+Fields fleet accepts and ignores, harmless no-ops: ``user``, ``metadata``, ``store`` false,
+``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls`` (without tools),
+``stream_options`` without ``stream`` (a response not streamed always carries usage),
+``stream_options.include_obfuscation``, ``top_logprobs: 0`` without ``logprobs``, ``modalities: ["text"]``,
+``tool_choice: "none"``/``"auto"`` without tools, and fields OpenAI does not define (clients add vendor
+fields: ``chat_template_kwargs``, ``return_progress``). Every other OpenAI field that would change the
+answer (``tools``, ``functions``, ``response_format`` other than text, ``logit_bias``, ``n`` > 1,
+``echo``, ``suffix``, ``best_of`` > 1, ``audio``, ``prediction``, ``reasoning_effort``, ``verbosity``,
+``web_search_options``) is refused with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from .engine import Engine, SamplingParams
+from .errors import InvalidRequest
+from .sampling import Penalties
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+    @model_validator(mode="after")
+    def _unicode(self) -> ChatMessage:
+        """JSON may carry lone surrogates (``"\\ud800"``, or their UTF-8-like bytes): not characters,
+        and the tokenizer cannot take them."""
+        try:
+            self.text().encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"content is not valid Unicode: a lone surrogate at character {exc.start}") from None
+        return self
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # fleet never pads chunks: nothing to obfuscate
+
+
+class SamplingRequest(BaseModel):
+    """Fields the chat and the legacy completion requests share (unknown fields are ignored)."""
+
+    model: str = ""
+    max_tokens: int | None = Field(None, ge=1)
+    # sampling fields left out take the model's defaults (generation_config.json), else OpenAI's
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="fleet extension (as in vLLM): sample among the k best (0 = all)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="fleet extension (as in vLLM, "
+                                             "transformers): > 1 discourages tokens of the prompt and output")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, description="only one choice per request")
+    ignore_eos: bool = Field(False, description="fleet extension (as in vLLM): do not stop at end-of-sequence")
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, unused
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; N: each token's logprob and its N best candidates'."""
+        return None
+
+    def refuse_unsupported(self) -> None:
+        """Raise ``InvalidRequest`` naming the first field set to something fleet does not implement."""
+        if self.n not in (None, 1):
+            _refuse("n", "fleet generates one choice per request; send n requests instead (n must be 1)")
+        if self.logit_bias:
+            _refuse("logit_bias", "the last stage returns only its best candidates, so a bias over the whole "
+                    "vocabulary cannot be applied")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """OpenAI's chat completion request, as fleet honours it (see the module docstring for the rest)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted: without tools it says nothing
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None  # accepted, unused (only stored completions keep it)
+    service_tier: str | None = None  # accepted: fleet has one tier
+    prompt_cache_key: str | None = None  # accepted: fleet matches prompts by their tokens
+    safety_identifier: str | None = None  # accepted, unused
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            _refuse("top_logprobs", "top_logprobs needs logprobs: true", plain=True)
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        tools = "fleet does not implement tool calling (tools, tool_choice, functions); send the request without them"
+        if self.tools:
+            _refuse("tools", tools)
+        if self.functions:
+            _refuse("functions", tools)
+        if self.tool_choice not in (None, "none", "auto"):
+            _refuse("tool_choice", tools)
+        if self.function_call not in (None, "none", "auto"):
+            _refuse("function_call", tools)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            kind = self.response_format.get("type")
+            _refuse("response_format", f"only {{'type': 'text'}} is supported, not {kind!r}: fleet has no JSON mode "
+                    "or structured output (constrained decoding), and a JSON request answered in prose would "
+                    "look like success")
+        if self.modalities not in (None, ["text"]) or self.audio is not None:
+            _refuse("audio" if self.audio is not None else "modalities", "fleet generates text only")
+        for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options"):
+            if getattr(self, name) is not None:
+                _refuse(name, "fleet does not implement it")
+        if self.store:
+            _refuse("store", "fleet does not store completions (store must be false)")
+
+
+class CompletionRequest(SamplingRequest):
+    """OpenAI's legacy completion request (``/v1/completions``): a raw prompt, no chat template."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            _refuse("echo", "the prompt is not sent back (its logprobs are not computed); echo must be false")
+        if self.suffix:
+            _refuse("suffix", "fleet does not implement insertion (fill in the middle)")
+        if self.best_of not in (None, 1):
+            _refuse("best_of", "fleet generates one completion per request (best_of must be 1)")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (a string or token ids): a list of several is refused (one per request)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                _refuse("prompt", f"a list of {len(prompt)} prompts: fleet takes one prompt per request (a string or "
+                        "a list of token ids); send one request per prompt", plain=True)
+            prompt = prompt[0]
+        if not prompt:
+            raise InvalidRequest("prompt is empty: give at least one token", param="prompt")
+        return prompt
+
+
+def _refuse(field: str, why: str, plain: bool = False) -> None:
+    message = why if plain else f"{field} is not supported by fleet: {why}"
+    raise InvalidRequest(message, param=field)
+
+
+# what a field is when neither the request nor the model's generation_config.json sets it (OpenAI's defaults)
+SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "frequency_penalty": 0.0,
+                      "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def resolve_sampling(body: SamplingRequest, engine: Engine, max_tokens_default: int | None = None,
+                     ) -> tuple[SamplingParams, dict]:
+    """The request's sampling parameters: its own fields, else the model's defaults, else OpenAI's; and
+    the report of what was used (the response's ``fleet.sampling``, ``from_model`` naming the defaults taken).
+
+    ``max_tokens_default`` replaces the coordinator's ``max_tokens_default`` for requests silent on it
+    (the legacy completions' 16). Raises ``InvalidRequest`` for an unsupported field (``refuse_unsupported``),
+    a bad ``stop`` list, or more ``top_logprobs``/``logprobs`` than the ``sample_top_k`` candidates."""
+    body.refuse_unsupported()
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not s for s in stop):
+        raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
+    logprobs = body.logprob_count()
+    if logprobs is not None and logprobs > (limit := engine.settings.sample_top_k):
+        field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise InvalidRequest(f"{field} is {logprobs}, more than the {limit} candidates this fleet's last stage "
+                             f"returns per token (the coordinator's --sample-top-k); ask for at most {limit}",
+                             param=field)
+    model = engine.generation_defaults
+    used, from_model = {}, []
+    for name, fallback in SAMPLING_FALLBACKS.items():
+        value = getattr(body, name)
+        if value is None and name in model:
+            value = model[name]
+            from_model.append(name)
+        used[name] = fallback if value is None else value
+    max_tokens = body.max_tokens_asked()
+    if max_tokens is None and "max_tokens" in model:
+        max_tokens = max(1, int(model["max_tokens"]))
+        from_model.append("max_tokens")
+    used["max_tokens"] = max_tokens or max_tokens_default or engine.settings.max_tokens_default
+    params = SamplingParams(
+        max_tokens=used["max_tokens"], temperature=used["temperature"], top_p=used["top_p"], seed=body.seed,
+        stop=tuple(stop), ignore_eos=body.ignore_eos, top_k=used["top_k"], logprobs=logprobs,
+        penalties=Penalties(used["frequency_penalty"], used["presence_penalty"], used["repetition_penalty"]))
+    return params, {**used, "from_model": from_model}
