@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server and rpc-server (RPC backend on, CPU, native ISA) for the comparison in
+# bench/interleave_bench.py --llama-cpp. The source is the llama.cpp vendored in PyPI's llama-cpp-python
+# sdist at a pinned version (the machine reaches PyPI, not GitHub). Nothing lands in the repository:
+# the build goes to $LLAMA_CPP_DIR (default ~/.cache/fleet/llama.cpp). Idempotent: a finished build at
+# the same version only prints the binaries' paths. About 5 minutes on 2 cores (5 min 10 s here).
+#   bench/build_llama_cpp.sh            # then: bench/interleave_bench.py --llama-cpp
+#   LLAMA_CPP_DIR=/tmp/lc JOBS=4 bench/build_llama_cpp.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+DIR=${LLAMA_CPP_DIR:-$HOME/.cache/fleet/llama.cpp}
+JOBS=${JOBS:-2}
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+SRC="$DIR/src-$VERSION"
+OUT="$DIR/build-$VERSION"
+BIN="$OUT/bin"
+
+if [ -x "$BIN/llama-server" ] && [ -x "$BIN/rpc-server" ]; then
+  echo "llama-server: $BIN/llama-server"; echo "rpc-server: $BIN/rpc-server"; exit 0
+fi
+
+missing=()
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+command -v make >/dev/null || missing+=(make)
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=$( [ "$(id -u)" = 0 ] && echo "" || echo sudo )
+  echo "installing ${missing[*]} with apt-get" >&2
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
+fi
+
+mkdir -p "$DIR"
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+  tmp=$(mktemp -d "$DIR/.download.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  "$PYTHON" -m pip download --disable-pip-version-check -q --no-binary :all: --no-deps \
+    -d "$tmp" "llama-cpp-python==$VERSION"
+  tar -xzf "$tmp"/llama_cpp_python-"$VERSION".tar.gz -C "$tmp"
+  rm -rf "$SRC"
+  mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
+fi
+
+# GGML_NATIVE: the kernels for this CPU (llama.cpp's own default build). This version has no libcurl
+# (LLAMA_CURL is deprecated and ignored); LLAMA_OPENSSL off so no libssl-dev is needed: we serve loopback.
+# The RPC server's target is ggml-rpc-server here (rpc-server in older trees); we link it as rpc-server.
+cmake -S "$SRC" -B "$OUT" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+cmake --build "$OUT" --config Release -j "$JOBS" --target llama-server ggml-rpc-server
+ln -sf ggml-rpc-server "$BIN/rpc-server"
+echo "llama-server: $BIN/llama-server"
+echo "rpc-server: $BIN/rpc-server"
