@@ -530,6 +530,8 @@ class Engine:
                 if seat.group is None:  # decode in a batch group: one infer call per stage for all its sessions
                     await seat.join(logical)
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
+                if k and seat.draft_prefill is not None and not seat.draft_prefill.done():
+                    await seat.draft_prefill  # the draft must hold the prompt before it proposes
                 t0 = time.perf_counter()
                 draft, qs = await self._propose(request, seat.member, drafter, k, draft_rng_at)
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
@@ -574,14 +576,13 @@ class Engine:
         return drafter
 
     async def _prefill_all(self, request: Request, seat: _Seat, drafter, top_k: int):  # noqa: ANN001, ANN202
-        """Prefill the prompt on the stages and, at the same time, in the draft model; the candidates of
-        the prompt's last position (a StepOutput)."""
+        """Prefill the prompt on the stages and, at the same time, in the draft model (awaited before the
+        first proposal, not before the first token); the candidates of the prompt's last position (a
+        StepOutput)."""
         request.status = RequestStatus.PREFILL
         if drafter is not None:  # the draft prefills here while the stages prefill
             seat.draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, request.prompt_ids))
         out = await seat.prefill(request.prompt_ids, top_k)
-        if seat.draft_prefill is not None:
-            await seat.draft_prefill
         request.status = RequestStatus.DECODE
         return out
 

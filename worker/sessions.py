@@ -129,6 +129,7 @@ class SessionStore:
             self._admit(max_context, new=True)
             placeholder = KVSession(session_id, None, 0)  # holds the id (and its reservation) while copying
             placeholder.reserved = [max_context]
+            placeholder.last_used = self._clock()  # not idle: the expiry sweep must leave it
             self._sessions[session_id] = placeholder
         try:
             session = copy_prefix(session_id, src, row, tokens, self._make_request(), max_context)
