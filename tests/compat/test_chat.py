@@ -42,6 +42,18 @@ def test_chat_response_shape(client, model):
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
 
 
+def test_cached_tokens_on_a_repeated_prompt(client, model):
+    """How users diagnose prefix caching: ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's
+    field, which llama.cpp and exo fill; vLLM's test_cache_accounting asks the same of a repeat)."""
+    messages = [{"role": "user", "content": f"Tell me about owls, reader {uuid.uuid4().hex[:8]}."}]
+    first, second = (client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
+                     for _ in range(2))
+    for r in (first, second):
+        assert 0 <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+    if not EXTERNAL:  # fleet keeps the KV: all but the last prompt token (it is run for the first token's logits)
+        assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+
 def test_stream_wire_shape_and_include_usage(http, model):
     """The SSE rules (llama.cpp's and vLLM's server tests): text/event-stream; one id; the first chunk
     is the assistant role; the finish chunk has no content; with include_usage every chunk has
