@@ -77,12 +77,13 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
 def _cmd_build(args: argparse.Namespace) -> int:
     from .locate import locate
 
+    _check_weights_args(args)  # bad options fail before the model is even looked for
     located = locate(args.src)  # a path, an Ollama name or an LM Studio model (compiler/locate.py)
     if located.origin != "path":
         print(f"{located.origin} model {args.src}: {located.path}")
     args.src = located.path
     devices = _follow_plan(args)
-    _check_weights_args(args)  # bad options fail before any weight is read
+    _check_weights_args(args)  # and with the plan's weights, before any weight is read
     from .build import build
     from .compress import describe
 
