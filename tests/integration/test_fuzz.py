@@ -690,7 +690,7 @@ BAD_FIELDS = {
 HTTP_BREAKS = st.sets(st.sampled_from(sorted(BAD_FIELDS)), min_size=1, max_size=3)
 JSON_TOP = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20),
                      st.lists(st.integers(), max_size=3), st.just([GOOD_BODY]))
-OTHER_PATHS = st.one_of(st.sampled_from(["/", "/v1", "/v1/", "/v1/completions", "/v1/embeddings", "/v1/chat",
+OTHER_PATHS = st.one_of(st.sampled_from(["/static/nope.js", "/static/../README.md", "/v1", "/v1/", "/v1/completions", "/v1/embeddings", "/v1/chat",
                                          "/v1/chat/completions/", "/v1/chat/completions/x", "/v1/models/x", "/admin",
                                          "/%00", "/v1/chat/completions%20", "/" + "a" * 5000]),
                         st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e,
