@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .completions import Generation, add_completions, check_model, fleet_stats, sse_response, usage
-from .engine import Engine, TextDelta
+from .engine import Engine
+from .request import TextDelta
 from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest
 from .logprobs import TokenBytes, chat_logprobs
 from .openai_schema import ChatCompletionRequest, resolve_sampling

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from .engine import Engine, Request, RequestStatus, TextDelta
+from .engine import Engine
+from .request import Request, RequestStatus, TextDelta
 from .errors import ContextLengthExceeded, FleetError, InvalidRequest, ModelNotFound
 from .logprobs import TokenBytes, completion_logprobs
 from .openai_schema import CompletionRequest, resolve_sampling

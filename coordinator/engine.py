@@ -8,174 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from fleet_common.manifest import LoadedManifest
 
-from .batching import BatchGroup, Batcher, Member
-from .metrics import CoordinatorMetrics
+from .batching import Batcher, Member
+from .draft import DraftModel
 from .errors import (ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown,
                      StageFailure)
-from .registry import Registry
-from .sampling import Penalties, SparseDist, generation_defaults, penalized_distribution
-from .draft import DraftModel
-from .logprobs import LogprobLog, TokenLogprob
+from .metrics import CoordinatorMetrics
 from .prefix_cache import PrefixCache, Retained, new_session_id
-from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
+from .registry import Registry
+from .request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta, position_generators
+from .sampling import SparseDist, generation_defaults
+from .seat import Seat
 from .settings import CoordinatorSettings
+from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"  # the client went away
-
-
-class FinishReason(str, enum.Enum):
-    """OpenAI ``finish_reason`` values."""
-
-    STOP = "stop"  # end-of-sequence token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit reached
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding parameters (OpenAI semantics)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks, fixed-length runs)
-    top_k: int = 0  # sample among this many best candidates (0 = all the last stage returns)
-    penalties: Penalties = field(default_factory=Penalties)
-    logprobs: int | None = None  # None: none; N: each token's logprob and its N best candidates' (logprobs.py)
-
-
-@dataclass
-class Request:
-    """One generation request; token lists change only through its methods."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    status: RequestStatus = RequestStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    created: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    drafted: int = 0  # draft tokens sent for verification
-    accepted: int = 0  # of those, accepted by the target
-    verify_steps: int = 0  # decode steps that carried drafts
-    draft_ms: float = 0.0  # time spent proposing drafts
-    verify_ms: float = 0.0  # wall time of the steps that verified drafts
-    compactions: int = 0  # KV compactions (one state rewrite per stage each)
-    batch_max: int = 0  # most sessions that shared one of its decode steps (its batch group's size)
-    failovers: int = 0  # times it moved to replica workers after a stage failed
-    output_counts: dict[int, int] = field(default_factory=dict)  # times each token was generated (penalties)
-    prefilled: int = 0  # prompt tokens on the stages so far (streamed as prefill progress)
-    cached_tokens: int = 0  # prompt tokens whose KV a retained session gave (prefix cache), not prefilled
-    logprobs: LogprobLog | None = None  # one record per output token, when params.logprobs asks for them
-
-    def __post_init__(self) -> None:
-        if self.params.logprobs is not None and self.logprobs is None:
-            self.logprobs = LogprobLog(self.params.logprobs)
-
-    def target(self, ids: np.ndarray, logprobs: np.ndarray, ahead: list[int] = ()) -> SparseDist:  # noqa: B006
-        """What to sample the next token from, given the last stage's candidates for it: after the
-        penalties over the output so far plus ``ahead`` (drafts before this position in a verify step).
-        With logprobs asked for, the candidates are kept for the token decided here: the ``len(ahead)``-th
-        of its step, which ``append`` takes them for."""
-        p, counts = self.params, self.output_counts
-        if self.logprobs is not None:
-            self.logprobs.offer(ids, logprobs, len(ahead))
-        if p.penalties.active and ahead:
-            counts = dict(counts)
-            for token in ahead:
-                counts[token] = counts.get(token, 0) + 1
-        seen = self._prompt_set() if p.penalties.repetition != 1.0 else frozenset()
-        return penalized_distribution(ids, logprobs, p.temperature, p.top_p, p.penalties, counts, seen, p.top_k)
-
-    def _prompt_set(self) -> frozenset[int]:
-        if not hasattr(self, "_prompt_tokens"):
-            self._prompt_tokens = frozenset(self.prompt_ids)
-        return self._prompt_tokens
-
-    def record_verify(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
-        """Count one decode step that verified ``drafted`` drafts, ``accepted`` of them accepted."""
-        self.drafted += drafted
-        self.accepted += accepted
-        self.verify_steps += 1
-        self.draft_ms += draft_ms
-        self.verify_ms += verify_ms
-
-    def speculation_stats(self) -> dict:
-        """Acceptance metrics of this request (empty counts when it did not speculate)."""
-        return {
-            "drafted_tokens": self.drafted,
-            "verify_steps": self.verify_steps,
-            "accepted_tokens": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
-            # tokens emitted per verify step: accepted drafts + the target's own token
-            "mean_accepted_length": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None,
-            "draft_ms": round(self.draft_ms, 3),
-            "verify_ms": round(self.verify_ms, 3),
-            "compactions": self.compactions,
-            "batch_max": self.batch_max,
-            "failovers": self.failovers,
-        }
-
-    def append(self, token: int, offset: int = 0) -> None:
-        """Add an output token; ``offset``: the characters of completion text before its own."""
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self.output_ids.append(token)
-        self.output_counts[token] = self.output_counts.get(token, 0) + 1
-        if self.logprobs is not None:
-            self.logprobs.record(token, offset)
-
-    def take_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
-        """The logprob records not yet taken of tokens whose text starts before character ``upto``
-        (None: all), for the TextDelta carrying that text; () when none were asked for."""
-        return () if self.logprobs is None else self.logprobs.take(upto)
-
-    def finish(self, reason: FinishReason) -> None:
-        self.status, self.finish_reason, self.finished_at = RequestStatus.FINISHED, reason, time.perf_counter()
-
-    @property
-    def ttft_ms(self) -> float | None:
-        return None if self.first_token_at is None else (self.first_token_at - self.created) * 1000
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Tokens after the first per second of decoding (1 / TPOT)."""
-        if self.first_token_at is None or self.finished_at is None or len(self.output_ids) < 2:
-            return None
-        return (len(self.output_ids) - 1) / max(self.finished_at - self.first_token_at, 1e-9)
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """A piece of generated text; ``finish_reason`` is set on the last one."""
-
-    text: str
-    finish_reason: FinishReason | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text starts in ``text`` (when asked for)
 
 
 class Engine:
@@ -391,18 +245,18 @@ class Engine:
                 with contextlib.suppress(TimeoutError):  # a session or batch group freeing KV may make room
                     await asyncio.wait_for(freed.wait(), max(0.0, deadline - loop.time()))
 
-    async def _seat(self, request: Request, slots: int) -> _Seat:
+    async def _seat(self, request: Request, slots: int) -> Seat:
         """A pipeline for ``request`` with its session open on every stage. Raises ``Overloaded``,
         ``PipelineUnavailable``, or ``StageFailure`` (saying which stage has no worker left, when a
         health check of the failed one finds so)."""
         try:
-            pipeline = await self.registry.pipeline()
-            if pipeline.observe_link is None:
-                pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
             seat = await self._seat_on_retained(request, slots)
             if seat is None:
+                pipeline = await self.registry.pipeline()
+                if pipeline.observe_link is None:
+                    pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
                 await self._open_session(pipeline, request.request_id, slots)
-                seat = _Seat(self, request, pipeline, slots)
+                seat = Seat(self, request, pipeline, slots)
         except StageFailure as failure:
             if failure.address is not None:
                 await self.registry.recheck([failure.address])
@@ -412,7 +266,7 @@ class Engine:
             raise
         return seat
 
-    async def _seat_on_retained(self, request: Request, slots: int) -> _Seat | None:
+    async def _seat_on_retained(self, request: Request, slots: int) -> Seat | None:
         """A seat on a retained session's KV when ``request``'s prompt begins with one (prefix cache):
         the session itself when the prompt extends it, else a copy of the common prefix; None when
         nothing is reused (or the reuse failed: the prompt is then prefilled in full). Raises
@@ -435,13 +289,15 @@ class Engine:
                 self._evict_retained(entry)
             if isinstance(exc, Overloaded):
                 raise
+            if isinstance(exc, StageFailure):  # a worker holding it may be gone: the next pipeline leaves it out
+                await self.registry.recheck(entry.pipeline.addresses)
             log.warning("%s: could not reuse %d cached tokens of %s (%s); prefilling the whole prompt",
                         request.request_id, hit.tokens, entry.session_id, exc)
             return None
         finally:
             self.prefix_cache.copied(hit)
         request.cached_tokens = hit.tokens
-        seat = _Seat(self, request, entry.pipeline, slots, session=session, cached=hit.tokens)
+        seat = Seat(self, request, entry.pipeline, slots, session=session, cached=hit.tokens)
         seat.draft = entry.draft if hit.take else None
         return seat
 
@@ -499,7 +355,7 @@ class Engine:
 
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
-        rng_at, draft_rng_at = _generators(params.seed)
+        rng_at, draft_rng_at = position_generators(params.seed)
         # greedy without penalties needs only the best candidate (bit-identical to plain argmax)
         top_k = 1 if params.temperature <= 0 and not params.penalties.active else s.sample_top_k
         top_k = max(top_k, params.logprobs or 0)  # the API refuses more than sample_top_k
@@ -562,7 +418,7 @@ class Engine:
         finally:
             await self._end(request, seat, drafter)
 
-    def _drafter(self, request: Request, seat: _Seat, slots: int):  # noqa: ANN202 - DraftSession | None
+    def _drafter(self, request: Request, seat: Seat, slots: int):  # noqa: ANN202 - DraftSession | None
         """The draft model's session for ``request``: the retained one of its seat's session (prefix
         cache) when that fits, else a fresh one; None without a draft model or when the prompt does not
         fit the draft's context."""
@@ -575,7 +431,7 @@ class Engine:
             return None
         return drafter
 
-    async def _prefill_all(self, request: Request, seat: _Seat, drafter, top_k: int):  # noqa: ANN001, ANN202
+    async def _prefill_all(self, request: Request, seat: Seat, drafter, top_k: int):  # noqa: ANN001, ANN202
         """Prefill the prompt on the stages and, at the same time, in the draft model (awaited before the
         first proposal, not before the first token); the candidates of the prompt's last position (a
         StepOutput)."""
@@ -628,7 +484,7 @@ class Engine:
             return draft, [SparseDist.point(t) for t in draft]
         return [], []
 
-    def _verify(self, request: Request, seat: _Seat, out, draft: list[int], qs: list[SparseDist],  # noqa: ANN001
+    def _verify(self, request: Request, seat: Seat, out, draft: list[int], qs: list[SparseDist],  # noqa: ANN001
                 logical: int, rng_at, policy: AdaptiveK, drafter, *, draft_s: float,  # noqa: ANN001
                 verify_s: float) -> list[int]:
         """The tokens a step that carried ``draft`` decided (accepted drafts, then the target's own
@@ -646,7 +502,7 @@ class Engine:
         seat.group.reject(seat.member, len(draft) - accepted)  # hidden from the next step on, never trimmed
         return decided
 
-    async def _end(self, request: Request, seat: _Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
+    async def _end(self, request: Request, seat: Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
         """However ``request`` ended: count and log it, and keep its KV on every stage for a later prompt
         that begins with its tokens (a finished request, with the prefix cache on) or free it."""
         if seat.draft_prefill is not None and not seat.draft_prefill.done():
@@ -668,14 +524,14 @@ class Engine:
         else:
             await asyncio.shield(self._in_background(self._free(seat)))
 
-    async def _free(self, seat: _Seat) -> None:
+    async def _free(self, seat: Seat) -> None:
         """Free the seat's KV on every stage: its batch group drops its row, or its session is closed."""
         if seat.leave():  # its group frees the KV (the merge may still be running); it no longer runs here
             seat.pipeline.forget(seat.session)
         else:
             await self._close_in_background(seat.pipeline, seat.session)
 
-    async def _retain(self, request: Request, seat: _Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
+    async def _retain(self, request: Request, seat: Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
         """Keep a finished request's KV on the stages as a retained session (prefix cache): its row copied
         out of its batch group, or its solo session (prefilled only) kept with its reservation shrunk to
         what it holds; with the draft model's session for the same tokens. Frees it when that fails."""
@@ -733,102 +589,3 @@ class Engine:
 
 async def _pull(deltas: AsyncIterator[TextDelta]) -> TextDelta | None:
     return await anext(deltas, None)
-
-
-def _generators(seed: int | None):  # noqa: ANN202
-    """(target's, draft's) generator makers: one generator per logical position, seeded by (seed, position),
-    so a seeded run is reproducible, with point-mass drafts (greedy, ngram) whatever the draft lengths were
-    (see speculative.verify); the draft's draws are independent of the target's. No seed: a random one."""
-    seed = (seed if seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
-
-    def rng_at(position: int) -> np.random.Generator:
-        return np.random.default_rng([seed, position])
-
-    def draft_rng_at(position: int) -> np.random.Generator:
-        return np.random.default_rng([seed, position, 1])
-    return rng_at, draft_rng_at
-
-
-class _Seat:
-    """Where one request's KV lives: its pipeline and session, and its batch group row once it decodes.
-    A stage failure moves it to replica workers (``Engine._fail_over``), which rebuild the KV from the
-    tokens the coordinator owns."""
-
-    def __init__(self, engine: Engine, request: Request, pipeline, slots: int,  # noqa: ANN001
-                 session: str | None = None, cached: int = 0) -> None:
-        self.engine, self.request, self.slots = engine, request, slots
-        self.pipeline, self.session = pipeline, session or request.request_id
-        self.cached = cached  # prompt tokens the session holds already (a retained session's KV)
-        self.draft = None  # the retained draft session of those tokens (a DraftSession), if any
-        self.draft_prefill: asyncio.Future | None = None
-        self.group: BatchGroup | None = None
-        self.member: Member | None = None
-        self._joined_compactions = 0  # the group's compactions when it joined (the rest count for it)
-
-    async def prefill(self, prompt: list[int], top_k: int):  # noqa: ANN201 - StepOutput
-        """Prefill ``prompt`` on the stages after its ``cached`` tokens; the candidates of its last
-        position. On a stage failure the prefill starts over on replicas (a fresh session, given the
-        cached tokens again first)."""
-        while True:
-            try:
-                return await self.engine._prefill(self.pipeline, self.session, prompt[self.cached:], top_k,
-                                                  logits=True, request=self.request, offset=self.cached)
-            except StageFailure as exc:
-                await self._move(exc, prompt[:self.cached])
-
-    async def join(self, logical: int) -> None:
-        """Move the prefilled session (``logical`` tokens visible) into a batch group of its pipeline,
-        failing over if need be."""
-        while True:
-            self.member = Member(self.session, self.slots, logical)
-            self.group = self.engine.batcher.assign(self.pipeline)
-            try:
-                await self.group.join(self.member)
-                self._joined_compactions = self.group.compactions
-                return
-            except StageFailure as exc:
-                await self._fail_over(exc)
-
-    async def step(self, chunk: list[int], logical: int, top_k: int):  # noqa: ANN201 - StepOutput
-        """Run ``chunk`` (positions from ``logical``) in the group's next step; on a stage failure, fail
-        over, join a group of the replicas and run it there."""
-        while True:
-            if self.group is None:
-                await self.join(logical)
-            try:
-                return await self.group.step(self.member, chunk, logical, len(chunk), top_k)
-            except StageFailure as exc:
-                await self._fail_over(exc)
-
-    async def _fail_over(self, failure: StageFailure) -> None:
-        """Leave the (broken) group and move to replicas; the stages then hold prompt + output except the
-        newest token, which the next chunk feeds."""
-        await self._move(failure, self.request.prompt_ids + self.request.output_ids[:-1])
-
-    async def _move(self, failure: StageFailure, visible: list[int]) -> None:
-        self.leave()
-        self.pipeline, self.session = await self.engine._fail_over(self.request, failure, self.pipeline,
-                                                                   self.session, self.slots, visible)
-
-    def count_compactions(self) -> None:
-        """Count the group's compactions since the last count for the request."""
-        if self.group is not None:
-            self.request.compactions += self.group.compactions - self._joined_compactions
-            self._joined_compactions = self.group.compactions
-
-    def leave(self) -> bool:
-        """Leave the batch group, if in one; True when the group holds the session's KV (and frees it)."""
-        if self.group is None:
-            return False
-        owned = self.member.owned
-        self.count_compactions()
-        self.group.leave(self.member)
-        self.group = None
-        return owned
-
-    def detach(self, session_id: str, tokens: int) -> asyncio.Future:
-        """Leave the batch group with the first ``tokens`` of the session's KV copied into a new session
-        ``session_id`` on every stage (``BatchGroup.detach``); the future the copy's outcome comes in."""
-        self.count_compactions()
-        group, self.group = self.group, None
-        return asyncio.ensure_future(group.detach(self.member, session_id, tokens))

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from .engine import Engine, SamplingParams
+from .engine import Engine
+from .request import SamplingParams
 from .errors import InvalidRequest
 from .sampling import Penalties
 

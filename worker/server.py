@@ -11,7 +11,6 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 import openvino as ov
 
 from fleet_common import PROTOCOL_VERSION

@@ -82,7 +82,7 @@ def test_copied_prefix_equals_never_fed_rest(build_2):
     # the source: the prompt, a verify window with two rejected drafts, one more token
     step("source", prompt, 0, 0)
     step("source", [30, 77, 999], n, n)
-    source_next = step("source", [31], n + 3, n + 1, hide=[n + 1, n + 2])
+    step("source", [31], n + 3, n + 1, hide=[n + 1, n + 2])
     for store in stores:
         store.copy("copy", "source", 0, 12, 32)
         assert store.get("copy").length == 12 and store.get("source").length == n + 4

@@ -79,7 +79,7 @@ def test_without_model_defaults_openai_defaults_apply():
 def test_verify_targets_count_the_drafts_before_their_position():
     """In a verify step, position i's target is penalized for the drafts before it (its context if they are
     accepted): the same distribution plain decoding would sample from there."""
-    from coordinator.engine import Request, SamplingParams
+    from coordinator.request import Request, SamplingParams
 
     request = Request("r", [1, 2], SamplingParams(max_tokens=8, temperature=0.0, penalties=Penalties(frequency=1.0)))
     assert request.target(IDS, LOGPROBS).ids.tolist() == [7]
