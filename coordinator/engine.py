@@ -71,6 +71,7 @@ class Engine:
         log.info("speculative decoding: draft %s, K %s", self.draft_source,
                  settings.spec_k or f"adaptive (max {settings.spec_k_max})")
         self.prefix_cache: PrefixCache | None = None
+        self._sweeper: asyncio.Task | None = None  # evicts idle retained sessions and those of dead workers
         if settings.prefix_cache:
             self.prefix_cache = PrefixCache(self._evict_retained, settings.prefix_cache_min_tokens,
                                             settings.prefix_cache_tokens, settings.prefix_cache_idle_s)
@@ -90,8 +91,17 @@ class Engine:
         self._close_in_background(entry.pipeline, entry.session_id)
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.draft_model is not None:
             self.draft_model.close()
+
+    async def _sweep(self) -> None:
+        """Every health interval: free retained sessions idle past ``--prefix-cache-idle-s`` or held on a
+        pipeline that lost a worker (so their KV does not wait for the next request to go)."""
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            self.prefix_cache.sweep()
 
     async def drain(self, grace_s: float, bound_s: float = 10.0) -> None:
         """Shut down generation: refuse new requests (``ShuttingDown``) from now on, give running ones
@@ -99,14 +109,22 @@ class Engine:
         session they held is closed at the stages."""
         self.stopping = True
         if await self._settled(grace_s, self._requests_gone):
+            await self._free_retained(bound_s)
             return
         log.warning("shutting down: ending %d running request(s) and %d queued", self.running, self._queued)
         self.cut()
         if not await self._settled(bound_s, self._requests_gone):
             log.warning("shutting down: %d request(s) still running after %.0f s", self.running, bound_s)
+        await self._free_retained(bound_s)
         if not await self._settled(bound_s, self._sessions_freed):
             log.warning("shutting down: sessions of %d batch group(s) may be left open at the stages",
                         sum(not g.idle for g in self.batcher.groups))
+
+    async def _free_retained(self, bound_s: float) -> None:
+        """Free every retained session (prefix cache) at the stages, waiting up to ``bound_s``."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            await self._settled(bound_s, lambda: not self._background)
 
     def cut(self) -> None:
         """End every running request now: its stream raises ``ShuttingDown`` and its sessions are freed."""
@@ -171,6 +189,8 @@ class Engine:
         """
         s = self.settings
         self._refuse_if_stopping()
+        if self.prefix_cache is not None and self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep())
         if not self._slots.locked():
             await self._slots.acquire()  # free: returns without suspending
         elif self._queued >= s.max_queued_requests:

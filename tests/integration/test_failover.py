@@ -110,11 +110,20 @@ def test_failed_worker_mid_stream_fails_over_to_replica(replicated, stage, how):
     health = httpx.get(f"{url}/health", timeout=5).json()
     assert health["ready"]
     assert [w for w in health["workers"] if w["address"] == failed][0]["healthy"] is False
-    # every session's KV is freed on the live workers (the one that failed over included)
+    # every session's KV is freed on the live workers (the one that failed over included), but for the
+    # finished requests' the prefix cache retains: each on every stage of a healthy pipeline
     deadline = time.monotonic() + 10
-    while any(info(a).sequences for (_, _), (p, a) in workers.items() if p.popen.poll() is None and a != failed):
+    while not kv_is_only_retained(url, workers, failed):
         assert time.monotonic() < deadline, "KV left behind on a live worker"
         time.sleep(0.2)
+
+
+def kv_is_only_retained(url: str, workers: dict, failed: str) -> bool:
+    """Whether the live workers of each stage hold exactly the coordinator's retained sessions."""
+    retained = httpx.get(f"{url}/health", timeout=5).json()["prefix_cache"]["sessions"]
+    held = [sum(info(a).sequences for (s, _), (p, a) in workers.items() if s == stage and p.popen.poll() is None
+                and a != failed) for stage in range(2)]
+    return held == [retained, retained]
 
 
 def test_sessions_spread_across_replicas_and_status_shows_them(replicated):
@@ -137,3 +146,32 @@ def test_sessions_spread_across_replicas_and_status_shows_them(replicated):
     for _, address in workers.values():
         assert address in status.stdout
     assert "stage 0" in status.stdout and "stage 1" in status.stdout and "2 replicas" in status.stdout
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_retained_conversation_whose_worker_died_is_prefilled_again(replicated, stage):
+    """Prefix caching meets failover: a worker holding a finished chat's retained KV dies; the chat's next
+    request (sent at once, before a health check can notice) is prefilled afresh on the replicas and
+    answers exactly as it did from the cache. (Stage 0's loss shows as a failed copy of the retained KV,
+    the last stage's as a broken result stream: the retained session is passed over.)"""
+    workers, coordinator, url = replicated
+    messages = [{"role": "user", "content": "Name three colours."}]
+
+    def ask() -> dict:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                       json={"messages": messages, "temperature": 0, "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    messages.append({"role": "assistant", "content": ask()["choices"][0]["message"]["content"]})
+    messages.append({"role": "user", "content": "And three animals?"})
+    cached = ask()
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    failed = fail_busy_worker(workers, stage, "kill")  # the only sequence left: the retained session's
+    again = ask()
+    assert again["choices"][0]["message"]["content"] == cached["choices"][0]["message"]["content"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    deadline = time.monotonic() + 10
+    while not kv_is_only_retained(url, workers, failed):
+        assert time.monotonic() < deadline, "KV left behind on a live worker"
+        time.sleep(0.2)
