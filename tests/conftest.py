@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -19,13 +20,23 @@ BIN = Path(sys.executable).parent
 MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))
 
 
+@functools.cache
+def build_sources() -> tuple[str, ...]:
+    """The repo's source files a build runs (relative paths): every module compiler.build and compiler.draft
+    import, found by importing them in a fresh interpreter (tests/build_sources.py), not a hand-kept list."""
+    out = subprocess.run([sys.executable, "-m", "tests.build_sources"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return tuple(out.stdout.split())
+
+
 def _compiler_key() -> str:
-    """Builds are cached per version of the code a build runs (every compiler module, the manifest schema
-    and the protocol version), so a change to any of them rebuilds."""
-    digest = hashlib.sha256()
-    for path in [*sorted((ROOT / "compiler").glob("*.py")), ROOT / "fleet_common" / "manifest.py",
-                 ROOT / "fleet_common" / "__init__.py"]:
-        digest.update(path.read_bytes())
+    """Builds are cached per version of the code a build runs (``build_sources``: the compiler modules, the
+    manifest schema, ...) and the protocol version, so a change to any of them rebuilds."""
+    from fleet_common import PROTOCOL_VERSION
+
+    digest = hashlib.sha256(f"protocol {PROTOCOL_VERSION}".encode())
+    for path in build_sources():
+        digest.update(path.encode() + b"\0" + (ROOT / path).read_bytes())
     return digest.hexdigest()[:10]
 
 
@@ -42,12 +53,15 @@ DRAFTS = ("self-int4", f"SmolLM2-early{EARLY_EXIT_LAYERS}")  # names of the draf
 
 @pytest.fixture(scope="session")
 def early_exit_draft(demo_hf) -> Path:
-    """A separate same-tokenizer draft model: the demo's first 8 layers (compiler.draft.early_exit_model)."""
-    out = MODELS / DRAFTS[1]
-    if not (out / "config.json").is_file():
+    """A separate same-tokenizer draft model: the demo's first 8 layers (compiler.draft.early_exit_model),
+    made again when the compiler changed (``_compiler_key``, kept in a stamp file beside it)."""
+    out, key = MODELS / DRAFTS[1], _compiler_key()
+    stamp = out / "fleet-test-key"
+    if not (out / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != key:
         from compiler.draft import early_exit_model
 
         early_exit_model(demo_hf, EARLY_EXIT_LAYERS, out)
+        stamp.write_text(key)
     return out
 
 
