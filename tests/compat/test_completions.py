@@ -79,6 +79,10 @@ def test_seeded_sampling_repeats(http, model):
             "seed": 1234}
     texts = {http.post(COMPLETIONS, json=body).json()["choices"][0]["text"] for _ in range(2)}
     assert len(texts) == 1
+    # and the temperature and the seed are honoured: greedy, or another seed, answers otherwise
+    (text,) = texts
+    assert http.post(COMPLETIONS, json={**body, "temperature": 0}).json()["choices"][0]["text"] != text
+    assert http.post(COMPLETIONS, json={**body, "seed": 4321}).json()["choices"][0]["text"] != text
 
 
 REFUSED = [

@@ -76,10 +76,22 @@ def test_tokenizer_round_trip(build_2):
 
 
 def test_seeded_sampling_is_reproducible(fleet):
-    kw = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
-    a = chat(fleet.url, "Name a color.", **kw).json()["choices"][0]["message"]["content"]
-    b = chat(fleet.url, "Name a color.", **kw).json()["choices"][0]["message"]["content"]
-    assert a == b
+    """The same seed gives the same tokens; and temperature, top_p and seed are each honoured (another
+    seed differs, sampling differs from greedy, a tiny top_p keeps only the best token, i.e. greedy)."""
+
+    def ids(prompt: str, **kw) -> list[int]:
+        r = chat(fleet.url, prompt, max_tokens=16, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()["fleet"]["completion_token_ids"]
+
+    for prompt in ("Name a color.", "Write a sentence about the sea."):
+        kw = {"temperature": 0.9, "top_p": 0.95}
+        a = ids(prompt, **kw, seed=1234)
+        assert a == ids(prompt, **kw, seed=1234), prompt
+        greedy = ids(prompt, temperature=0)
+        assert a != greedy, f"{prompt!r}: temperature ignored"
+        assert a != ids(prompt, **kw, seed=4321), f"{prompt!r}: seed ignored"
+        assert ids(prompt, temperature=0.9, top_p=1e-6, seed=1234) == greedy, f"{prompt!r}: top_p ignored"
 
 
 def test_stop_strings_and_length(fleet):

@@ -11,9 +11,13 @@ def test_greedy_takes_best():
 
 
 def test_seeded_sampling_is_reproducible():
-    a = [choose_token(IDS, LOGPROBS, 1.0, 1.0, rng) for rng in [np.random.default_rng(5)] for _ in range(50)]
-    b = [choose_token(IDS, LOGPROBS, 1.0, 1.0, rng) for rng in [np.random.default_rng(5)] for _ in range(50)]
-    assert a == b
+    def draws(seed: int, temperature: float = 1.0) -> list[int]:
+        rng = np.random.default_rng(seed)
+        return [choose_token(IDS, LOGPROBS, temperature, 1.0, rng) for _ in range(50)]
+
+    assert draws(5) == draws(5)
+    assert draws(5) != draws(6), "the rng (seed) must drive the choice"
+    assert draws(5) != draws(5, temperature=0.0) == [7] * 50, "temperature > 0 must sample, 0 is greedy"
 
 
 def test_sampling_follows_distribution_and_top_p():
