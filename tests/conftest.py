@@ -166,6 +166,12 @@ def wait_ready(url: str, timeout: float = 60.0) -> dict:
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
+def retained_sessions(url: str) -> int:
+    """Finished requests' sessions the coordinator at ``url`` keeps on every stage (prefix cache): the
+    sessions a worker holds once nothing runs."""
+    return httpx.get(f"{url}/health", timeout=10).json()["prefix_cache"]["sessions"]
+
+
 def chat(url: str, content: str, **kw) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)

@@ -65,7 +65,8 @@ def test_metrics_on_coordinator_and_workers(build_2, tmp_path):
         w1 = scrape(f"http://127.0.0.1:{ports[1]}/metrics")
         for w, stage in ((w0, "0"), (w1, "1")):
             assert value(w, "fleet_worker_infer_seconds_count") == value(w, "fleet_worker_chunks_total") > 0
-            assert value(w, "fleet_worker_kv_bytes", stage=stage) == 0  # every session closed
+            # every session closed but those the prefix cache keeps
+            assert value(w, "fleet_worker_sessions", stage=stage) == value(c, "fleet_prefix_cache_sessions") > 0
             assert value(w, "fleet_worker_kv_budget_bytes", stage=stage) > 0
         assert value(w0, "fleet_link_seconds_count", link="stage0->stage1") == value(w0, "fleet_worker_chunks_total")
         assert value(w1, "fleet_errors_total", kind="NOT_FOUND") == 1
