@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .completions import Generation, add_completions, check_model, fleet_stats, sse_response, usage
+from .completions import Generation, add_completions, cache_scope, check_model, fleet_stats, sse_response, usage
 from .engine import Engine
 from .request import TextDelta
 from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest
@@ -141,6 +141,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
                 f"{size} bytes long, more than {engine.max_context} tokens can hold ({byte_limit} bytes). Please "
                 "reduce the length of the messages.", param="messages")
         request = engine.make_request(messages, params)
+        request.cache_scope = cache_scope(http)
         head = {"id": request.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": engine.model_name}
         n = params.logprobs

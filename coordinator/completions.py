@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
 from .engine import Engine
@@ -176,14 +177,24 @@ def prompt_ids(prompt: str | list[int], engine: Engine, byte_limit: int) -> list
     return ids
 
 
+def cache_scope(http: HttpRequest) -> str:
+    """Whose retained KV (prefix cache) a request may reuse: a digest of its API key, so requests under
+    different keys never see each other's conversations; "" without a key."""
+    scheme, _, key = (http.headers.get("authorization") or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return ""
+    return hashlib.sha256(key.strip().encode()).hexdigest()[:32]
+
+
 def add_completions(app: FastAPI, engine: Engine, vocab: TokenBytes, byte_limit: int) -> None:
     """Serve ``POST /v1/completions`` (OpenAI's legacy completions) on ``app``."""
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):  # noqa: ANN202
+    async def completions(body: CompletionRequest, http: HttpRequest):  # noqa: ANN202
         check_model(body.model, engine)
         params, sampling = resolve_sampling(body, engine, COMPLETION_MAX_TOKENS)
         request = engine.request_for(prompt_ids(body.single_prompt(), engine, byte_limit), params, "prompt", "cmpl")
+        request.cache_scope = cache_scope(http)
         head = {"id": request.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": engine.model_name}
         n = params.logprobs

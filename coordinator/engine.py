@@ -293,7 +293,8 @@ class Engine:
         ``Overloaded`` when the stages have no room for it."""
         if self.prefix_cache is None:
             return None
-        hit = self.prefix_cache.lookup(request.prompt_ids, lambda e: e.pipeline.healthy)
+        hit = self.prefix_cache.lookup(request.prompt_ids,
+                                       lambda e: e.pipeline.healthy and e.scope == request.cache_scope)
         if hit is None:
             return None
         entry, session = hit.entry, hit.entry.session_id if hit.take else request.request_id
@@ -581,7 +582,7 @@ class Engine:
         if drafter is not None and seat.draft_prefill is not None and seat.draft_prefill.done():
             await self.draft_model.run(drafter.retain, request.prompt_ids + request.output_ids, held)
             draft = drafter
-        self.prefix_cache.retain(Retained(session, pipeline, tokens, draft))
+        self.prefix_cache.retain(Retained(session, pipeline, tokens, draft, request.cache_scope))
         return None
 
     def _in_background(self, coro) -> asyncio.Task:  # noqa: ANN001

@@ -13,7 +13,9 @@ exo's ``KVPrefixCache`` and OpenVINO GenAI's stateful chat (``align_cache_and_hi
   title request that wraps the whole chat): the request gets a *copy* of the common prefix
   (``Copy``) and the retained session stays for its own conversation, so a background request never
   takes the KV of the chat it summarises;
-* below ``min_tokens`` of common prefix, nothing is reused.
+* below ``min_tokens`` of common prefix, nothing is reused;
+* a request reuses only what requests with the same API key left (its ``scope``): a conversation's
+  prefix, and the TTFT and ``cached_tokens`` it shows, never leak to holders of another key.
 
 A retained session serves one request at a time. Eviction is the coordinator's, for all stages at
 once: least recently used first, beyond ``max_tokens`` retained tokens, after ``idle_s`` without use,
@@ -41,6 +43,7 @@ class Retained:
     pipeline: Any  # coordinator.pipeline.Pipeline
     tokens: list[int]
     draft: Any = None
+    scope: str = ""  # the API key's digest of the request it came from: only requests with the same reuse it
     last_used: float = field(default_factory=time.monotonic)
     copying: int = 0  # copies of its prefix in flight: not evicted meanwhile
 

@@ -68,6 +68,7 @@ class Request:
     output_counts: dict[int, int] = field(default_factory=dict)  # times each token was generated (penalties)
     prefilled: int = 0  # prompt tokens on the stages so far (streamed as prefill progress)
     cached_tokens: int = 0  # prompt tokens whose KV a retained session gave (prefix cache), not prefilled
+    cache_scope: str = ""  # whose retained KV it may reuse: its API key's digest ("" without keys)
     logprobs: LogprobLog | None = None  # one record per output token, when params.logprobs asks for them
 
     def __post_init__(self) -> None:

@@ -31,15 +31,16 @@ def reference(demo_hf):
 class Checker:
     """Sends chat turns and checks each greedy answer against transformers on the same prompt ids."""
 
-    def __init__(self, url: str, build, reference: TransformersReference) -> None:  # noqa: ANN001
+    def __init__(self, url: str, build, reference: TransformersReference, key: str = "") -> None:  # noqa: ANN001
         from fleet_common.manifest import load_manifest
 
         self.url, self.reference, self.tokenizer = url, reference, ChatTokenizer(build)
         self.eos = set(load_manifest(build).manifest.eos_token_ids)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.near_ties = 0
 
     def ask(self, messages: list[dict], what: str) -> dict:
-        r = httpx.post(f"{self.url}/v1/chat/completions", timeout=120,
+        r = httpx.post(f"{self.url}/v1/chat/completions", timeout=120, headers=self.headers,
                        json={"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -75,10 +76,11 @@ def reused(turn: dict, prompt: list[int]) -> set[int]:
 def test_chat_turns_edits_and_background_requests(build_2, reference, tmp_path):
     """One user's chat with the build's separate draft model: from turn 2 on, each turn reuses the KV of
     everything before it (the draft's too); a chat edited in the middle reuses exactly up to the edit; a
-    client's background request over the whole chat (a title) does not take the chat's KV."""
-    fleet = Fleet(build_2, tmp_path, "--draft", DRAFTS[1], peers=True)
+    client's background request over the whole chat (a title) does not take the chat's KV; a request under
+    another API key reuses none of it."""
+    fleet = Fleet(build_2, tmp_path, "--draft", DRAFTS[1], "--api-keys", "alice,bob", peers=True)
     try:
-        checker = Checker(fleet.url, build_2, reference)
+        checker = Checker(fleet.url, build_2, reference, "alice")
         messages, turns = converse(checker, QUESTIONS[:3], "chat")
         assert turns[0]["cached"] == 0
         for before, turn in zip(turns, turns[1:]):
@@ -97,6 +99,9 @@ def test_chat_turns_edits_and_background_requests(build_2, reference, tmp_path):
         messages.append({"role": "user", "content": QUESTIONS[3]})
         last = checker.ask(messages, "chat, turn 4")
         assert last["cached"] in reused(turns[-1], last["prompt"]) and last["cached"] >= len(turns[-1]["prompt"])
+
+        # the same chat under another key: prefilled in full (nor its system prompt reused)
+        assert Checker(fleet.url, build_2, reference, "bob").ask(messages, "another key's chat")["cached"] == 0
 
         health = httpx.get(f"{fleet.url}/health").json()
         assert health["prefix_cache"]["sessions"] >= 2, health["prefix_cache"]
