@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -31,10 +33,12 @@ def info(address: str) -> pb.InfoReply:
 
 
 def stream_tokens(url: str, out: dict, progress: threading.Event, after: int) -> None:
-    """Stream one greedy completion; set ``progress`` once ``after`` content chunks arrived."""
+    """Stream one greedy completion; set ``progress`` once ``after`` content chunks arrived. ``out`` gets
+    the status, text, fleet stats and ``times``: each content chunk's arrival (``time.monotonic()``)."""
     body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": TOKENS,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    text, chunks = [], 0
+    text, chunks, out["times"] = [], 0, []
+    start = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         out["status"] = r.status_code
         for line in r.iter_lines():
@@ -49,6 +53,8 @@ def stream_tokens(url: str, out: dict, progress: threading.Event, after: int) ->
             for choice in event.get("choices", []):
                 if content := choice.get("delta", {}).get("content"):
                     text.append(content)
+                    out["times"].append(time.monotonic())
+                    out.setdefault("ttft", out["times"][0] - start)
                     chunks += 1
                     if chunks == after:
                         progress.set()
@@ -58,11 +64,12 @@ def stream_tokens(url: str, out: dict, progress: threading.Event, after: int) ->
 
 @pytest.fixture
 def replicated(build_2, tmp_path):
-    """Two workers per stage (peers, not announced: other tests' workers stay out) and a coordinator."""
-    workers = {}
-    for stage in range(2):
-        for replica in "ab":
-            workers[(stage, replica)] = start_worker(build_2, stage, tmp_path, "--no-announce", name=replica)
+    """Two workers per stage (peers, not announced: other tests' workers stay out) and a coordinator. The
+    workers start together (each loads and compiles its stage on its own thread: about half the wait)."""
+    keys = [(stage, replica) for stage in range(2) for replica in "ab"]
+    with ThreadPoolExecutor(len(keys)) as pool:
+        started = [pool.submit(start_worker, build_2, stage, tmp_path, "--no-announce", name=r) for stage, r in keys]
+    workers = {key: future.result() for key, future in zip(keys, started)}
     peers = [a for _, address in workers.values() for a in ("--peer", address)]
     coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", *peers)
     wait_ready(url)
@@ -87,11 +94,40 @@ def fail_busy_worker(workers: dict, stage: int, how: str) -> str:
     raise AssertionError(f"no stage-{stage} worker holds a sequence")
 
 
-@pytest.mark.parametrize("stage,how", [(1, "kill"), (0, "kill"), (1, "hang")])
-def test_failed_worker_mid_stream_fails_over_to_replica(replicated, stage, how):
+def detection_bound_s(reference: dict) -> float:
+    """The longest a failover may stall a stream: the coordinator's settings (the fixture runs their defaults)
+    bound noticing the loss, by a failed health check (every ``health_interval_s``, ``missed_health_checks``
+    allowed) or by the step's deadline (``rpc_timeout_s`` + ``per_token_timeout_s`` per stage), whichever is
+    longer; then the replicas prefill the prompt and the tokens so far again, about as long as the reference's
+    first token. Doubled, plus 2 s, for a loaded 2-core machine."""
+    from coordinator.settings import CoordinatorSettings
+
+    s = {name: field.default for name, field in CoordinatorSettings.model_fields.items()}
+    notice = max(s["health_interval_s"] * s["missed_health_checks"], s["rpc_timeout_s"] + 2 * s["per_token_timeout_s"])
+    return 2 * (notice + 2 * reference["ttft"]) + 2.0
+
+
+def stall_after(times: list[float], since: float) -> float:
+    """Seconds from ``since`` to the chunk that ends the longest gap between chunks from ``since`` on (the
+    first chunk on the replicas; tokens already in flight at ``since`` may arrive before the gap)."""
+    later = [since, *(t for t in times if t > since)]
+    assert len(later) > 1, "no chunk after the failure"
+    end = max(range(1, len(later)), key=lambda i: later[i] - later[i - 1])
+    return later[end] - since
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The stream without a failure, made once (by the first test that needs it: same build and settings,
+    so every fleet of this module answers it alike)."""
+    return {}
+
+
+@pytest.mark.parametrize("stage,how", [(1, "kill"), (0, "kill"), (1, "hang"), (0, "hang")])
+def test_failed_worker_mid_stream_fails_over_to_replica(replicated, reference, stage, how):
     workers, coordinator, url = replicated
-    reference: dict = {}
-    stream_tokens(url, reference, threading.Event(), after=0)
+    if not reference:
+        stream_tokens(url, reference, threading.Event(), after=0)
     assert reference["status"] == 200 and "error" not in reference and reference["fleet"]["failovers"] == 0
 
     out: dict = {}
@@ -99,13 +135,16 @@ def test_failed_worker_mid_stream_fails_over_to_replica(replicated, stage, how):
     thread = threading.Thread(target=stream_tokens, args=(url, out, progress, 30))
     thread.start()
     assert progress.wait(60)
+    failed_at = time.monotonic()
     failed = fail_busy_worker(workers, stage, how)
     thread.join(120)
     assert not thread.is_alive()
     assert "error" not in out, out.get("error")
     assert out["fleet"]["failovers"] == 1
     assert out["text"] == reference["text"], "the output after failover must equal the run without failure"
-    assert f"stage {stage}" in coordinator.text() and "failing over" in coordinator.text()
+    stall, bound = stall_after(out["times"], failed_at), detection_bound_s(reference)
+    assert stall < bound, f"the stream went on {stall:.1f} s after the failure (bound {bound:.1f} s)"
+    assert re.search(rf"stage {stage} .*failing over", coordinator.text()), coordinator.text()[-2000:]
     # the dead worker is unhealthy, and the fleet keeps serving on the replicas
     health = httpx.get(f"{url}/health", timeout=5).json()
     assert health["ready"]
