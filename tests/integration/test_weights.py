@@ -1,5 +1,6 @@
 """int8 and int4 builds of the demo model (``fleet-compiler build --weights``): each answers a chat
-through a real 2-worker fleet and meets its quality floor in ``fleet-compiler inspect --reference``.
+through a real 2-worker fleet and meets its quality floor in ``fleet-compiler inspect --reference``
+(the README's floors, written here; measured afresh, never from a cached quality.json).
 
 Isolation: other tests on this machine run fleets at the same time, so workers start with
 ``--no-announce`` and the coordinator with ``--no-discover --peer``.
@@ -8,15 +9,36 @@ Isolation: other tests on this machine run fleets at the same time, so workers s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from compiler.quality import FLOORS
 from fleet_common.manifest import load_manifest
 from tests.conftest import DRAFTS, _build, chat, start_coordinator, start_worker, wait_ready
 from tests.integration.test_compiler import run_cli
 
 pytestmark = pytest.mark.integration
+
+
+# The README's floors ("Weight compression"): (max perplexity increase over fp16, min greedy agreement). Written
+# here, not read from compiler.quality, so loosening the code's floors fails the test.
+README_FLOORS = {"int8": (0.01, 0.90), "int4": (0.20, 0.75)}
+
+
+def uncached(build: Path, folder: Path) -> Path:
+    """``build`` seen through ``folder``: a symlink to each of its files but quality.json, so that inspect
+    measures afresh (and writes its report there, not into the shared test build)."""
+    folder.mkdir(parents=True)
+    for entry in build.iterdir():
+        if entry.name != "quality.json":
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp16_reference(build_1, tmp_path_factory) -> Path:
+    """build_1 without its cached quality: measured by the first test of the module, reused by the second."""
+    return uncached(build_1, tmp_path_factory.mktemp("reference") / "build")
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
@@ -67,16 +89,18 @@ def test_compressed_build_answers_through_a_fleet(compressed, tmp_path):
             proc.stop()
 
 
-def test_compressed_build_meets_its_quality_floor(compressed, build_1):
-    """The inspect report: perplexity on >= 5k tokens of public-domain text within the floor of the
-    fp16 build's, teacher-forced greedy agreement above it; exit code 0, stored in quality.json."""
+def test_compressed_build_meets_its_quality_floor(compressed, fp16_reference, tmp_path):
+    """The inspect report: perplexity on >= 5k tokens of public-domain text within the README's floor of
+    the fp16 build's, teacher-forced greedy agreement above it; exit code 0, stored in quality.json."""
     weights, build = compressed
-    out = run_cli("inspect", str(build), "--reference", str(build_1))
+    build = uncached(build, tmp_path / "build")
+    out = run_cli("inspect", str(build), "--reference", str(fp16_reference))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "quality: OK" in out.stdout and "inspect: OK" in out.stdout, out.stdout
     report = json.loads((build / "quality.json").read_text())
-    comparison, floor = report["comparison"], FLOORS[weights]
-    assert report["measurement"]["tokens"] >= 5000
-    assert comparison["passed"] and comparison["floor"]["max_ppl_increase"] == floor.max_ppl_increase
-    assert 0 <= comparison["ppl_increase"] <= floor.max_ppl_increase
-    assert floor.min_agreement <= comparison["agreement"] < 1
+    comparison, (max_increase, min_agreement) = report["comparison"], README_FLOORS[weights]
+    assert report["measurement"]["tokens"] >= 5000 and report["measurement"]["seconds"] > 0
+    assert comparison["passed"]
+    assert comparison["floor"] == {"max_ppl_increase": max_increase, "min_agreement": min_agreement}
+    assert 0 <= comparison["ppl_increase"] <= max_increase
+    assert min_agreement <= comparison["agreement"] < 1
