@@ -6,6 +6,7 @@ a copy of one, or a fresh prefill."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from coordinator.prefix_cache import common_prefix
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import DRAFTS, Fleet
 
-from .reference import TransformersReference, first_divergence
+from .reference import TransformersReference, near_ties
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +52,8 @@ class Checker:
         if body["choices"][0]["finish_reason"] == "stop":  # ended at end-of-sequence: the reference's next token
             assert tokens[len(got)] in self.eos or margins[len(got)] < 3e-3, what
             tokens, margins = tokens[:len(got)], margins[:len(got)]
-        self.near_ties += first_divergence(got, tokens, margins, what) is not None
+        self.near_ties += near_ties(got, tokens, margins, what,
+                                    functools.partial(self.reference.forced_with_margins, prompt))
         return {"text": body["choices"][0]["message"]["content"], "prompt": prompt, "ids": got,
                 "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
 

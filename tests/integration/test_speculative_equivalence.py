@@ -16,6 +16,7 @@ prompts in every cell (10 x 128 tokens x 4 K x 3 sources x 2 stage counts).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -23,7 +24,7 @@ import pytest
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import DRAFTS, chat, start_coordinator, start_worker, wait_ready
 
-from .reference import TransformersReference, first_divergence
+from .reference import TransformersReference, near_ties
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +51,14 @@ MAX_NEAR_TIES = 3  # per matrix (12 cells): more would mean the fleet drifts, no
 def reference(build_1, demo_hf):
     tokenizer = ChatTokenizer(build_1)
     model = TransformersReference(demo_hf)
-    cache: dict[str, tuple[list[int], list[float]]] = {}
+    cache: dict[str, tuple] = {}
 
-    def greedy(prompt: str) -> tuple[list[int], list[float]]:
+    def greedy(prompt: str) -> tuple:
+        """The reference's greedy tokens, their top-two gaps, and its teacher forcing on the prompt."""
         if prompt not in cache:
             ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            cache[prompt] = model.greedy_with_margins(ids, NEW_TOKENS)
+            forced = functools.partial(model.forced_with_margins, ids)
+            cache[prompt] = (*model.greedy_with_margins(ids, NEW_TOKENS), forced)
         return cache[prompt]
     return greedy
 
@@ -83,10 +86,9 @@ def test_speculation_equals_plain_greedy(stages, reference, request, tmp_path):
                         assert r.status_code == 200, r.text
                         body = r.json()
                         got = body["fleet"]["completion_token_ids"]
-                        tokens, margins = reference(prompt)
-                        if first_divergence(got, tokens, margins,
-                                            f"{stages}-stage, draft {source}, K={k} on {prompt!r}") is not None:
-                            totals["near_ties"] += 1
+                        tokens, margins, forced = reference(prompt)
+                        totals["near_ties"] += near_ties(got, tokens, margins,
+                                                         f"{stages}-stage, draft {source}, K={k} on {prompt!r}", forced)
                         stats = body["fleet"]
                         assert stats["draft"] == source and stats["drafted_tokens"] > 0, stats
                         totals["drafted"] += stats["drafted_tokens"]
@@ -121,17 +123,17 @@ def test_concurrent_speculative_sessions_in_one_batch_group(reference, build_2, 
         prompts = PROMPTS[:5]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             replies = list(pool.map(lambda p: chat(url, p, max_tokens=NEW_TOKENS, ignore_eos=True), prompts))
-        batched, near_ties = 0, 0
+        batched, ties = 0, 0
         for prompt, r in zip(prompts, replies):
             assert r.status_code == 200, r.text
-            tokens, margins = reference(prompt)
-            near_ties += first_divergence(r.json()["fleet"]["completion_token_ids"], tokens, margins,
-                                          f"batched ngram session on {prompt!r}") is not None
+            tokens, margins, forced = reference(prompt)
+            ties += near_ties(r.json()["fleet"]["completion_token_ids"], tokens, margins,
+                              f"batched ngram session on {prompt!r}", forced)
             stats = r.json()["fleet"]
             assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats
             batched = max(batched, stats["batch_max"])
         assert batched >= 3, "the sessions did not share steps"
-        assert near_ties <= 1, near_ties
+        assert ties <= 1, ties
     finally:
         coordinator.stop()
         for proc, _ in workers:
