@@ -270,11 +270,11 @@ class Engine:
         ``PipelineUnavailable``, or ``StageFailure`` (saying which stage has no worker left, when a
         health check of the failed one finds so)."""
         try:
-            seat = await self._seat_on_retained(request, slots)
+            pipeline = await self._placement()
+            seat = await self._seat_on_retained(request, slots, pipeline)
             if seat is None:
-                pipeline = await self.registry.pipeline()
-                if pipeline.observe_link is None:
-                    pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
+                if not pipeline.healthy:  # a worker of it failed when its retained KV was reused
+                    pipeline = await self._placement()
                 await self._open_session(pipeline, request.request_id, slots)
                 seat = Seat(self, request, pipeline, slots)
         except StageFailure as failure:
@@ -286,15 +286,26 @@ class Engine:
             raise
         return seat
 
-    async def _seat_on_retained(self, request: Request, slots: int) -> Seat | None:
+    async def _placement(self):  # noqa: ANN202 - Pipeline
+        """The pipeline placement picks for a new session (``Registry.pipeline``), with link metrics."""
+        pipeline = await self.registry.pipeline()
+        if pipeline.observe_link is None:
+            pipeline.observe_link = lambda link, seconds: self.metrics.link.labels(link).observe(seconds)
+        return pipeline
+
+    async def _seat_on_retained(self, request: Request, slots: int, placed) -> Seat | None:  # noqa: ANN001
         """A seat on a retained session's KV when ``request``'s prompt begins with one (prefix cache):
-        the session itself when the prompt extends it, else a copy of the common prefix; None when
-        nothing is reused (or the reuse failed: the prompt is then prefilled in full). Raises
-        ``Overloaded`` when the stages have no room for it."""
+        the session itself when the prompt extends it (wherever it is: its conversation's KV), else a
+        copy of the common prefix when it is on ``placed``, the pipeline placement picked (a copy does
+        not outweigh spreading the load); None when nothing is reused (or the reuse failed: the prompt
+        is then prefilled in full). Raises ``Overloaded`` when the stages have no room for it."""
         if self.prefix_cache is None:
             return None
         hit = self.prefix_cache.lookup(request.prompt_ids,
                                        lambda e: e.pipeline.healthy and e.scope == request.cache_scope)
+        if hit is not None and not hit.take and hit.entry.pipeline is not placed:
+            self.prefix_cache.copied(hit)
+            hit = None
         if hit is None:
             return None
         entry, session = hit.entry, hit.entry.session_id if hit.take else request.request_id
@@ -582,6 +593,7 @@ class Engine:
         if drafter is not None and seat.draft_prefill is not None and seat.draft_prefill.done():
             await self.draft_model.run(drafter.retain, request.prompt_ids + request.output_ids, held)
             draft = drafter
+        pipeline.forget(session)  # held KV, not a running request: placement counts only those
         self.prefix_cache.retain(Retained(session, pipeline, tokens, draft, request.cache_scope))
         return None
 
