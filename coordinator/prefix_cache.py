@@ -13,6 +13,8 @@ exo's ``KVPrefixCache`` and OpenVINO GenAI's stateful chat (``align_cache_and_hi
   title request that wraps the whole chat): the request gets a *copy* of the common prefix
   (``Copy``) and the retained session stays for its own conversation, so a background request never
   takes the KV of the chat it summarises;
+* a taken conversation runs where its KV is; a copy is made only on the pipeline placement picked
+  for the request anyway (with replicas, spreading the load outweighs saving a prefill);
 * below ``min_tokens`` of common prefix, nothing is reused;
 * a request reuses only what requests with the same API key left (its ``scope``): a conversation's
   prefix, and the TTFT and ``cached_tokens`` it shows, never leak to holders of another key.
