@@ -589,10 +589,14 @@ class Engine:
             if seat.group is None and seat.member is None:
                 await self._close_in_background(pipeline, seat.session)
             return None
-        draft = None
-        if drafter is not None and seat.draft_prefill is not None and seat.draft_prefill.done():
-            await self.draft_model.run(drafter.retain, request.prompt_ids + request.output_ids, held)
-            draft = drafter
+        draft, prefill = None, seat.draft_prefill
+        if drafter is not None and prefill is not None and prefill.done() and not prefill.cancelled() \
+                and prefill.exception() is None:
+            try:
+                await self.draft_model.run(drafter.retain, context, held)
+                draft = drafter
+            except Exception as exc:  # noqa: BLE001 - the stages' KV is retained without the draft's
+                log.warning("%s: the draft model's KV is not retained (%s)", seat.session, exc)
         pipeline.forget(session)  # held KV, not a running request: placement counts only those
         self.prefix_cache.retain(Retained(session, pipeline, tokens, draft, request.cache_scope))
         return None
