@@ -308,6 +308,9 @@ class Engine:
             hit = None
         if hit is None:
             return None
+        if hit.entry.ready is not None and not await asyncio.shield(hit.entry.ready):  # its retention failed
+            self.prefix_cache.copied(hit)
+            return None
         entry, session = hit.entry, hit.entry.session_id if hit.take else request.request_id
         timeout_s = self._timeout(hit.tokens)
         try:
@@ -573,19 +576,25 @@ class Engine:
         # output only drafts accepted after a stop (an end-of-sequence, a stop string) that no list holds
         context = request.prompt_ids + request.output_ids
         held = min(seat.member.visible, len(context)) if seat.group is not None else len(request.prompt_ids)
-        tokens = context[:held]
         pipeline = seat.pipeline
+        session = new_session_id() if seat.group is not None else seat.session
+        # matchable at once (the client's next request may come before the copy is made: it waits for it)
+        entry = Retained(session, pipeline, context[:held], scope=request.cache_scope, copying=1,
+                         ready=asyncio.get_running_loop().create_future())
+        if not self.prefix_cache.retain(entry):
+            return await self._free(seat)
         try:
             if seat.group is not None:
-                session = new_session_id()
                 copy = seat.detach(session, held)  # the member leaves its group (which frees its row) either way
                 seat.pipeline.forget(seat.session)
                 await copy
             else:
-                session = seat.session
                 await pipeline.open_session(session, held, self.settings.rpc_timeout_s, resume=True)
         except Exception as exc:  # noqa: BLE001 - retention is best effort
             log.warning("%s: its KV is not retained (%s)", seat.session, exc)
+            self.prefix_cache.forget(entry)
+            entry.copying -= 1
+            entry.ready.set_result(False)
             if seat.group is None and seat.member is None:
                 await self._close_in_background(pipeline, seat.session)
             return None
@@ -598,7 +607,9 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - the stages' KV is retained without the draft's
                 log.warning("%s: the draft model's KV is not retained (%s)", seat.session, exc)
         pipeline.forget(session)  # held KV, not a running request: placement counts only those
-        self.prefix_cache.retain(Retained(session, pipeline, tokens, draft, request.cache_scope))
+        entry.draft = draft
+        entry.copying -= 1
+        entry.ready.set_result(True)
         return None
 
     def _in_background(self, coro) -> asyncio.Task:  # noqa: ANN001

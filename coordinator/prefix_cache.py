@@ -26,6 +26,7 @@ and under admission pressure (a stage without KV room for a new request) before 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -47,7 +48,8 @@ class Retained:
     draft: Any = None
     scope: str = ""  # the API key's digest of the request it came from: only requests with the same reuse it
     last_used: float = field(default_factory=time.monotonic)
-    copying: int = 0  # copies of its prefix in flight: not evicted meanwhile
+    copying: int = 0  # copies of its prefix in flight (and its own making): not evicted meanwhile
+    ready: asyncio.Future | None = None  # True once its KV is in place at the stages, False if that failed
 
 
 @dataclass
@@ -121,14 +123,18 @@ class PrefixCache:
         if not hit.take:
             hit.entry.copying -= 1
 
-    def retain(self, entry: Retained) -> None:
-        """Add a finished request's KV; evicts least recently used entries beyond ``max_tokens``."""
+    def retain(self, entry: Retained) -> bool:
+        """Add a finished request's KV (while ``entry.ready`` is pending, its KV is still being put in
+        place: it can be matched, and the request that matches it waits for it, but it is not evicted);
+        evicts least recently used entries beyond ``max_tokens``. False: ``entry`` alone is over that bound
+        and is not kept."""
+        if len(entry.tokens) > self.max_tokens:  # alone over the bound: not kept (the caller frees it)
+            return False
         entry.last_used = self._clock()
         self.entries.append(entry)
         while self.held_tokens > self.max_tokens and self.evict_lru(keep=entry):
             pass
-        if self.held_tokens > self.max_tokens and entry in self.entries:  # alone it is over the bound
-            self._evict(entry)
+        return True
 
     def evict_lru(self, keep: Retained | None = None) -> bool:
         """Evict the least recently used entry (not ``keep``, not one being copied); whether one was."""
@@ -144,6 +150,11 @@ class PrefixCache:
         for entry in list(self.entries):
             if not entry.copying and (now - entry.last_used > self.idle_s or not entry.pipeline.healthy):
                 self._evict(entry)
+
+    def forget(self, entry: Retained) -> None:
+        """Drop ``entry`` without freeing anything (its KV never got to the stages)."""
+        if entry in self.entries:
+            self.entries.remove(entry)
 
     def clear(self) -> None:
         for entry in list(self.entries):

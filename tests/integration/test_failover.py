@@ -81,17 +81,21 @@ def replicated(build_2, tmp_path):
         proc.stop()
 
 
-def fail_busy_worker(workers: dict, stage: int, how: str) -> str:
-    """kill -9 (``kill``) or SIGSTOP (``hang``) the stage's worker that holds a sequence now; returns
-    its address."""
+def fail_busy_worker(workers: dict, stage: int, how: str, url: str | None = None) -> str:
+    """kill -9 (``kill``) or SIGSTOP (``hang``) the stage's worker that runs a request now (by the coordinator
+    at ``url``'s placement load: a worker also holds the prefix cache's retained sessions), or without
+    ``url`` the one that holds a sequence; returns its address."""
+    health = httpx.get(f"{url}/health", timeout=5).json() if url is not None else {"workers": []}
+    load = {w["address"]: w["load"] for w in health["workers"]}
     for (s, _), (proc, address) in workers.items():
-        if s == stage and proc.popen.poll() is None and info(address).sequences:
+        busy = load.get(address, 0) > 0 if url is not None else info(address).sequences > 0
+        if s == stage and proc.popen.poll() is None and busy:
             if how == "kill":
                 proc.kill(signal.SIGKILL)
             else:
                 os.killpg(proc.popen.pid, signal.SIGSTOP)
             return address
-    raise AssertionError(f"no stage-{stage} worker holds a sequence")
+    raise AssertionError(f"no stage-{stage} worker {'runs a request' if url else 'holds a sequence'}")
 
 
 def detection_bound_s(reference: dict) -> float:
@@ -136,7 +140,7 @@ def test_failed_worker_mid_stream_fails_over_to_replica(replicated, reference, s
     thread.start()
     assert progress.wait(60)
     failed_at = time.monotonic()
-    failed = fail_busy_worker(workers, stage, how)
+    failed = fail_busy_worker(workers, stage, how, url)
     thread.join(120)
     assert not thread.is_alive()
     assert "error" not in out, out.get("error")

@@ -71,8 +71,8 @@ def test_lru_bound_idle_and_dead_pipelines():
     c.retain(d)  # 35 > 30 tokens: the least recently used (a) goes
     assert freed == [a] and c.entries == [b, d] and c.held_tokens == 25
     assert c.evictions == 1
-    c.retain(entry("huge", range(500, 540)))  # over the bound alone: not kept
-    assert [e.session_id for e in freed] == ["a", "b", "d", "huge"] and c.entries == []
+    assert not c.retain(entry("huge", range(500, 540)))  # over the bound alone: not kept, nothing evicted
+    assert freed == [a] and c.entries == [b, d]
     c2, freed2, clock2 = cache(idle_s=10)
     dead = SimpleNamespace(healthy=False)
     old, gone, fresh = entry("old", range(10)), entry("gone", range(50, 60), dead), entry("new", range(20, 30))
