@@ -290,7 +290,7 @@ class BatchGroup:
                 continue
             try:
                 await self.pipeline.copy(session_id, self.group_id, self.rows.index(member), tokens, tokens,
-                                         self.timeout_s(tokens))
+                                         self.timeout_s(tokens), detach=True)
             except Exception as exc:  # noqa: BLE001 - the member learns of it
                 if not future.done():
                     future.set_exception(exc)

@@ -199,13 +199,14 @@ class Pipeline:
         return results
 
     async def copy(self, session_id: str, source: str, row: int, tokens: int, max_context: int,
-                   timeout_s: float) -> None:
+                   timeout_s: float, detach: bool = False) -> None:
         """Make ``session_id`` on every stage from the first ``tokens`` visible slots of ``row`` of
-        ``source`` (the ``Copy`` RPC; ``source`` is untouched). Raises ``Overloaded`` when a stage has no
+        ``source`` (the ``Copy`` RPC; ``source`` is untouched; ``detach``: the row is leaving it and its
+        reservation moves to the copy). Raises ``Overloaded`` when a stage has no
         room, ``StageFailure`` otherwise; the copy is closed again on every stage on failure."""
         self.sessions.add(session_id)
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
-                                 max_context=max_context, manifest_sha256=self.manifest_sha256)
+                                 max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach)
         results = await asyncio.gather(
             *(self.channels.stub(a).Copy(request, timeout=timeout_s) for a in self.addresses), return_exceptions=True)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]

@@ -135,20 +135,22 @@ class MergeReply(_message.Message):
     def __init__(self, length: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class CopyRequest(_message.Message):
-    __slots__ = ("session_id", "source", "row", "tokens", "max_context", "manifest_sha256")
+    __slots__ = ("session_id", "source", "row", "tokens", "max_context", "manifest_sha256", "detach")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     source: str
     row: int
     tokens: int
     max_context: int
     manifest_sha256: str
-    def __init__(self, session_id: _Optional[str] = ..., source: _Optional[str] = ..., row: _Optional[int] = ..., tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    detach: bool
+    def __init__(self, session_id: _Optional[str] = ..., source: _Optional[str] = ..., row: _Optional[int] = ..., tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., detach: _Optional[bool] = ...) -> None: ...
 
 class CopyReply(_message.Message):
     __slots__ = ("length", "compute_ms")

@@ -223,7 +223,7 @@ class StageService(pb_grpc.StageServicer):
         try:  # on the inference thread: the source's state must not change while it is copied
             session = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.store.copy, request.session_id, request.source, request.row, request.tokens,
-                max_context)
+                max_context, request.detach)
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
         ms = (time.perf_counter() - t0) * 1000

@@ -117,16 +117,21 @@ class SessionStore:
             session.last_used = self._clock()
             return session
 
-    def copy(self, session_id: str, source: str, row: int, tokens: int, max_context: int) -> KVSession:
+    def copy(self, session_id: str, source: str, row: int, tokens: int, max_context: int,
+             detach: bool = False) -> KVSession:
         """A new session ``session_id`` with the first ``tokens`` visible slots of ``row`` of ``source``
-        (``fleet_common.runtime.copy_prefix``); ``source`` stays as it is. Runs on the inference thread.
-        Raises ``SessionNotFound``, ``BadMerge`` when ``session_id`` exists, ``ChunkError`` for a bad row
-        or count, and what ``open`` raises for room."""
+        (``fleet_common.runtime.copy_prefix``); ``source``'s KV stays as it is. ``detach``: the row is
+        leaving ``source`` (its next step drops it), so its reservation moves to the copy, which then needs
+        no new room up to it. Runs on the inference thread. Raises ``SessionNotFound``, ``BadMerge`` when
+        ``session_id`` exists, ``ChunkError`` for a bad row or count, and what ``open`` raises for room."""
         with self._lock:
             if session_id in self._sessions:
                 raise BadMerge(f"session {shown_id(session_id)} exists; a copy needs a new id")
             src = self._live(source)
-            self._admit(max_context, new=True)
+            moved = src.reserved[row] if detach and 0 <= row < len(src.reserved) else 0
+            self._admit(max(0, max_context - moved), new=True)
+            if moved:
+                src.reserved[row] = 0  # the copy holds that row's KV from now on
             placeholder = KVSession(session_id, None, 0)  # holds the id (and its reservation) while copying
             placeholder.reserved = [max_context]
             placeholder.last_used = self._clock()  # not idle: the expiry sweep must leave it
