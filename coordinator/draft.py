@@ -174,10 +174,7 @@ class DraftModel:
         kv = draft.kv
         if kv.length >= cap:
             return None
-        visible = np.zeros((1, cap), dtype=np.int64)
-        width = min(cap, kv.max_context)
-        visible[:, :width] = kv.visible[:, :width]
-        kv.visible, kv.max_context = visible, cap
+        kv.resize(cap)
         return draft
 
     async def run(self, fn: Callable, *args):  # noqa: ANN201 - returns fn's result

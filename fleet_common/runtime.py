@@ -76,6 +76,17 @@ class KVSession:
         if len(self.reserved) != self.rows:
             self.reserved = [self.max_context] * self.rows
 
+    def resize(self, max_context: int) -> None:
+        """Let the session grow to ``max_context`` physical slots (at least its ``length``): the visibility
+        rows are reallocated, the KV state is untouched. Raises ``ContextOverflow`` below its length."""
+        if max_context < self.length:
+            raise ContextOverflow(f"session {shown_id(self.session_id)} holds {self.length} slots, more than "
+                                  f"{max_context}")
+        visible = np.zeros((self.rows, max_context), dtype=np.int64)
+        width = min(max_context, self.max_context)
+        visible[:, :width] = self.visible[:, :width]
+        self.visible, self.max_context = visible, max_context
+
     def reset(self) -> None:
         """Empty the state (the InferRequest is kept for reuse)."""
         self.request.reset_state()

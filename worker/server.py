@@ -103,13 +103,18 @@ class StageService(pb_grpc.StageServicer):
         self.metrics.errors.labels(code.name).inc()
         await context.abort(code, message)
 
-    # -- RPCs ----------------------------------------------------------------------------------
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionReply:
+    async def _new_session_context(self, request, context: grpc.aio.ServicerContext) -> int:  # noqa: ANN001
+        """The checks of an RPC that makes a session (OpenSession, Copy, Merge): the caller's build, a
+        session id; returns its max context (the request's, capped by this worker's; 0 = the worker's)."""
         if msg := self._check_manifest(request.manifest_sha256):
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         if not request.session_id:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
-        max_context = min(request.max_context or self.max_context, self.max_context)
+        return min(request.max_context or self.max_context, self.max_context)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionReply:
+        max_context = await self._new_session_context(request, context)
         try:
             if request.resume:
                 self.store.resume(request.session_id, max_context)
@@ -214,11 +219,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.CompactReply(length=length, compute_ms=ms)
 
     async def Copy(self, request: pb.CopyRequest, context: grpc.aio.ServicerContext) -> pb.CopyReply:
-        if msg := self._check_manifest(request.manifest_sha256):
-            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
-        if not request.session_id:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
-        max_context = min(request.max_context or self.max_context, self.max_context)
+        max_context = await self._new_session_context(request, context)
         t0 = time.perf_counter()
         try:  # on the inference thread: the source's state must not change while it is copied
             session = await asyncio.get_running_loop().run_in_executor(
@@ -232,11 +233,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.CopyReply(length=session.length, compute_ms=ms)
 
     async def Merge(self, request: pb.MergeRequest, context: grpc.aio.ServicerContext) -> pb.MergeReply:
-        if msg := self._check_manifest(request.manifest_sha256):
-            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
-        if not request.session_id:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
-        max_context = min(request.max_context or self.max_context, self.max_context)
+        max_context = await self._new_session_context(request, context)
         try:  # on the inference thread: the sources' states must not change while they are copied
             group = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.store.merge, request.session_id, list(request.sources), max_context)

@@ -8,8 +8,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from fleet_common.runtime import ContextOverflow, KVSession, copy_prefix, merge, shown_id
 
 
@@ -52,6 +50,10 @@ class SessionNotFound(SessionError):
 
 class SessionLimit(SessionError):
     code = "RESOURCE_EXHAUSTED"
+
+
+def _not_found(session_id: str) -> SessionNotFound:
+    return SessionNotFound(f"unknown session {shown_id(session_id)} (never opened, closed, or expired when idle)")
 
 
 class SessionStore:
@@ -110,10 +112,8 @@ class SessionStore:
                 raise ContextOverflow(f"session {shown_id(session_id)} holds {session.rows} rows of "
                                       f"{session.length} slots; cannot resume it with {max_context}")
             self._admit(max_context, skip=(session_id,), new=False)
-            visible = np.zeros((1, max_context), dtype=np.int64)
-            width = min(max_context, session.max_context)
-            visible[:, :width] = session.visible[:, :width]
-            session.visible, session.max_context, session.reserved = visible, max_context, [max_context]
+            session.resize(max_context)
+            session.reserved = [max_context]
             session.last_used = self._clock()
             return session
 
@@ -152,8 +152,7 @@ class SessionStore:
     def _live(self, session_id: str) -> KVSession:
         session = self._sessions.get(session_id)
         if session is None or session.request is None:
-            raise SessionNotFound(f"unknown session {shown_id(session_id)} (never opened, closed, or expired "
-                                  "when idle)")
+            raise _not_found(session_id)
         return session
 
     def _admit(self, slots: int, skip: tuple[str, ...] = (), new: bool = True) -> None:
@@ -187,8 +186,7 @@ class SessionStore:
                 raise BadMerge(f"merge sources must be distinct and non-empty, got [{shown}]")
             missing = [sid for sid in sources if sid not in self._sessions]
             if missing:
-                raise SessionNotFound(f"unknown session {shown_id(missing[0])} (never opened, closed, or expired "
-                                      "when idle)")
+                raise _not_found(missing[0])
             if session_id in self._sessions and session_id not in sources:
                 raise BadMerge(f"session {shown_id(session_id)} exists and is not one of the merged sessions")
             parts = [self._sessions[sid] for sid in sources]
@@ -206,8 +204,7 @@ class SessionStore:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
-                raise SessionNotFound(f"unknown session {shown_id(session_id)} (never opened, closed, or expired "
-                                      "when idle)")
+                raise _not_found(session_id)
             session.last_used = self._clock()
             return session
 
