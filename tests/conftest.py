@@ -70,9 +70,14 @@ def _build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "
     tag = "" if weights == "fp16" else f"-{weights}"
     out = MODELS / f"smollm2-{shards}stage{tag}-{_compiler_key()}"
     if not (out / "manifest.json").is_file():
+        import shutil
+
         from compiler.build import build
 
         build(hf, out, shards=shards, drafts=drafts, weights=weights, draft_weights=draft_weights)
+        for stale in MODELS.glob(f"smollm2-{shards}stage{tag}-" + "?" * 10):  # builds of older code: 0.5 GB each
+            if stale != out:
+                shutil.rmtree(stale, ignore_errors=True)
     return out
 
 

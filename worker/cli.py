@@ -42,7 +42,8 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
     cache_dir = (settings.cache_dir or default_cache_dir()) if settings.model_cache else None
     runner = await asyncio.to_thread(partial(ShardRunner, loaded, settings.shard, settings.device, settings.threads,
                                              settings.inference_precision, blobs=settings.blobs,
-                                             verify_hashes=settings.verify_hashes, cache_dir=cache_dir))
+                                             verify_hashes=settings.verify_hashes, cache_dir=cache_dir,
+                                             cache_max_bytes=int(settings.cache_max_gb * 2**30)))
     max_context = min(settings.max_context or manifest.architecture.max_context, manifest.architecture.max_context)
     budget = settings.kv_budget_mb << 20 or available_memory() // 2
     store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s,

@@ -30,6 +30,7 @@ from fleet_common.runtime import KV_VALUE_BYTES, compile_ir
 log = logging.getLogger(__name__)
 
 CACHE_ENTRIES_KEPT = 4  # model-cache files kept per stage IR (one per config and build folder path)
+DEFAULT_CACHE_MAX_BYTES = 8 << 30  # the whole model cache (all builds' stages) is kept under this
 
 
 def default_cache_dir() -> Path:
@@ -51,13 +52,15 @@ class LoadedShard:
 
 def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads: int = 0,
                inference_precision: str = "auto", *, blobs: bool = True, verify_hashes: bool = False,
-               cache_dir: Path | None = None) -> LoadedShard:
+               cache_dir: Path | None = None, cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES) -> LoadedShard:
     """Load ``stage`` of the build for ``device`` with a worker's ``threads`` and ``inference_precision``.
 
     ``blobs``: import a matching pre-compiled blob when the build has one. ``verify_hashes``: sha256-check
     the files before loading them (a blob that fails is skipped with a warning; an IR that fails is an
     error). ``cache_dir``: OpenVINO model cache root (None: no cache); each stage IR gets its own folder,
     named by the IR's hashes, because OpenVINO keys what it caches for a model file by the file's path.
+    ``cache_max_bytes``: after writing a cache entry, the least recently loaded stage folders of the whole
+    cache are deleted until it is under this size (the folder just written is always kept).
     Raises ``ManifestError`` when the IR does not match the manifest, ``RuntimeError`` when it does not
     compile."""
     manifest = loaded.manifest
@@ -102,8 +105,11 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
         compiled, kv_bytes, seconds = compile_ir(loaded.directory / entry.xml, device, threads, inference_precision,
                                                  manifest.kv_cache_precision, cache_dir=folder)
         hit = bool(compiled.get_property("LOADED_FROM_CACHE"))
+        (folder / ".lock").touch()  # its mtime is the folder's last use, for _prune_root
         if not hit:
             _prune(folder)
+    if not hit:
+        _prune_root(Path(cache_dir), cache_max_bytes, keep=folder)
     if hit:
         log.info("stage %d: IR loaded from OpenVINO's model cache %s in %.2f s", stage, folder, seconds)
         return LoadedShard(compiled, kv_bytes, "model-cache", str(folder), seconds)
@@ -112,19 +118,20 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, wait: bool = True) -> Iterator[None]:
     """An exclusive advisory lock on ``path`` across processes (no-op where ``fcntl`` is missing).
 
     OpenVINO's file cache truncates and rewrites an entry in place, so two workers of the same stage
     starting together could both compile and write it while one already maps it; under the lock the
-    second one waits and imports what the first wrote."""
+    second one waits and imports what the first wrote. ``wait=False`` raises ``BlockingIOError`` instead of
+    waiting when another process holds it."""
     try:
         import fcntl
     except ImportError:  # Windows
         yield
         return
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:
@@ -137,3 +144,35 @@ def _prune(folder: Path) -> None:
     entries = sorted(folder.glob("*.blob"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[CACHE_ENTRIES_KEPT:]:
         old.unlink(missing_ok=True)  # a worker that maps it keeps its copy until it exits
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def _prune_root(root: Path, max_bytes: int, keep: Path) -> None:
+    """Delete the least recently loaded stage folders of the cache at ``root`` until its files total at most
+    ``max_bytes`` (``keep``, the folder just written, stays even when it alone is over). Every build and
+    every code version a machine ever ran leaves a folder: without this the cache grows without bound (a
+    test machine's reached 33 GB). A folder another process holds the lock of is skipped. Errors (a folder
+    removed meanwhile) are ignored: pruning never fails a load."""
+    import shutil
+
+    try:
+        folders = [f for f in root.iterdir() if f.is_dir() and f != keep]
+        sizes = {f: _folder_bytes(f) for f in folders}
+        total = sum(sizes.values()) + _folder_bytes(keep)
+    except OSError:
+        return
+    lock_time = lambda f: (f / ".lock").stat().st_mtime if (f / ".lock").exists() else 0.0  # noqa: E731
+    for old in sorted(folders, key=lock_time):
+        if total <= max_bytes:
+            break
+        try:
+            with _locked(old / ".lock", wait=False):
+                shutil.rmtree(old)
+        except (BlockingIOError, OSError):
+            continue
+        total -= sizes[old]
+        log.info("model cache over %.1f GB: removed %s (%.0f MB, least recently loaded)", max_bytes / 2**30, old,
+                 sizes[old] / 2**20)

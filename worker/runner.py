@@ -12,7 +12,7 @@ import openvino as ov
 from fleet_common.manifest import LoadedManifest
 from fleet_common.runtime import ChunkError, KVSession, compact, run_chunk
 
-from .loader import load_shard
+from .loader import DEFAULT_CACHE_MAX_BYTES, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +30,14 @@ class ShardRunner:
 
     Each session has its own InferRequest (its KV state); all share the compiled weights. The model
     comes from a matching pre-compiled blob, OpenVINO's model cache or the IR (worker/loader.py;
-    ``blobs``, ``verify_hashes``, ``cache_dir`` go there); ``load`` says which.
+    ``blobs``, ``verify_hashes``, ``cache_dir``, ``cache_max_bytes`` go there); ``load`` says which.
     Raises ``ValueError`` for a stage the build does not have, ``ManifestError`` for shard files that do
     not match the manifest (``verify_hashes``), ``RuntimeError`` when it cannot compile.
     """
 
     def __init__(self, loaded: LoadedManifest, stage: int, device: str = "CPU", threads: int = 0,
                  inference_precision: str = "auto", *, blobs: bool = True, verify_hashes: bool = False,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES) -> None:
         manifest = loaded.manifest
         if not 0 <= stage < manifest.num_stages:
             raise ValueError(f"--shard {stage} out of range: this build has stages 0..{manifest.num_stages - 1}")
@@ -50,7 +50,8 @@ class ShardRunner:
         self.vocab_size = manifest.architecture.vocab_size
         self.device = device
         self.load = load_shard(loaded, stage, device, threads, inference_precision, blobs=blobs,
-                               verify_hashes=verify_hashes, cache_dir=cache_dir)
+                               verify_hashes=verify_hashes, cache_dir=cache_dir,
+                               cache_max_bytes=cache_max_bytes)
         self.compiled, self.kv_value_bytes = self.load.compiled, self.load.kv_value_bytes
         log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s", stage, self.entry.start, self.entry.end,
                  device, self.load.source, self.load.seconds)

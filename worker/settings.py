@@ -38,6 +38,8 @@ class WorkerSettings(BaseSettings):
                               "next start on this machine imports it")
     cache_dir: Path | None = Field(None, description="model cache folder; default $XDG_CACHE_HOME/fleet/openvino "
                                    "(~/.cache/fleet/openvino)")
+    cache_max_gb: float = Field(8.0, gt=0, description="the model cache is kept under this size: the least recently "
+                                "loaded shards' entries are deleted first")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (same host); "
                               "0 = off")
     secret: Path | None = Field(None, description="file holding the fleet's shared key (stripped); every gRPC call "

@@ -112,3 +112,26 @@ def test_second_start_imports_from_the_model_cache(blob_build, tmp_path):
             proc.stop()
     assert sources == ["ir", "model-cache"]
     assert len(list(cache.glob("*/*.blob"))) == 1
+
+
+def test_model_cache_stays_under_its_size_bound(build_2, tmp_path):
+    """Each stage IR gets a cache folder; past ``cache_max_bytes`` the least recently loaded folders go
+    (the one just written stays), so the cache of a machine that ran many builds stays bounded."""
+    from worker.loader import load_shard
+
+    loaded, cache = load_manifest(build_2), tmp_path / "cache"
+    sources = []
+    for stage in (0, 1, 0):
+        shard = load_shard(loaded, stage, threads=1, inference_precision="f32", blobs=False, cache_dir=cache,
+                           cache_max_bytes=1)
+        sources.append(shard.source)
+        folders = [f for f in cache.iterdir() if f.is_dir()]
+        assert [f.name for f in folders] == [Path(shard.detail).name], folders  # only the one just loaded
+        del shard
+    assert sources == ["ir", "ir", "ir"]  # stage 0's entry was removed when stage 1 was written
+    big = 1 << 40
+    for stage in (1, 0):  # under a bound they both fit in: the second load of stage 0 is a cache hit
+        sources.append(load_shard(loaded, stage, threads=1, inference_precision="f32", blobs=False,
+                                  cache_dir=cache, cache_max_bytes=big).source)
+    assert sources[3:] == ["ir", "model-cache"]
+    assert len([f for f in cache.iterdir() if f.is_dir()]) == 2
