@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,13 @@ from .errors import PipelineUnavailable, StageFailure, stage_lost
 from .pipeline import Channels, Pipeline
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 2.0  # one announced address's Info answer (a PC with several: which one routes)
+LOST_PROBE_S = 5.0  # a worker found by mDNS and dropped after missed health checks is asked this often again
+LOST_FORGET_S = 600.0  # ... for this long (a cable back in, a link back up: it rejoins by itself)
+NOTHING_HEARD_S = 5.0
+RESOLVE_ATTEMPTS = 5  # no worker heard by zeroconf this long after the start: say so, and which interfaces
+_DNS_A, _DNS_SRV, _DNS_IN = 1, 33, 1  # DNS record types and class (RFC 1035, RFC 2782)
 
 
 @dataclass
@@ -58,6 +66,8 @@ class Registry:
         self._zc = None
         self._browser = None
         self._tasks: set[asyncio.Task] = set()
+        self._heard: set[str] = set()  # zeroconf service names resolved
+        self._lost: dict[str, tuple[int, float, float]] = {}  # mDNS address -> (stage, dropped at, next probe)
 
     # -- membership ----------------------------------------------------------------------------
     def add_peer(self, address: str, source: str = "peer") -> None:
@@ -89,6 +99,9 @@ class Registry:
                 log.warning("worker %s dropped after %d missed health checks", address, state.missed)
                 self.workers.pop(address, None)
                 await self.channels.drop(address)
+                if state.source == "mdns" and state.info is not None:  # no new announcement comes when a link is back
+                    now = time.monotonic()
+                    self._lost[address] = (state.info.stage, now, now + LOST_PROBE_S)
             if state.info is not None:  # only a worker with info can be in a pipeline
                 await self._invalidate_if_uses(address, stage_lost(
                     state.info.stage, address, f"health check: {exc.code().name}: {exc.details()}"))
@@ -99,6 +112,13 @@ class Registry:
             await self._invalidate_if_uses(address, stage_lost(
                 info.stage, address, f"worker id {state.info.worker_id} -> {info.worker_id}",
                 how="restarted and lost this request's state"))
+        alias = next((w for w in self.workers.values() if w is not state and w.healthy and w.info is not None
+                      and w.info.worker_id == info.worker_id), None)
+        if alias is not None and address not in self._static:  # one worker, two of its addresses announced
+            log.info("worker %s is %s (worker id %s): one entry kept", address, alias.address, info.worker_id)
+            self.workers.pop(address, None)
+            await self.channels.drop(address)
+            return
         rtt = time.perf_counter() - sent
         state.rtt_s = rtt if not state.rtt_s else 0.7 * state.rtt_s + 0.3 * rtt
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
@@ -128,6 +148,9 @@ class Registry:
                 log.info("worker %s replaces %s (stage %d on the same host, not answering)", address, ghost.address,
                          info.stage)  # a restarted worker on a new port: no ghost entry left behind
                 self.workers.pop(ghost.address, None)
+            for lost in [a for a, (stage, _, _) in self._lost.items() if stage == info.stage
+                         and a.rsplit(":", 1)[0] == host]:
+                del self._lost[lost]  # its replacement is here: stop asking the old address
             await self._drop_pipelines(lambda p: not p.healthy)
         elif not state.healthy and was_healthy:
             await self._invalidate_if_uses(address, state.refused or f"worker {address} refused")
@@ -220,32 +243,107 @@ class Registry:
         self._spawn(self._health_loop())
         if discover:
             from zeroconf import IPVersion, ServiceStateChange
-            from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+            from zeroconf.asyncio import AsyncServiceBrowser, AsyncZeroconf
 
             self._zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
 
-            async def resolve(name: str) -> None:
-                info = AsyncServiceInfo(SERVICE_TYPE, name)
-                if not await info.async_request(self._zc.zeroconf, 3000):
-                    log.debug("could not resolve %s", name)
-                    return
-                for host in info.parsed_addresses(IPVersion.V4Only):
-                    try:
-                        ad = decode_txt(info.properties, host, info.port)
-                    except ValueError as exc:
-                        log.warning("%s", exc)
-                        return
-                    self.add_peer(ad.address, "mdns")
-                    return
-
             def on_change(zeroconf, service_type, name, state_change) -> None:  # noqa: ANN001
                 if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
-                    self._spawn(resolve(name))
+                    self._spawn(self._resolve(name))
 
             self._browser = AsyncServiceBrowser(self._zc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
+            log.info("browsing zeroconf for workers (%s, mDNS on UDP 5353) on %s", SERVICE_TYPE, _interfaces())
+            self._spawn(self._report_silence())
+
+    async def _report_silence(self) -> None:
+        await asyncio.sleep(NOTHING_HEARD_S)
+        if not self._heard:
+            log.warning("zeroconf: no worker heard in %.0f s on %s; if workers run, multicast (mDNS, UDP 5353) does "
+                        "not pass between them and this PC (a firewall, VPN or Wi-Fi client isolation): name them with "
+                        "--peer host:port", NOTHING_HEARD_S, _interfaces())
+
+    async def _resolve(self, name: str) -> None:
+        """Add the worker(s) behind a zeroconf service ``name``: of the addresses announced, the ones that
+        answer (a PC with several networks announces some this coordinator cannot reach); every worker
+        announcing that same name (cloned PCs) is added, and the collision logged."""
+        from zeroconf import IPVersion
+        from zeroconf.asyncio import AsyncServiceInfo
+
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        for attempt in range(RESOLVE_ATTEMPTS):  # the browser reports a name once: a lost answer is asked again
+            if await info.async_request(self._zc.zeroconf, 3000):
+                break
+            if name in self._heard or attempt == RESOLVE_ATTEMPTS - 1:
+                log.warning("zeroconf: %s announced but not resolved (no SRV/TXT/address answer in %d tries of 3 s)",
+                            name, attempt + 1)
+                return
+        try:
+            decode_txt(info.properties, "", info.port)
+        except ValueError as exc:
+            log.warning("%s (%s)", exc, name)
+            return
+        self._heard.add(name)
+        endpoints = [f"{h}:{info.port}" for h in info.parsed_addresses(IPVersion.V4Only)]
+        cache = self._zc.zeroconf.cache
+        for srv in cache.async_all_by_details(name, _DNS_SRV, _DNS_IN):  # one per worker when clones share the name
+            for a in cache.async_all_by_details(srv.server, _DNS_A, _DNS_IN):
+                if f"{socket.inet_ntoa(a.address)}:{srv.port}" not in endpoints:
+                    endpoints.append(f"{socket.inet_ntoa(a.address)}:{srv.port}")
+        if len(endpoints) == 1:
+            self.add_peer(endpoints[0], "mdns")
+            return
+        found = await self._answering(endpoints)
+        if not found:
+            log.warning("worker %s announced %s and answers on none of them: trying %s (a worker must announce an "
+                        "address this coordinator routes to: fleet-worker --advertise-addr)", name,
+                        ", ".join(endpoints), endpoints[0])
+            self.add_peer(endpoints[0], "mdns")
+            return
+        if len(found) > 1:
+            log.warning("%d workers announce the same name %s (cloned PCs?): %s; each is used", len(found), name,
+                        ", ".join(f"{a} (id {w})" for w, a in found.items()))
+        else:
+            log.info("worker %s announced %s: reachable at %s", name, ", ".join(endpoints), next(iter(found.values())))
+        for address in found.values():
+            self.add_peer(address, "mdns")
+
+    async def _answering(self, endpoints: list[str]) -> dict[str, str]:
+        """Worker id -> its first address (in ``endpoints`` order) that answers an Info RPC in time."""
+        async def probe(address: str) -> str | None:
+            try:
+                return (await self.channels.stub(address).Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S)).worker_id
+            except grpc.aio.AioRpcError:
+                if address not in self.workers:
+                    await self.channels.drop(address)
+                return None
+
+        found: dict[str, str] = {}
+        for address, worker_id in zip(endpoints, await asyncio.gather(*(probe(e) for e in endpoints))):
+            if worker_id is not None:
+                found.setdefault(worker_id, address)
+        return found
+
+    async def _probe_lost(self, address: str) -> None:
+        """Ask a dropped mDNS worker again; it rejoins when it answers (its announcement is not repeated)."""
+        try:
+            await self.channels.stub(address).Info(pb.InfoRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            await self.channels.drop(address)
+            return
+        if self._lost.pop(address, None) is not None and address not in self.workers:
+            log.info("worker %s answers again: rejoining", address)
+            self.add_peer(address, "mdns")
 
     async def _health_loop(self) -> None:
         while True:
+            now = time.monotonic()
+            for address, (stage, dropped, due) in list(self._lost.items()):
+                if now - dropped > LOST_FORGET_S:
+                    del self._lost[address]
+                    log.info("worker %s (stage %d) forgotten: not answering for %.0f s", address, stage, now - dropped)
+                elif now >= due:
+                    self._lost[address] = (stage, dropped, now + LOST_PROBE_S)
+                    self._spawn(self._probe_lost(address))
             await asyncio.gather(*(self._check(a) for a in list(self.workers)), return_exceptions=True)
             await asyncio.sleep(self.health_interval_s)
 
@@ -258,3 +356,11 @@ class Registry:
             await self._browser.async_cancel()
         if self._zc is not None:
             await self._zc.async_close()
+
+
+def _interfaces() -> str:
+    """This PC's IPv4 interfaces (name and address), as zeroconf browses them: "eth0 10.0.0.5, lo 127.0.0.1"."""
+    import psutil
+
+    return ", ".join(f"{name} {a.address}" for name, addrs in sorted(psutil.net_if_addrs().items())
+                     for a in addrs if a.family == socket.AF_INET) or "no IPv4 interface"

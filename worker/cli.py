@@ -66,7 +66,7 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
         announcer = Announcer(
             WorkerAd(settings.shard, manifest.num_stages, entry.start, entry.end, loaded.sha256, PROTOCOL_VERSION,
                      manifest.model_id, service.worker_id, port),
-            settings.host,
+            settings.host, settings.advertise_addr,
         )
         await announcer.start()
     log.info("worker ready: stage %d of %d, layers [%d, %d), manifest %s, KV budget %d MiB (%d slots), %s, "

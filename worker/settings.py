@@ -31,6 +31,10 @@ class WorkerSettings(BaseSettings):
                               "more get RESOURCE_EXHAUSTED; 0 = half of the memory available at start")
     idle_timeout_s: float = Field(600.0, gt=0, description="a session unused this long is dropped and its KV freed")
     announce: bool = Field(True, description="announce this worker with zeroconf (mDNS)")
+    advertise_addr: list[str] = Field(default_factory=list, description="address to announce (repeatable; default: "
+                                      "every address of --host's interfaces, the coordinator uses the first that "
+                                      "answers): the one the coordinator routes to, on a PC with a VPN, docker0 or "
+                                      "a second subnet, or a NAT's address")
     verify_hashes: bool = Field(True, description="sha256-check the shard files against the manifest at start")
     blobs: bool = Field(True, description="import the build's pre-compiled blob of this shard (fleet-compiler "
                         "precompile) when it was made for this device, OpenVINO version and config")
