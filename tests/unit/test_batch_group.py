@@ -15,7 +15,9 @@ from coordinator.pipeline import StepOutput
 
 
 class FakePipeline:
-    """The calls a BatchGroup makes; ``compact``/``step`` raise ``fail`` when it is set."""
+    """The calls a BatchGroup makes; ``compact``/``step`` raise ``fail`` when it is set. A step's candidates
+    are row-specific: for each of a row's last ``count`` tokens t, the one id ``10 t + 1`` with logprob
+    ``-t`` (so a member given another row's result, or another position's, shows it)."""
 
     healthy = True
 
@@ -41,8 +43,8 @@ class FakePipeline:
         self.calls.append("step")
         if "step" in self.fail:
             raise self.fail["step"]
-        rows = np.asarray(tokens).shape[0]
-        return StepOutput(np.zeros((rows * count, 1), np.int32), np.zeros((rows * count, 1), np.float32))
+        last = np.asarray(tokens)[:, -count:].reshape(-1, 1)  # [rows * count, 1]: each row's last count tokens
+        return StepOutput((10 * last + 1).astype(np.int32), (-last).astype(np.float32))
 
     async def close_session(self, session_id, timeout_s):  # noqa: ANN001, ANN201
         self.calls.append("close")
@@ -75,6 +77,24 @@ def test_a_step_after_compaction_answers_every_member():
     results = asyncio.run(_two_members_step(pipeline))
     assert all(isinstance(r, StepOutput) for r in results), results
     assert pipeline.calls == ["merge", "compact", "step"]
+
+
+def test_each_member_gets_its_own_rows():
+    """Two members step together with chunks of different lengths (one padded on the left) and logits for
+    different numbers of positions: each gets the candidates of its own row, for its own last positions."""
+    async def scenario() -> list:
+        group = BatchGroup(FakePipeline(), slack=2, compact_share=0.5, compact_min_slots=64,
+                           timeout_s=lambda tokens: 20.0, max_rows=4, wait_s=0.05)
+        a, b, c = (Member(name, slots=8, visible=4) for name in "abc")
+        await asyncio.gather(*(group.join(m) for m in (a, b, c)))
+        steps = [group.step(a, [5], a.visible, 1, 1), group.step(b, [7, 8, 9], b.visible, 3, 1),
+                 group.step(c, [2, 3], c.visible, 1, 1)]
+        return await asyncio.wait_for(asyncio.gather(*steps), 2.0)
+
+    out_a, out_b, out_c = asyncio.run(scenario())
+    assert out_a.top_ids.tolist() == [[51]] and out_a.top_logprobs.tolist() == [[-5.0]]
+    assert out_b.top_ids.tolist() == [[71], [81], [91]] and out_b.top_logprobs.tolist() == [[-7.0], [-8.0], [-9.0]]
+    assert out_c.top_ids.tolist() == [[31]] and out_c.top_logprobs.tolist() == [[-3.0]]
 
 
 def test_a_member_leaving_before_its_step_runs_does_not_break_the_group():
