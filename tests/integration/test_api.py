@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API on a real 2-stage fleet: answers, streaming, the openai client, errors."""
+"""The OpenAI-compatible API on a real 2-stage fleet: answers, streaming, the openai client, errors (f32,
+one thread, no draft); and once at the shipped defaults (bf16 where the CPU has it, ``--draft auto``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from coordinator.tokenizer import ChatTokenizer
-from tests.conftest import BIN, Fleet, chat
+from tests.conftest import BIN, Fleet, agree_until_near_tie, chat, greedy_with_gaps, stream_with_gaps
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +146,22 @@ def test_chat_client_finds_the_coordinator_by_zeroconf(fleet):
     assert fleet.url in out.stderr  # "connected to <url>": found by mDNS, not told
     assert "Paris" in out.stdout and "Rome" in out.stdout  # two turns, history kept
     assert out.stderr.count("tok/s") == 2
+
+
+def test_the_defaults_answer_and_stream_like_plain_requests(defaults_fleet):
+    """At the shipped defaults (the build's first draft, adaptive K): Tokyo (not Paris: the demo's first
+    token there is a near-tie, 'The' 0.09 above 'L', which bf16 turns); a streamed answer equals the plain
+    one (or leaves it only at a near-tie, README "Precision") and is UTF-8 safe; speculation ran."""
+    url = defaults_fleet.url
+    body = chat(url, "What is the capital of Japan?", max_tokens=32).json()
+    assert "Tokyo" in body["choices"][0]["message"]["content"] and body["choices"][0]["finish_reason"] == "stop"
+    for prompt in (MULTIBYTE[0], "Write a short story about a lighthouse keeper."):
+        plain = greedy_with_gaps(url, prompt, 48)
+        streamed = stream_with_gaps(url, prompt, 48)
+        pieces = streamed["pieces"]
+        agree_until_near_tie(streamed, plain, f"streamed {prompt!r}")
+        assert all("\ufffd" not in p for p in pieces), pieces
+        if prompt in MULTIBYTE:
+            assert any(ord(ch) > 0x7F for ch in "".join(pieces)), f"expected multi-byte characters in {pieces}"
+        for stats in (plain["fleet"], streamed["fleet"]):
+            assert stats["draft"] == "self-int4" and stats["drafted_tokens"] > 0, stats
