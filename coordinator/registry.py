@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0  # one announced address's Info answer (a PC with several: which one routes)
 LOST_PROBE_S = 5.0  # a worker found by mDNS and dropped after missed health checks is asked this often again
 LOST_FORGET_S = 600.0  # ... for this long (a cable back in, a link back up: it rejoins by itself)
-NOTHING_HEARD_S = 5.0
-RESOLVE_ATTEMPTS = 5  # no worker heard by zeroconf this long after the start: say so, and which interfaces
+NOTHING_HEARD_S = 5.0  # no worker heard by zeroconf this long after the start: say so, and which interfaces
+RESOLVE_ATTEMPTS = 5  # tries to resolve an announced name (3 s each) before saying it was not resolved
 _DNS_A, _DNS_SRV, _DNS_IN = 1, 33, 1  # DNS record types and class (RFC 1035, RFC 2782)
 
 
@@ -66,7 +66,7 @@ class Registry:
         self._zc = None
         self._browser = None
         self._tasks: set[asyncio.Task] = set()
-        self._heard: set[str] = set()  # zeroconf service names resolved
+        self._heard: dict[str, list[str]] = {}  # zeroconf service names resolved -> the addresses added for them
         self._lost: dict[str, tuple[int, float, float]] = {}  # mDNS address -> (stage, dropped at, next probe)
 
     # -- membership ----------------------------------------------------------------------------
@@ -250,6 +250,9 @@ class Registry:
             def on_change(zeroconf, service_type, name, state_change) -> None:  # noqa: ANN001
                 if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
                     self._spawn(self._resolve(name))
+                elif state_change is ServiceStateChange.Removed:  # withdrawn (stopped): no need to ask it again
+                    for address in self._heard.pop(name, []):
+                        self._lost.pop(address, None)
 
             self._browser = AsyncServiceBrowser(self._zc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
             log.info("browsing zeroconf for workers (%s, mDNS on UDP 5353) on %s", SERVICE_TYPE, _interfaces())
@@ -282,29 +285,27 @@ class Registry:
         except ValueError as exc:
             log.warning("%s (%s)", exc, name)
             return
-        self._heard.add(name)
+        added = self._heard.setdefault(name, [])
         endpoints = [f"{h}:{info.port}" for h in info.parsed_addresses(IPVersion.V4Only)]
         cache = self._zc.zeroconf.cache
         for srv in cache.async_all_by_details(name, _DNS_SRV, _DNS_IN):  # one per worker when clones share the name
             for a in cache.async_all_by_details(srv.server, _DNS_A, _DNS_IN):
                 if f"{socket.inet_ntoa(a.address)}:{srv.port}" not in endpoints:
                     endpoints.append(f"{socket.inet_ntoa(a.address)}:{srv.port}")
-        if len(endpoints) == 1:
-            self.add_peer(endpoints[0], "mdns")
-            return
-        found = await self._answering(endpoints)
+        found = await self._answering(endpoints) if len(endpoints) > 1 else {"": endpoints[0]}
         if not found:
             log.warning("worker %s announced %s and answers on none of them: trying %s (a worker must announce an "
                         "address this coordinator routes to: fleet-worker --advertise-addr)", name,
                         ", ".join(endpoints), endpoints[0])
-            self.add_peer(endpoints[0], "mdns")
-            return
+            found = {"": endpoints[0]}
         if len(found) > 1:
             log.warning("%d workers announce the same name %s (cloned PCs?): %s; each is used", len(found), name,
                         ", ".join(f"{a} (id {w})" for w, a in found.items()))
-        else:
+        elif len(endpoints) > 1:
             log.info("worker %s announced %s: reachable at %s", name, ", ".join(endpoints), next(iter(found.values())))
         for address in found.values():
+            if address not in added:
+                added.append(address)
             self.add_peer(address, "mdns")
 
     async def _answering(self, endpoints: list[str]) -> dict[str, str]:

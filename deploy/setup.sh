@@ -17,6 +17,16 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
          "and chromium-driver, or the chat page's browser test skips" >&2
   fi
 fi
+# The LAN tests (tests/lan) make network namespaces with iproute2's `ip` (and `bridge`); they skip, saying why,
+# where it is missing or namespaces are not allowed (not root, a container without CAP_NET_ADMIN).
+if ! command -v ip >/dev/null || ! command -v bridge >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 \
+        >/dev/null; } || echo "setup: apt-get could not install iproute2: the LAN tests will skip" >&2
+  else
+    echo "setup: iproute2 missing and apt-get unavailable (or not root): the LAN tests skip" >&2
+  fi
+fi
 STAMP=.venv/.fleet-installed
 WANT=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi

@@ -16,12 +16,6 @@ from .netns import Lan, LanUnavailable, check_available, remove_stale
 WORKER_FLAGS = ("--inference-precision", "f32", "--threads", "1")  # f32: token-equal to the reference
 
 
-def pytest_collection_modifyitems(items) -> None:  # noqa: ANN001
-    for item in items:
-        if "tests/lan/" in str(item.fspath).replace("\\", "/"):
-            item.add_marker(pytest.mark.lan)
-
-
 @pytest.fixture(scope="session")
 def lan_ok() -> None:
     """Skip (with the reason) where network namespaces cannot be made; remove dead runs' leftovers."""

@@ -15,7 +15,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -54,6 +56,7 @@ def remove_stale() -> list[str]:
     removed = []
     for name in ip("netns", "list", check=False).stdout.split():
         if (m := re.fullmatch(rf"{PREFIX}(\d+)-.+", name)) and not _alive(int(m.group(1))):
+            _kill_inside(name)  # a worker of a killed test run (its own session) may still run there
             ip("netns", "del", name, check=False)
             removed.append(name)
     for link in json.loads(ip("-j", "link", "show", check=False).stdout or "[]"):
@@ -61,6 +64,15 @@ def remove_stale() -> list[str]:
             ip("link", "del", link["ifname"], check=False)
             removed.append(link["ifname"])
     return removed
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL the processes left in namespace ``ns`` (one this module made)."""
+    for pid in ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 def check_available() -> None:
@@ -182,7 +194,10 @@ class Lan:
 
     def call_in(self, name: str, fn: Callable[..., T], *args, **kw) -> T:
         """Run ``fn(*args, **kw)`` on a thread inside PC ``name``'s namespace (``setns``: sockets it makes
-        live there), e.g. HTTP requests to a coordinator bound to that PC's loopback."""
+        live there), e.g. HTTP requests to a coordinator bound to that PC's loopback; at once when called
+        on such a thread already."""
+        if threading.current_thread().name.startswith(self.pcs[name].ns + "_"):
+            return fn(*args, **kw)
         return self.executor(name).submit(fn, *args, **kw).result()
 
     def executor(self, name: str) -> concurrent.futures.ThreadPoolExecutor:
@@ -208,6 +223,7 @@ class Lan:
         for pc in self.pcs.values():
             for _, outer in pc.interfaces.values():
                 ip("link", "del", outer, check=False)
+            _kill_inside(pc.ns)  # normally none: the tests stop what they start
             ip("netns", "del", pc.ns, check=False)
         for bridge in self.bridges.values():
             ip("link", "del", bridge, check=False)

@@ -1,18 +1,23 @@
 """Discovery across real interfaces (issue 18): workers in their own network namespaces ("PCs") on one
 bridge, found by zeroconf (real mDNS over the bridge, no --peer), a PC with two networks, cloned PCs,
-and a coordinator that hears no multicast.
+a coordinator that hears no multicast, and requests with idle gaps longer than gRPC's keepalive.
 
 One LAN for the module: PCs w0, w1, w2 serve stages 0..2 of the 3-stage build; ``dual`` serves stage 1
 too, on a PC whose first interface is on a network the coordinator cannot reach; ``vpn`` likewise serves
 stage 0 with ``--advertise-addr``; ``w2`` and ``clone`` serve stage 2 as cloned PCs would: one host
 name (namespaces share it), the same port, and a bridge of their own at the same address (a VM network
-cloned with the disk, ``virbr0`` at 10.0.0.1), so the same service name. Every PC's worker announces itself; the coordinator in ``coord`` finds them all by zeroconf; the
-one in ``quiet``, on another subnet behind the router ``gw``, hears none of them."""
+cloned with the disk, ``virbr0`` at 10.0.0.1), so the same service name. Every worker announces itself;
+the coordinator in ``coord`` finds them all by zeroconf; the one in ``quiet``, on another subnet behind
+the router ``gw``, hears none of them."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,15 +26,21 @@ from tests.integration.reference import TransformersReference, near_ties
 
 from .conftest import LanCoordinator, start_workers, stop_all
 
+pytestmark = pytest.mark.lan
+
 PROMPTS = ["What is the capital of France?"]  # one short answer: the reference costs ~20 s per 24 tokens here
 NEW_TOKENS = 16
 CLONE_PORT = 50731
+KEEPALIVE_S = 10.0  # fleet_common.wire.GRPC_OPTIONS' grpc.keepalive_time_ms (not configurable)
+# idle gaps longer than the keepalive between bursts of requests; FLEET_LAN_SOAK_REQUESTS=500 for the long run
+SOAK_REQUESTS = int(os.environ.get("FLEET_LAN_SOAK_REQUESTS", "30"))
+SOAK_BURST = 10
 
 
-@pytest.fixture(scope="module")
-def reference(build_3, demo_hf) -> dict[str, tuple]:
-    tokenizer = ChatTokenizer(build_3)
-    model = TransformersReference(demo_hf)
+def _reference(build: Path, hf: Path) -> dict[str, tuple]:
+    """Per prompt: transformers' greedy tokens in f32, their top-two gaps, and its teacher forcing."""
+    tokenizer = ChatTokenizer(build)
+    model = TransformersReference(hf)
     out = {}
     for p in PROMPTS:
         ids = tokenizer.encode_chat([{"role": "user", "content": p}])
@@ -38,7 +49,19 @@ def reference(build_3, demo_hf) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def office(lan, build_3, tmp_path_factory):  # noqa: ANN001, ANN201
+def reference_pending(build_3, demo_hf):  # noqa: ANN001, ANN201
+    """The reference, computed on a thread while the LAN's workers start (it takes ~30 s here)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_reference, build_3, demo_hf)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_pending) -> dict[str, tuple]:  # noqa: ANN001
+    return reference_pending.result()
+
+
+@pytest.fixture(scope="module")
+def office(reference_pending, lan, build_3, tmp_path_factory):  # noqa: ANN001, ANN201
     """The module's LAN, its workers (PC name -> LanWorker) and the log folder."""
     log_dir = tmp_path_factory.mktemp("lan-discovery")
     for pc in ("coord", "w0", "w1"):
@@ -136,3 +159,28 @@ def test_no_multicast_coordinator_uses_peers_and_says_nothing_was_heard(office, 
                          coord.proc.text())
     finally:
         coord.stop()
+
+
+def test_requests_with_idle_gaps_longer_than_the_keepalive_never_stall(office, coordinator):
+    """Bursts of requests (two at a time) through the 3-stage fleet across PCs, separated by idle gaps
+    longer than gRPC's keepalive interval: every request is answered (or cleanly refused), none stalls."""
+    lan, _, _ = office
+    pool = lan.executor("coord")
+    statuses: list[int] = []
+    slowest = 0.0
+    for burst in range(0, SOAK_REQUESTS, SOAK_BURST):
+        if burst:
+            time.sleep(KEEPALIVE_S + 2)
+        def one(i: int) -> tuple[int, float]:  # noqa: E306
+            start = time.monotonic()
+            r = coordinator.chat(f"Count to {i % 7 + 2}.", max_tokens=4)
+            assert r.status_code == 200 or (r.status_code in (429, 503) and r.json()["error"]["message"]), r.text
+            return r.status_code, time.monotonic() - start
+        futures = [pool.submit(one, i) for i in range(burst, min(burst + SOAK_BURST, SOAK_REQUESTS))]
+        for f in futures:
+            status, took = f.result(timeout=60)
+            statuses.append(status)
+            slowest = max(slowest, took)
+    print(f"LAN keepalive: {len(statuses)} requests, {statuses.count(200)} answered, slowest {slowest:.2f} s")
+    assert len(statuses) == SOAK_REQUESTS
+    assert statuses.count(200) == SOAK_REQUESTS, statuses  # nothing else runs here: nothing to refuse
