@@ -25,7 +25,9 @@ class CoordinatorSettings(BaseSettings):
     local_workers: int = Field(0, ge=0, le=64, description="start this many workers here, one per stage (0 = none)")
     worker_threads: int = Field(0, ge=0, description="inference threads of each local worker (0 = default)")
     inference_precision: Literal["auto", "f32", "bf16", "f16"] = Field(
-        "auto", description="precision hint passed to local workers (f32 = bit-exact with one device)")
+        "auto", description="precision hint passed to local workers: f32 makes greedy answers token-identical "
+        "alone, batched and after a failover (about 2x slower); auto (bf16 where the CPU has it) does not "
+        "(README Precision)")
     served_model_name: str = Field("", description="model name in the API; empty = the build's model id")
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when a request gives none")
     max_context: int = Field(0, ge=0, description="cap on prompt + completion tokens (0 = the model's context)")

@@ -21,9 +21,13 @@ class WorkerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves the LAN")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
     device: str = Field("CPU", description="OpenVINO device: CPU, GPU, NPU")
-    threads: int = Field(0, ge=0, le=256, description="inference threads; 0 = OpenVINO's default")
+    threads: int = Field(0, ge=0, le=256, description="inference threads; 0 = OpenVINO's default (at bf16 more "
+                         "than one makes a step's rounding depend on its rows and length)")
     inference_precision: Literal["auto", "f32", "bf16", "f16"] = Field(
-        "auto", description="INFERENCE_PRECISION_HINT; f32 also forces f32 KV (bit-exact with a one-device run)"
+        "auto", description="INFERENCE_PRECISION_HINT. auto: OpenVINO's choice, bf16 with an f16 KV cache on a CPU "
+        "with bf16: greedy answers may then differ between a request alone and batched, after a failover or "
+        "with the prefix cache (at near-ties; README Precision). f32 (also f32 KV): token-identical in all "
+        "of these, about 2x slower"
     )
     max_sessions: int = Field(64, ge=1, le=4096, description="sessions held at once; more get RESOURCE_EXHAUSTED")
     max_context: int = Field(0, ge=0, description="cap on physical KV slots per session; 0 = the model's context")

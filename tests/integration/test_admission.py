@@ -1,6 +1,7 @@
 """Admission control on a real 2-stage fleet: a session opens only where every stage's KV budget
 holds it at its max context; otherwise the request waits in a bounded queue or gets HTTP 429 with a
-clear message, never an error from deep inside."""
+clear message, never an error from deep inside. Once at the shipped defaults too (f16 KV cache: half the
+bytes per slot; ``--draft auto``: each session also reserves ``--spec-slack`` slots for rejected drafts)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,42 @@ def test_a_request_that_can_never_fit_is_refused_at_once(workers):
         assert time.monotonic() - t0 < 10  # refused, not queued until --queue-timeout-s (60 s)
         error = reply.json()["error"]
         assert error["param"] == "max_tokens" and "whole budget" in error["message"], error
+        assert chat(url, PROMPT, max_tokens=TOKENS, ignore_eos=True).status_code == 200  # nothing leaked
+    finally:
+        proc.stop()
+
+
+# At the defaults stage 0's KV is f16: 19 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes = 14,592 bytes per slot,
+# so 20 MiB hold 1,437 slots; a request with the draft reserves ~35 prompt + 40 completion + 512 slack slots
+# (587): two sessions fit and a third does not (at f32's 29,184 bytes per slot only one would).
+DEFAULTS_BUDGET_MB = 20
+
+
+@pytest.fixture(scope="module")
+def defaults_workers(build_2, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("admission-defaults")
+    procs = [start_worker(build_2, shard, log_dir, "--kv-budget-mb", str(DEFAULTS_BUDGET_MB), "--no-announce",
+                          defaults=True) for shard in range(2)]
+    yield build_2, log_dir, [address for _, address in procs]
+    for proc, _ in procs:
+        proc.stop()
+
+
+def test_at_the_defaults_the_budget_counts_f16_kv_and_the_draft_slack(defaults_workers):
+    build, log_dir, addresses = defaults_workers
+    (log_dir / "defaults").mkdir()
+    peers = [a for address in addresses for a in ("--peer", address)]
+    proc, url = start_coordinator(build, log_dir / "defaults", *peers, "--no-discover", "--queue-timeout-s", "0.5",
+                                  defaults=True)
+    try:
+        wait_ready(url)
+        replies = concurrently(url, 3)
+        assert sorted(r.status_code for r in replies) == [200, 200, 429], [r.text for r in replies]
+        error = next(r for r in replies if r.status_code == 429).json()["error"]
+        assert error["code"] == "overloaded" and "KV budget full" in error["message"], error
+        assert all(r.json()["fleet"]["draft"] == "self-int4" for r in replies if r.status_code == 200)
+        reply = chat(url, PROMPT, max_tokens=1000)  # ~1,547 slots with the slack: more than the whole budget
+        assert reply.status_code == 400 and "whole budget" in reply.json()["error"]["message"], reply.text
         assert chat(url, PROMPT, max_tokens=TOKENS, ignore_eos=True).status_code == 200  # nothing leaked
     finally:
         proc.stop()

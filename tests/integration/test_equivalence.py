@@ -1,15 +1,19 @@
 """Greedy output of 2- and 3-stage fleets (each stage its own process, found by zeroconf on loopback)
 equals the single-device reference, transformers in f32 (tests/integration/reference.py), token for
-token but at a near-tie of the reference (at most one per fleet), in f32 (design.md §4)."""
+token but at a near-tie of the reference (at most one per fleet), in f32 (design.md §4); and so do the
+workers ``fleet-coordinator serve --local-workers 2 --inference-precision f32`` starts (OpenVINO's default
+thread count, not the one thread of the other cells)."""
 
 from __future__ import annotations
 
 import functools
 
+import psutil
+
 import pytest
 
 from coordinator.tokenizer import ChatTokenizer
-from tests.conftest import Fleet, chat
+from tests.conftest import Fleet, chat, start_coordinator, wait_ready
 
 from .reference import TransformersReference, near_ties
 
@@ -63,3 +67,22 @@ def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_
             assert 0 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1 and stats["verify_ms"] > 0
     finally:
         fleet.stop()
+
+
+def test_local_workers_at_f32_equal_single_device(build_2, reference, tmp_path):
+    coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", "--local-workers", "2",
+                                         "--inference-precision", "f32")
+    ties = 0
+    try:
+        wait_ready(url)
+        for prompt in PROMPTS[:2]:
+            r = chat(url, prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            tokens, margins, forced = reference[prompt]
+            ties += near_ties(r.json()["fleet"]["completion_token_ids"], tokens, margins,
+                              f"--local-workers 2 on {prompt!r}", forced)
+        assert ties <= 1, f"{ties} near-ties over 2 answers"
+        workers = [" ".join(c.cmdline()) for c in psutil.Process(coordinator.popen.pid).children(recursive=True)]
+        assert sum("--inference-precision f32" in w and "--threads 0" in w for w in workers) == 2, workers
+    finally:
+        coordinator.stop()

@@ -8,6 +8,8 @@ before the fuzz, holds no session or KV, and its RSS is back near its warmed-up 
 
 The runs are deterministic (``derandomize=True``, no example database), so CI sees the same
 messages every time; several malformed messages go into each example to reach the counts fast.
+A shorter run does the same at the shipped defaults (bf16 where the CPU has it, default threads,
+``--draft auto``), where the same chunk in a fresh session still gives bit-identical results.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from fleet_common import MAX_MESSAGE_BYTES
 from fleet_common import fleet_pb2 as pb
 from fleet_common.manifest import load_manifest
 from fleet_common.wire import from_tensor, to_tensor
-from tests.conftest import Proc, retained_sessions, start_coordinator, start_worker, wait_ready
+from tests.conftest import (Proc, agree_until_near_tie, greedy_with_gaps, retained_sessions, start_coordinator,
+                            start_worker, wait_ready)
 
 pytestmark = pytest.mark.integration
 
@@ -841,5 +844,54 @@ def test_api_survives_malformed_requests(build_2, stages, tmp_path):
             kept = retained_sessions(url)  # finished requests' KV the prefix cache keeps; nothing else
             assert _worker_sessions(address0, address1) == [kept, kept]
             assert after <= baseline + RSS_TOLERANCE_MIB, f"RSS grew from {baseline:.0f} to {after:.0f} MiB"
+    finally:
+        coordinator.stop()
+
+
+@pytest.fixture(scope="module")
+def defaults_stages(build_2, tmp_path_factory):
+    """``stages`` at the shipped defaults (auto precision, default threads)."""
+    log_dir = tmp_path_factory.mktemp("fuzz-defaults")
+    worker1 = start_worker(build_2, 1, log_dir, "--no-announce", "--max-sessions", "4", defaults=True)
+    worker0 = start_worker(build_2, 0, log_dir, "--no-announce", "--max-sessions", "4", defaults=True)
+    results = Results(worker1[1])
+    try:
+        yield worker0, worker1, results
+    finally:
+        results.close()
+        worker0[0].stop()
+        worker1[0].stop()
+
+
+def test_the_defaults_survive_the_fuzz(build_2, defaults_stages, tmp_path):
+    """1,000+ malformed messages at the last stage and 1,000+ malformed requests at a coordinator, all at the
+    defaults: clean refusals, the reference step bit-identical after, nothing held, the same answer after
+    (or one that leaves it only at a near-tie: the second is prefilled from the prefix cache)."""
+    fuzz0, fuzz1 = _fuzzers(build_2, defaults_stages)
+    try:
+        expected = reference_step(fuzz1, defaults_stages[2])
+        run_fuzz(fuzz1, (), examples=20, per_example=60)
+        assert fuzz1.rejected >= 1_000 and defaults_stages[1][0].popen.poll() is None
+        ids, logprobs = reference_step(fuzz1, defaults_stages[2])
+        np.testing.assert_array_equal(ids, expected[0])
+        np.testing.assert_array_equal(logprobs, expected[1])
+    finally:
+        fuzz0.close()
+        fuzz1.close()
+    (_, address0), (_, address1) = defaults_stages[0], defaults_stages[1]
+    coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", "--peer", address0, "--peer", address1,
+                                         "--max-context", str(MAX_CONTEXT), defaults=True)
+    try:
+        wait_ready(url)
+        before = greedy_with_gaps(url, "What is the capital of Japan?", 8)
+        assert before["fleet"]["draft"] == "self-int4", before["fleet"]
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(30.0)) as client:
+            fuzz = ApiFuzz(client)
+            fuzz.run(examples=20)
+        assert sum(fuzz.statuses.values()) >= 1_000 and 500 not in fuzz.statuses, dict(fuzz.statuses)
+        assert coordinator.popen.poll() is None, "the coordinator died"
+        agree_until_near_tie(greedy_with_gaps(url, "What is the capital of Japan?", 8), before, "after the fuzz")
+        kept = retained_sessions(url)
+        assert _worker_sessions(address0, address1) == [kept, kept]
     finally:
         coordinator.stop()
