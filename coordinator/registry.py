@@ -303,6 +303,9 @@ class Registry:
                         ", ".join(f"{a} (id {w})" for w, a in found.items()))
         elif len(endpoints) > 1:
             log.info("worker %s announced %s: reachable at %s", name, ", ".join(endpoints), next(iter(found.values())))
+        if added and (new := [a for a in found.values() if a not in added]):  # answers of clones, one at a time
+            log.warning("zeroconf name %s now answers at %s, before at %s: two workers announce one name (cloned "
+                        "PCs?) or one moved; each is used", name, ", ".join(new), ", ".join(added))
         for address in found.values():
             if address not in added:
                 added.append(address)
