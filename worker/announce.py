@@ -7,13 +7,19 @@ import socket
 import uuid
 from collections.abc import Sequence
 
-from zeroconf import InterfaceChoice, IPVersion, get_all_addresses
+import psutil
+from zeroconf import InterfaceChoice, IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from fleet_common import SERVICE_TYPE
 from fleet_common.discovery import encode_txt, WorkerAd
 
 log = logging.getLogger(__name__)
+
+
+def local_ipv4() -> list[str]:
+    """This PC's IPv4 addresses, loopback included (psutil: getifaddrs)."""
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
 
 
 def _addresses(host: str, advertise: Sequence[str] = ()) -> tuple[list[str], list[str] | None]:
@@ -24,10 +30,10 @@ def _addresses(host: str, advertise: Sequence[str] = ()) -> tuple[list[str], lis
     on the interfaces holding those addresses (on all of them when none is local: a NAT's address)."""
     if advertise:
         addrs = [socket.gethostbyname(a) for a in advertise]
-        local = [a for a in addrs if a in get_all_addresses()]
+        local = [a for a in addrs if a in local_ipv4()]
         return addrs, local or None
-    if host in ("0.0.0.0", "", "::"):  # sorted: the instance name takes the first (zeroconf's order is a set's)
-        addrs = sorted((a for a in get_all_addresses() if not a.startswith("127.")),
+    if host in ("0.0.0.0", "", "::"):  # sorted: the instance name takes the first
+        addrs = sorted((a for a in local_ipv4() if not a.startswith("127.")),
                        key=socket.inet_aton) or ["127.0.0.1"]
         return addrs, None
     return [socket.gethostbyname(host)], [socket.gethostbyname(host)]
