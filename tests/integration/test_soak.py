@@ -29,7 +29,7 @@ import pytest
 from coordinator.local import free_port
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from tests.conftest import chat, greedy_with_gaps, retained_sessions, start_coordinator, start_worker, wait_ready
+from tests.conftest import DRAFTS, chat, greedy_with_gaps, retained_sessions, start_coordinator, start_worker, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -60,9 +60,9 @@ def body_for(rng: random.Random) -> tuple[dict, str | None]:
     return body, prompt if greedy else None
 
 
-def one_request(url: str, rng: random.Random, on_hang=lambda: "") -> tuple[list[str], str | None, list[int]]:  # noqa: ANN001
+def one_request(url: str, rng: random.Random, on_hang=lambda: "") -> tuple[list[str], str | None, dict]:  # noqa: ANN001
     """One request, sent again while it is refused: (every attempt's outcome: done, cancelled or
-    refused-<status|stream>; its greedy prompt or None; the completion's token ids when done). Anything
+    refused-<status|stream>; its greedy prompt or None; the response's ``fleet`` field when done). Anything
     else (a 500, a broken stream, a hang past the timeout) raises; a hang with ``on_hang()``'s report."""
     body, greedy = body_for(rng)
     cancel_after = rng.randint(1, 3) if rng.random() < 0.2 else None
@@ -71,16 +71,16 @@ def one_request(url: str, rng: random.Random, on_hang=lambda: "") -> tuple[list[
     while True:
         seen: list[str] = []  # what the client got before a hang: status, chunks
         try:
-            outcome, ids = _attempt(url, body, cancel_after, seen)
+            outcome, fleet = _attempt(url, body, cancel_after, seen)
         except httpx.ReadTimeout:
             raise AssertionError(f"a request hung for 60 s after {seen}:\n{on_hang()}") from None
         outcomes.append(outcome)
         if not outcome.startswith("refused") or time.monotonic() > deadline:
-            return outcomes, greedy, ids
+            return outcomes, greedy, fleet
         time.sleep(min(0.5 * 2 ** (len(outcomes) - 1), 2.0))
 
 
-def _attempt(url: str, body: dict, cancel_after: int | None, seen: list[str]) -> tuple[str, list[int]]:
+def _attempt(url: str, body: dict, cancel_after: int | None, seen: list[str]) -> tuple[str, dict]:
     chunks = 0
     seen.append(f"sent at {time.strftime('%H:%M:%S')}")
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
@@ -88,11 +88,11 @@ def _attempt(url: str, body: dict, cancel_after: int | None, seen: list[str]) ->
         if r.status_code != 200:
             error = json.loads(r.read())["error"]
             assert r.status_code in (429, 503) and error["message"] and error["type"], (r.status_code, error)
-            return f"refused-{r.status_code}", []
-        ids: list[int] = []
+            return f"refused-{r.status_code}", {}
+        fleet: dict = {}
         for line in r.iter_lines():
             if line == "data: [DONE]":
-                return "done", ids
+                return "done", fleet
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
@@ -100,13 +100,12 @@ def _attempt(url: str, body: dict, cancel_after: int | None, seen: list[str]) ->
             if "error" in event:
                 assert event["error"]["code"] in ("stage_failure", "pipeline_unavailable"), event
                 assert event["error"]["message"], event
-                return "refused-stream", []
-            if event.get("fleet"):  # the usage chunk, after the last choice
-                ids = event["fleet"]["completion_token_ids"]
+                return "refused-stream", {}
+            fleet = event.get("fleet") or fleet  # the usage chunk, after the last choice
             if event["choices"]:
                 chunks += 1
             if cancel_after is not None and chunks >= cancel_after:
-                return "cancelled", []  # leaving the block closes the connection mid-stream
+                return "cancelled", {}  # leaving the block closes the connection mid-stream
     raise AssertionError("stream ended without [DONE]")
 
 
@@ -145,6 +144,7 @@ def solo_answers(url: str) -> tuple[dict[str, list[int]], float]:
     for prompt in GREEDY:
         answer = greedy_with_gaps(url, prompt, GREEDY_TOKENS)
         assert min(answer["gaps"]) > NEAR_TIE, (prompt, answer["tokens"], answer["gaps"])
+        assert answer["fleet"]["draft"] == DRAFTS[0], answer["fleet"]  # --draft auto: the build's first draft
         out[prompt], smallest = answer["ids"], min(smallest, *answer["gaps"])
     return out, smallest
 
@@ -172,16 +172,18 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
         seeds = [rng.random() for _ in range(REQUESTS)]
         outcomes: Counter = Counter()  # of the requests (their last attempt)
         attempts: Counter = Counter()
-        greedy_done = 0
+        greedy_done = drafted = 0
         t0 = time.monotonic()
         pool = ThreadPoolExecutor(CLIENTS)
         try:
             futures = [pool.submit(one_request, url, random.Random(seed), on_hang) for seed in seeds]
             for i, future in enumerate(futures):
-                tries, greedy, ids = future.result(timeout=300)
+                tries, greedy, fleet = future.result(timeout=300)
                 outcomes[tries[-1]] += 1
                 attempts.update(tries)
+                drafted += fleet.get("drafted_tokens", 0)
                 if greedy is not None and tries[-1] == "done":
+                    ids = fleet["completion_token_ids"]
                     assert ids == solo[greedy], f"request {i} ({greedy!r}): {ids}, alone {solo[greedy]}"
                     greedy_done += 1
                 if i == RESTART_AT:
@@ -193,10 +195,10 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
             pool.shutdown(wait=True, cancel_futures=True)
         elapsed = time.monotonic() - t0
         print(f"soak: {REQUESTS} requests in {elapsed:.0f} s: {dict(outcomes)}; attempts {dict(attempts)}; "
-              f"{greedy_done} greedy answers equal to their solo runs")
+              f"{greedy_done} greedy answers equal to their solo runs; {drafted} tokens drafted")
         assert sum(outcomes.values()) == REQUESTS
         assert outcomes["done"] >= 0.6 * REQUESTS, outcomes
-        assert outcomes["cancelled"] > 0 and greedy_done > 0, outcomes
+        assert outcomes["cancelled"] > 0 and greedy_done > 0 and drafted > 0, (outcomes, drafted)
         assert sum(n for o, n in attempts.items() if o.startswith("refused")) > 0, attempts  # the restart showed
         wait_ready(url, 30)  # the restarted worker is back in the fleet
         r = chat(url, "What is the capital of France?", max_tokens=16)
