@@ -77,7 +77,8 @@ def _build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "
 
         build(hf, out, shards=shards, drafts=drafts, weights=weights, draft_weights=draft_weights)
         for stale in MODELS.glob(f"smollm2-{shards}stage{tag}-" + "?" * 10):  # builds of older code: 0.5 GB each
-            if stale != out:
+            # an hour old at least: another test run of other code (a developer's second checkout) may use it
+            if stale != out and time.time() - stale.stat().st_mtime > 3600:
                 shutil.rmtree(stale, ignore_errors=True)
     return out
 
@@ -236,11 +237,11 @@ def defaults_fleet(build_2, tmp_path_factory):
 
 
 # At the shipped defaults a token's logits depend on the shape of the steps that computed its context (bf16
-# inference: prefill chunk length, batch rows, threads; bench/invariance.py, README "Precision"), so a
-# greedy stream may leave another run of the same prompt where the top two candidates are close. Measured
-# on the demo: logits move by up to ~0.8 with the step shape (bf16), and every divergence bench/invariance.py
-# saw was at a top-two gap below 0.07; below 1.0 lie a small share of all positions (bench/invariance.py prints it).
-DEFAULTS_NEAR_TIE = 1.0  # top-two logprob gap (= logit gap) below which two default runs may pick differently
+# inference: a session's first chunk, batch rows and chunk lengths with more than one thread;
+# bench/invariance.py, README "Precision"), so a greedy stream may leave another run of the same prompt where
+# the top two candidates are close. Measured on the demo (bench/invariance.py, 5 runs of 8 streams): every
+# divergence was at a top-two gap below 0.12; 10-11% of all positions have a gap below 0.25, 31-35% below 1.0.
+DEFAULTS_NEAR_TIE = 0.3  # top-two logprob gap (= logit gap) below which two default runs may pick differently
 
 
 def greedy_with_gaps(url: str, content: str, max_tokens: int, **kw) -> dict:
@@ -298,8 +299,9 @@ def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS
     assert len(got["ids"]) == len(solo["ids"]), f"{what}: {len(got['ids'])} tokens, solo {len(solo['ids'])}"
     first = next((i for i, (a, b) in enumerate(zip(got["ids"], solo["ids"])) if a != b), None)
     if first is not None:
-        assert solo["gaps"][first] < tie, (f"{what}: token {first} is {got['tokens'][first]!r}, solo {solo['tokens'][first]!r} "
-                                           f"with a top-two gap {solo['gaps'][first]:.3f} (not a near-tie)")
+        assert solo["gaps"][first] < tie, (f"{what}: token {first} is {got['tokens'][first]!r}, solo "
+                                           f"{solo['tokens'][first]!r} with a top-two gap {solo['gaps'][first]:.3f} "
+                                           "(not a near-tie)")
         assert got["tokens"][first] == solo["runner_up"][first], (
             f"{what}: token {first} is {got['tokens'][first]!r}, neither solo's {solo['tokens'][first]!r} nor its "
             f"runner-up {solo['runner_up'][first]!r}")
