@@ -1,9 +1,9 @@
 """Client side of the stage pipeline: sessions across all stages and one step through them.
 
 A step goes coordinator -> stage 0 -> stage 1 -> ... -> last stage, each stage forwarding its hidden
-states straight to the next (``route``); the last stage pushes the result into this coordinator's
-``Subscribe`` stream. So a step over N stages costs N+1 network hops, and the acks that travel back
-up the chain carry only errors, off the critical path.
+states straight to the next (``route``) on a long-lived ``Link`` stream; the last stage pushes the
+result into this coordinator's ``Subscribe`` stream. So a step over N stages costs N+1 network hops
+and no call set-up; only failures travel back up the links (``LinkAck``), off the critical path.
 """
 
 from __future__ import annotations
@@ -80,9 +80,13 @@ class Pipeline:
         self._waiters: dict[tuple[str, int], asyncio.Future] = {}
         self._steps = itertools.count(1)
         self._reader: asyncio.Task | None = None
+        self._link: grpc.aio.StreamStreamCall | None = None  # the steps' stream to stage 0
+        self._link_reader: asyncio.Task | None = None
+        self._write_lock = asyncio.Lock()  # one write at a time on a gRPC stream
         self._broken: StageFailure | None = None  # why it no longer runs steps
         self._close_reason: StageFailure | str = "pipeline closed"
-        self.observe_link = None  # (link name, seconds) -> None: hop latency to stage 0, for metrics
+        self.observe_link = None  # (path name, seconds) -> None: a step's time on the links, for metrics
+        self.path = "->".join(["coordinator", *(f"stage{i}" for i in range(len(addresses))), "coordinator"])
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
 
@@ -99,6 +103,8 @@ class Pipeline:
             await pipeline.close()
             raise stage_lost(len(addresses) - 1, addresses[-1],
                              f"the result stream was not accepted: {_describe(exc)}") from exc
+        pipeline._link = channels.stub(addresses[0]).Link()
+        pipeline._link_reader = asyncio.create_task(pipeline._read_acks(), name=f"link-{addresses[0]}")
         return pipeline
 
     @property
@@ -125,23 +131,47 @@ class Pipeline:
             call.cancel()
             reason = None
         if reason is not None:
-            self._broken = stage_lost(len(self.addresses) - 1, self.addresses[-1], reason)
+            self._fail(stage_lost(len(self.addresses) - 1, self.addresses[-1], reason))
         elif isinstance(self._close_reason, StageFailure):
-            self._broken = self._close_reason
+            self._fail(self._close_reason)
         else:
-            self._broken = StageFailure(self._close_reason)
+            self._fail(StageFailure(self._close_reason))
+
+    async def _read_acks(self) -> None:
+        """The failures stage 0 sends back up the link: one step's (its waiter fails), or the link below
+        a stage broke (the pipeline is broken); the link itself failing breaks it too."""
+        try:
+            async for ack in self._link:
+                if not ack.session_id:
+                    self._fail(self._ack_failure(ack))
+                elif (waiter := self._waiters.get((ack.session_id, ack.step_id))) is not None and not waiter.done():
+                    waiter.set_exception(self._ack_failure(ack))
+            reason = "its link stream ended"
+        except grpc.aio.AioRpcError as exc:
+            reason = f"its link failed: {_describe(exc)}"
+        except asyncio.CancelledError:
+            return
+        self._fail(stage_lost(0, self.addresses[0], reason))
+
+    def _fail(self, failure: StageFailure) -> None:
+        """The pipeline no longer runs steps (the first failure says why); waiting steps fail with it."""
+        if self._broken is None:
+            self._broken = failure
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(self._broken.again())
         self._waiters.clear()
 
     async def close(self, reason: StageFailure | str = "pipeline closed") -> None:
-        """Stop the result stream; steps still waiting fail with ``reason`` (a ``StageFailure``, or its
-        message)."""
+        """Stop the result stream and the link; steps still waiting fail with ``reason`` (a
+        ``StageFailure``, or its message)."""
         self._close_reason = reason
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._link is not None:
+            self._link.cancel()
+        for task in (self._link_reader, self._reader):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, session_id: str, max_context: int, timeout_s: float, resume: bool = False) -> None:
@@ -264,64 +294,51 @@ class Pipeline:
             past_length=past_length, hide_slots=list(hide_slots), hide_rows=list(hide_rows), row_pads=list(pads),
             keep_rows=list(keep_rows),
             route=self.addresses[1:], logits_count=logits_count, top_k=top_k,
-            reply_to=self.subscriber_id, manifest_sha256=self.manifest_sha256,
+            reply_to=self.subscriber_id, manifest_sha256=self.manifest_sha256, timeout_ms=timeout_s * 1000,
         )
         if isinstance(start_position, int):
             request.start_position = start_position
         else:
             request.row_start_positions.extend(start_position)
-        waiter = None
-        if logits_count:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters[(session_id, step_id)] = waiter
+        key = (session_id, step_id)
+        waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
         sent = time.perf_counter()
-        call = asyncio.ensure_future(self.channels.stub(self.addresses[0]).Forward(request, timeout=timeout_s))
-        if self.observe_link is not None:
-            call.add_done_callback(lambda c: self._link_done(c, sent))
         try:
-            if waiter is None:
-                await call
-                return None
-            done, _ = await asyncio.wait({call, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if waiter not in done and call in done:
-                call.result()  # raises the chain's error, if any
-                done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
-            if waiter not in done:
-                raise StageFailure(f"a pipeline step missed its {timeout_s:.1f} s deadline (a stage is overloaded "
-                                   "or stuck); send the request again", detail=f"session {session_id}")
-            result = waiter.result()
-        except grpc.aio.AioRpcError as exc:
-            raise self._step_failure(exc) from exc
-        except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
-                raise  # this task is being cancelled (its client left)
-            # the call itself was cancelled (its channel closed): a failed step, not a cancelled request
-            raise stage_lost(0, self.addresses[0], f"session {session_id}: the call to stage 0 was cancelled "
-                             "(its channel closed)") from None
+            async with asyncio.timeout(timeout_s):
+                async with self._write_lock:
+                    await self._link.write(request)
+                result = await waiter
+        except TimeoutError:
+            raise StageFailure(f"a pipeline step missed its {timeout_s:.1f} s deadline (a stage is overloaded "
+                               "or stuck); send the request again", detail=f"session {session_id}") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            self._fail(stage_lost(0, self.addresses[0], f"the link to stage 0 failed: {_describe(exc)}"))
+            raise self._broken.again() from exc
         finally:
-            self._waiters.pop((session_id, step_id), None)
-            if not call.done():
-                call.add_done_callback(_log_late_failure)
+            self._waiters.pop(key, None)
+        if self.observe_link is not None:
+            self.observe_link(self.path, max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
+        if not logits_count:
+            return None
         return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),
                           from_tensor(result.top_logprobs, dtype="float32", ndim=2))
 
-
-    def _step_failure(self, exc: grpc.aio.AioRpcError) -> StageFailure:
-        """The failure of a step whose call to stage 0 failed with ``exc``. A stage that could not reach
-        the next one reports ``stage N at ADDRESS: ...``, nested down the chain, so the innermost such
-        prefix names the stage that failed; without one, stage 0 itself failed."""
-        stage, address, rest = 0, self.addresses[0], exc.details() or ""
+    def _ack_failure(self, ack: pb.LinkAck) -> StageFailure:
+        """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N
+        at ADDRESS: ...``, nested down the chain, so the innermost such prefix names the stage that
+        failed; without one, stage 0 itself failed."""
+        stage, address, rest = 0, self.addresses[0], ack.details
         while m := re.match(r"stage (\d+) at (\S+): ", rest):
             stage, address, rest = int(m.group(1)), m.group(2), rest[m.end():]
-        return _failure(stage, address, "a pipeline step", exc)
-
-    def _link_done(self, call: asyncio.Future, sent: float) -> None:
-        if not call.cancelled() and call.exception() is None:
-            elapsed = time.perf_counter() - sent - call.result().handle_ms / 1000
-            self.observe_link("coordinator->stage0", max(0.0, elapsed))
+        code = _CODES.get(ack.code, grpc.StatusCode.UNKNOWN)
+        detail = f"a pipeline step: {code.name}: {ack.details}"
+        if code in _LOST:
+            return stage_lost(stage, address, detail)
+        return stage_failed(stage, address, "a pipeline step", detail)
 
 
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _failure(stage: int, address: str, what: str, exc: BaseException) -> StageFailure:
@@ -338,9 +355,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return repr(exc)
-
-
-def _log_late_failure(call: asyncio.Future) -> None:
-    if not call.cancelled() and call.exception() is not None:
-        # e.g. the session was closed (client gone) before the ack came back up the chain
-        log.debug("pipeline ack failed after its result arrived: %s", _describe(call.exception()))

@@ -164,8 +164,23 @@ def position_generators(seed: int | None):  # noqa: ANN202
     seed = (seed if seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
 
     def rng_at(position: int) -> np.random.Generator:
-        return np.random.default_rng([seed, position])
+        return _LazyGenerator((seed, position))
 
     def draft_rng_at(position: int) -> np.random.Generator:
-        return np.random.default_rng([seed, position, 1])
+        return _LazyGenerator((seed, position, 1))
     return rng_at, draft_rng_at
+
+
+class _LazyGenerator:
+    """``np.random.default_rng(key)``, made on first use: a greedy step never draws, and making a
+    Generator costs ~20 us, on every token (issue 17)."""
+
+    __slots__ = ("_key", "_rng")
+
+    def __init__(self, key: tuple[int, ...]) -> None:
+        self._key, self._rng = key, None
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if self._rng is None:
+            self._rng = np.random.default_rng(list(self._key))
+        return getattr(self._rng, name)

@@ -117,8 +117,9 @@ class StepCosts:
     def observe(self, length: int, seconds: float) -> None:
         """Record one step of ``length`` tokens that took ``seconds``."""
         self._recent.append((length - 1, seconds))
-        x = np.array([r[0] for r in self._recent], dtype=np.float64)
-        if x.var() >= 1.0:
+        lengths = [r[0] for r in self._recent]
+        # a variance >= 1 needs lengths 2 apart; checked first, the numpy below costs ~30 us a step
+        if max(lengths) - min(lengths) >= 2 and (x := np.array(lengths, dtype=np.float64)).var() >= 1.0:
             t = np.array([r[1] for r in self._recent])
             slope = max(0.0, float(((x - x.mean()) * (t - t.mean())).sum() / ((x - x.mean()) ** 2).sum()))
             self.per_token = slope if self.per_token is None else self.per_token + self.smoothing * (slope - self.per_token)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x66leet.proto\x12\x08\x66leet.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"f\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x03 \x01(\t\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"!\n\x10OpenSessionReply\x12\r\n\x05stage\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x11\x43loseSessionReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\x16\n\x0e\x66reed_kv_bytes\x18\x02 \x01(\x04\"\xda\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x1f\n\x05input\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x13\n\x0bpast_length\x18\x05 \x01(\r\x12\x16\n\x0estart_position\x18\x06 \x01(\r\x12\x12\n\nhide_slots\x18\x07 \x03(\r\x12\r\n\x05route\x18\x08 \x03(\t\x12\x14\n\x0clogits_count\x18\t \x01(\r\x12\r\n\x05top_k\x18\n \x01(\r\x12\x10\n\x08reply_to\x18\x0b \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x0c \x01(\t\x12\x1b\n\x13row_start_positions\x18\r \x03(\r\x12\x10\n\x08row_pads\x18\x0e \x03(\r\x12\x11\n\thide_rows\x18\x0f \x03(\r\x12\x11\n\tkeep_rows\x18\x10 \x03(\r\"5\n\x0c\x46orwardReply\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x11\n\thandle_ms\x18\x02 \x01(\x01\"y\n\x0e\x43ompactRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bpast_length\x18\x02 \x01(\r\x12\x12\n\nhide_slots\x18\x03 \x03(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\x11\n\thide_rows\x18\x05 \x03(\r\"2\n\x0c\x43ompactReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\"a\n\x0cMergeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\"*\n\nMergeReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\x8c\x01\n\x0b\x43opyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0b\n\x03row\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tach\x18\x07 \x01(\x08\"/\n\tCopyReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"|\n\nStepResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12!\n\x07top_ids\x18\x03 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12&\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\"\r\n\x0bInfoRequest\"\xb6\x03\n\tInfoReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\r\x12\x10\n\x08kv_bytes\x18\x0c \x01(\x04\x12\x0c\n\x04\x62usy\x18\r \x01(\r\x12\x18\n\x10openvino_version\x18\x0e \x01(\t\x12\x13\n\x0b\x63ompactions\x18\x0f \x01(\x04\x12\x19\n\x11kv_reserved_bytes\x18\x10 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x11 \x01(\x04\x12\x11\n\tsequences\x18\x12 \x01(\r\x12\x13\n\x0bload_source\x18\x13 \x01(\t\x12\x0e\n\x06load_s\x18\x14 \x01(\x01\x12\x13\n\x0bload_detail\x18\x15 \x01(\t2\xf6\x03\n\x05Stage\x12G\n\x0bOpenSession\x12\x1c.fleet.v1.OpenSessionRequest\x1a\x1a.fleet.v1.OpenSessionReply\x12J\n\x0c\x43loseSession\x12\x1d.fleet.v1.CloseSessionRequest\x1a\x1b.fleet.v1.CloseSessionReply\x12;\n\x07\x46orward\x12\x18.fleet.v1.ForwardRequest\x1a\x16.fleet.v1.ForwardReply\x12;\n\x07\x43ompact\x12\x18.fleet.v1.CompactRequest\x1a\x16.fleet.v1.CompactReply\x12\x35\n\x05Merge\x12\x16.fleet.v1.MergeRequest\x1a\x14.fleet.v1.MergeReply\x12\x32\n\x04\x43opy\x12\x15.fleet.v1.CopyRequest\x1a\x13.fleet.v1.CopyReply\x12?\n\tSubscribe\x12\x1a.fleet.v1.SubscribeRequest\x1a\x14.fleet.v1.StepResult0\x01\x12\x32\n\x04Info\x12\x15.fleet.v1.InfoRequest\x1a\x13.fleet.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x66leet.proto\x12\x08\x66leet.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"f\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x03 \x01(\t\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"!\n\x10OpenSessionReply\x12\r\n\x05stage\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x11\x43loseSessionReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\x16\n\x0e\x66reed_kv_bytes\x18\x02 \x01(\x04\"\x81\x03\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x1f\n\x05input\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x13\n\x0bpast_length\x18\x05 \x01(\r\x12\x16\n\x0estart_position\x18\x06 \x01(\r\x12\x12\n\nhide_slots\x18\x07 \x03(\r\x12\r\n\x05route\x18\x08 \x03(\t\x12\x14\n\x0clogits_count\x18\t \x01(\r\x12\r\n\x05top_k\x18\n \x01(\r\x12\x10\n\x08reply_to\x18\x0b \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x0c \x01(\t\x12\x1b\n\x13row_start_positions\x18\r \x03(\r\x12\x10\n\x08row_pads\x18\x0e \x03(\r\x12\x11\n\thide_rows\x18\x0f \x03(\r\x12\x11\n\tkeep_rows\x18\x10 \x03(\r\x12\x11\n\thandle_ms\x18\x12 \x03(\x01\x12\x12\n\ntimeout_ms\x18\x11 \x01(\x01\"5\n\x0c\x46orwardReply\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x11\n\thandle_ms\x18\x02 \x01(\x01\"M\n\x07LinkAck\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"y\n\x0e\x43ompactRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bpast_length\x18\x02 \x01(\r\x12\x12\n\nhide_slots\x18\x03 \x03(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\x11\n\thide_rows\x18\x05 \x03(\r\"2\n\x0c\x43ompactReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\"a\n\x0cMergeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\"*\n\nMergeReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\x8c\x01\n\x0b\x43opyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0b\n\x03row\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tach\x18\x07 \x01(\x08\"/\n\tCopyReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"\x8f\x01\n\nStepResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12!\n\x07top_ids\x18\x03 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12&\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x11\n\thandle_ms\x18\x05 \x03(\x01\"\r\n\x0bInfoRequest\"\xb6\x03\n\tInfoReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\r\x12\x10\n\x08kv_bytes\x18\x0c \x01(\x04\x12\x0c\n\x04\x62usy\x18\r \x01(\r\x12\x18\n\x10openvino_version\x18\x0e \x01(\t\x12\x13\n\x0b\x63ompactions\x18\x0f \x01(\x04\x12\x19\n\x11kv_reserved_bytes\x18\x10 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x11 \x01(\x04\x12\x11\n\tsequences\x18\x12 \x01(\r\x12\x13\n\x0bload_source\x18\x13 \x01(\t\x12\x0e\n\x06load_s\x18\x14 \x01(\x01\x12\x13\n\x0bload_detail\x18\x15 \x01(\t2\xaf\x04\n\x05Stage\x12G\n\x0bOpenSession\x12\x1c.fleet.v1.OpenSessionRequest\x1a\x1a.fleet.v1.OpenSessionReply\x12J\n\x0c\x43loseSession\x12\x1d.fleet.v1.CloseSessionRequest\x1a\x1b.fleet.v1.CloseSessionReply\x12;\n\x07\x46orward\x12\x18.fleet.v1.ForwardRequest\x1a\x16.fleet.v1.ForwardReply\x12\x37\n\x04Link\x12\x18.fleet.v1.ForwardRequest\x1a\x11.fleet.v1.LinkAck(\x01\x30\x01\x12;\n\x07\x43ompact\x12\x18.fleet.v1.CompactRequest\x1a\x16.fleet.v1.CompactReply\x12\x35\n\x05Merge\x12\x16.fleet.v1.MergeRequest\x1a\x14.fleet.v1.MergeReply\x12\x32\n\x04\x43opy\x12\x15.fleet.v1.CopyRequest\x1a\x13.fleet.v1.CopyReply\x12?\n\tSubscribe\x12\x1a.fleet.v1.SubscribeRequest\x1a\x14.fleet.v1.StepResult0\x01\x12\x32\n\x04Info\x12\x15.fleet.v1.InfoRequest\x1a\x13.fleet.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSESESSIONREPLY']._serialized_start=261
   _globals['_CLOSESESSIONREPLY']._serialized_end=321
   _globals['_FORWARDREQUEST']._serialized_start=324
-  _globals['_FORWARDREQUEST']._serialized_end=670
-  _globals['_FORWARDREPLY']._serialized_start=672
-  _globals['_FORWARDREPLY']._serialized_end=725
-  _globals['_COMPACTREQUEST']._serialized_start=727
-  _globals['_COMPACTREQUEST']._serialized_end=848
-  _globals['_COMPACTREPLY']._serialized_start=850
-  _globals['_COMPACTREPLY']._serialized_end=900
-  _globals['_MERGEREQUEST']._serialized_start=902
-  _globals['_MERGEREQUEST']._serialized_end=999
-  _globals['_MERGEREPLY']._serialized_start=1001
-  _globals['_MERGEREPLY']._serialized_end=1043
-  _globals['_COPYREQUEST']._serialized_start=1046
-  _globals['_COPYREQUEST']._serialized_end=1186
-  _globals['_COPYREPLY']._serialized_start=1188
-  _globals['_COPYREPLY']._serialized_end=1235
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1237
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1278
-  _globals['_STEPRESULT']._serialized_start=1280
-  _globals['_STEPRESULT']._serialized_end=1404
-  _globals['_INFOREQUEST']._serialized_start=1406
-  _globals['_INFOREQUEST']._serialized_end=1419
-  _globals['_INFOREPLY']._serialized_start=1422
-  _globals['_INFOREPLY']._serialized_end=1860
-  _globals['_STAGE']._serialized_start=1863
-  _globals['_STAGE']._serialized_end=2365
+  _globals['_FORWARDREQUEST']._serialized_end=709
+  _globals['_FORWARDREPLY']._serialized_start=711
+  _globals['_FORWARDREPLY']._serialized_end=764
+  _globals['_LINKACK']._serialized_start=766
+  _globals['_LINKACK']._serialized_end=843
+  _globals['_COMPACTREQUEST']._serialized_start=845
+  _globals['_COMPACTREQUEST']._serialized_end=966
+  _globals['_COMPACTREPLY']._serialized_start=968
+  _globals['_COMPACTREPLY']._serialized_end=1018
+  _globals['_MERGEREQUEST']._serialized_start=1020
+  _globals['_MERGEREQUEST']._serialized_end=1117
+  _globals['_MERGEREPLY']._serialized_start=1119
+  _globals['_MERGEREPLY']._serialized_end=1161
+  _globals['_COPYREQUEST']._serialized_start=1164
+  _globals['_COPYREQUEST']._serialized_end=1304
+  _globals['_COPYREPLY']._serialized_start=1306
+  _globals['_COPYREPLY']._serialized_end=1353
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1355
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1396
+  _globals['_STEPRESULT']._serialized_start=1399
+  _globals['_STEPRESULT']._serialized_end=1542
+  _globals['_INFOREQUEST']._serialized_start=1544
+  _globals['_INFOREQUEST']._serialized_end=1557
+  _globals['_INFOREPLY']._serialized_start=1560
+  _globals['_INFOREPLY']._serialized_end=1998
+  _globals['_STAGE']._serialized_start=2001
+  _globals['_STAGE']._serialized_end=2560
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., freed_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256", "row_start_positions", "row_pads", "hide_rows", "keep_rows")
+    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256", "row_start_positions", "row_pads", "hide_rows", "keep_rows", "handle_ms", "timeout_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class ForwardRequest(_message.Message):
     ROW_PADS_FIELD_NUMBER: _ClassVar[int]
     HIDE_ROWS_FIELD_NUMBER: _ClassVar[int]
     KEEP_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step_id: int
     stage: int
@@ -82,7 +84,9 @@ class ForwardRequest(_message.Message):
     row_pads: _containers.RepeatedScalarFieldContainer[int]
     hide_rows: _containers.RepeatedScalarFieldContainer[int]
     keep_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., row_start_positions: _Optional[_Iterable[int]] = ..., row_pads: _Optional[_Iterable[int]] = ..., hide_rows: _Optional[_Iterable[int]] = ..., keep_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    handle_ms: _containers.RepeatedScalarFieldContainer[float]
+    timeout_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., row_start_positions: _Optional[_Iterable[int]] = ..., row_pads: _Optional[_Iterable[int]] = ..., hide_rows: _Optional[_Iterable[int]] = ..., keep_rows: _Optional[_Iterable[int]] = ..., handle_ms: _Optional[_Iterable[float]] = ..., timeout_ms: _Optional[float] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("compute_ms", "handle_ms")
@@ -91,6 +95,18 @@ class ForwardReply(_message.Message):
     compute_ms: float
     handle_ms: float
     def __init__(self, compute_ms: _Optional[float] = ..., handle_ms: _Optional[float] = ...) -> None: ...
+
+class LinkAck(_message.Message):
+    __slots__ = ("session_id", "step_id", "code", "details")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step_id: int
+    code: int
+    details: str
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
     __slots__ = ("session_id", "past_length", "hide_slots", "manifest_sha256", "hide_rows")
@@ -167,16 +183,18 @@ class SubscribeRequest(_message.Message):
     def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("session_id", "step_id", "top_ids", "top_logprobs")
+    __slots__ = ("session_id", "step_id", "top_ids", "top_logprobs", "handle_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step_id: int
     top_ids: Tensor
     top_logprobs: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., top_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    handle_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., top_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., handle_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

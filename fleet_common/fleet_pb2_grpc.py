@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=fleet__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=fleet__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/fleet.v1.Stage/Link',
+                request_serializer=fleet__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=fleet__pb2.LinkAck.FromString,
+                _registered_method=True)
         self.Compact = channel.unary_unary(
                 '/fleet.v1.Stage/Compact',
                 request_serializer=fleet__pb2.CompactRequest.SerializeToString,
@@ -92,7 +97,17 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """one step, answered once this stage ran it
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Link(self, request_iterator, context):
+        """The per-token path: one long-lived stream per upstream (the coordinator, or the previous stage)
+        carrying every session's steps in order; failures come back as LinkAcks (issue 17: a unary call
+        per step per hop cost ~0.5 ms of CPU on each side).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -144,6 +159,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=fleet__pb2.ForwardRequest.FromString,
                     response_serializer=fleet__pb2.ForwardReply.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=fleet__pb2.ForwardRequest.FromString,
+                    response_serializer=fleet__pb2.LinkAck.SerializeToString,
             ),
             'Compact': grpc.unary_unary_rpc_method_handler(
                     servicer.Compact,
@@ -252,6 +272,33 @@ class Stage:
             '/fleet.v1.Stage/Forward',
             fleet__pb2.ForwardRequest.SerializeToString,
             fleet__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fleet.v1.Stage/Link',
+            fleet__pb2.ForwardRequest.SerializeToString,
+            fleet__pb2.LinkAck.FromString,
             options,
             channel_credentials,
             insecure,

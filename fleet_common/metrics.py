@@ -15,9 +15,10 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 def link_histogram(registry: CollectorRegistry) -> Histogram:
-    """``fleet_link_seconds{link}``: one RPC hop's time minus the time the callee spent handling it
-    (network, serialization and queues, not compute), per link such as ``coordinator->stage0``."""
-    return Histogram("fleet_link_seconds", "RPC hop time minus the callee's handling time, per link", ["link"],
+    """``fleet_link_seconds{link}``: a pipeline step's time on its links, i.e. its wall time minus every
+    stage's handling time (network, serialization and queues, not compute), per path such as
+    ``coordinator->stage0->stage1->coordinator`` (the stages' clocks are never compared)."""
+    return Histogram("fleet_link_seconds", "A step's wall time minus every stage's handling time, per path", ["link"],
                      buckets=LATENCY_BUCKETS, registry=registry)
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from .ovinfer import infer_first
+
 log = logging.getLogger(__name__)
 
 KV_VALUE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
@@ -220,7 +222,7 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
         if logits_index is not None:
             inputs["logits_index"] = logits_index
         t0 = time.perf_counter()
-        output = session.request.infer(inputs)[0].copy()
+        output = infer_first(session.request, inputs)
         elapsed = (time.perf_counter() - t0) * 1000
         if keep_rows:
             session.reserved = [session.reserved[r] for r in rows]

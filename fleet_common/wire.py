@@ -86,7 +86,7 @@ def from_tensor(msg: Tensor, *, dtype: str | None = None, ndim: int | None = Non
     return np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
 
 
-class _Malformed:
+class Malformed:
     """Stands for a request whose bytes do not parse as the method's message (see ``add_servicer``)."""
 
     def __init__(self, error: DecodeError) -> None:
@@ -96,8 +96,9 @@ class _Malformed:
 def _lenient(handler: grpc.RpcMethodHandler | None,
              on_malformed: Callable[[], None] | None) -> grpc.RpcMethodHandler | None:
     """``handler`` (a grpc.aio unary-unary or unary-stream one), answering INVALID_ARGUMENT to bytes
-    that do not parse instead of gRPC's UNKNOWN "Unexpected DecodeError"."""
-    if handler is None or handler.request_deserializer is None or handler.request_streaming:
+    that do not parse instead of gRPC's UNKNOWN "Unexpected DecodeError". A stream-request handler
+    receives a ``Malformed`` in place of such a message and answers it itself."""
+    if handler is None or handler.request_deserializer is None:
         return handler
     parse = handler.request_deserializer
 
@@ -105,9 +106,12 @@ def _lenient(handler: grpc.RpcMethodHandler | None,
         try:
             return parse(data)
         except DecodeError as exc:
-            return _Malformed(exc)
+            return Malformed(exc)
 
-    async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+    if handler.request_streaming:
+        return handler._replace(request_deserializer=deserialize)
+
+    async def refuse(request: Malformed, context: grpc.aio.ServicerContext) -> None:
         if on_malformed is not None:
             on_malformed()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
@@ -116,7 +120,7 @@ def _lenient(handler: grpc.RpcMethodHandler | None,
         behaviour = handler.unary_unary
 
         async def unary_unary(request, context):  # noqa: ANN001, ANN202
-            if isinstance(request, _Malformed):
+            if isinstance(request, Malformed):
                 await refuse(request, context)
             return await behaviour(request, context)
 
@@ -124,7 +128,7 @@ def _lenient(handler: grpc.RpcMethodHandler | None,
     behaviour = handler.unary_stream
 
     async def unary_stream(request, context):  # noqa: ANN001, ANN202
-        if isinstance(request, _Malformed):
+        if isinstance(request, Malformed):
             await refuse(request, context)
         async with contextlib.aclosing(behaviour(request, context)) as stream:
             async for item in stream:
@@ -162,5 +166,5 @@ def add_servicer(add_to_server: Callable[[object, object], None], servicer: obje
     (e.g. ``add_StageServicer_to_server``), so that a request whose bytes do not parse as the
     method's message gets INVALID_ARGUMENT "malformed request: ..." (and ``on_malformed()`` is
     called) instead of grpc's UNKNOWN "Unexpected DecodeError" from its default deserialization.
-    Unary-request methods only (all of fleet's)."""
+    A stream-request method (``Link``) gets a ``Malformed`` in the stream for such a message."""
     add_to_server(servicer, _LenientRegistrar(server, on_malformed))

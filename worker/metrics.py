@@ -1,7 +1,7 @@
 """A worker's Prometheus metrics, served over HTTP with ``fleet-worker --metrics-port``.
 
-Chunks and tokens processed, inference time per chunk, the hop to the next stage (``fleet_link_seconds``,
-the call's time minus the next stage's handling time), errors by gRPC status, and, read at scrape
+Chunks and tokens processed, inference time per chunk and the inference thread's CPU time (the rest of
+the process's CPU is what a stage costs beyond its layers), errors by gRPC status, and, read at scrape
 time, sessions, sequences, KV bytes held, reserved and budgeted, and chunks in flight.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fleet_common.metrics import LATENCY_BUCKETS, error_counter, link_histogram
+from fleet_common.metrics import LATENCY_BUCKETS, error_counter
 
 
 class WorkerMetrics:
@@ -27,8 +27,11 @@ class WorkerMetrics:
         self.tokens = Counter("fleet_worker_tokens", "Token positions run through this stage", registry=r)
         self.infer = Histogram("fleet_worker_infer_seconds", "Inference time of one chunk at this stage",
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.link = link_histogram(r)
+        self.infer_cpu = Counter("fleet_worker_infer_cpu_seconds", "CPU time of the inference thread running chunks "
+                                 "(inputs built, infer, output copied); the rest of the process's CPU is overhead",
+                                 registry=r)
         self.errors = error_counter(r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, ...
 
     def watch(self, state: Callable[[], dict[str, float]]) -> None:
         """Export ``state()``'s values as ``fleet_worker_<key>`` gauges at each scrape."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,8 @@ class ChunkResult:
     """Output of one chunk through this stage."""
 
     output: np.ndarray  # hidden [1, S, H] float32, or last stage: logits [1, K, V] float32
-    compute_ms: float
+    compute_ms: float  # wall time of the infer call
+    cpu_ms: float = 0.0  # CPU time of the inference thread for the chunk (its inputs built, infer, output copied)
 
 
 class ShardRunner:
@@ -97,9 +99,10 @@ class ShardRunner:
         if self.last:
             keep = max(logits_count, 1)
             index = np.arange(seq - keep, seq, dtype=np.int64)
+        cpu0 = time.thread_time()  # one inference thread runs infer on the calling thread: its CPU is infer's
         output, elapsed = run_chunk(session, "input_ids" if self.first else "hidden_states", x, past_length,
                                     start_position, hide_slots, index, hide_rows, pads, keep_rows)
-        return ChunkResult(output, elapsed)
+        return ChunkResult(output, elapsed, (time.thread_time() - cpu0) * 1000)
 
     def compact(self, session: KVSession, past_length: int, hide_slots: list[int],
                 hide_rows: list[int] | None = None) -> tuple[int, float]:

@@ -11,18 +11,19 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import openvino as ov
 
 from fleet_common import PROTOCOL_VERSION
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.security import Security, open_channel, open_server
-from fleet_common.wire import WireError, add_servicer, address_problem, from_tensor, to_tensor
+from fleet_common.runtime import ChunkError, KVSession, top_candidates
+from fleet_common.wire import Malformed, WireError, add_servicer, address_problem, from_tensor, to_tensor
 
-from fleet_common.runtime import ChunkError, top_candidates
-
+from .links import Downlink, LinkBroken, Upstream
 from .metrics import WorkerMetrics
-from .runner import ShardRunner
+from .runner import ChunkResult, ShardRunner
 from .sessions import SessionError, SessionStore
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,14 @@ MAX_NEXT_STAGE_CHANNELS = 16  # a stage forwards to the replicas of the next sta
 
 def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name)
+
+
+class StepError(Exception):
+    """A step that failed here or below: its gRPC status ``code`` and ``details`` (which name the stage)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 class StageService(pb_grpc.StageServicer):
@@ -52,6 +61,8 @@ class StageService(pb_grpc.StageServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{runner.stage}-infer")
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = OrderedDict()  # LRU first
         self._closing: set[asyncio.Task] = set()  # evicted channels closing once their calls are done
+        self._downlinks: dict[str, Downlink] = {}  # streams to the next stage, by address (one per channel)
+        self._upstream: dict[str, Upstream] = {}  # session id -> the Link that sent its last step
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._busy = 0
         self.compactions = 0
@@ -84,7 +95,9 @@ class StageService(pb_grpc.StageServicer):
             entry = (channel, pb_grpc.StageStub(channel))
             self._channels[address] = entry
             if len(self._channels) > MAX_NEXT_STAGE_CHANNELS:
-                _, (evicted, _) = self._channels.popitem(last=False)
+                evicted_address, (evicted, _) = self._channels.popitem(last=False)
+                if (downlink := self._downlinks.pop(evicted_address, None)) is not None:
+                    self._closing.add(asyncio.ensure_future(downlink.close()))
                 task = asyncio.ensure_future(evicted.close(grace=DOWNSTREAM_TIMEOUT_S))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
@@ -95,6 +108,8 @@ class StageService(pb_grpc.StageServicer):
     async def close(self) -> None:
         for task in list(self._closing):
             task.cancel()
+        for downlink in list(self._downlinks.values()):
+            await downlink.close()
         for channel, _ in self._channels.values():
             await channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -103,6 +118,7 @@ class StageService(pb_grpc.StageServicer):
         self.metrics.errors.labels(code.name).inc()
         await context.abort(code, message)
 
+    # -- RPCs: sessions ------------------------------------------------------------------------
     async def _new_session_context(self, request, context: grpc.aio.ServicerContext) -> int:  # noqa: ANN001
         """The checks of an RPC that makes a session (OpenSession, Copy, Merge): the caller's build, a
         session id; returns its max context (the request's, capped by this worker's; 0 = the worker's)."""
@@ -112,7 +128,6 @@ class StageService(pb_grpc.StageServicer):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
         return min(request.max_context or self.max_context, self.max_context)
 
-    # -- RPCs ----------------------------------------------------------------------------------
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionReply:
         max_context = await self._new_session_context(request, context)
         try:
@@ -128,37 +143,49 @@ class StageService(pb_grpc.StageServicer):
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionReply:
         session = self.store.close(request.session_id)
+        self._upstream.pop(request.session_id, None)
         if session is None:
             return pb.CloseSessionReply(existed=False)
         log.debug("session %s closed", request.session_id)
         return pb.CloseSessionReply(existed=True, freed_kv_bytes=self.runner.kv_bytes(session))
 
-    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardReply:
-        arrived = time.perf_counter()
+    def _check_step(self, request: pb.ForwardRequest) -> tuple[np.ndarray, KVSession]:
+        """A step's input and session, after every check that needs no inference. Raises ``StepError``."""
         runner = self.runner
         if msg := self._check_manifest(request.manifest_sha256):
-            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
+            raise StepError(grpc.StatusCode.FAILED_PRECONDITION, msg)
         if request.stage != runner.stage:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request for stage {request.stage} reached stage {runner.stage}")
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request for stage {request.stage} reached stage {runner.stage}")
         if request.top_k > runner.vocab_size:  # up to the whole vocabulary (a naive stack's full logits)
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                              f"top_k {request.top_k} > the vocabulary ({runner.vocab_size})")
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"top_k {request.top_k} > the vocabulary ({runner.vocab_size})")
         if runner.last and request.logits_count and request.reply_to not in self._subscribers:
-            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no subscriber {request.reply_to!r} at the last stage to receive results")
+            raise StepError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"no subscriber {request.reply_to!r} at the last stage to receive results")
         if not runner.last and not request.route:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
         if problem := next(filter(None, map(address_problem, request.route)), None):
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             x = from_tensor(request.input, dtype="int64" if runner.first else "float32")
-            session = self.store.get(request.session_id)
+            return x, self.store.get(request.session_id)
         except WireError as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad input tensor: {exc}")
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"bad input tensor: {exc}") from None
         except SessionError as exc:
-            await self._abort(context, _code(exc.code), str(exc))
+            raise StepError(_code(exc.code), str(exc)) from None
 
+    async def _step(self, request: pb.ForwardRequest, arrived: float, timeout_s: float,
+                    upstream: Upstream | None = None) -> ChunkResult:
+        """Run one step here and pass it on: to the next stage's link, or (last stage) the result to
+        its subscriber. ``timeout_s``: what is left of the step's deadline at ``arrived``; ``upstream``:
+        the Link that sent it (told of failures below). Raises ``StepError``.
+
+        Nothing is awaited before the chunk is queued on the inference thread, so steps of one link
+        run in the order they arrived."""
+        runner = self.runner
+        x, session = self._check_step(request)
+        if upstream is not None:
+            self._upstream[request.session_id] = upstream
         self._busy += 1
         try:
             result = await asyncio.get_running_loop().run_in_executor(
@@ -167,16 +194,17 @@ class StageService(pb_grpc.StageServicer):
                 request.logits_count, list(request.hide_rows), list(request.row_pads), list(request.keep_rows),
             )
         except (ChunkError, SessionError) as exc:
-            await self._abort(context, _code(exc.code), f"stage {runner.stage}: {exc}")
+            raise StepError(_code(exc.code), f"stage {runner.stage}: {exc}") from None
         except RuntimeError as exc:  # OpenVINO raises RuntimeError for infer failures
             log.exception("session %s: inference failed at stage %d", request.session_id, runner.stage)
-            await self._abort(context, grpc.StatusCode.INTERNAL, f"stage {runner.stage}: inference failed: {exc}")
+            raise StepError(grpc.StatusCode.INTERNAL, f"stage {runner.stage}: inference failed: {exc}") from None
         finally:
             self._busy -= 1
         self.metrics.infer.observe(result.compute_ms / 1000)
+        self.metrics.infer_cpu.inc(result.cpu_ms / 1000)
         self.metrics.chunks.inc()
         self.metrics.tokens.inc(x.shape[0] * x.shape[1])
-
+        elapsed = time.perf_counter() - arrived
         if not runner.last:
             nxt = pb.ForwardRequest()
             nxt.CopyFrom(request)
@@ -184,25 +212,106 @@ class StageService(pb_grpc.StageServicer):
             nxt.input.CopyFrom(to_tensor(result.output))
             del nxt.route[:]
             nxt.route.extend(request.route[1:])
+            nxt.handle_ms.append(elapsed * 1000)
+            nxt.timeout_ms = max(0.0, timeout_s - elapsed) * 1000
             address = request.route[0]
+            if nxt.timeout_ms <= 0:
+                raise StepError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"stage {runner.stage}: the step's deadline passed before it could be passed on")
+            downlink = self._downlink(address)
+            if upstream is not None:
+                downlink.upstreams.add(upstream)
             try:
-                remaining = context.time_remaining()  # None when the caller set no deadline
-                timeout = DOWNSTREAM_TIMEOUT_S if remaining is None else min(remaining, DOWNSTREAM_TIMEOUT_S)
-                sent = time.perf_counter()
-                reply = await self._stub(address).Forward(nxt, timeout=timeout)
-                self.metrics.link.labels(f"stage{runner.stage}->stage{runner.stage + 1}").observe(
-                    max(0.0, time.perf_counter() - sent - reply.handle_ms / 1000))
-            except grpc.aio.AioRpcError as exc:
-                await self._abort(context, exc.code(), f"stage {runner.stage + 1} at {address}: {exc.details()}")
-        elif request.logits_count:
-            logits = result.output[:, -request.logits_count:]  # [B, N, V]
-            ids, logprobs = top_candidates(logits.reshape(-1, logits.shape[-1]), request.top_k or 1)
+                await downlink.send(nxt, nxt.timeout_ms / 1000)
+            except LinkBroken as exc:
+                raise StepError(grpc.StatusCode.UNAVAILABLE, f"stage {runner.stage + 1} at {address}: {exc}") from None
+        elif request.reply_to:
             queue = self._subscribers.get(request.reply_to)
             if queue is None:
-                await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"subscriber {request.reply_to!r} left")
-            queue.put_nowait(pb.StepResult(session_id=request.session_id, step_id=request.step_id,
-                                           top_ids=to_tensor(ids), top_logprobs=to_tensor(logprobs)))
+                raise StepError(grpc.StatusCode.FAILED_PRECONDITION, f"subscriber {request.reply_to!r} left")
+            step = pb.StepResult(session_id=request.session_id, step_id=request.step_id,
+                                 handle_ms=[*request.handle_ms, elapsed * 1000])
+            if request.logits_count:
+                logits = result.output[:, -request.logits_count:]  # [B, N, V]
+                ids, logprobs = top_candidates(logits.reshape(-1, logits.shape[-1]), request.top_k or 1)
+                step.top_ids.CopyFrom(to_tensor(ids))
+                step.top_logprobs.CopyFrom(to_tensor(logprobs))
+            queue.put_nowait(step)
+        return result
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardReply:
+        arrived = time.perf_counter()
+        remaining = context.time_remaining()  # None when the caller set no deadline
+        timeout_s = DOWNSTREAM_TIMEOUT_S if remaining is None else min(remaining, DOWNSTREAM_TIMEOUT_S)
+        try:
+            result = await self._step(request, arrived, timeout_s)
+        except StepError as exc:
+            await self._abort(context, exc.code, exc.details)
         return pb.ForwardReply(compute_ms=result.compute_ms, handle_ms=(time.perf_counter() - arrived) * 1000)
+
+    async def Link(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: ANN001, ANN201
+        """One upstream's stream of steps: each runs as ``Forward`` would (in arrival order); failures,
+        here or relayed from below, are sent back as ``LinkAck``s."""
+        upstream: Upstream = asyncio.Queue()
+        steps: set[asyncio.Task] = set()
+
+        async def step(request: pb.ForwardRequest, arrived: float) -> None:
+            timeout_s = min(request.timeout_ms / 1000 or DOWNSTREAM_TIMEOUT_S, DOWNSTREAM_TIMEOUT_S)
+            try:
+                await self._step(request, arrived, timeout_s, upstream)
+            except StepError as exc:
+                self.metrics.errors.labels(exc.code.name).inc()
+                upstream.put_nowait(pb.LinkAck(session_id=request.session_id, step_id=request.step_id,
+                                               code=exc.code.value[0], details=exc.details))
+
+        async def pump() -> None:
+            try:
+                async for request in request_iterator:
+                    if isinstance(request, Malformed):
+                        self.metrics.errors.labels("INVALID_ARGUMENT").inc()
+                        upstream.put_nowait(pb.LinkAck(code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                                       details=f"stage {self.runner.stage}: malformed step: "
+                                                       f"{request.error}"))
+                        break
+                    task = asyncio.ensure_future(step(request, time.perf_counter()))
+                    steps.add(task)
+                    task.add_done_callback(steps.discard)
+            finally:
+                upstream.put_nowait(None)
+
+        reader = asyncio.ensure_future(pump())
+        try:
+            while (ack := await upstream.get()) is not None:
+                yield ack
+        finally:
+            reader.cancel()
+            for downlink in self._downlinks.values():
+                downlink.upstreams.discard(upstream)
+            for session_id in [s for s, q in self._upstream.items() if q is upstream]:
+                del self._upstream[session_id]
+
+    def _downlink(self, address: str) -> Downlink:
+        """The link to the next stage at ``address``, opened (again) when there is none or it broke."""
+        downlink = self._downlinks.get(address)
+        if downlink is None or downlink.broken:
+            downlink = self._downlinks[address] = Downlink(address, self._stub(address), self._relay, self._broken)
+        return downlink
+
+    def _relay(self, downlink: Downlink, ack: pb.LinkAck) -> None:
+        """A failure the next stage reported for a step: to the upstream that sent its session's last step."""
+        upstream = self._upstream.get(ack.session_id)
+        if upstream is not None:
+            upstream.put_nowait(pb.LinkAck(session_id=ack.session_id, step_id=ack.step_id, code=ack.code,
+                                           details=f"stage {self.runner.stage + 1} at {downlink.address}: {ack.details}"))
+
+    def _broken(self, downlink: Downlink, reason: str) -> None:
+        """The link at ``downlink.address`` broke: every upstream that forwarded through it is told."""
+        if self._downlinks.get(downlink.address) is downlink:
+            del self._downlinks[downlink.address]
+        for upstream in downlink.upstreams:
+            upstream.put_nowait(pb.LinkAck(code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                           details=f"stage {self.runner.stage + 1} at {downlink.address}: {reason}"))
 
     async def Compact(self, request: pb.CompactRequest, context: grpc.aio.ServicerContext) -> pb.CompactReply:
         if msg := self._check_manifest(request.manifest_sha256):

@@ -1,0 +1,295 @@
+"""Where each token's CPU goes outside inference: per process of a pinned fleet, measured.
+
+For every cell (stages x users) a fleet of the demo is started as ``interleave_bench`` starts one (each
+worker pinned to its own core with one inference thread, the coordinator unpinned, ``--draft none``),
+greedy streams of ``--tokens`` tokens run, and for each process the bench reports CPU ms per token
+(user + system, ``psutil``) and, for workers, the part their inference thread spent running chunks
+(the workers' own ``fleet_worker_infer_cpu_seconds``, read from ``--metrics-port``: with one inference
+thread OpenVINO infers on the calling thread, so its thread CPU time is infer's). ``overhead`` =
+CPU - infer: what an extra stage costs beyond its layers.
+
+Each cell also splits every process's CPU by thread (/proc/PID/task: the event loop, gRPC's I/O
+threads, the inference thread inside and outside ``run_chunk``). With ``--profile`` one more 1-user run per fleet is sampled by py-spy (``--native
+``), every thread, idle ones left out) and each sample is put in one category by the
+innermost frame it recognises (:data:`CATEGORIES`): gRPC, protobuf, numpy, the inference call,
+asyncio, thread hand-offs, HTTP, tokenizer, sampling, logging, other Python. The table gives each
+category's share of the process's measured CPU per token, in ms.
+
+    python bench/hop_overhead.py [--stages 2,3] [--users 1,2,4] [--tokens 128] [--json PATH] [--profile]
+
+The baseline is ``interleave_bench.baseline``: the whole model in one process on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import openvino as ov  # noqa: E402
+import psutil  # noqa: E402
+
+from bench.decode_bench import ensure_build, wait_healthy  # noqa: E402
+from bench.interleave_bench import baseline, counts, positive_int, run_users  # noqa: E402
+from bench.spec_bench import start, wait_line  # noqa: E402
+from coordinator.local import free_port  # noqa: E402
+
+# (category, regex on one frame); the innermost frame of a sample that matches any decides it
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("infer", r"\binfer\b.*(openvino|runtime\.py)|ov::|InferRequest|dnnl|jit_|ov_cpu|libopenvino"),
+    ("protobuf", r"google/protobuf|upb_|_message\.|protobuf"),
+    ("gRPC", r"grpc|cygrpc|_cython|completion_queue|libgrpc|chttp2|absl"),
+    ("numpy", r"numpy|_multiarray|np\.|PyArray|wire\.py"),
+    ("thread hand-off", r"concurrent/futures|threading\.py|run_in_executor|futex|pthread_cond"),
+    ("HTTP", r"uvicorn|starlette|fastapi|h11|sse_starlette|httptools|anyio"),
+    ("tokenizer", r"tokenizers|tokenizer\.py|detok"),
+    ("sampling", r"sampling\.py|speculative\.py"),
+    ("logging", r"logging/"),
+    ("asyncio", r"asyncio/|selectors\.py|epoll|uvloop"),
+)
+
+
+def categorise(stack: str) -> str:
+    """The category of one collapsed py-spy stack (frames outermost first, ``;``-separated)."""
+    for frame in reversed(stack.split(";")):
+        for name, pattern in CATEGORIES:
+            if re.search(pattern, frame):
+                return name
+    return "other Python"
+
+
+def profile(pids: dict[str, int], seconds: float, out: Path) -> dict[str, subprocess.Popen]:
+    """Start py-spy on each process for ``seconds`` (raw collapsed stacks into ``out/NAME.txt``)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    procs = {}
+    for name, pid in pids.items():
+        procs[name] = subprocess.Popen(
+            [spy, "record", "--pid", str(pid), "--nonblocking", "--rate", "250", "--format", "raw",
+             "--duration", str(int(seconds)), "--output", str(out / f"{name.replace(' ', '_')}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return procs
+
+
+def breakdown(path: Path) -> dict[str, float]:
+    """Fractions of a process's samples per category, from py-spy's raw output at ``path``."""
+    totals: collections.Counter[str] = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            totals[categorise(stack)] += int(count)
+    n = sum(totals.values()) or 1
+    return {name: totals[name] / n for name in [c for c, _ in CATEGORIES] + ["other Python"]}
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_seconds(pid: int) -> dict[tuple[int, str], float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by (thread id, name), from /proc."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended
+            continue
+        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def by_thread(pid: int, before: dict, after: dict, per_token: int) -> dict[str, float]:
+    """ms per token of a process's threads, grouped: the event loop (the main thread: gRPC's Python side,
+    protobuf, asyncio, the step's own code), gRPC's I/O threads (``event_engine``), the busiest other
+    thread (a worker's inference thread, run by a one-thread executor) and the rest."""
+    delta = {key: (after[key] - before.get(key, 0.0)) * 1000 / per_token for key in after}
+    groups = {"event loop": 0.0, "gRPC I/O threads": 0.0, "inference thread": 0.0, "other threads": 0.0}
+    others = []
+    for (tid, name), ms in delta.items():
+        if tid == pid:
+            groups["event loop"] += ms
+        elif name.startswith("event_engine") or name.startswith("grpc"):
+            groups["gRPC I/O threads"] += ms
+        else:
+            others.append(ms)
+    if others:
+        others.sort(reverse=True)
+        groups["inference thread"], groups["other threads"] = others[0], sum(others[1:])
+    return groups
+
+
+def infer_seconds(metrics_url: str) -> float:
+    """``fleet_worker_infer_cpu_seconds_total`` of a worker's /metrics (a worker older than that metric:
+    its infer wall time, ``fleet_worker_infer_seconds_sum``)."""
+    text = httpx.get(metrics_url, timeout=10).text
+    m = re.search(r"^fleet_worker_infer_cpu_seconds_total (\S+)$", text, re.M) or re.search(
+        r"^fleet_worker_infer_seconds_sum (\S+)$", text, re.M)
+    return float(m.group(1))
+
+
+def start_fleet(build: Path, stages: int, logs: Path, stack: ExitStack) -> tuple[str, dict, list[str]]:
+    """Pinned workers (one inference thread each, metrics on) and a coordinator (batch groups, no
+    draft); returns (URL, processes by name, workers' metrics URLs)."""
+    ncpu = os.cpu_count() or 1
+    addresses, procs, metrics = [], {}, []
+    for stage in range(stages):
+        port, mport = free_port(), free_port()
+        log = logs / f"hop-{stages}stage-worker{stage}.log"
+        procs[f"worker {stage}"] = start(
+            ["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard", str(stage),
+             "--model", str(build), "--port", str(port), "--threads", "1", "--no-announce",
+             "--metrics-port", str(mport)], log, stack)
+        wait_line(log, "serving on", procs[f"worker {stage}"])
+        addresses.append(f"127.0.0.1:{port}")
+        metrics.append(f"http://127.0.0.1:{mport}/metrics")
+    port = free_port()
+    log = logs / f"hop-{stages}stage-coordinator.log"
+    peers = [a for address in addresses for a in ("--peer", address)]
+    procs["coordinator"] = proc = start(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
+         "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *peers], log, stack)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, log)
+    run_users(url, 1, 8)  # warm-up
+    return url, {name: psutil.Process(p.pid) for name, p in procs.items()}, metrics
+
+
+def measure(url: str, procs: dict, metrics: list[str], users: int, tokens: int) -> dict:
+    """One cell: ``run_users`` plus each worker's infer ms per token and overhead (CPU - infer)."""
+    before = [infer_seconds(m) for m in metrics]
+    threads_before = {name: thread_seconds(p.pid) for name, p in procs.items()}
+    cell = run_users(url, users, tokens, procs)
+    threads_after = {name: thread_seconds(p.pid) for name, p in procs.items()}
+    after = [infer_seconds(m) for m in metrics]
+    per_token = users * tokens
+    cell["threads_ms_per_token"] = {name: by_thread(p.pid, threads_before[name], threads_after[name], per_token)
+                                    for name, p in procs.items()}
+    cell["infer_ms_per_token"] = {f"worker {i}": (a - b) * 1000 / per_token
+                                  for i, (a, b) in enumerate(zip(after, before))}
+    cell["overhead_ms_per_token"] = {name: cell["cpu_ms_per_token"][name] - cell["infer_ms_per_token"].get(name, 0.0)
+                                     for name in cell["cpu_ms_per_token"]}
+    del cell["answers"]
+    return cell
+
+
+def profiled(url: str, procs: dict, tokens: int, out: Path) -> dict[str, dict[str, float]]:
+    """A 1-user run sampled by py-spy: ms per token per category for each process (fractions of its
+    samples times its measured CPU ms per token)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rate = run_users(url, 1, 16, procs)["aggregate_tok_s"]  # how long the profiled run will take
+    seconds = max(5, int(tokens / rate) + 1)
+    spies = profile({name: p.pid for name, p in procs.items()}, seconds + 2, out)
+    time.sleep(1.0)  # py-spy attached
+    cpu = run_users(url, 1, tokens, procs)["cpu_ms_per_token"]
+    for spy in spies.values():
+        spy.wait(timeout=seconds + 60)
+    result = {}
+    for name in procs:
+        fractions = breakdown(out / f"{name.replace(' ', '_')}.txt")
+        result[name] = {cat: share * cpu[name] for cat, share in fractions.items()}
+    return result
+
+
+def print_tables(base: dict, cells: list[dict], profiles: dict) -> None:
+    ref = base["decode_tok_s"]
+    print(f"\nwhole model, 1 process, 1 core: {ref:.1f} tok/s = {1000 / ref:.1f} ms per token (mean of a run before "
+          f"and after the fleets: {base['before']:.1f}, {base['after']:.1f}; the machine's load drifts)")
+    print(f"{'fleet':<9} | {'users':>5} | {'tok/s':>6} | {'x whole':>7} | CPU ms per token (infer + overhead)")
+    print("-" * 100)
+    for c in cells:
+        parts = []
+        for name, ms in c["cpu_ms_per_token"].items():
+            infer = c["infer_ms_per_token"].get(name)
+            parts.append(f"{name} {ms:.1f}" + (f" ({infer:.1f} + {ms - infer:.1f})" if infer is not None else ""))
+        print(f"{c['stages']}-stage  | {c['users']:>5} | {c['aggregate_tok_s']:>6.1f} | "
+              f"{c['aggregate_tok_s'] / ref:>7.2f} | " + ", ".join(parts))
+    for c in cells:
+        if c["users"] != 1:
+            continue
+        names = [n for n in c["threads_ms_per_token"] if n != "client"]
+        print(f"\n{c['stages']}-stage fleet, 1 user, CPU ms per token by thread (/proc, measured)")
+        print(f"{'thread':<34} | " + " | ".join(f"{n:>11}" for n in names))
+        print("-" * (37 + 14 * len(names)))
+        rows = list(next(iter(c["threads_ms_per_token"].values())))
+        for row in rows:
+            cells_ = [c["threads_ms_per_token"][n][row] for n in names]
+            if row == "inference thread":
+                infer = [c["infer_ms_per_token"].get(n, 0.0) for n in names]
+                print(f"{'inference thread: run_chunk':<34} | " + " | ".join(f"{v:>11.2f}" for v in infer))
+                print(f"{'inference thread: the rest':<34} | "
+                      + " | ".join(f"{v - i:>11.2f}" for v, i in zip(cells_, infer)))
+                continue
+            print(f"{row:<34} | " + " | ".join(f"{v:>11.2f}" for v in cells_))
+        print(f"{'overhead (all but run_chunk)':<34} | "
+              + " | ".join(f"{c['overhead_ms_per_token'][n]:>11.2f}" for n in names))
+    for stages, prof in profiles.items():
+        names = list(prof)
+        cats = [c for c, _ in CATEGORIES] + ["other Python"]
+        print(f"\n{stages}-stage fleet, 1 user, CPU ms per token by category (py-spy samples x measured CPU)")
+        print(f"{'category':<16} | " + " | ".join(f"{n:>11}" for n in names))
+        print("-" * (19 + 14 * len(names)))
+        for cat in cats:
+            print(f"{cat:<16} | " + " | ".join(f"{prof[n][cat]:>11.2f}" for n in names))
+        print(f"{'total':<16} | " + " | ".join(f"{sum(prof[n].values()):>11.2f}" for n in names))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=counts, default=[2, 3])
+    parser.add_argument("--users", type=counts, default=[1, 2, 4])
+    parser.add_argument("--tokens", type=positive_int, default=128)
+    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--profile", dest="do_profile", action="store_true",
+                        help="also sample each process with py-spy (Python frames) for a breakdown by category")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    from compiler.source import fetch_demo
+
+    cache = args.cache.resolve()
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
+    builds = {n: ensure_build(hf, cache, n) for n in sorted({1, *args.stages})}
+    first = baseline(builds[1], args.tokens)
+    cells, profiles = [], {}
+    for stages in args.stages:
+        with ExitStack() as stack:
+            url, procs, metrics = start_fleet(builds[stages], stages, logs, stack)
+            for users in args.users:
+                cell = {"stages": stages, **measure(url, procs, metrics, users, args.tokens)}
+                cells.append(cell)
+                print(f"  {stages}-stage, {users} users: {cell['aggregate_tok_s']:.1f} tok/s; CPU ms/token "
+                      + ", ".join(f"{n} {ms:.2f}" for n, ms in cell["cpu_ms_per_token"].items())
+                      + "; overhead " + ", ".join(f"{n} {ms:.2f}" for n, ms in cell["overhead_ms_per_token"].items()),
+                      flush=True)
+            if args.do_profile:
+                profiles[stages] = profiled(url, procs, args.tokens * 2, logs / f"hop-profile-{stages}stage")
+    last = baseline(builds[1], args.tokens)
+    base = {"decode_tok_s": (first["decode_tok_s"] + last["decode_tok_s"]) / 2, "before": first["decode_tok_s"],
+            "after": last["decode_tok_s"]}
+    print_tables(base, cells, profiles)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "benchmark": "hop_overhead", "tokens": args.tokens, "baseline": base, "cells": cells,
+            "profiles": {str(k): v for k, v in profiles.items()},
+            "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
+        }, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
