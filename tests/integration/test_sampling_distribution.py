@@ -17,7 +17,7 @@ the temperature, cut to the smallest prefix of mass >= top_p.
 The same workers behind a coordinator process whose verification is broken on purpose (a rejected draft
 resampled from p instead of max(0, p - q)) must fail the same tests. Measured on the loaded 2-core
 machine (p-values of t2 / t3 / t4 / bonus, 400 samples each): lossless 0.6 / 0.34 / 0.63 / 0.91; broken
-1.5e-08 / 0.0012 / 0.0049 / 0.91 (the bonus token does not depend on the residual); 16 requests/s at a
+1.5e-08 / 0.0012 / 0.0049 / 0.91 (the bonus token does not depend on the residual); ~17 requests/s at a
 load average of ~3, ~10 at ~13.
 """
 
@@ -207,8 +207,9 @@ def sample_fleet(url: str, samples: int) -> tuple[np.ndarray, np.ndarray, float]
 
 
 @pytest.fixture(scope="module")
-def tiny_fleet(tmp_path_factory, demo_hf):  # noqa: ANN201 - (build, worker addresses, exact target)
-    """The 2-stage build with its model draft, two f32 workers serving it, and the exact target."""
+def tiny_fleet(tmp_path_factory, demo_hf):  # noqa: ANN201 - a tuple
+    """(the 2-stage build with its model draft, the addresses of two f32 workers serving it, the exact
+    target, its exact marginals of the first NEW_TOKENS tokens, the folder for logs)."""
     tmp = tmp_path_factory.mktemp("sampling")
     target, draft = tiny_models(tmp, demo_hf)
     build = tmp / "build"
