@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 import uvicorn
 from pydantic import BaseModel, Field, ValidationError
@@ -17,6 +18,7 @@ from pydantic_settings import CliApp, CliSubCommand
 
 from fleet_common import API_SERVICE_TYPE, PROTOCOL_VERSION
 from fleet_common.cli import describe_validation_error, dump_tasks_on_signal
+from fleet_common.discovery import announce_addresses
 from fleet_common.manifest import ManifestError, load_manifest
 
 from .api import create_app
@@ -31,16 +33,19 @@ log = logging.getLogger(__name__)
 
 
 async def _announce_api(host: str, port: int, model_id: str):  # noqa: ANN202
+    """Announce the HTTP API (``_fleet-api._tcp``) for fleet-chat: at the addresses ``host`` serves (every
+    non-loopback one for 0.0.0.0; the host name's was 127.0.0.1 from /etc/hosts), under a host record of
+    its own (a PC's host name is shared by clones and by namespaces of one machine)."""
     from zeroconf import InterfaceChoice, IPVersion
     from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-    loopback = host in ("127.0.0.1", "localhost")
-    ip = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
-    zc = AsyncZeroconf(interfaces=["127.0.0.1"] if loopback else InterfaceChoice.All, ip_version=IPVersion.V4Only)
+    addrs, interfaces = announce_addresses(host)
+    zc = AsyncZeroconf(interfaces=interfaces or InterfaceChoice.All, ip_version=IPVersion.V4Only)
     info = AsyncServiceInfo(API_SERVICE_TYPE, f"fleet-{socket.gethostname()}-{port}.{API_SERVICE_TYPE}",
-                            addresses=[socket.inet_aton(ip)], port=port, properties={"model": model_id[:120]},
-                            server=f"{socket.gethostname()}.local.")
+                            addresses=[socket.inet_aton(a) for a in addrs], port=port,
+                            properties={"model": model_id[:120]}, server=f"fleet-api-{uuid.uuid4().hex[:12]}.local.")
     await zc.async_register_service(info, allow_name_change=True)
+    log.info("announced the API as %s at %s", info.name, ", ".join(f"{a}:{port}" for a in addrs))
     return zc, info
 
 

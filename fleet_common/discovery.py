@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -57,3 +59,28 @@ def decode_txt(props: dict[bytes, bytes | None], host: str, port: int) -> Worker
         )
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"bad fleet TXT record from {host}:{port}: {exc!r}") from exc
+
+
+def local_ipv4() -> list[str]:
+    """This PC's IPv4 addresses, loopback included (psutil: getifaddrs)."""
+    import psutil
+
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+
+
+def announce_addresses(host: str, advertise: Sequence[str] = ()) -> tuple[list[str], list[str] | None]:
+    """(addresses to announce, interfaces to announce on; None = all) for a service bound to ``host``.
+
+    Bound to every interface (0.0.0.0), every non-loopback IPv4 address this PC has, sorted (instance
+    names take the first); the reader keeps the first that answers. ``advertise`` (IPv4 addresses or
+    host names) replaces that list, announced on the interfaces holding those addresses (on all of them
+    when none is local: a NAT's address). Never the host name's address: /etc/hosts often maps it to
+    127.0.0.1 or 127.0.1.1, which no other PC can reach. Raises ``OSError`` for a name that does not resolve."""
+    if advertise:
+        addrs = [socket.gethostbyname(a) for a in advertise]
+        local = [a for a in addrs if a in local_ipv4()]
+        return addrs, local or None
+    if host in ("0.0.0.0", "", "::"):
+        addrs = sorted((a for a in local_ipv4() if not a.startswith("127.")), key=socket.inet_aton) or ["127.0.0.1"]
+        return addrs, None
+    return [socket.gethostbyname(host)], [socket.gethostbyname(host)]

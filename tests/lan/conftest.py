@@ -86,17 +86,19 @@ def stop_all(procs) -> None:  # noqa: ANN001 - LanWorker / LanCoordinator
 
 
 class LanCoordinator:
-    """``fleet-coordinator serve`` in a PC, its API on that PC's loopback; requests go from a thread there."""
+    """``fleet-coordinator serve`` in a PC, its API on that PC's loopback (with ``announce``: on all its
+    addresses, announced for fleet-chat); the test's requests go from a thread in that PC."""
 
-    def __init__(self, lan: Lan, pc: str, build: Path, log_dir: Path, *extra: str, name: str = "coordinator") -> None:
+    def __init__(self, lan: Lan, pc: str, build: Path, log_dir: Path, *extra: str, name: str = "coordinator",
+                 announce: bool = False) -> None:
         from coordinator.local import free_port
 
         self.lan, self.pc, self.port = lan, pc, free_port()
         if "--draft" not in extra:
             extra = (*extra, "--draft", "none")
+        where = ("--host", "0.0.0.0", "--announce") if announce else ("--host", "127.0.0.1", "--no-announce")
         self.proc = Proc(lan.pcs[pc].cmd(str(BIN / "fleet-coordinator"), "serve", "--model", str(build),
-                                         "--host", "127.0.0.1", "--port", str(self.port), "--no-announce", *extra),
-                         log_dir / f"{name}.log")
+                                         "--port", str(self.port), *where, *extra), log_dir / f"{name}.log")
         self.url = f"http://127.0.0.1:{self.port}"
 
     def request(self, method: str, path: str, timeout: float = 120.0, **kw) -> httpx.Response:

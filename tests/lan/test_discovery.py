@@ -16,12 +16,14 @@ import concurrent.futures
 import functools
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from coordinator.tokenizer import ChatTokenizer
+from tests.conftest import BIN
 from tests.integration.reference import TransformersReference, near_ties
 
 from .conftest import LanCoordinator, start_workers, stop_all
@@ -88,9 +90,10 @@ def office(reference_pending, lan, build_3, tmp_path_factory):  # noqa: ANN001, 
 
 @pytest.fixture(scope="module")
 def coordinator(office, build_3):  # noqa: ANN001, ANN201
-    """A coordinator in ``coord`` that finds every worker by zeroconf (no --peer), once all joined."""
+    """A coordinator in ``coord`` that finds every worker by zeroconf (no --peer), once all joined; its API
+    is announced (for fleet-chat and ``fleet-coordinator status`` on the other PCs)."""
     lan, workers, log_dir = office
-    coord = LanCoordinator(lan, "coord", build_3, log_dir, name="coordinator-mdns")
+    coord = LanCoordinator(lan, "coord", build_3, log_dir, name="coordinator-mdns", announce=True)
     try:
         coord.wait_ready(workers=len(workers))
         yield coord
@@ -115,6 +118,14 @@ def test_three_pcs_found_by_zeroconf_answer_like_the_reference(office, coordinat
         tokens, margins, forced = reference[prompt]
         ties += near_ties(r.json()["fleet"]["completion_token_ids"], tokens, margins, f"LAN on {prompt!r}", forced)
     assert ties <= 1
+
+
+def test_another_pc_finds_the_coordinator_by_zeroconf_at_an_address_that_routes(office, coordinator):
+    lan, _, _ = office
+    url = f"http://{lan.pcs['coord'].address}:{coordinator.port}"
+    status = subprocess.run(lan.pcs["w0"].cmd(str(BIN / "fleet-coordinator"), "status"), capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0 and url in status.stdout, status.stdout + status.stderr
 
 
 def test_a_pc_with_two_networks_is_reached_on_the_one_that_routes(office, coordinator):

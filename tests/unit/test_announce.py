@@ -1,11 +1,12 @@
-"""What a worker announces (worker/announce.py): its addresses in a stable order (the instance name takes
+"""What a worker or coordinator announces (fleet_common.discovery.announce_addresses): its addresses in a stable order (the instance name takes
 the first), only ``--advertise-addr`` when given, on the interfaces holding it."""
 
 from __future__ import annotations
 
 import socket
 
-from worker.announce import _addresses, local_ipv4
+from fleet_common.discovery import announce_addresses as _addresses
+from fleet_common.discovery import local_ipv4
 
 
 def test_every_address_sorted_when_bound_to_all():
