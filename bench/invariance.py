@@ -14,11 +14,12 @@ stage-1 worker: one stream is run to the end, then again with the stage-1 worker
 
 Findings (README "Precision", 2-stage demo, 128 tokens): at the defaults 5, 6 and 7 of 8 streams differed in
 three runs and the failover diverged at token 57; ``--threads 1`` 3/8, ``--draft none`` 3/8,
-``--no-prefix-cache`` 6/8, ``--max-batch 1`` 4/8, the three together 2/8 and 4/8; ``--inference-precision f32``
-0/8 and an identical failover. Every divergence was at a top-two gap below 0.12. The default precision on a
-bf16-capable CPU is bf16 (the f16 KV cache plays no part: f32 KV at bf16 gives bit-identical logits); at bf16
-a token's logits depend on the shape of the steps that computed its context (a session's first chunk; batch
-rows and chunk lengths with more than one thread), by up to ~0.7. At f32 they move by ~7e-5 at most.
+``--no-prefix-cache`` 6/8, ``--max-batch 1`` 4/8, ``--batch-groups 1`` 4/8, the three together 2/8 and 4/8;
+``--inference-precision f32`` 0/8 and an identical failover (also at ``--threads 1``). Every divergence was at
+a top-two gap below 0.15. The default precision on a bf16-capable CPU is bf16 (the f16 KV cache plays no part:
+f32 KV at bf16 gives bit-identical logits); at bf16 a token's logits depend on the shape of the steps that
+computed its context (a session's first chunk; batch rows and chunk lengths with more than one thread), by up
+to ~0.7. At f32 they move by ~7e-5 at most.
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def defaults_fleet(build_2, tmp_path_factory):
 # inference: a session's first chunk, batch rows and chunk lengths with more than one thread;
 # bench/invariance.py, README "Precision"), so a greedy stream may leave another run of the same prompt where
 # the top two candidates are close. Measured on the demo (bench/invariance.py, 5 runs of 8 streams): every
-# divergence was at a top-two gap below 0.12; 10-11% of all positions have a gap below 0.25, 31-35% below 1.0.
+# divergence was at a top-two gap below 0.15; 10-11% of all positions have a gap below 0.25, 31-35% below 1.0.
 DEFAULTS_NEAR_TIE = 0.3  # top-two logprob gap (= logit gap) below which two default runs may pick differently
 
 
