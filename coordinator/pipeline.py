@@ -316,6 +316,8 @@ class Pipeline:
             raise self._broken.again() from exc
         finally:
             self._waiters.pop(key, None)
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # failed while this step was still writing: retrieved, not logged as lost
         if self.observe_link is not None:
             self.observe_link(self.path, max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
         if not logits_count:
