@@ -292,6 +292,9 @@ class Registry:
             for a in cache.async_all_by_details(srv.server, _DNS_A, _DNS_IN):
                 if f"{socket.inet_ntoa(a.address)}:{srv.port}" not in endpoints:
                     endpoints.append(f"{socket.inet_ntoa(a.address)}:{srv.port}")
+        if not endpoints:
+            log.warning("zeroconf: %s announces no IPv4 address (the coordinator dials IPv4 only)", name)
+            return
         found = await self._answering(endpoints) if len(endpoints) > 1 else {"": endpoints[0]}
         if not found:
             log.warning("worker %s announced %s and answers on none of them: trying %s (a worker must announce an "
