@@ -1,5 +1,7 @@
-"""Fuzz tests (hypothesis) against real processes: at least 10,000 malformed gRPC messages at real
-workers and 10,000 malformed HTTP requests at a real coordinator.
+"""Fuzz tests (hypothesis) against real processes: at least 10,000 malformed gRPC messages at a real
+last-stage worker and 1,500 at a forwarding stage 0 (each forwarded one opens a link to its route, so
+it is slower), and 10,000 malformed HTTP requests at a real coordinator. The per-token ``Link``
+stream's own refusals (garbage, failures below, deadlines) are tested in test_links.py.
 
 Every call must end within its deadline with a deliberate answer: on gRPC a named status with a
 message (never UNKNOWN or INTERNAL from an unhandled exception), on HTTP a 4xx with an OpenAI error
