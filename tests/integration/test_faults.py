@@ -1,10 +1,13 @@
-"""Failures a real fleet meets: mismatched builds, dead workers, missing stages, bad wire input."""
+"""Failures a real fleet meets: mismatched builds and protocol versions (and what `fleet-coordinator status`
+reports of them), dead workers, missing stages, bad wire input, a stop before the fleet is whole."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +20,8 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.manifest import load_manifest
 from fleet_common.wire import to_tensor
-from tests.conftest import Fleet, chat, start_coordinator, start_worker, wait_ready
+from fleet_common import PROTOCOL_VERSION
+from tests.conftest import BIN, EXACT_WORKER, Fleet, Proc, chat, start_coordinator, start_worker, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +53,56 @@ def test_mismatched_build_is_refused_and_missing_stage_reported(build_2, tmp_pat
     finally:
         coordinator.stop()
         bad.stop()
+        good.stop()
+
+
+# fleet-worker as a release with the previous wire protocol: the real worker, its version constant set before
+# its modules import it (no product code edited for the test)
+OLD_WORKER = ("import sys, fleet_common; fleet_common.PROTOCOL_VERSION -= 1; "
+              "from worker.cli import main; sys.exit(main())")
+
+
+def test_worker_of_another_protocol_version_is_refused_and_status_exits_3(build_2, tmp_path):
+    good, good_address = start_worker(build_2, 0, tmp_path, "--no-announce")
+    old = Proc([sys.executable, "-c", OLD_WORKER, "--shard", "1", "--model", str(build_2), "--port", "0",
+                *EXACT_WORKER, "--no-announce"], tmp_path / "worker1-old.log")
+    try:
+        old_address = old.wait_for(r"serving on ([\d.]+:\d+)").group(1)
+        coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", "--peer", good_address,
+                                             "--peer", old_address)
+    except BaseException:
+        old.stop()
+        good.stop()
+        raise
+    try:
+        reason = (f"refusing worker {old_address}: protocol version {PROTOCOL_VERSION - 1}, coordinator speaks "
+                  f"{PROTOCOL_VERSION}")
+        coordinator.wait_for(f"ERROR coordinator coordinator.registry: {reason}", timeout=30)
+
+        def status(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([str(BIN / "fleet-coordinator"), "status", "--url", url, *args],
+                                  capture_output=True, text=True, timeout=60)
+
+        as_json = status("--json")
+        assert as_json.returncode == 3, as_json.stdout + as_json.stderr  # a stage is missing
+        health = json.loads(as_json.stdout)
+        assert health["ready"] is False and health["missing_stages"] == [1] and health["num_stages"] == 2, health
+        assert health["protocol_version"] == PROTOCOL_VERSION
+        workers = {w["address"]: w for w in health["workers"]}
+        assert workers.keys() == {good_address, old_address}, workers
+        assert workers[good_address]["healthy"] and workers[good_address]["refused"] is None
+        assert workers[good_address]["stage"] == 0 and workers[good_address]["protocol_version"] == PROTOCOL_VERSION
+        assert not workers[old_address]["healthy"] and workers[old_address]["refused"] == reason
+        assert workers[old_address]["protocol_version"] == PROTOCOL_VERSION - 1, workers[old_address]
+        text = status()
+        assert text.returncode == 3, text.stdout + text.stderr
+        assert "NOT READY, missing stage(s) [1]" in text.stdout and "<- MISSING" in text.stdout, text.stdout
+        assert f"{old_address:<21} REFUSED  {reason}" in text.stdout, text.stdout
+        r = chat(url, "hi", max_tokens=4)
+        assert r.status_code == 503 and "stage 1 of 2" in r.json()["error"]["message"], r.text
+    finally:
+        coordinator.stop()
+        old.stop()
         good.stop()
 
 
@@ -150,3 +204,17 @@ def test_worker_rejects_bad_input_and_keeps_serving(last_worker):
         assert stub.CloseSession(pb.CloseSessionRequest(session_id="s1"), timeout=10).existed
         assert stub.CloseSession(pb.CloseSessionRequest(session_id="s2"), timeout=10).existed
         assert stub.Info(pb.InfoRequest(), timeout=10).sessions == 0
+
+
+@pytest.mark.xfail(strict=True, reason="coordinator/cli.py:212-213 (serve's finally) cancels the ready report "
+                   "(asyncio.gather of _report_ready and print_page_urls, line 206) and never awaits it, so a "
+                   "coordinator stopped before every stage joined logs 'ERROR asyncio: _GatheringFuture exception "
+                   "was never retrieved' with a CancelledError traceback at exit")
+def test_coordinator_stopped_before_its_fleet_is_whole_exits_cleanly(build_2, tmp_path):
+    coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover")  # no workers: never ready
+    assert httpx.get(f"{url}/health", timeout=5).json()["missing_stages"] == [0, 1]
+    coordinator.stop()
+    assert coordinator.popen.returncode == 0, coordinator.text()[-3000:]
+    assert "coordinator stopped" in coordinator.text()
+    errors = [line for line in coordinator.text().splitlines() if " ERROR " in line]
+    assert not errors, coordinator.text()[-3000:]

@@ -2,7 +2,8 @@
 mutual TLS with certificates made here, HTTP API keys, and --local-workers passing them on.
 
 Every worker runs with --no-announce and every coordinator with --no-discover --peer: other tests on
-this machine must not find these workers, nor these coordinators theirs."""
+this machine must not find these workers, nor these coordinators theirs. The one coordinator announced
+(for fleet-chat's discovery) serves a model name made up per run, which no other coordinator announces."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import datetime
 import ipaddress
 import os
 import subprocess
+import uuid
 
 import grpc
 import httpx
@@ -248,3 +250,50 @@ def test_mutual_tls_fleet_with_local_workers(build_2, tmp_path):
         assert refused(lambda: info(creds("coordinator"), secret=None))[0] == grpc.StatusCode.UNAUTHENTICATED
     finally:
         coordinator.stop()
+
+
+def test_openai_api_key_is_sent_only_with_url(build_2, tmp_path):
+    """$OPENAI_API_KEY (a key for another service) never goes to a coordinator fleet-chat found by zeroconf,
+    which anyone on the LAN can announce; with ``--url`` it does, and $FLEET_API_KEY goes to either. The
+    coordinator requires that very key, so its refusal says whether an Authorization header arrived ("requires
+    an API key": none; a header with the key would have been accepted). It needs no workers for /v1/models."""
+    key, name = "openai-key-5d2e", f"key-leak-test-{uuid.uuid4().hex[:8]}"  # a name no other coordinator announces
+    (tmp_path / "keys").write_text(f"{key}\n")
+    coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", "--api-key-file", str(tmp_path / "keys"),
+                                         "--served-model-name", name, announce=True)
+    environ = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "FLEET_API_KEY")}
+
+    def fleet_chat(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "fleet-chat"), "--max-tokens", "4", "-p", "hi", *args], capture_output=True,
+                              text=True, timeout=60, env={**environ, **env})
+
+    try:
+        found = fleet_chat("--model", name, OPENAI_API_KEY=key)
+        assert found.returncode == 2, found.stdout + found.stderr
+        assert f"{url} refused the API key: this fleet requires an API key" in found.stderr, found.stderr
+        given = fleet_chat("--url", url, OPENAI_API_KEY=key)  # the same key, same coordinator: accepted
+        assert f"connected to {url} ({name})" in given.stderr, given.stderr
+        assert given.returncode == 1 and "no healthy worker serves stages 0, 1" in given.stderr, given.stderr
+        fleet_key = fleet_chat("--model", name, FLEET_API_KEY=key)  # discovery itself passes a fleet key on
+        assert f"connected to {url} ({name})" in fleet_key.stderr, fleet_key.stderr
+    finally:
+        coordinator.stop()
+
+
+def test_worker_on_a_non_loopback_address_without_a_secret_warns(build_2, tmp_path):
+    """``--host 0.0.0.0`` (every interface; nothing here dials anything but loopback) without ``--secret``
+    logs the loud warning; with a secret it does not."""
+    (tmp_path / "secret").write_text(SECRET)
+    open_worker, address = start_worker(build_2, 1, tmp_path, "--no-announce", "--host", "0.0.0.0")
+    try:
+        assert address.startswith("0.0.0.0:"), address
+        port = address.rsplit(":", 1)[1]
+        warning = (f"WARNING worker[1] worker.cli: !!! worker bound to 0.0.0.0 WITHOUT --secret: anyone who can "
+                   f"reach port {port} can run sessions on it")
+        assert warning in open_worker.text(), open_worker.text()
+    finally:
+        open_worker.stop()
+    keyed, _ = start_worker(build_2, 1, tmp_path, "--no-announce", "--host", "0.0.0.0", "--secret",
+                            str(tmp_path / "secret"), name="-keyed")
+    keyed.stop()
+    assert "HMAC tokens" in keyed.text() and "WITHOUT --secret" not in keyed.text(), keyed.text()
