@@ -43,6 +43,9 @@ class Channels:
 
     def __init__(self, security: Security | None = None) -> None:
         self.security = security if security is not None else Security()
+        # this coordinator process, named in the sessions it makes and in its health checks: a worker
+        # frees the sessions of an owner it has not heard from (the coordinator died)
+        self.owner = f"coordinator-{uuid.uuid4().hex[:12]}"
         log.info("links to workers: %s", self.security.describe())
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
 
@@ -181,7 +184,8 @@ class Pipeline:
         ``StageFailure`` otherwise (the session is closed again on every stage)."""
         self.sessions.add(session_id)  # before any await: the next placement already counts it
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
-                                        manifest_sha256=self.manifest_sha256, resume=resume)
+                                        manifest_sha256=self.manifest_sha256, resume=resume,
+                                        owner=self.channels.owner)
         results = await asyncio.gather(
             *(self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses),
             return_exceptions=True,
@@ -236,7 +240,8 @@ class Pipeline:
         room, ``StageFailure`` otherwise; the copy is closed again on every stage on failure."""
         self.sessions.add(session_id)
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
-                                 max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach)
+                                 max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach,
+                                 owner=self.channels.owner)
         results = await asyncio.gather(
             *(self.channels.stub(a).Copy(request, timeout=timeout_s) for a in self.addresses), return_exceptions=True)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
@@ -265,7 +270,7 @@ class Pipeline:
         ``Merge`` RPC); returns its physical length. Raises ``StageFailure`` when a stage fails or the
         stages disagree."""
         request = pb.MergeRequest(session_id=session_id, sources=list(sources), max_context=max_context,
-                                  manifest_sha256=self.manifest_sha256)
+                                  manifest_sha256=self.manifest_sha256, owner=self.channels.owner)
         results = await self._on_every_stage("Merge", request, timeout_s, "to add this request to a decode batch")
         shapes = {(r.length, r.rows) for r in results}
         if len(shapes) != 1:

@@ -86,7 +86,7 @@ class Registry:
         sent = time.perf_counter()
         try:  # a slow but healthy link gets a longer deadline (its measured round trip, with margin)
             info = await self.channels.stub(address).Info(
-                pb.InfoRequest(), timeout=max(1.0, self.health_interval_s, 5 * state.rtt_s))
+                pb.InfoRequest(owner=self.channels.owner), timeout=max(1.0, self.health_interval_s, 5 * state.rtt_s))
         except grpc.aio.AioRpcError as exc:
             state.missed += 1
             if state.healthy:

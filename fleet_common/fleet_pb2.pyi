@@ -17,16 +17,18 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_context", "manifest_sha256", "resume")
+    __slots__ = ("session_id", "max_context", "manifest_sha256", "resume", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_context: int
     manifest_sha256: str
     resume: bool
-    def __init__(self, session_id: _Optional[str] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("stage",)
@@ -131,16 +133,18 @@ class CompactReply(_message.Message):
     def __init__(self, length: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class MergeRequest(_message.Message):
-    __slots__ = ("session_id", "sources", "max_context", "manifest_sha256")
+    __slots__ = ("session_id", "sources", "max_context", "manifest_sha256", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sources: _containers.RepeatedScalarFieldContainer[str]
     max_context: int
     manifest_sha256: str
-    def __init__(self, session_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class MergeReply(_message.Message):
     __slots__ = ("length", "rows")
@@ -151,7 +155,7 @@ class MergeReply(_message.Message):
     def __init__(self, length: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class CopyRequest(_message.Message):
-    __slots__ = ("session_id", "source", "row", "tokens", "max_context", "manifest_sha256", "detach")
+    __slots__ = ("session_id", "source", "row", "tokens", "max_context", "manifest_sha256", "detach", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,7 @@ class CopyRequest(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     DETACH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     source: str
     row: int
@@ -166,7 +171,8 @@ class CopyRequest(_message.Message):
     max_context: int
     manifest_sha256: str
     detach: bool
-    def __init__(self, session_id: _Optional[str] = ..., source: _Optional[str] = ..., row: _Optional[int] = ..., tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., detach: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., source: _Optional[str] = ..., row: _Optional[int] = ..., tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., detach: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class CopyReply(_message.Message):
     __slots__ = ("length", "compute_ms")
@@ -197,8 +203,10 @@ class StepResult(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., top_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., handle_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
     __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences", "load_source", "load_s", "load_detail")

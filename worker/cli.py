@@ -48,7 +48,7 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
     budget = settings.kv_budget_mb << 20 or available_memory() // 2
     store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s,
                          kv_bytes_per_slot=manifest.kv_bytes_per_token(settings.shard, runner.kv_value_bytes),
-                         kv_budget_bytes=budget)
+                         kv_budget_bytes=budget, owner_timeout_s=settings.owner_timeout_s)
     service = StageService(runner, store, loaded.sha256, max_context, settings.security)
     if settings.metrics_port:
         service.metrics.serve(settings.host, settings.metrics_port)
@@ -85,9 +85,10 @@ async def serve(settings: WorkerSettings, ready: asyncio.Event | None = None) ->
 
     async def expire_idle() -> None:
         while True:
-            await asyncio.sleep(min(10.0, settings.idle_timeout_s / 2))
+            await asyncio.sleep(min(10.0, settings.idle_timeout_s / 2, settings.owner_timeout_s / 3))
             for sid in store.expire():
-                log.info("session %s expired after %.0f s idle; KV freed", sid, settings.idle_timeout_s)
+                log.info("session %s expired (idle %.0f s, or its coordinator silent %.0f s); KV freed", sid,
+                         settings.idle_timeout_s, settings.owner_timeout_s)
 
     try:
         async with asyncio.TaskGroup() as tg:

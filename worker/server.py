@@ -133,8 +133,9 @@ class StageService(pb_grpc.StageServicer):
         try:
             if request.resume:
                 self.store.resume(request.session_id, max_context)
+                self.store.renew(request.owner)
             else:
-                self.store.open(request.session_id, max_context)
+                self.store.open(request.session_id, max_context, request.owner)
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), str(exc))
         log.debug("session %s %s (max_context %d)", request.session_id, "resumed" if request.resume else "opened",
@@ -333,7 +334,7 @@ class StageService(pb_grpc.StageServicer):
         try:  # on the inference thread: the source's state must not change while it is copied
             session = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.store.copy, request.session_id, request.source, request.row, request.tokens,
-                max_context, request.detach)
+                max_context, request.detach, request.owner)
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
         ms = (time.perf_counter() - t0) * 1000
@@ -345,7 +346,8 @@ class StageService(pb_grpc.StageServicer):
         max_context = await self._new_session_context(request, context)
         try:  # on the inference thread: the sources' states must not change while they are copied
             group = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.store.merge, request.session_id, list(request.sources), max_context)
+                self._executor, self.store.merge, request.session_id, list(request.sources), max_context,
+                request.owner)
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
         log.debug("sessions %s merged into %s (%d rows, %d slots)", list(request.sources), request.session_id,
@@ -368,6 +370,7 @@ class StageService(pb_grpc.StageServicer):
             log.info("subscriber %s left", request.subscriber_id)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        self.store.renew(request.owner)
         manifest = self.runner.loaded.manifest
         entry = self.runner.entry
         return pb.InfoReply(

@@ -1,5 +1,6 @@
 """The sessions of one worker: each a ``KVSession`` (one InferRequest whose state *is* the KV cache,
-plus the visibility of every physical slot). Sessions expire when idle and are capped in number."""
+plus the visibility of every physical slot). Sessions expire when idle, or when the coordinator that
+made them stopped calling (its owner lease lapsed), and are capped in number."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class SessionStore:
 
     def __init__(self, make_request: Callable[[], object], max_sessions: int, idle_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, kv_bytes_per_slot: int = 0,
-                 kv_budget_bytes: int = 0) -> None:
+                 kv_budget_bytes: int = 0, owner_timeout_s: float = 30.0) -> None:
         self._make_request = make_request
         self.kv_bytes_per_slot = kv_bytes_per_slot
         self.kv_budget_bytes = kv_budget_bytes
@@ -74,6 +75,9 @@ class SessionStore:
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._sessions: dict[str, KVSession] = {}
+        self.owner_timeout_s = owner_timeout_s
+        self._owner: dict[str, str] = {}  # session id -> the coordinator that made it ("" = none named)
+        self._seen: dict[str, float] = {}  # owner -> when it last renewed (Info) or made a session
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -88,7 +92,17 @@ class SessionStore:
     def _reserved_slots(self, skip: tuple[str, ...] = ()) -> int:
         return sum(sum(s.reserved) for sid, s in self._sessions.items() if sid not in skip)
 
-    def open(self, session_id: str, max_context: int) -> KVSession:
+    def renew(self, owner: str) -> None:
+        """``owner`` (a coordinator process) is alive: its sessions are kept ``owner_timeout_s`` more."""
+        if owner:
+            self._seen[owner] = self._clock()
+
+    def _own(self, session_id: str, owner: str) -> None:
+        if owner:
+            self._owner[session_id] = owner
+            self._seen[owner] = self._clock()
+
+    def open(self, session_id: str, max_context: int, owner: str = "") -> KVSession:
         """Create (or reset, if it exists) a session. Raises ``SessionLimit`` at the session cap or
         when its KV for ``max_context`` slots does not fit the budget now, ``SessionTooLarge`` when it
         would not fit even an empty worker."""
@@ -100,6 +114,7 @@ class SessionStore:
                 request.reset_state()
             session = KVSession(session_id, request, max_context, last_used=self._clock())
             self._sessions[session_id] = session
+            self._own(session_id, owner)
             return session
 
     def resume(self, session_id: str, max_context: int) -> KVSession:
@@ -118,7 +133,7 @@ class SessionStore:
             return session
 
     def copy(self, session_id: str, source: str, row: int, tokens: int, max_context: int,
-             detach: bool = False) -> KVSession:
+             detach: bool = False, owner: str = "") -> KVSession:
         """A new session ``session_id`` with the first ``tokens`` visible slots of ``row`` of ``source``
         (``fleet_common.runtime.copy_prefix``); ``source``'s KV stays as it is. ``detach``: the row is
         leaving ``source`` (its next step drops it), so its reservation moves to the copy, which then needs
@@ -136,6 +151,7 @@ class SessionStore:
             placeholder.reserved = [max_context]
             placeholder.last_used = self._clock()  # not idle: the expiry sweep must leave it
             self._sessions[session_id] = placeholder
+            self._own(session_id, owner)
         try:
             session = copy_prefix(session_id, src, row, tokens, self._make_request(), max_context)
         except BaseException:
@@ -172,7 +188,7 @@ class SessionStore:
                                f"{(self.kv_budget_bytes - reserved) / mib:.1f} MiB of the worker's "
                                f"{self.kv_budget_bytes / mib:.0f} MiB (--kv-budget-mb) are free; retry later")
 
-    def merge(self, session_id: str, sources: list[str], max_context: int) -> KVSession:
+    def merge(self, session_id: str, sources: list[str], max_context: int, owner: str = "") -> KVSession:
         """Replace the ``sources`` sessions by one batch group ``session_id`` holding their rows in
         order (``fleet_common.runtime.merge``); each row keeps the KV reservation it was admitted with,
         so grouping never changes admission.
@@ -195,7 +211,9 @@ class SessionStore:
             group.last_used = self._clock()
             for sid in sources:
                 del self._sessions[sid]
+                self._owner.pop(sid, None)
             self._sessions[session_id] = group
+            self._own(session_id, owner)
         release_free_memory()
         return group
 
@@ -212,6 +230,7 @@ class SessionStore:
         """Drop a session and free its KV state; returns it, or None if it did not exist."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
+            self._owner.pop(session_id, None)
         if session is not None:
             with session.lock:
                 if session.request is not None:  # None: a copy still being made (it is dropped when done)
@@ -221,10 +240,16 @@ class SessionStore:
         return session
 
     def expire(self) -> list[str]:
-        """Close sessions idle longer than ``idle_timeout_s``; return their ids."""
+        """Close sessions idle longer than ``idle_timeout_s``, and those of owners not heard from for
+        ``owner_timeout_s`` (a coordinator that died: its requests, batch groups and retained KV are
+        never closed by it); return their ids."""
         now = self._clock()
         with self._lock:
-            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
+            gone = {o for o, seen in self._seen.items() if now - seen > self.owner_timeout_s}
+            stale = [sid for sid, s in self._sessions.items()
+                     if now - s.last_used > self.idle_timeout_s or self._owner.get(sid) in gone]
+            for owner in gone:
+                del self._seen[owner]
         for sid in stale:
             self.close(sid)
         return stale

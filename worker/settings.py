@@ -34,6 +34,8 @@ class WorkerSettings(BaseSettings):
     kv_budget_mb: int = Field(0, ge=0, description="KV cache memory sessions may reserve (each for its max context); "
                               "more get RESOURCE_EXHAUSTED; 0 = half of the memory available at start")
     idle_timeout_s: float = Field(600.0, gt=0, description="a session unused this long is dropped and its KV freed")
+    owner_timeout_s: float = Field(30.0, gt=0, description="the sessions of a coordinator that has not health-checked "
+                                   "this worker for this long are dropped (it died; its KV is freed)")
     announce: bool = Field(True, description="announce this worker with zeroconf (mDNS)")
     advertise_addr: list[str] = Field(default_factory=list, description="address to announce (repeatable; default: "
                                       "every address of --host's interfaces, the coordinator uses the first that "

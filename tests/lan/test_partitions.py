@@ -29,6 +29,7 @@ RESTARTS = 10
 # the stream's longest stall when a link goes down: the health checks that notice it (interval 1 s x 3
 # missed) or the step deadline (5 s), the replica's re-prefill, doubled for a loaded 2-core machine
 STALL_BOUND_S = 2 * (5 + 3) + 4
+OWNER_TIMEOUT_S = 5  # the workers free a coordinator's sessions this long after its last health check
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def site(lan, build_2, tmp_path_factory):  # noqa: ANN001, ANN201
     log_dir = tmp_path_factory.mktemp("lan-partitions")
     for pc in ("coord", "a0", "a1", "b1"):
         lan.add_pc(pc)
-    workers = start_workers(lan, build_2, log_dir, {"a0": 0, "a1": 1, "b1": 1})
+    lease = ("--owner-timeout-s", str(OWNER_TIMEOUT_S))
+    workers = start_workers(lan, build_2, log_dir, {"a0": (0, 0, *lease), "a1": (1, 0, *lease), "b1": (1, 0, *lease)})
     yield lan, workers, log_dir
     stop_all(workers.values())
 
@@ -140,12 +142,16 @@ def test_coordinator_killed_and_restarted_ten_times_the_next_one_serves(restarte
         assert abs(restarted["rss_after"][pc] - before) <= 0.05 * before, (pc, restarted["rss_after"][pc], before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a killed coordinator's sessions stay on the workers until --idle-timeout-s (600 s): nothing tells a worker "
-    "that their coordinator is gone (measured: stage 0 holds 10 more sessions after 10 kills, each stage-1 "
-    "replica 5). Needs a session owner lease in proto/worker (issue 18 report)"))
-def test_coordinator_killed_ten_times_leaves_no_sessions_on_the_workers(restarted):
-    assert restarted["sessions_after"] == restarted["sessions_before"]
+def test_coordinator_killed_ten_times_leaves_no_sessions_on_the_workers(site, restarted):
+    """A killed coordinator never closes its sessions; the workers free them once it has not
+    health-checked them for --owner-timeout-s (its owner lease; OWNER_TIMEOUT_S here)."""
+    lan, workers, _ = site
+    deadline = time.monotonic() + OWNER_TIMEOUT_S + 10
+    sessions = restarted["sessions_after"]
+    while sessions != restarted["sessions_before"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        sessions = _sessions(lan, workers)
+    assert sessions == restarted["sessions_before"], (restarted["sessions_after"], sessions)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +196,7 @@ def test_cable_pulled_mid_stream_fails_over_to_a_replica_and_the_pc_rejoins(site
         assert out["fleet"]["completion_token_ids"] == expected_ids  # f32: token for token the no-failure run
         stall = max(b - a for a, b in zip(out["times"], out["times"][1:]))
         assert stall < STALL_BOUND_S, f"stream stalled {stall:.1f} s"
-        assert f"failing over" in coordinator.proc.text()
+        assert "failing over" in coordinator.proc.text()
         time.sleep(max(0.0, down + 5 - time.monotonic()))  # dropped by now (3 missed checks at 1 s)
     finally:
         lan.link(pulled, up=True)

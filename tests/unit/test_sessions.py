@@ -35,6 +35,31 @@ def test_cap_and_close():
         store.get("a")
 
 
+def test_sessions_of_a_silent_coordinator_expire():
+    """A coordinator that stopped health-checking (it died) loses its sessions after the owner timeout,
+    busy or not; another coordinator's, and sessions that name no owner, stay."""
+    clock = Clock()
+    store = SessionStore(StateHolder, max_sessions=8, idle_timeout_s=600, clock=clock, owner_timeout_s=30)
+    store.open("a1", 8, owner="coord-a")
+    store.open("b1", 8, owner="coord-b")
+    store.open("anon", 8)
+    store.merge("ga", ["a1"], 8, owner="coord-a")
+    clock.t = 20
+    store.renew("coord-b")
+    store.get("ga")  # in use, but its coordinator is gone all the same
+    clock.t = 31
+    assert store.expire() == ["ga"]
+    clock.t = 49
+    assert store.expire() == []
+    clock.t = 51
+    assert store.expire() == ["b1"]
+    assert [s.session_id for s in store.sessions()] == ["anon"]
+    store.renew("coord-b")  # a coordinator that comes back keeps what it makes from then on
+    store.open("b2", 8, owner="coord-b")
+    clock.t = 70
+    assert store.expire() == []
+
+
 def test_idle_expiry():
     clock = Clock()
     store = SessionStore(StateHolder, max_sessions=4, idle_timeout_s=10, clock=clock)
