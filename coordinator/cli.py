@@ -211,6 +211,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     finally:
         if ready_task is not None:
             ready_task.cancel()
+            await asyncio.gather(ready_task, return_exceptions=True)  # retrieved: no "never retrieved" at exit
         await _stop(zc, registry, local, channels, engine)
 
 

@@ -206,10 +206,6 @@ def test_worker_rejects_bad_input_and_keeps_serving(last_worker):
         assert stub.Info(pb.InfoRequest(), timeout=10).sessions == 0
 
 
-@pytest.mark.xfail(strict=True, reason="coordinator/cli.py:212-213 (serve's finally) cancels the ready report "
-                   "(asyncio.gather of _report_ready and print_page_urls, line 206) and never awaits it, so a "
-                   "coordinator stopped before every stage joined logs 'ERROR asyncio: _GatheringFuture exception "
-                   "was never retrieved' with a CancelledError traceback at exit")
 def test_coordinator_stopped_before_its_fleet_is_whole_exits_cleanly(build_2, tmp_path):
     coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover")  # no workers: never ready
     assert httpx.get(f"{url}/health", timeout=5).json()["missing_stages"] == [0, 1]
