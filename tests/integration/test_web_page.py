@@ -198,10 +198,11 @@ def test_stop_ends_the_generation_on_the_fleet(browser, fleet):
                what="the stopped answer's KV freed on every worker")
     retained = str(worker_sessions(url)[2])
 
-    def panel_freed() -> bool:
-        replicas = browser.find_elements("css selector", "#fleet-stages .replica")
-        return ("0 running" in browser.find_element("id", "fleet-summary").text
-                and [e.get_attribute("data-sessions") for e in replicas] == [retained, retained])
+    def panel_freed() -> bool:  # read in one script: the panel re-renders as it polls (a found element goes stale)
+        summary, sessions = browser.execute_script(
+            "return [document.getElementById('fleet-summary').textContent,"
+            " Array.from(document.querySelectorAll('#fleet-stages .replica'), e => e.dataset.sessions)]")
+        return "0 running" in summary and sessions == [retained, retained]
 
     wait_until(panel_freed, timeout=10, what="the fleet panel showing the stopped answer's KV freed")
     time.sleep(0.5)
