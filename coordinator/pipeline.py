@@ -338,10 +338,7 @@ class Pipeline:
         while m := re.match(r"stage (\d+) at (\S+): ", rest):
             stage, address, rest = int(m.group(1)), m.group(2), rest[m.end():]
         code = _CODES.get(ack.code, grpc.StatusCode.UNKNOWN)
-        detail = f"a pipeline step: {code.name}: {ack.details}"
-        if code in _LOST:
-            return stage_lost(stage, address, detail)
-        return stage_failed(stage, address, "a pipeline step", detail)
+        return _classified(stage, address, "a pipeline step", code, f"{code.name}: {ack.details}")
 
 
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -352,8 +349,15 @@ def _failure(stage: int, address: str, what: str, exc: BaseException) -> StageFa
     """The ``StageFailure`` of ``stage`` at ``address`` failing ``what`` with ``exc``, in plain words: a
     worker that cannot be reached (or did not answer in time) stopped answering, else it failed; the gRPC
     status and details go to the ``detail``."""
-    detail = f"{what}: {_describe(exc)}"
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _LOST:
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+    return _classified(stage, address, what, code, _describe(exc))
+
+
+def _classified(stage: int, address: str, what: str, code: grpc.StatusCode | None, description: str) -> StageFailure:
+    """``stage_lost`` for a status that means the worker is gone or silent (``_LOST``), else ``stage_failed``;
+    ``description`` (the status and its details) goes to the detail after ``what``."""
+    detail = f"{what}: {description}"
+    if code in _LOST:
         return stage_lost(stage, address, detail)
     return stage_failed(stage, address, what, detail)
 

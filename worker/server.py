@@ -97,7 +97,9 @@ class StageService(pb_grpc.StageServicer):
             if len(self._channels) > MAX_NEXT_STAGE_CHANNELS:
                 evicted_address, (evicted, _) = self._channels.popitem(last=False)
                 if (downlink := self._downlinks.pop(evicted_address, None)) is not None:
-                    self._closing.add(asyncio.ensure_future(downlink.close()))
+                    closing = asyncio.ensure_future(downlink.close())
+                    self._closing.add(closing)
+                    closing.add_done_callback(self._closing.discard)
                 task = asyncio.ensure_future(evicted.close(grace=DOWNSTREAM_TIMEOUT_S))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
