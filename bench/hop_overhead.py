@@ -3,14 +3,15 @@
 For every cell (stages x users) a fleet of the demo is started as ``interleave_bench`` starts one (each
 worker pinned to its own core with one inference thread, the coordinator unpinned, ``--draft none``),
 greedy streams of ``--tokens`` tokens run, and for each process the bench reports CPU ms per token
-(user + system, ``psutil``) and, for workers, the part their inference thread spent running chunks
-(the workers' own ``fleet_worker_infer_cpu_seconds``, read from ``--metrics-port``: with one inference
-thread OpenVINO infers on the calling thread, so its thread CPU time is infer's). ``overhead`` =
+(user + system, ``psutil``) and, for workers, the part spent running chunks (the workers' own
+``fleet_worker_infer_cpu_seconds``, read from ``--metrics-port``, by the thread that ran them: the
+inference thread, or the event loop's for a small step while that one is idle; with one inference
+thread OpenVINO infers on the calling thread, so that thread's CPU time is infer's). ``overhead`` =
 CPU - infer: what an extra stage costs beyond its layers.
 
-Each cell also splits every process's CPU by thread (/proc/PID/task: the event loop, gRPC's I/O
-threads, the inference thread inside and outside ``run_chunk``). With ``--profile`` one more 1-user run per fleet is sampled by py-spy (``--native
-``), every thread, idle ones left out) and each sample is put in one category by the
+Each cell also splits every process's CPU by thread (/proc/PID/task: the event loop and the inference
+thread, each inside and outside ``run_chunk``, and gRPC's I/O threads). With ``--profile`` one more 1-user run per fleet is sampled
+by py-spy (Python frames, every thread, idle ones left out) and each sample is put in one category by the
 innermost frame it recognises (:data:`CATEGORIES`): gRPC, protobuf, numpy, the inference call,
 asyncio, thread hand-offs, HTTP, tokenizer, sampling, logging, other Python. The table gives each
 category's share of the process's measured CPU per token, in ms.
@@ -130,13 +131,18 @@ def by_thread(pid: int, before: dict, after: dict, per_token: int) -> dict[str, 
     return groups
 
 
-def infer_seconds(metrics_url: str) -> float:
-    """``fleet_worker_infer_cpu_seconds_total`` of a worker's /metrics (a worker older than that metric:
-    its infer wall time, ``fleet_worker_infer_seconds_sum``)."""
+def infer_seconds(metrics_url: str) -> dict[str, float]:
+    """``fleet_worker_infer_cpu_seconds_total`` of a worker's /metrics by the thread that ran the chunks
+    (``inference``, ``event_loop``; a worker older than the label: all ``inference``; older than the
+    metric: its infer wall time, ``fleet_worker_infer_seconds_sum``)."""
     text = httpx.get(metrics_url, timeout=10).text
+    found = {thread: float(v) for thread, v in re.findall(
+        r'^fleet_worker_infer_cpu_seconds_total\{thread="(\w+)"\} (\S+)$', text, re.M)}
+    if found:
+        return found
     m = re.search(r"^fleet_worker_infer_cpu_seconds_total (\S+)$", text, re.M) or re.search(
         r"^fleet_worker_infer_seconds_sum (\S+)$", text, re.M)
-    return float(m.group(1))
+    return {"inference": float(m.group(1))}
 
 
 def start_fleet(build: Path, stages: int, logs: Path, stack: ExitStack) -> tuple[str, dict, list[str]]:
@@ -176,8 +182,10 @@ def measure(url: str, procs: dict, metrics: list[str], users: int, tokens: int) 
     per_token = users * tokens
     cell["threads_ms_per_token"] = {name: by_thread(p.pid, threads_before[name], threads_after[name], per_token)
                                     for name, p in procs.items()}
-    cell["infer_ms_per_token"] = {f"worker {i}": (a - b) * 1000 / per_token
-                                  for i, (a, b) in enumerate(zip(after, before))}
+    by_runner = [{t: (a.get(t, 0.0) - b.get(t, 0.0)) * 1000 / per_token for t in ("inference", "event_loop")}
+                 for a, b in zip(after, before)]
+    cell["infer_ms_per_token_by_thread"] = {f"worker {i}": ms for i, ms in enumerate(by_runner)}
+    cell["infer_ms_per_token"] = {f"worker {i}": sum(ms.values()) for i, ms in enumerate(by_runner)}
     cell["overhead_ms_per_token"] = {name: cell["cpu_ms_per_token"][name] - cell["infer_ms_per_token"].get(name, 0.0)
                                      for name in cell["cpu_ms_per_token"]}
     del cell["answers"]
@@ -223,13 +231,13 @@ def print_tables(base: dict, cells: list[dict], profiles: dict) -> None:
         print(f"{'thread':<34} | " + " | ".join(f"{n:>11}" for n in names))
         print("-" * (37 + 14 * len(names)))
         rows = list(next(iter(c["threads_ms_per_token"].values())))
+        split = {"event loop": "event_loop", "inference thread": "inference"}  # threads that run chunks
         for row in rows:
             cells_ = [c["threads_ms_per_token"][n][row] for n in names]
-            if row == "inference thread":
-                infer = [c["infer_ms_per_token"].get(n, 0.0) for n in names]
-                print(f"{'inference thread: run_chunk':<34} | " + " | ".join(f"{v:>11.2f}" for v in infer))
-                print(f"{'inference thread: the rest':<34} | "
-                      + " | ".join(f"{v - i:>11.2f}" for v, i in zip(cells_, infer)))
+            if row in split:
+                infer = [c.get("infer_ms_per_token_by_thread", {}).get(n, {}).get(split[row], 0.0) for n in names]
+                print(f"{row + ': run_chunk':<34} | " + " | ".join(f"{v:>11.2f}" for v in infer))
+                print(f"{row + ': the rest':<34} | " + " | ".join(f"{v - i:>11.2f}" for v, i in zip(cells_, infer)))
                 continue
             print(f"{row:<34} | " + " | ".join(f"{v:>11.2f}" for v in cells_))
         print(f"{'overhead (all but run_chunk)':<34} | "

@@ -27,9 +27,10 @@ class WorkerMetrics:
         self.tokens = Counter("fleet_worker_tokens", "Token positions run through this stage", registry=r)
         self.infer = Histogram("fleet_worker_infer_seconds", "Inference time of one chunk at this stage",
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.infer_cpu = Counter("fleet_worker_infer_cpu_seconds", "CPU time of the inference thread running chunks "
-                                 "(inputs built, infer, output copied); the rest of the process's CPU is overhead",
-                                 registry=r)
+        self.infer_cpu = Counter("fleet_worker_infer_cpu_seconds", "CPU time of the thread running chunks "
+                                 "(inputs built, infer, output copied), by thread: the inference thread, or the "
+                                 "event loop's for a small step while that one is idle; the rest of the process's "
+                                 "CPU is overhead", ["thread"], registry=r)
         self.errors = error_counter(r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, ...
 

@@ -24,7 +24,8 @@ class ChunkResult:
 
     output: np.ndarray  # hidden [1, S, H] float32, or last stage: logits [1, K, V] float32
     compute_ms: float  # wall time of the infer call
-    cpu_ms: float = 0.0  # CPU time of the inference thread for the chunk (its inputs built, infer, output copied)
+    cpu_ms: float = 0.0  # CPU time of the calling thread for the chunk (its inputs built, infer, output copied)
+    thread: str = "inference"  # the thread that ran it: "inference" (its own) or "event_loop"
 
 
 class ShardRunner:
@@ -72,13 +73,15 @@ class ShardRunner:
 
     def run(self, session: KVSession, x: np.ndarray, past_length: int, start_position: int | list[int],
             hide_slots: list[int], logits_count: int, hide_rows: list[int] | None = None,
-            pads: list[int] | None = None, keep_rows: list[int] | None = None) -> ChunkResult:
+            pads: list[int] | None = None, keep_rows: list[int] | None = None, *,
+            thread: str = "inference") -> ChunkResult:
         """Run one chunk of ``session`` (each of its rows) through this stage and advance its KV state.
 
         ``x``: token ids [B, S] int64 (stage 0) or hidden states [B, S, H] float32, B = the session's
         rows (after ``keep_rows``). ``hide_slots`` / ``hide_rows``: physical slots < ``past_length`` to
         make invisible from now on; ``pads``, ``keep_rows``: see ``fleet_common.runtime.run_chunk``.
         ``logits_count`` (last stage): logits for the chunk's last N positions (at least 1 computed).
+        ``thread`` names the calling thread in the result (``cpu_ms`` is that thread's CPU time).
         Raises ``ChunkError`` (or its subclasses ``ContextOverflow``, ``SessionConflict``) for input
         that does not fit; the state is untouched then.
         """
@@ -99,10 +102,10 @@ class ShardRunner:
         if self.last:
             keep = max(logits_count, 1)
             index = np.arange(seq - keep, seq, dtype=np.int64)
-        cpu0 = time.thread_time()  # one inference thread runs infer on the calling thread: its CPU is infer's
+        cpu0 = time.thread_time()  # with one inference thread OpenVINO infers on the calling thread: its CPU is infer's
         output, elapsed = run_chunk(session, "input_ids" if self.first else "hidden_states", x, past_length,
                                     start_position, hide_slots, index, hide_rows, pads, keep_rows)
-        return ChunkResult(output, elapsed, (time.thread_time() - cpu0) * 1000)
+        return ChunkResult(output, elapsed, (time.thread_time() - cpu0) * 1000, thread)
 
     def compact(self, session: KVSession, past_length: int, hide_slots: list[int],
                 hide_rows: list[int] | None = None) -> tuple[int, float]:

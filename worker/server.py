@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 SUBSCRIBER_QUEUE = 1024
 DOWNSTREAM_TIMEOUT_S = 120.0  # cap on a forwarded step's deadline, so nothing waits forever
 MAX_NEXT_STAGE_CHANNELS = 16  # a stage forwards to the replicas of the next stage: a handful of addresses
+# A step of at most INLINE_MAX_TOKENS (rows x tokens: a decode step) runs on the event loop's thread when
+# the inference thread is idle and such steps take under INLINE_MAX_MS: the hand-off to the inference
+# thread and back costs ~0.3 ms of CPU per step (two thread wake-ups; bench/hop_overhead.py), while
+# a blocked loop delays this worker's other RPCs by at most one such step.
+INLINE_MAX_TOKENS = 32
+INLINE_MAX_MS = 20.0
 
 
 def _code(name: str) -> grpc.StatusCode:
@@ -64,7 +70,9 @@ class StageService(pb_grpc.StageServicer):
         self._downlinks: dict[str, Downlink] = {}  # streams to the next stage, by address (one per channel)
         self._upstream: dict[str, Upstream] = {}  # session id -> the Link that sent its last step
         self._subscribers: dict[str, asyncio.Queue] = {}
-        self._busy = 0
+        self._busy = 0  # steps in flight here
+        self._submitted = self._finished = 0  # calls queued on the inference thread, and calls it ended
+        self._small_step_ms = 0.0  # compute time of the last step of at most INLINE_MAX_TOKENS
         self.compactions = 0
         self.metrics = WorkerMetrics(runner.stage)
         self.metrics.watch(self._load)
@@ -115,6 +123,26 @@ class StageService(pb_grpc.StageServicer):
         for channel, _ in self._channels.values():
             await channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _on_inference_thread(self, fn, *args) -> asyncio.Future:  # noqa: ANN001
+        """``fn(*args)`` queued on the one inference thread now (calls run in submission order); its future."""
+        self._submitted += 1
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._counted, fn, args)
+
+    def _counted(self, fn, args: tuple):  # noqa: ANN001, ANN202 - on the inference thread
+        try:
+            return fn(*args)
+        finally:
+            self._finished += 1  # written by this thread only, as _submitted by the loop's
+
+    def _run_chunk(self, *args) -> ChunkResult | asyncio.Future:  # noqa: ANN002
+        """``runner.run(*args)``, run here and now for a small step while the inference thread is idle
+        (``INLINE_MAX_TOKENS``), else queued on the inference thread: the result or its future."""
+        x = args[1]
+        if (x.shape[0] * x.shape[1] <= INLINE_MAX_TOKENS and self._submitted == self._finished
+                and self._small_step_ms < INLINE_MAX_MS):
+            return self.runner.run(*args, thread="event_loop")
+        return self._on_inference_thread(self.runner.run, *args)
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.errors.labels(code.name).inc()
@@ -183,19 +211,22 @@ class StageService(pb_grpc.StageServicer):
         its subscriber. ``timeout_s``: what is left of the step's deadline at ``arrived``; ``upstream``:
         the Link that sent it (told of failures below). Raises ``StepError``.
 
-        Nothing is awaited before the chunk is queued on the inference thread, so steps of one link
-        run in the order they arrived."""
+        Nothing is awaited before the chunk runs or is queued on the inference thread (a small one
+        runs here only when that thread is idle), so steps of one link run in the order they arrived."""
         runner = self.runner
         x, session = self._check_step(request)
         if upstream is not None:
             self._upstream[request.session_id] = upstream
         self._busy += 1
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, runner.run, session, x, request.past_length,
-                list(request.row_start_positions) or request.start_position, list(request.hide_slots),
-                request.logits_count, list(request.hide_rows), list(request.row_pads), list(request.keep_rows),
-            )
+            result = self._run_chunk(
+                session, x, request.past_length, list(request.row_start_positions) or request.start_position,
+                list(request.hide_slots), request.logits_count, list(request.hide_rows), list(request.row_pads),
+                list(request.keep_rows))
+            if not isinstance(result, ChunkResult):
+                result = await result
+            if x.shape[0] * x.shape[1] <= INLINE_MAX_TOKENS:
+                self._small_step_ms = result.compute_ms
         except (ChunkError, SessionError) as exc:
             raise StepError(_code(exc.code), f"stage {runner.stage}: {exc}") from None
         except RuntimeError as exc:  # OpenVINO raises RuntimeError for infer failures
@@ -204,7 +235,7 @@ class StageService(pb_grpc.StageServicer):
         finally:
             self._busy -= 1
         self.metrics.infer.observe(result.compute_ms / 1000)
-        self.metrics.infer_cpu.inc(result.cpu_ms / 1000)
+        self.metrics.infer_cpu.labels(result.thread).inc(result.cpu_ms / 1000)
         self.metrics.chunks.inc()
         self.metrics.tokens.inc(x.shape[0] * x.shape[1])
         elapsed = time.perf_counter() - arrived
@@ -321,8 +352,8 @@ class StageService(pb_grpc.StageServicer):
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         try:
             session = self.store.get(request.session_id)
-            length, ms = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.compact, session, request.past_length, list(request.hide_slots),
+            length, ms = await self._on_inference_thread(
+                self.runner.compact, session, request.past_length, list(request.hide_slots),
                 list(request.hide_rows))
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
@@ -334,8 +365,8 @@ class StageService(pb_grpc.StageServicer):
         max_context = await self._new_session_context(request, context)
         t0 = time.perf_counter()
         try:  # on the inference thread: the source's state must not change while it is copied
-            session = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.store.copy, request.session_id, request.source, request.row, request.tokens,
+            session = await self._on_inference_thread(
+                self.store.copy, request.session_id, request.source, request.row, request.tokens,
                 max_context, request.detach, request.owner)
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
@@ -347,8 +378,8 @@ class StageService(pb_grpc.StageServicer):
     async def Merge(self, request: pb.MergeRequest, context: grpc.aio.ServicerContext) -> pb.MergeReply:
         max_context = await self._new_session_context(request, context)
         try:  # on the inference thread: the sources' states must not change while they are copied
-            group = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.store.merge, request.session_id, list(request.sources), max_context,
+            group = await self._on_inference_thread(
+                self.store.merge, request.session_id, list(request.sources), max_context,
                 request.owner)
         except (ChunkError, SessionError) as exc:
             await self._abort(context, _code(exc.code), f"stage {self.runner.stage}: {exc}")
