@@ -164,7 +164,8 @@ class BatchGroup:
         so this catches a scheduling bug instead of leaving the request waiting forever."""
         bound = 3 * (self.timeout_s(self.max_rows * self.slack) + 2 * self.pipeline.link_rtt_s()) + self.wait_s
         try:
-            return await asyncio.wait_for(future, bound)
+            async with asyncio.timeout(bound):  # one timer; wait_for added a future and callbacks per step
+                return await future
         except TimeoutError:
             log.error("%s: %s not resolved in %.0f s: %s", self.group_id, what, bound, self._state())
             raise StageFailure(f"batch group {self.group_id} did not run {what} in {bound:.0f} s") from None

@@ -88,7 +88,7 @@ class Pipeline:
         self._write_lock = asyncio.Lock()  # one write at a time on a gRPC stream
         self._broken: StageFailure | None = None  # why it no longer runs steps
         self._close_reason: StageFailure | str = "pipeline closed"
-        self.observe_link = None  # (path name, seconds) -> None: a step's time on the links, for metrics
+        self.observe_link = None  # (seconds) -> None: a step's time on the links (``path``), for metrics
         self.path = "->".join(["coordinator", *(f"stage{i}" for i in range(len(addresses))), "coordinator"])
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
@@ -324,7 +324,7 @@ class Pipeline:
             if waiter.done() and not waiter.cancelled():
                 waiter.exception()  # failed while this step was still writing: retrieved, not logged as lost
         if self.observe_link is not None:
-            self.observe_link(self.path, max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
+            self.observe_link(max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
         if not logits_count:
             return None
         return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),

@@ -16,6 +16,7 @@ from . import MAX_MESSAGE_BYTES
 from .fleet_pb2 import Tensor
 
 ALLOWED_DTYPES = frozenset({"int64", "int32", "float32", "float16"})
+_LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -72,14 +73,15 @@ def from_tensor(msg: Tensor, *, dtype: str | None = None, ndim: int | None = Non
         raise WireError(f"unknown tensor dtype {msg.dtype!r}; allowed: {sorted(ALLOWED_DTYPES)}")
     if dtype is not None and msg.dtype != dtype:
         raise WireError(f"tensor dtype is {msg.dtype}, expected {dtype}")
-    shape = tuple(int(d) for d in msg.shape)
+    shape = tuple(msg.shape)  # protobuf int64s: Python ints
     if ndim is not None and len(shape) != ndim:
         raise WireError(f"tensor has shape {list(shape)}, expected {ndim} dimensions")
-    if any(d < 0 for d in shape):
-        raise WireError(f"tensor shape {list(shape)} has a negative dimension")
-    if any(d > MAX_MESSAGE_BYTES for d in shape):  # more elements than a message has bytes, even with a 0 beside
+    if shape and (min(shape) < 0 or max(shape) > MAX_MESSAGE_BYTES):
+        if min(shape) < 0:
+            raise WireError(f"tensor shape {list(shape)} has a negative dimension")
+        # more elements than a message has bytes, even with a 0 beside
         raise WireError(f"tensor shape {list(shape)} has a dimension larger than a message can hold")
-    np_dtype = np.dtype(msg.dtype).newbyteorder("<")
+    np_dtype = _LITTLE_ENDIAN[msg.dtype]
     expected = math.prod(shape) * np_dtype.itemsize  # Python ints: no overflow
     if len(msg.data) != expected:
         raise WireError(f"tensor of shape {list(shape)} {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
