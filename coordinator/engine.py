@@ -408,9 +408,12 @@ class Engine:
         text, sent = "", 0
         hold = max((len(x) for x in params.stop), default=1) - 1
         try:
-            out = await self._prefill_all(request, seat, drafter, top_k)
-            logical = len(prompt)  # visible tokens at every stage
             policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
+            # the draft prefills beside the stages only if drafting pays on this fleet's measured costs:
+            # else it would take CPU from stages that share its cores for tokens never drafted; it
+            # prefills when K first becomes > 0 (a probe, or the costs changed)
+            out = await self._prefill_all(request, seat, drafter if policy.would_draft() else None, top_k)
+            logical = len(prompt)  # visible tokens at every stage
             decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(len(prompt)))]
             while True:
                 text = self._take(request, decided, detok, text, sent, hold)
@@ -424,8 +427,12 @@ class Engine:
                 if seat.group is None:  # decode in a batch group: one infer call per stage for all its sessions
                     await seat.join(logical)
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
-                if k and seat.draft_prefill is not None and not seat.draft_prefill.done():
-                    await seat.draft_prefill  # the draft must hold the prompt before it proposes
+                if k and drafter is not None:
+                    if seat.draft_prefill is None:
+                        seat.draft_prefill = asyncio.ensure_future(
+                            self.draft_model.run(drafter.prefill, request.prompt_ids))
+                    if not seat.draft_prefill.done():
+                        await seat.draft_prefill  # the draft must hold the prompt before it proposes
                 t0 = time.perf_counter()
                 draft, qs = await self._propose(request, seat.member, drafter, k, draft_rng_at)
                 # feed the newest token; earlier ones in `decided` were fed as accepted drafts
@@ -470,9 +477,9 @@ class Engine:
         return drafter
 
     async def _prefill_all(self, request: Request, seat: Seat, drafter, top_k: int):  # noqa: ANN001, ANN202
-        """Prefill the prompt on the stages and, at the same time, in the draft model (awaited before the
-        first proposal, not before the first token); the candidates of the prompt's last position (a
-        StepOutput)."""
+        """Prefill the prompt on the stages and, at the same time, in the draft model if ``drafter`` is
+        given (awaited before the first proposal, not before the first token); the candidates of the
+        prompt's last position (a StepOutput)."""
         request.status = RequestStatus.PREFILL
         if drafter is not None:  # the draft prefills here while the stages prefill
             seat.draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, request.prompt_ids))

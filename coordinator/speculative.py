@@ -167,19 +167,33 @@ class AdaptiveK:
         self.accepted = self.accepted * self.decay + accepted
         self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
 
-    def choose(self) -> int:
-        """K for the next step (0 = plain decoding)."""
-        if self.fixed is not None:
-            return self.fixed
+    def _best(self) -> int | None:
+        """The K of the highest expected tokens per second on the measured costs (None: none measured)."""
         base = self.costs.estimate(1)
         if base is None:
-            return 0  # measure a plain step first
+            return None
         best_k, best_rate = 0, 1.0 / base
         for k in range(1, self.k_max + 1):
             cost = self.costs.estimate(k + 1) + k * self.costs.draft_seconds_per_token
             rate = expected_tokens(self.acceptance, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        return best_k
+
+    def would_draft(self) -> bool:
+        """Whether drafting pays now (K pinned > 0, or the measured costs favour K > 0; not before any
+        step was measured). No probe is counted."""
+        if self.fixed is not None:
+            return self.fixed > 0
+        return bool(self._best())
+
+    def choose(self) -> int:
+        """K for the next step (0 = plain decoding)."""
+        if self.fixed is not None:
+            return self.fixed
+        best_k = self._best()
+        if best_k is None:
+            return 0  # measure a plain step first
         if best_k == 0:
             # drafting looks unprofitable; probe now and then so a changed context can win it back,
             # less often each time a probe does not (16, 32, ... 256 steps)

@@ -159,6 +159,23 @@ def test_costly_draft_drafts_less_than_free_draft():
     assert trained(AdaptiveK(costs(per_token=0.001, fixed=0.025), 8), 0.75).choose() >= 3
 
 
+def test_would_draft_says_whether_the_draft_should_prefill_now():
+    """The engine prefills the draft beside the stages only when drafting pays on the measured costs:
+    not before any step was measured, not for a draft as slow as a step on a fast link; yes on a slow
+    link or with K pinned. Asking counts no probe: ``choose`` still probes after 16 plain steps."""
+    assert not AdaptiveK(StepCosts(), 8).would_draft()
+    assert AdaptiveK(StepCosts(), 8, fixed=2).would_draft()
+    assert not AdaptiveK(StepCosts(), 8, fixed=0).would_draft()
+    fast, slow = costs(per_token=0.001, fixed=0.025), costs(per_token=0.001, fixed=0.150)
+    for c in (fast, slow):
+        c.observe_draft(4, 4 * 0.025)
+    assert AdaptiveK(slow, 8).would_draft()
+    policy = AdaptiveK(fast, 8)
+    for _ in range(100):
+        assert not policy.would_draft()
+    assert [policy.choose() for _ in range(16)] == [0] * 15 + [1]
+
+
 def test_step_costs_follow_a_changed_link():
     """After the link slows down (+100 ms per step), the estimate follows within a few steps, even
     though every step since had the same length, and the policy drafts at least as long as before."""
