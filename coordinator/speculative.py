@@ -167,15 +167,17 @@ class AdaptiveK:
         self.accepted = self.accepted * self.decay + accepted
         self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
 
-    def _best(self) -> int | None:
-        """The K of the highest expected tokens per second on the measured costs (None: none measured)."""
+    def _best(self, acceptance: float | None = None) -> int | None:
+        """The K of the highest expected tokens per second on the measured costs at ``acceptance``
+        (default: this session's estimate); None before any step was measured."""
         base = self.costs.estimate(1)
         if base is None:
             return None
+        acceptance = self.acceptance if acceptance is None else acceptance
         best_k, best_rate = 0, 1.0 / base
         for k in range(1, self.k_max + 1):
             cost = self.costs.estimate(k + 1) + k * self.costs.draft_seconds_per_token
-            rate = expected_tokens(self.acceptance, k) / cost
+            rate = expected_tokens(acceptance, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -196,7 +198,11 @@ class AdaptiveK:
             return 0  # measure a plain step first
         if best_k == 0:
             # drafting looks unprofitable; probe now and then so a changed context can win it back,
-            # less often each time a probe does not (16, 32, ... 256 steps)
+            # less often each time a probe does not (16, 32, ... 256 steps), but only if some
+            # context could: not when the draft's cost loses even if every draft were accepted
+            # (a draft as slow as a step on a fast link; a probe there costs a draft prefill too)
+            if not self._best(acceptance=1.0):
+                return 0
             self._since_draft += 1
             if self._since_draft >= self._probe_interval:
                 self._since_draft = 0

@@ -162,7 +162,7 @@ def test_costly_draft_drafts_less_than_free_draft():
 def test_would_draft_says_whether_the_draft_should_prefill_now():
     """The engine prefills the draft beside the stages only when drafting pays on the measured costs:
     not before any step was measured, not for a draft as slow as a step on a fast link; yes on a slow
-    link or with K pinned. Asking counts no probe: ``choose`` still probes after 16 plain steps."""
+    link or with K pinned. Asking counts no probe."""
     assert not AdaptiveK(StepCosts(), 8).would_draft()
     assert AdaptiveK(StepCosts(), 8, fixed=2).would_draft()
     assert not AdaptiveK(StepCosts(), 8, fixed=0).would_draft()
@@ -173,6 +173,19 @@ def test_would_draft_says_whether_the_draft_should_prefill_now():
     policy = AdaptiveK(fast, 8)
     for _ in range(100):
         assert not policy.would_draft()
+    assert policy._since_draft == 0
+
+
+def test_probes_only_where_some_context_could_pay():
+    """Below break-even, plain decoding probes K = 1 every 16 steps (then 32, ...) so a changed context
+    can win drafting back; but not where the draft loses even if every draft were accepted (a draft
+    as slow per token as a step on a fast link: each probe would cost a draft prefill for nothing)."""
+    fast = costs(per_token=0.001, fixed=0.025)
+    fast.observe_draft(4, 4 * 0.025)
+    assert [AdaptiveK(fast, 8).choose() for _ in range(300)] == [0] * 300
+    slow = costs(per_token=0.001, fixed=0.150)
+    slow.observe_draft(4, 4 * 0.025)
+    policy = AdaptiveK(slow, 8, prior=(0.1, 10.0))  # a poor draft so far: plain decoding, with probes
     assert [policy.choose() for _ in range(16)] == [0] * 15 + [1]
 
 
