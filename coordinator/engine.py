@@ -26,7 +26,7 @@ from .request import FinishReason, Request, RequestStatus, SamplingParams, TextD
 from .sampling import SparseDist, generation_defaults
 from .seat import Seat
 from .settings import CoordinatorSettings
-from .speculative import AdaptiveK, StepCosts, ngram_draft, verify
+from .speculative import AdaptiveK, StepCostsByLoad, ngram_draft, verify
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class Engine:
         self.stopping = False  # shutting down: new requests are refused
         self._cutting = False  # running requests end now (cut)
         self._pulling: set[asyncio.Task] = set()  # tasks waiting in _next for a request's next delta
-        self.step_costs = StepCosts()  # pipeline step wall time by chunk length, for adaptive K
+        # pipeline step wall time by chunk length and the draft's cost per token, at each load, for adaptive K
+        self.step_costs = StepCostsByLoad(lambda: self.running)
         self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
                                settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
                                self._timeout, settings.batch_wait_ms / 1000, on_freed=self._kv_freed,

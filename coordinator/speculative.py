@@ -15,7 +15,7 @@ speculation is lossless with respect to non-speculative decoding.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -135,6 +135,43 @@ class StepCosts:
         return max(self.fixed + per_token * (length - 1), 1e-6)
 
 
+class StepCostsByLoad:
+    """``StepCosts`` kept apart by load: how many requests were decoding at once (``load()``, 1 to
+    ``max_load``; more count as ``max_load``). Each observation and estimate uses the current load's.
+
+    Steps and drafts cost differently at different loads: with two users interleaved on two stages a
+    step waits behind the other user's, and a draft model sharing cores with the stages runs slower
+    while both are busy (``bench/wan_sweep.py``: 13 ms per draft token at 1 user, 35-69 at 2, with
+    everything on 2 cores). One shared estimate mixed the two, so each request began from the other
+    load's costs. Same interface as ``StepCosts``.
+    """
+
+    def __init__(self, load: Callable[[], int], max_load: int = 4) -> None:
+        self._load, self.max_load = load, max_load
+        self._costs: dict[int, StepCosts] = {}
+
+    def current(self) -> StepCosts:
+        """The costs at the current load."""
+        key = max(1, min(self._load(), self.max_load))
+        costs = self._costs.get(key)
+        if costs is None:
+            costs = self._costs[key] = StepCosts()
+        return costs
+
+    def observe(self, length: int, seconds: float) -> None:
+        self.current().observe(length, seconds)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        self.current().observe_draft(tokens, seconds)
+
+    def estimate(self, length: int) -> float | None:
+        return self.current().estimate(length)
+
+    @property
+    def draft_seconds_per_token(self) -> float:
+        return self.current().draft_seconds_per_token
+
+
 class AdaptiveK:
     """Chooses a session's draft length K to maximize expected tokens per second.
 
@@ -143,9 +180,17 @@ class AdaptiveK:
     K draft tokens plus one pipeline step of K+1 tokens. A slow link makes every step cost about the same, so longer
     drafts pay; a poor draft lowers the acceptance rate and K falls, to 0 (plain decoding) when
     drafting does not pay. ``fixed`` pins K (``--spec-k``).
+
+    Drafting must promise ``min_gain`` times plain decoding's tokens per second: the model leaves out
+    the draft call's own costs (its thread hop, catching up on tokens it has not seen, sampling) and,
+    in a batch group, the other members waiting for a drafting one. Without the margin a draft at
+    break-even drafted on half the steps at 0 ms per hop and ran at 0.94x plain decoding
+    (bench/wan_sweep.py, a self-int8 draft as costly per token as 0.75 of the model).
     """
 
-    def __init__(self, costs: StepCosts, k_max: int, fixed: int | None = None, prior: tuple[float, float] = (3.0, 2.0),
+    min_gain = 1.15
+
+    def __init__(self, costs: StepCosts | StepCostsByLoad, k_max: int, fixed: int | None = None, prior: tuple[float, float] = (3.0, 2.0),
                  decay: float = 0.9, probe_every: int = 16) -> None:
         self.costs = costs
         self.k_max = k_max
@@ -174,7 +219,7 @@ class AdaptiveK:
         if base is None:
             return None
         acceptance = self.acceptance if acceptance is None else acceptance
-        best_k, best_rate = 0, 1.0 / base
+        best_k, best_rate = 0, self.min_gain / base
         for k in range(1, self.k_max + 1):
             cost = self.costs.estimate(k + 1) + k * self.costs.draft_seconds_per_token
             rate = expected_tokens(acceptance, k) / cost

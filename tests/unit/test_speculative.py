@@ -6,7 +6,7 @@ import pytest
 
 from coordinator import speculative
 from coordinator.sampling import SparseDist, target_distribution
-from coordinator.speculative import AdaptiveK, StepCosts, expected_tokens, ngram_draft, verify
+from coordinator.speculative import AdaptiveK, StepCosts, StepCostsByLoad, expected_tokens, ngram_draft, verify
 
 VOCAB = 6
 
@@ -199,3 +199,26 @@ def test_step_costs_follow_a_changed_link():
         c.observe(5, 0.120 + 0.002 * 5)
     assert abs(c.estimate(5) - 0.130) < 5e-3
     assert trained(AdaptiveK(c, 8), 0.8).choose() > k_fast
+
+
+def test_step_costs_are_kept_apart_by_load():
+    """Steps of two interleaved users cost twice a lone user's, and a draft sharing cores with busy
+    stages costs more: each load keeps its own estimate, so a lone request does not start from the
+    busy fleet's costs (and draft into them)."""
+    load = [1]
+    by_load = StepCostsByLoad(lambda: load[0], max_load=4)
+    for _ in range(20):
+        by_load.observe(1, 0.015)
+    by_load.observe_draft(1, 0.013)
+    load[0] = 2
+    assert by_load.estimate(1) is None and by_load.draft_seconds_per_token == 0.0
+    for _ in range(20):
+        by_load.observe(1, 0.030)
+    by_load.observe_draft(1, 0.040)
+    load[0] = 9  # counted as max_load: a fresh estimate, not load 2's
+    assert by_load.estimate(1) is None
+    load[0] = 1
+    assert abs(by_load.estimate(1) - 0.015) < 1e-9 and abs(by_load.draft_seconds_per_token - 0.013) < 1e-9
+    load[0] = 2
+    assert abs(by_load.estimate(1) - 0.030) < 1e-9 and abs(by_load.draft_seconds_per_token - 0.040) < 1e-9
+    assert AdaptiveK(by_load, 8).choose() == 0  # a draft dearer than a step: plain decoding at load 2
