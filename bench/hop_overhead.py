@@ -113,21 +113,20 @@ def thread_seconds(pid: int) -> dict[tuple[int, str], float]:
 
 def by_thread(pid: int, before: dict, after: dict, per_token: int) -> dict[str, float]:
     """ms per token of a process's threads, grouped: the event loop (the main thread: gRPC's Python side,
-    protobuf, asyncio, the step's own code), gRPC's I/O threads (``event_engine``), the busiest other
-    thread (a worker's inference thread, run by a one-thread executor) and the rest."""
+    protobuf, asyncio, the step's own code, and small steps' chunks), gRPC's I/O threads
+    (``event_engine``), a worker's inference thread (``stageN-infer``, its one-thread executor) and the
+    rest (gRPC's completion-queue poller among them: an unnamed native thread)."""
     delta = {key: (after[key] - before.get(key, 0.0)) * 1000 / per_token for key in after}
     groups = {"event loop": 0.0, "gRPC I/O threads": 0.0, "inference thread": 0.0, "other threads": 0.0}
-    others = []
     for (tid, name), ms in delta.items():
         if tid == pid:
             groups["event loop"] += ms
         elif name.startswith("event_engine") or name.startswith("grpc"):
             groups["gRPC I/O threads"] += ms
+        elif name.startswith("stage") and "infer" in name:
+            groups["inference thread"] += ms
         else:
-            others.append(ms)
-    if others:
-        others.sort(reverse=True)
-        groups["inference thread"], groups["other threads"] = others[0], sum(others[1:])
+            groups["other threads"] += ms
     return groups
 
 

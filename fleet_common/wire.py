@@ -59,8 +59,8 @@ def to_tensor(array: np.ndarray) -> Tensor:
     dtype = array.dtype.name
     if dtype not in ALLOWED_DTYPES:
         raise WireError(f"dtype {dtype} cannot travel on the wire; allowed: {sorted(ALLOWED_DTYPES)}")
-    data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return Tensor(data=data.tobytes(), shape=list(array.shape), dtype=dtype)
+    return Tensor(data=array.astype(_LITTLE_ENDIAN[dtype], order="C", copy=False).tobytes(), shape=array.shape,
+                  dtype=dtype)
 
 
 def from_tensor(msg: Tensor, *, dtype: str | None = None, ndim: int | None = None) -> np.ndarray:

@@ -75,6 +75,7 @@ class StageService(pb_grpc.StageServicer):
         self._small_step_ms = 0.0  # compute time of the last step of at most INLINE_MAX_TOKENS
         self.compactions = 0
         self.metrics = WorkerMetrics(runner.stage)
+        self._infer_cpu = {t: self.metrics.infer_cpu.labels(t) for t in ("inference", "event_loop")}  # labels() once
         self.metrics.watch(self._load)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -195,8 +196,9 @@ class StageService(pb_grpc.StageServicer):
                             f"no subscriber {request.reply_to!r} at the last stage to receive results")
         if not runner.last and not request.route:
             raise StepError(grpc.StatusCode.INVALID_ARGUMENT, "no route to the next stage")
-        if problem := next(filter(None, map(address_problem, request.route)), None):
-            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        for address in request.route:
+            if address not in self._downlinks and (problem := address_problem(address)):
+                raise StepError(grpc.StatusCode.INVALID_ARGUMENT, problem)  # an open link's address was checked
         try:
             x = from_tensor(request.input, dtype="int64" if runner.first else "float32")
             return x, self.store.get(request.session_id)
@@ -235,7 +237,7 @@ class StageService(pb_grpc.StageServicer):
         finally:
             self._busy -= 1
         self.metrics.infer.observe(result.compute_ms / 1000)
-        self.metrics.infer_cpu.labels(result.thread).inc(result.cpu_ms / 1000)
+        self._infer_cpu[result.thread].inc(result.cpu_ms / 1000)
         self.metrics.chunks.inc()
         self.metrics.tokens.inc(x.shape[0] * x.shape[1])
         elapsed = time.perf_counter() - arrived
