@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -209,10 +210,21 @@ def profiled(url: str, procs: dict, tokens: int, out: Path) -> dict[str, dict[st
     return result
 
 
+def both_cores(build: Path, tokens: int) -> list[float]:
+    """Decode tok/s of the whole model on every core at once, one process per core (``baseline``'s):
+    what the cores give together when all are busy (they share caches and memory bandwidth)."""
+    cores = range(os.cpu_count() or 1)
+    with ThreadPoolExecutor(len(cores)) as pool:
+        return [r["decode_tok_s"] for r in pool.map(lambda core: baseline(build, tokens, core), cores)]
+
+
 def print_tables(base: dict, cells: list[dict], profiles: dict) -> None:
     ref = base["decode_tok_s"]
     print(f"\nwhole model, 1 process, 1 core: {ref:.1f} tok/s = {1000 / ref:.1f} ms per token (mean of a run before "
           f"and after the fleets: {base['before']:.1f}, {base['after']:.1f}; the machine's load drifts)")
+    both = base.get("both_cores_tok_s", [])
+    print(f"whole model on each of the {len(both)} cores at once: " + " + ".join(f"{r:.1f}" for r in both)
+          + f" = {sum(both):.1f} tok/s ({sum(both) / ref:.2f}x one alone: the most users on separate cores can get here)")
     print(f"{'fleet':<9} | {'users':>5} | {'tok/s':>6} | {'x whole':>7} | CPU ms per token (infer + overhead)")
     print("-" * 100)
     for c in cells:
@@ -270,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
     builds = {n: ensure_build(hf, cache, n) for n in sorted({1, *args.stages})}
     first = baseline(builds[1], args.tokens)
+    both = both_cores(builds[1], args.tokens)
     cells, profiles = [], {}
     for stages in args.stages:
         with ExitStack() as stack:
@@ -285,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 profiles[stages] = profiled(url, procs, args.tokens * 2, logs / f"hop-profile-{stages}stage")
     last = baseline(builds[1], args.tokens)
     base = {"decode_tok_s": (first["decode_tok_s"] + last["decode_tok_s"]) / 2, "before": first["decode_tok_s"],
-            "after": last["decode_tok_s"]}
+            "after": last["decode_tok_s"], "both_cores_tok_s": both}
     print_tables(base, cells, profiles)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

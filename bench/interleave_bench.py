@@ -63,14 +63,14 @@ PROMPTS = (
 )
 
 
-def baseline(build: Path, tokens: int) -> dict:
-    """Whole model, one process pinned to core 0, one thread, one user: decode tok/s and TTFT."""
+def baseline(build: Path, tokens: int, core: int = 0) -> dict:
+    """Whole model, one process pinned to ``core``, one thread, one user: decode tok/s and TTFT."""
     code = f"""
 import os, sys, time, json
 import numpy as np, openvino as ov
 sys.path.insert(0, {str(ROOT)!r})
 from coordinator.tokenizer import ChatTokenizer
-os.sched_setaffinity(0, {{0}})
+os.sched_setaffinity(0, {{{core}}})
 build = {str(build)!r}
 tok = ChatTokenizer(build)
 req = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU",
