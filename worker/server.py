@@ -39,6 +39,12 @@ INLINE_MAX_TOKENS = 32
 INLINE_MAX_MS = 20.0
 
 
+def _small(x: np.ndarray) -> bool:
+    """Whether a step's input (ids [B, S] or hidden [B, S, H]; any shape before it is checked) has at
+    most INLINE_MAX_TOKENS rows x tokens."""
+    return x.ndim >= 2 and x.shape[0] * x.shape[1] <= INLINE_MAX_TOKENS
+
+
 def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name)
 
@@ -139,8 +145,7 @@ class StageService(pb_grpc.StageServicer):
     def _run_chunk(self, *args) -> ChunkResult | asyncio.Future:  # noqa: ANN002
         """``runner.run(*args)``, run here and now for a small step while the inference thread is idle
         (``INLINE_MAX_TOKENS``), else queued on the inference thread: the result or its future."""
-        x = args[1]
-        if (x.shape[0] * x.shape[1] <= INLINE_MAX_TOKENS and self._submitted == self._finished
+        if (_small(args[1]) and self._submitted == self._finished
                 and self._small_step_ms < INLINE_MAX_MS):
             return self.runner.run(*args, thread="event_loop")
         return self._on_inference_thread(self.runner.run, *args)
@@ -227,7 +232,7 @@ class StageService(pb_grpc.StageServicer):
                 list(request.keep_rows))
             if not isinstance(result, ChunkResult):
                 result = await result
-            if x.shape[0] * x.shape[1] <= INLINE_MAX_TOKENS:
+            if _small(x):
                 self._small_step_ms = result.compute_ms
         except (ChunkError, SessionError) as exc:
             raise StepError(_code(exc.code), f"stage {runner.stage}: {exc}") from None
