@@ -197,12 +197,15 @@ class Fleet:
     """Workers (one per stage) and a coordinator, all real processes. By default the workers announce
     themselves and the coordinator finds them by zeroconf; with ``peers=True`` nothing uses mDNS (the
     workers get ``--no-announce`` and ``worker_args``, the coordinator ``--no-discover --peer ...``). With
-    ``defaults=True`` workers and coordinator run the shipped defaults (``start_worker``, ``start_coordinator``)."""
+    ``defaults=True`` workers and coordinator run the shipped defaults (``start_worker``, ``start_coordinator``).
+    ``link_ms`` (with ``peers``): each worker is reached through a ``fleet-wan`` link of that one-way delay
+    (the coordinator's peer addresses are the links', so stage-to-stage steps cross them too)."""
 
     def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False, peers: bool = False,
-                 worker_args: tuple[str, ...] = (), defaults: bool = False) -> None:
+                 worker_args: tuple[str, ...] = (), defaults: bool = False, link_ms: float = 0.0) -> None:
         self.build, self.log_dir = build, log_dir
         self.workers: list[tuple[Proc, str]] = []
+        self.links = []
         self.coordinator = None
         from fleet_common.manifest import load_manifest
 
@@ -211,7 +214,13 @@ class Fleet:
                 self.workers.append(start_worker(build, shard, log_dir, *(("--no-announce",) if peers else ()),
                                                  *worker_args, defaults=defaults))
             if peers:
-                coord_args = ("--no-discover", *(a for _, address in self.workers for a in ("--peer", address)),
+                addresses = [address for _, address in self.workers]
+                if link_ms:
+                    from bench.wan import LinkProfile, WanLink
+
+                    self.links = [WanLink(a, LinkProfile(delay_ms=link_ms)).start() for a in addresses]
+                    addresses = [link.address for link in self.links]
+                coord_args = ("--no-discover", *(a for address in addresses for a in ("--peer", address)),
                               *coord_args)
             self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args, announce=announce,
                                                            defaults=defaults)
@@ -225,13 +234,17 @@ class Fleet:
             self.coordinator.stop()
         for proc, _ in self.workers:
             proc.stop()
+        for link in self.links:
+            link.stop()
 
 
 @pytest.fixture(scope="session")
 def defaults_fleet(build_2, tmp_path_factory):
     """build_2 at the shipped defaults (``Fleet(defaults=True)``: bf16 where the CPU has it, f16 KV cache,
-    default threads, ``--draft auto``), peers without mDNS; shared by the API and concurrency tests."""
-    fleet = Fleet(build_2, tmp_path_factory.mktemp("defaults"), peers=True, defaults=True)
+    default threads, ``--draft auto``), peers without mDNS, each worker behind a 5 ms link (a LAN with
+    Wi-Fi): there speculation pays and adaptive K drafts, where on bare loopback it rightly does not
+    (the draft shares the two cores with the stages); shared by the API and concurrency tests."""
+    fleet = Fleet(build_2, tmp_path_factory.mktemp("defaults"), peers=True, defaults=True, link_ms=5.0)
     yield fleet
     fleet.stop()
 

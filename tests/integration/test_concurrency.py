@@ -115,12 +115,15 @@ DEFAULTS_TOKENS = 40
 
 
 def test_concurrent_streams_at_the_defaults_agree_with_solo_until_a_near_tie(defaults_fleet):
-    """The shipped defaults: the 8 streams batch and speculate (the build's first draft, adaptive K), every
-    one answers in full, each equals its solo run or leaves it only at a near-tie by taking the runner-up,
-    and every session but the retained ones is closed afterwards."""
+    """The shipped defaults (behind 5 ms links, ``defaults_fleet``): the solo runs speculate (the build's
+    first draft, adaptive K); the 8 streams batch (and draft where adaptive K's costs at that load say it
+    pays: with 8 streams on 2 cores they may not), every one answers in full, each equals its solo run
+    or leaves it only at a near-tie by taking the runner-up, and every session but the retained ones is
+    closed afterwards."""
     url = defaults_fleet.url
     solo = {p: greedy_with_gaps(url, p, DEFAULTS_TOKENS) for p in PROMPTS}
     assert {s["fleet"]["draft"] for s in solo.values()} == {"self-int4"}, "--draft auto is the build's first draft"
+    assert sum(s["fleet"]["accepted_tokens"] for s in solo.values()) > 0, [s["fleet"] for s in solo.values()]
     together: dict = {}
 
     def one(p: str) -> None:
@@ -135,7 +138,7 @@ def test_concurrent_streams_at_the_defaults_agree_with_solo_until_a_near_tie(def
     firsts = {p: agree_until_near_tie(together[p], solo[p], f"concurrent {p!r}") for p in PROMPTS}
     stats = [r["fleet"] for r in together.values()]
     assert max(s["batch_max"] for s in stats) >= 2, "the streams never shared a decode step"
-    assert sum(s["accepted_tokens"] for s in stats) > 0 and sum(s["drafted_tokens"] for s in stats) > 0, stats
+    assert all(s["accepted_tokens"] <= s["drafted_tokens"] for s in stats), stats
     print(f"\ndefaults: {sum(f is not None for f in firsts.values())}/{len(PROMPTS)} streams left their solo run, "
           f"at tokens {sorted(f for f in firsts.values() if f is not None)}")
     deadline = time.monotonic() + 10
