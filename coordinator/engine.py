@@ -430,8 +430,7 @@ class Engine:
                 k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
                 if k and drafter is not None:
                     if seat.draft_prefill is None:
-                        seat.draft_prefill = asyncio.ensure_future(
-                            self.draft_model.run(drafter.prefill, request.prompt_ids))
+                        self._start_draft_prefill(request, seat, drafter)
                     if not seat.draft_prefill.done():
                         await seat.draft_prefill  # the draft must hold the prompt before it proposes
                 t0 = time.perf_counter()
@@ -483,10 +482,14 @@ class Engine:
         prompt's last position (a StepOutput)."""
         request.status = RequestStatus.PREFILL
         if drafter is not None:  # the draft prefills here while the stages prefill
-            seat.draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, request.prompt_ids))
+            self._start_draft_prefill(request, seat, drafter)
         out = await seat.prefill(request.prompt_ids, top_k)
         request.status = RequestStatus.DECODE
         return out
+
+    def _start_draft_prefill(self, request: Request, seat: Seat, drafter) -> None:  # noqa: ANN001 - DraftSession
+        """The draft model's prefill of the prompt, started on its thread as ``seat.draft_prefill``."""
+        seat.draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, request.prompt_ids))
 
     def _take(self, request: Request, decided: list[int], detok: IncrementalDetokenizer, text: str, sent: int,
               hold: int) -> str:

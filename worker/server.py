@@ -142,11 +142,10 @@ class StageService(pb_grpc.StageServicer):
         finally:
             self._finished += 1  # written by this thread only, as _submitted by the loop's
 
-    def _run_chunk(self, *args) -> ChunkResult | asyncio.Future:  # noqa: ANN002
-        """``runner.run(*args)``, run here and now for a small step while the inference thread is idle
-        (``INLINE_MAX_TOKENS``), else queued on the inference thread: the result or its future."""
-        if (_small(args[1]) and self._submitted == self._finished
-                and self._small_step_ms < INLINE_MAX_MS):
+    def _run_chunk(self, small: bool, *args) -> ChunkResult | asyncio.Future:  # noqa: ANN002
+        """``runner.run(*args)``, run here and now for a ``small`` step (``_small``) while the inference
+        thread is idle, else queued on the inference thread: the result or its future."""
+        if small and self._submitted == self._finished and self._small_step_ms < INLINE_MAX_MS:
             return self.runner.run(*args, thread="event_loop")
         return self._on_inference_thread(self.runner.run, *args)
 
@@ -225,14 +224,15 @@ class StageService(pb_grpc.StageServicer):
         if upstream is not None:
             self._upstream[request.session_id] = upstream
         self._busy += 1
+        small = _small(x)
         try:
             result = self._run_chunk(
-                session, x, request.past_length, list(request.row_start_positions) or request.start_position,
+                small, session, x, request.past_length, list(request.row_start_positions) or request.start_position,
                 list(request.hide_slots), request.logits_count, list(request.hide_rows), list(request.row_pads),
                 list(request.keep_rows))
             if not isinstance(result, ChunkResult):
                 result = await result
-            if _small(x):
+            if small:
                 self._small_step_ms = result.compute_ms
         except (ChunkError, SessionError) as exc:
             raise StepError(_code(exc.code), f"stage {runner.stage}: {exc}") from None
