@@ -69,6 +69,17 @@ class StageSpec:
         return self.end == self.num_layers
 
 
+@dataclass(frozen=True)
+class OffsetWeight:
+    """A linear weight [rows, cols] kept as ``codes * scale + offset`` per group of ``group`` columns (GGUF's
+    Q4_1 and Q4_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed pattern),
+    ``offset`` [rows, cols / group] f32 the groups' offsets. ``linear`` multiplies both."""
+
+    weight: ov.Output
+    offset: ov.Output
+    group: int
+
+
 class WeightSource:
     """What the builder reads weights from: ``tensor(name, out=None)`` -> float16 array, ``shape(name)``
     and ``check(expected)`` (compiler/weights.py); ``on_read(name, nbytes)`` is called after each read."""
@@ -124,17 +135,24 @@ class _Weights:
 
         return get
 
-    def __call__(self, name: str, matrix: bool = False) -> ov.Output:
+    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | OffsetWeight:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
         linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
-        Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32)."""
-        if name in self.nodes:
-            return self.nodes[name]
-        shape = list(self.source.shape(name))
+        Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32), or a
+        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for Q4_1/Q4_K unless ``table``, the embedding's
+        Gather, asks for one value)."""
+        from .gguf import WITH_OFFSET
+
         kind = self.source.kind(name)
-        if matrix and self.keep_blocks and kind not in ("f16", "f32"):
-            self.nodes[name] = self._kept(name, shape)
-            return self.nodes[name]
+        kept = (matrix or table) and self.keep_blocks and kind not in ("f16", "f32")
+        key = (name, "table") if table and kept and kind in WITH_OFFSET else name  # else one form serves both
+        if key in self.nodes:
+            return self.nodes[key]
+        shape = list(self.source.shape(name))
+        if kept:
+            self.nodes[key] = self._kept(name, shape, table)
+            return self.nodes[key]
+        matrix = matrix or table
         if matrix and self.int8 is not None:
             self.nodes[name] = self._int8(name, shape)
             return self.nodes[name]
@@ -149,44 +167,58 @@ class _Weights:
         self.nodes[name] = (const if dtype == ov.Type.f32 else op.convert(const, ov.Type.f32)).output(0)
         return self.nodes[name]
 
-    def _kept(self, name: str, shape: list[int]) -> ov.Output:
+    def _kept(self, name: str, shape: list[int], table: bool) -> ov.Output | OffsetWeight:
         """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|i4|u4 [rows, cols/g, g])
-        -> Convert(f32) -> [Subtract(zero point f32)] -> Multiply(scale f32) -> Reshape [rows, cols], g = 32
-        (16 for Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
-        weights)."""
-        from .gguf import GROUP, STORED, WITH_ZERO_POINT, pack_nibbles
+        -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32 (16 for
+        Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed weights, with
+        int8 activations: "dynamic quantization").
+
+        The offset types (Q4_1, Q4_K: w = q * scale + offset) come back as an ``OffsetWeight`` whose offsets
+        ``linear`` adds as a second, small product: a float zero point, the other exact form, turns the
+        plugin's int8-activation path off and ran 1.5-2x slower (bench/kernel_bench.py). A ``table``
+        (the embedding's Gather) takes them as ``(q - zero point) * scale``, zero point f32: the form
+        OpenVINO's compressed Gather takes."""
+        from .gguf import GROUP, STORED, WITH_OFFSET, pack_nibbles
 
         kind = self.source.kind(name)
         rows, cols = shape
         g = GROUP[kind]
         groups = [rows, cols // g, 1]
         wtype = {"i8": ov.Type.i8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
+        offset = kind in WITH_OFFSET
+        part = "zero_point" if table else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
-            scale, zero_point = np.empty(groups, np.float32), np.empty(groups, np.float32)
+            scale, extra = np.empty(groups, np.float32), np.empty(groups, np.float32)
             raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
                 b = min(rows, a + step)
                 q = self.source.blocks(name, (a, b))
-                packed = q.values if wtype == ov.Type.i8 else pack_nibbles(q.values)
-                raw[a:b] = packed.reshape(b - a, -1)
-                scale[a:b, :, 0] = q.scale
-                if q.zero_point is not None:
-                    zero_point[a:b, :, 0] = q.zero_point
+                values, scales = q.values, q.scale
+                if offset and table:
+                    values, extra[a:b, :, 0], scales = q.zero_point()
+                elif offset:
+                    extra[a:b, :, 0] = q.offset
+                raw[a:b] = (values if wtype == ov.Type.i8 else pack_nibbles(values)).reshape(b - a, -1)
+                scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
-            return parts | ({"zero_point": ov.Tensor(zero_point)} if kind in WITH_ZERO_POINT else {})
+            return parts | ({part: ov.Tensor(extra if table else extra[..., 0])} if offset else {})
 
         compute = self._once(make)
         q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f32)
-        if kind in WITH_ZERO_POINT:
-            zp = self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{name}/zero_point")
+        if offset and table:
+            zp = self._postponed(ov.Type.f32, groups, lambda: compute(part), f"{name}/zero_point")
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
         scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
         x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
-        return op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
+        weight = op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
+        if not offset or table:
+            return weight
+        extra = self._postponed(ov.Type.f32, groups[:2], lambda: compute(part), f"{name}/offset")
+        return OffsetWeight(weight, extra.output(0), g)
 
     def _int8(self, name: str, shape: list[int]) -> ov.Output:
         """The three constants of one int8 weight, computed together when the serializer asks for the first
@@ -221,9 +253,18 @@ def _f32(value: float) -> ov.Output:
     return op.constant(np.float32(value)).output(0)
 
 
-def linear(x: ov.Output, weight: ov.Output, bias: ov.Output | None = None) -> ov.Output:
-    """``x @ weight.T (+ bias)``: x [..., in] f32, weight [out, in] -> [..., out] (nn.Linear)."""
-    y = op.matmul(x, weight, transpose_a=False, transpose_b=True)
+def linear(x: ov.Output, weight: ov.Output | OffsetWeight, bias: ov.Output | None = None) -> ov.Output:
+    """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear). An
+    ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
+    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group: exact, and the
+    large product keeps the CPU plugin's int8-activation kernel (no float zero point)."""
+    if isinstance(weight, OffsetWeight):
+        y = op.matmul(x, weight.weight, transpose_a=False, transpose_b=True)
+        sums = op.reduce_sum(op.reshape(x, _i64([0, 0, -1, weight.group]), special_zero=True), _i64([-1]),
+                             keep_dims=False)
+        y = op.add(y, op.matmul(sums, weight.offset, transpose_a=False, transpose_b=True))
+    else:
+        y = op.matmul(x, weight, transpose_a=False, transpose_b=True)
     return (y if bias is None else op.add(y, bias)).output(0)
 
 
@@ -363,7 +404,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     weights = _Weights(source, on_read, int8, keep_blocks)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
-        x = op.gather(weights(EMBEDDING, matrix=True), first, _i64(0)).output(0)  # [B, S, H]
+        x = op.gather(weights(EMBEDDING, table=True), first, _i64(0)).output(0)  # [B, S, H]
     else:
         first = _parameter("hidden_states", [-1, -1, cfg.hidden_size], ov.Type.f32)
         x = first.output(0)

@@ -6,18 +6,18 @@ first, so a GGUF [cols, rows] tensor is HF's [rows, cols]. llama.cpp's converter
 llama-family Q and K weights for its interleaved RoPE (``LlamaModel.permute`` in convert_hf_to_gguf.py);
 they are put back in HF's order (qwen2/qwen3 files are not permuted).
 
-Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, a per-block zero point, in
-f32 so the decompression ``(q - zp) * d`` gives the dequantized GGUF value to f32 rounding, never a
-second 4- or 8-bit rounding (../shared/research/compiler.md §1, §5):
+Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1 and Q4_K, a per-block offset
+(the block's minimum), in f32 so ``q * scale + offset`` gives the dequantized GGUF value to f32 rounding,
+never a second 4- or 8-bit rounding:
 
 =====  ===============================================  ======================================
 type   block                                            kept as
 =====  ===============================================  ======================================
 Q8_0   32: f16 d, 32 x int8 q: w = q d                  i8 [rows, cols/32, 32] x d
 Q4_0   32: f16 d, 16 B of nibbles: w = (q - 8) d        i4 (q - 8) x d
-Q4_1   32: f16 d, f16 m, 16 B of nibbles: w = q d + m   u4 q, zero point -m/d, x d
-Q4_K   256: f16 d, dmin; 8 x 6-bit (sc, m); nibbles:    u4 q per 32, zero point dmin m / (d sc),
-       w = d sc q - dmin m                              x d sc
+Q4_1   32: f16 d, f16 m, 16 B of nibbles: w = q d + m   u4 q x d, offset m
+Q4_K   256: f16 d, dmin; 8 x 6-bit (sc, m); nibbles:    u4 q per 32 x d sc, offset -dmin m
+       w = d sc q - dmin m
 Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc
        w = d sc (q - 32)
 =====  ===============================================  ======================================
@@ -60,7 +60,7 @@ GGUF_LAYER_TO_HF = {
 KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16}  # weights per scale as kept
 STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8"}  # OpenVINO type of the values
-WITH_ZERO_POINT = ("Q4_1", "Q4_K")
+WITH_OFFSET = ("Q4_1", "Q4_K")  # w = q * scale + offset per group (export.py: a second, small product)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
 ROW_BLOCK_BYTES = 32 << 20
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
@@ -87,12 +87,22 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 class QuantRows:
     """Rows of a kept quantized weight: ``values`` [rows, groups, GROUP[kind]] (int8 for Q8_0 and Q6_K, i4
     values -8..7 as int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1 and Q4_K), ``scale`` [rows, groups]
-    f32 and ``zero_point`` [rows, groups] f32 (Q4_1, Q4_K): weight = (values - zero_point) * scale."""
+    f32 and ``offset`` [rows, groups] f32 (Q4_1, Q4_K; else None): weight = values * scale + offset."""
 
     kind: str
     values: np.ndarray
     scale: np.ndarray
-    zero_point: np.ndarray | None
+    offset: np.ndarray | None
+
+    def zero_point(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The same weights as ``(values' - zero_point) * scale'`` (values', zero_point, scale', all per group;
+        zero_point = -offset / scale in f32, exact to f32 rounding): the one form OpenVINO's compressed Gather
+        takes. A group of scale 0 (every weight = offset) becomes values 0, scale 1, zero point -offset."""
+        flat = self.scale == 0
+        q = self.values.copy()
+        q[flat] = 0
+        scale = np.where(flat, np.float32(1), self.scale).astype(np.float32)
+        return q, (-self.offset / scale).astype(np.float32), scale
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,7 @@ class GGUFWeights:
             d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
             m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
             q = np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], axis=-1)
-            return _with_minimum("Q4_1", q, d, m)
+            return QuantRows("Q4_1", q, d, m)
         if t.qtype == "Q4_K":  # gguf-py's Q4_K.dequantize_blocks, kept apart
             import gguf
 
@@ -209,7 +219,7 @@ class GGUFWeights:
             minimum = dmin[..., None] * mins.reshape(n, blocks, 8).astype(np.float32)
             qs = b[..., 16:].reshape(n, blocks, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
             q = (qs & 0x0F).reshape(n, blocks * 8, 32)
-            return _with_minimum("Q4_K", q, scale.reshape(n, -1), -minimum.reshape(n, -1))
+            return QuantRows("Q4_K", q, scale.reshape(n, -1), -minimum.reshape(n, -1))
         if t.qtype == "Q6_K":  # gguf-py's Q6_K.dequantize_blocks, kept apart
             b = raw.reshape(n, -1, 210)
             blocks = b.shape[1]
@@ -223,16 +233,6 @@ class GGUFWeights:
             q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, blocks * 16, 16)
             return QuantRows("Q6_K", q, (d[..., None] * sc).reshape(n, -1), None)
         raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
-
-
-def _with_minimum(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> QuantRows:
-    """Groups of w = q * scale + offset as (q - zero_point) * scale, zero_point = -offset / scale in f32; a
-    group of scale 0 (every weight = offset) becomes q = 0, scale 1, zero point -offset."""
-    flat = scale == 0
-    q = q.copy()
-    q[flat] = 0
-    scale = np.where(flat, np.float32(1), scale).astype(np.float32)
-    return QuantRows(kind, q, scale, (-offset / scale).astype(np.float32))
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:

@@ -209,7 +209,8 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
 
 
 def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
-    """Every kept weight's (values - zero point) * scale equals gguf-py's dequantization of its bytes."""
+    """Every kept weight's values * scale + offset, and its zero-point form (the embedding's Gather),
+    equal gguf-py's dequantization of its bytes."""
     from compiler.gguf import GGUFWeights
     from compiler.source import read_gguf
 
@@ -221,10 +222,14 @@ def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
             continue
         shape = weights.shape(name)
         q = weights.blocks(name, (0, shape[0]))
-        zero = 0 if q.zero_point is None else q.zero_point[..., None]
-        ours = ((q.values.astype(np.float32) - zero) * q.scale[..., None]).reshape(shape)
+        offset = 0 if q.offset is None else q.offset[..., None]
+        ours = (q.values.astype(np.float32) * q.scale[..., None] + offset).reshape(shape)
         theirs = weights.tensor(name, out=np.empty(shape, np.float32))  # gguf.quants.dequantize
         assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max()), name
+        if q.offset is not None:
+            values, zero, scale = q.zero_point()
+            ours = ((values.astype(np.float32) - zero[..., None]) * scale[..., None]).reshape(shape)
+            assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max()), name
         seen.add(q.kind)
     assert seen == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}, seen
 
