@@ -4,25 +4,23 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import time
-from collections.abc import Sequence
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .access import ApiKeys, key_given, public_health
 from .completions import Generation, add_completions, cache_scope, check_model, fleet_stats, sse_response, usage
 from .engine import Engine
 from .request import TextDelta
-from .errors import ContextLengthExceeded, FleetError, InvalidApiKey, InvalidRequest
+from .errors import ContextLengthExceeded, FleetError, InvalidRequest
 from .logprobs import TokenBytes, chat_logprobs
 from .openai_schema import ChatCompletionRequest, resolve_sampling
+from .http_guard import HostCheck, served_host_names
 from .web import add_web_routes
 
 __all__ = ["ApiKeys", "ChatCompletionRequest", "create_app", "resolve_sampling"]
@@ -32,37 +30,6 @@ log = logging.getLogger(__name__)
 
 def _error_response(exc: FleetError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-class ApiKeys:
-    """ASGI middleware: requests to ``/v1`` and below need ``Authorization: Bearer KEY`` with one of
-    ``keys``, else HTTP 401 with an OpenAI error body (``invalid_api_key``). Other paths (``/health``,
-    ``/metrics``) stay open. Keys are compared as SHA-256 digests in constant time, against every key."""
-
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
-        self.app = app
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
-
-    def refusal(self, authorization: str | None) -> InvalidApiKey | None:
-        """Why a request with this ``Authorization`` header value is refused, or None when it may pass."""
-        scheme, _, key = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            return InvalidApiKey("this fleet requires an API key: send 'Authorization: Bearer KEY' "
-                                 "(fleet-chat --api-key, or the OpenAI client's api_key)")
-        digest = hashlib.sha256(key.strip().encode()).digest()
-        if not sum(hmac.compare_digest(digest, d) for d in self._digests):  # no early exit
-            return InvalidApiKey("invalid API key")
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
-            header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-            refused = self.refusal(header.decode("latin-1") if header is not None else None)
-            if refused is not None:
-                await _error_response(refused)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def prompt_byte_limit(engine: Engine) -> int:
@@ -76,13 +43,18 @@ def prompt_byte_limit(engine: Engine) -> int:
 
 def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[valid-type]
     """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict. When
-    ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``ApiKeys``)."""
-    app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator")
+    ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``access``: what else
+    does). Requests for a Host the coordinator does not serve are refused (``http_guard.HostCheck``); no
+    Swagger UI (``/docs`` would load it from a CDN)."""
+    settings = engine.settings
+    app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator", docs_url=None,
+                  redoc_url=None)
     byte_limit = prompt_byte_limit(engine)
     vocab = TokenBytes(engine.tokenizer.tokenizer)
     if keys := engine.settings.allowed_api_keys:
-        app.add_middleware(ApiKeys, keys=keys)
+        app.add_middleware(ApiKeys, keys=keys, public_metrics=settings.public_metrics)
         log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
+    app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
 
     @app.exception_handler(FleetError)
     async def fleet_error(_: HttpRequest, exc: FleetError) -> JSONResponse:
@@ -107,8 +79,10 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
                             status_code=exc.status_code)
 
     @app.get("/health")
-    async def get_health() -> JSONResponse:
+    async def get_health(http: HttpRequest) -> JSONResponse:
         status = health()
+        if not (settings.public_health or key_given(http.scope)):
+            status = public_health(status)
         return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
     @app.get("/metrics")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -23,6 +24,8 @@ from fleet_common.manifest import ManifestError, load_manifest
 
 from .api import create_app
 from .engine import Engine
+from .leases import LeaseCheck
+from .http_guard import ConnectionLimits, guarded_protocol
 from .pipeline import Channels
 from .registry import Registry
 from .settings import CoordinatorSettings
@@ -176,6 +179,12 @@ async def _report_ready(registry: Registry, loaded) -> None:  # noqa: ANN001 - L
         log.warning("still missing stage(s) %s after 120 s", registry.missing_stages())
 
 
+def _http_protocol(settings: CoordinatorSettings) -> type:
+    """uvicorn's h11 protocol with the header and body deadlines and the per-client connection cap."""
+    return guarded_protocol(ConnectionLimits(settings.header_timeout_s, settings.body_timeout_s,
+                                             settings.max_connections_per_client))
+
+
 async def serve(settings: CoordinatorSettings) -> None:
     """Run the coordinator until SIGINT/SIGTERM (see ``_Shutdown``; SIGUSR1 logs what every task
     awaits). Raises ``ManifestError`` for a bad build folder."""
@@ -185,6 +194,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     channels = Channels(settings.security)
     registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
     engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
+    registry.on_lease_gap = LeaseCheck(engine.prefix_cache, settings.rpc_timeout_s)
     shutdown = _Shutdown(engine, settings.shutdown_grace_s)
     shutdown.install()
     local = zc = ready_task = None
@@ -198,7 +208,8 @@ async def serve(settings: CoordinatorSettings) -> None:
         app = create_app(engine, lambda: _health(engine, registry, loaded))
         # the server stops once drained (every stream ended): this bounds only a client that never reads
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                                access_log=False, timeout_graceful_shutdown=5)
+                                access_log=False, timeout_graceful_shutdown=5, http=_http_protocol(settings),
+                                timeout_keep_alive=settings.keep_alive_timeout_s)
         server = _Server(config)
         shutdown.attach(server)
         if server.should_exit:  # signalled while starting
@@ -275,9 +286,13 @@ def render_status(url: str, health: dict) -> str:
     health, load and versions; then the workers that are no part of the pipeline: refused ones (another
     build or protocol) with the reason, and those that never answered."""
     state = "ready" if health["ready"] else f"NOT READY, missing stage(s) {health['missing_stages']}"
-    lines = [f"fleet at {url}: model {health['model']}, manifest {health['manifest_sha256'][:12]}, protocol "
+    manifest = health.get("manifest_sha256", "?")[:12]
+    lines = [f"fleet at {url}: model {health['model']}, manifest {manifest}, protocol "
              f"{health.get('protocol_version', '?')}, {state}; requests running {health.get('running', '?')}, "
              f"queued {health.get('queued', '?')}"]
+    if "workers" not in health:  # a coordinator with API keys shows them only with a key (coordinator/access.py)
+        return "\n".join([*lines, f"workers not shown: {health.get('workers_hidden', 'not in the answer')} "
+                                   "(fleet-coordinator status --api-key KEY, or $FLEET_API_KEY)"])
     refused = [w for w in health["workers"] if w.get("refused")]
     silent = [w for w in health["workers"] if w["stage"] is None and not w.get("refused")]
     members = [w for w in health["workers"] if w["stage"] is not None and not w.get("refused")]
@@ -300,6 +315,8 @@ class Status(BaseModel):
     url: str = Field("", description="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
     model: str | None = Field(None, description="with several coordinators on the LAN, the one serving this model")
     json_output: bool = Field(False, alias="json", description="print the coordinator's /health JSON instead")
+    api_key: str = Field("", description="API key of a coordinator that has keys (default: $FLEET_API_KEY): "
+                         "without it /health names no worker")
 
     def cli_cmd(self) -> None:
         import httpx
@@ -312,7 +329,9 @@ class Status(BaseModel):
             print(exc, file=sys.stderr)
             sys.exit(1)
         try:
-            r = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+            key = self.api_key or os.environ.get("FLEET_API_KEY", "")
+            r = httpx.get(f"{url.rstrip('/')}/health", timeout=10,
+                          headers={"Authorization": f"Bearer {key}"} if key else None)
             health = r.json()
         except (httpx.HTTPError, ValueError) as exc:
             print(f"fleet-coordinator status: cannot read {url}/health: {exc}", file=sys.stderr)

@@ -79,11 +79,29 @@ class CoordinatorSettings(BaseSettings):
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert (unencrypted)")
     tls_ca: Path | None = Field(None, description="PEM CA certificate that signed the workers' certificates (default: "
                                 "the system's roots); with it, local workers require client certificates")
-    api_key_file: Path | None = Field(None, description="file of HTTP API keys, one per line ('#' comments): /v1/* "
-                                      "then requires 'Authorization: Bearer KEY' (/health and /metrics stay open)")
+    api_key_file: Path | None = Field(None, description="file of HTTP API keys, one per line ('#' comments): /v1/*, "
+                                      "/metrics and /openapi.json then require 'Authorization: Bearer KEY' (/health "
+                                      "stays open without the workers: see --public-health, --public-metrics)")
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated HTTP API keys, added to --api-key-file's; "
                                 "better set as FLEET_API_KEYS in the environment (a command line is visible to "
                                 "other users of this machine)")
+    allowed_host: list[str] = Field(default_factory=list, description="also answer requests whose Host header is "
+                                    "this name (repeatable; '*.example.com': its subdomains; '*': any). Without "
+                                    "it: IP addresses, localhost and this machine's names; other names get HTTP "
+                                    "400 (a guard against DNS rebinding)")
+    public_health: bool = Field(False, description="with API keys: /health shows callers without a key the "
+                                "workers too (addresses, load, KV); else only ready, the model, the stages "
+                                "missing and the request counts")
+    public_metrics: bool = Field(False, description="with API keys: /metrics (which names every worker's "
+                                 "address) needs no key")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's complete headers "
+                                    "within this many seconds of opening (or of its next request's first byte)")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive within this many seconds "
+                                  "of its headers")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle connection is closed this many seconds "
+                                        "after its last answer")
+    max_connections_per_client: int = Field(64, ge=0, description="connections one client address may hold open at "
+                                            "once; more are refused with HTTP 429 (0 = no cap)")
     shutdown_grace_s: float = Field(3.0, ge=0, description="on Ctrl-C or SIGTERM, seconds the answers in flight get "
                                     "to finish before they are ended with an error saying the coordinator is "
                                     "shutting down (a second Ctrl-C ends them at once)")

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,19 @@ def add_web_routes(app: FastAPI) -> None:
         return FileResponse(index, media_type="text/html", headers=PAGE_HEADERS)
 
     # StaticFiles answers with ETag/Last-Modified (a reload revalidates), 404 for anything else
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount("/static", PageFiles(directory=STATIC), name="static")
+
+
+class PageFiles(StaticFiles):
+    """The page's static files with the page's own headers (``PAGE_HEADERS``: CSP, ``nosniff``,
+    ``frame-ancestors 'none'``): ``/static/index.html`` is the page too, and must not be framed or run
+    without its policy."""
+
+    def file_response(self, *args, **kwargs) -> Response:  # noqa: ANN002, ANN003 - StaticFiles' own signature
+        """StaticFiles' response for a file, with ``PAGE_HEADERS`` added."""
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 def lan_addresses() -> list[str]:

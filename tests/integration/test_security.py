@@ -131,8 +131,10 @@ def test_api_keys(secret_fleet):
     assert refusals[1].json()["error"]["message"] == "invalid API key"
     r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=10)
     assert r.status_code == 200 and r.json()["data"][0]["id"]
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # open: load balancers, fleet-coordinator status
-    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+    health = httpx.get(f"{url}/health", timeout=10)  # open (load balancers), but names no worker without a key
+    assert health.status_code == 200 and health.json()["ready"] and "workers" not in health.json()
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401  # its labels name every worker
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=10).status_code == 200
 
     def fleet_chat(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         environ = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "FLEET_API_KEY")}

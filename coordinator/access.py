@@ -1,0 +1,80 @@
+"""Who may see what over HTTP when the coordinator has API keys (``--api-key-file``, ``--api-keys``).
+
+| path | without a key | with a key |
+|---|---|---|
+| ``/``, ``/static/*`` (the chat page) | yes: it holds no secret | yes |
+| ``/v1/*`` | 401 | yes |
+| ``/openapi.json`` (the API's schema) | 401 | yes |
+| ``/metrics`` (names every worker's address) | 401; ``--public-metrics``: yes | yes |
+| ``/health`` | ready, model, stages, missing stages, request counts (``PUBLIC_HEALTH``); ``--public-health``: all | all |
+| ``/docs``, ``/redoc`` | not served (Swagger UI would load from a CDN) | not served |
+
+Without keys everything above is open (as the API itself is); the Host check (``http_guard.HostCheck``)
+keeps web pages of other origins out either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import InvalidApiKey
+
+# the /health fields any caller sees: enough for a load balancer or a readiness probe, no address
+PUBLIC_HEALTH = ("ready", "shutting_down", "model", "num_stages", "protocol_version", "missing_stages", "queued",
+                 "running")
+KEY_SCOPE = "fleet_api_key"  # scope["state"][KEY_SCOPE]: the request carried a valid key (or none is needed)
+
+
+def public_health(status: dict) -> dict:
+    """``status`` (the ``/health`` JSON) cut down to ``PUBLIC_HEALTH``, with a note on how to see the rest."""
+    return {**{k: status[k] for k in PUBLIC_HEALTH if k in status},
+            "workers_hidden": "send the API key (or start the coordinator with --public-health) to see the workers"}
+
+
+def key_given(scope: Scope) -> bool:
+    """Whether the request of ``scope`` carried a valid API key, or the coordinator needs none."""
+    return bool(scope.get("state", {}).get(KEY_SCOPE, True))
+
+
+class ApiKeys:
+    """ASGI middleware: requests to ``/v1`` and below, ``/openapi.json`` and (unless ``public_metrics``)
+    ``/metrics`` need ``Authorization: Bearer KEY`` with one of ``keys``, else HTTP 401 with an OpenAI
+    error body (``invalid_api_key``). Other paths pass, marked with whether they carried a valid key
+    (``key_given``). Keys are compared as SHA-256 digests in constant time, against every key."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str], public_metrics: bool = False) -> None:
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self.public_metrics = public_metrics
+
+    def refusal(self, authorization: str | None) -> InvalidApiKey | None:
+        """Why a request with this ``Authorization`` header value is refused, or None when it may pass."""
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return InvalidApiKey("this fleet requires an API key: send 'Authorization: Bearer KEY' "
+                                 "(fleet-chat --api-key, or the OpenAI client's api_key)")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        if not sum(hmac.compare_digest(digest, d) for d in self._digests):  # no early exit
+            return InvalidApiKey("invalid API key")
+        return None
+
+    def guarded(self, path: str) -> bool:
+        """Whether ``path`` needs a key."""
+        return (path == "/v1" or path.startswith("/v1/") or path == "/openapi.json"
+                or (path == "/metrics" and not self.public_metrics))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            refused = self.refusal(header.decode("latin-1") if header is not None else None)
+            if refused is not None and self.guarded(scope.get("path", "")):
+                exc = refused
+                await JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)(scope, receive, send)
+                return
+            scope.setdefault("state", {})[KEY_SCOPE] = refused is None
+        await self.app(scope, receive, send)
