@@ -94,20 +94,6 @@
   }
 
   // ---- messages -----------------------------------------------------------------------------------
-  function statsLine(m) {
-    const s = m.stats || {};
-    const parts = [];
-    if (s.ttft_ms != null) parts.push(`TTFT ${Math.round(s.ttft_ms)} ms`);
-    if (s.tokens_per_s != null) parts.push(`${s.tokens_per_s.toFixed(1)} tokens/s`);
-    if (s.completion_tokens != null) parts.push(`${s.approximate ? "~" : ""}${s.completion_tokens} tokens`);
-    if (s.prompt_tokens != null) {
-      parts.push(`prompt ${s.prompt_tokens}` + (s.cached_tokens != null ? `, ${s.cached_tokens} cached` : ""));
-    }
-    if (m.state === "stopped") parts.push("stopped");
-    else if (s.finish === "length") parts.push("cut at max tokens");
-    return parts.join(" · ");
-  }
-
   function messageNode(m) {
     const node = el("div", { class: `message ${m.role}`, "data-id": m.id },
       el("div", { class: "who" }, m.role === "user" ? "you" : "fleet"), el("div", { class: "content" }));
@@ -126,9 +112,13 @@
       content.textContent = m.content;
       return;
     }
-    content.innerHTML = window.renderMarkdown(m.content);
+    try {
+      content.innerHTML = window.renderMarkdown(m.content);
+    } catch (e) {  // a renderer bug must not make the conversation unreadable: show the text as it is
+      content.textContent = m.content;
+    }
     const stats = node.querySelector(".stats");
-    stats.textContent = statsLine(m);
+    stats.textContent = window.statsLine(m);
     stats.title = m.stats && m.stats.measured ? `measured by ${m.stats.measured}` : "";
     const failure = node.querySelector(".failure");
     failure.textContent = m.error || "";
@@ -314,10 +304,19 @@
     }
   }
 
+  // A streaming answer is re-rendered whole (markdown needs its context) at most every 40 ms, and never
+  // sooner than 4x its last render took after it: rendering takes at most a fifth of the page's time,
+  // however long the answer grows.
   let updateTimer = null;
+  let renderMs = 0;
   function scheduleUpdate(answer) {
     if (updateTimer !== null) return;
-    updateTimer = setTimeout(() => { updateTimer = null; updateMessage(answer); }, 40);
+    updateTimer = setTimeout(() => {
+      updateTimer = null;
+      const start = performance.now();
+      updateMessage(answer);
+      renderMs = performance.now() - start;
+    }, Math.max(40, 4 * renderMs));
   }
 
   function setStreaming(on) {
@@ -451,6 +450,12 @@
     pill.textContent = h.shutting_down ? "shutting down"
       : h.ready ? "ready" : `missing stage ${h.missing_stages.join(", ")}`;
     pill.className = `pill ${h.ready ? "ok" : "bad"}`;
+    if (!Array.isArray(h.workers)) {  // a coordinator with API keys names its workers only to a key
+      $("fleet-summary").textContent = `${h.num_stages} stage(s) · ${h.running} running, ${h.queued} queued · ` +
+        (h.workers_hidden || "workers not shown");
+      $("fleet-stages").replaceChildren();
+      return;
+    }
     const members = h.workers.filter((w) => w.stage !== null && !w.refused);
     const held = members.reduce((sum, w) => sum + (w.kv_bytes || 0), 0);
     const cache = h.prefix_cache;  // retained conversations, when the coordinator keeps them
@@ -512,11 +517,13 @@
   async function importFile(file) {
     try {
       const data = JSON.parse(await file.text());
-      const valid = (c) => c && typeof c.id === "string" && Array.isArray(c.messages) &&
-        c.messages.every((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
-      if (!data || !Array.isArray(data.conversations) || !data.conversations.every(valid)) {
+      if (!data || !Array.isArray(data.conversations)) {
         throw new Error("not a fleet chat export (conversations with user and assistant messages)");
       }
+      data.conversations.forEach((c, i) => {
+        const problem = window.conversationProblem(c);
+        if (problem) throw new Error(`conversation ${i + 1}: ${problem}`);
+      });
       const known = new Set(state.conversations.map((c) => c.id));
       const added = data.conversations.filter((c) => !known.has(c.id));
       for (const c of added) {
@@ -553,6 +560,11 @@
   function start() {
     state.conversations = load(STORE.conversations, []);
     if (!Array.isArray(state.conversations)) state.conversations = [];
+    const readable = state.conversations.filter((c) => !window.conversationProblem(c));  // older pages' or hand-edited
+    if (readable.length < state.conversations.length) {
+      banner(`${state.conversations.length - readable.length} saved conversation(s) could not be read: left out.`);
+    }
+    state.conversations = readable;
     for (const c of state.conversations) {
       for (const m of c.messages) if (m.state === "streaming") m.state = "stopped";  // the page went away mid-answer
     }

@@ -16,7 +16,7 @@ from coordinator.api import ApiKeys
 from coordinator.web import STATIC, add_web_routes, lan_addresses, page_urls
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE_FILES = ("index.html", "app.js", "markdown.js", "style.css")
+PAGE_FILES = ("index.html", "app.js", "markdown.js", "conversation.js", "style.css")
 
 
 def test_page_and_static_files_are_open_while_the_api_needs_a_key():
