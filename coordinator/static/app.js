@@ -522,7 +522,7 @@
       }
       data.conversations.forEach((c, i) => {
         const problem = window.conversationProblem(c);
-        if (problem) throw new Error(`conversation ${i + 1}: ${problem}`);
+        if (problem) throw new Error(`not a fleet chat export: conversation ${i + 1}: ${problem}`);
       });
       const known = new Set(state.conversations.map((c) => c.id));
       const added = data.conversations.filter((c) => !known.has(c.id));
