@@ -324,8 +324,8 @@ class Engine:
                 await self._admitted(session, lambda: entry.pipeline.copy(session, entry.session_id, 0, hit.tokens,
                                                                           slots, timeout_s))
         except Exception as exc:
-            if hit.take:
-                self._evict_retained(entry)
+            if hit.take or not isinstance(exc, Overloaded):  # a failed copy too: its KV may be gone at a stage
+                self.prefix_cache.discard(entry)
             if isinstance(exc, Overloaded):
                 raise
             if isinstance(exc, StageFailure):  # a worker holding it may be gone: the next pipeline leaves it out

@@ -156,6 +156,14 @@ class PrefixCache:
         if entry in self.entries:
             self.entries.remove(entry)
 
+    def discard(self, entry: Retained) -> None:
+        """Evict ``entry`` (free its sessions) whether or not it is still listed: a taken entry whose
+        reuse failed, or one whose copy failed (its KV may be gone at a stage: never matched again)."""
+        if entry in self.entries:
+            self.entries.remove(entry)
+        self.evictions += 1
+        self._close(entry)
+
     def clear(self) -> None:
         for entry in list(self.entries):
             self._evict(entry)

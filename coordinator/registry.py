@@ -13,6 +13,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +69,8 @@ class Registry:
         self._tasks: set[asyncio.Task] = set()
         self._heard: dict[str, list[str]] = {}  # zeroconf service names resolved -> the addresses added for them
         self._lost: dict[str, tuple[int, float, float]] = {}  # mDNS address -> (stage, dropped at, next probe)
+        # called (address, seconds) when a worker answers after a longer gap than missed checks allow
+        self.on_lease_gap: Callable[[str, float], None] | None = None
 
     # -- membership ----------------------------------------------------------------------------
     def add_peer(self, address: str, source: str = "peer") -> None:
@@ -121,7 +124,10 @@ class Registry:
             return
         rtt = time.perf_counter() - sent
         state.rtt_s = rtt if not state.rtt_s else 0.7 * state.rtt_s + 0.3 * rtt
+        gap = time.monotonic() - state.last_seen if state.last_seen else 0.0
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
+        if gap > self.missed_limit * self.health_interval_s + 1.0 and self.on_lease_gap is not None:
+            self.on_lease_gap(address, gap)  # this coordinator stood still: the worker may have freed its sessions
         refused = None
         if info.protocol_version != PROTOCOL_VERSION:
             refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
