@@ -56,7 +56,11 @@ def target_distribution(ids: np.ndarray, logprobs: np.ndarray, temperature: floa
     """
     if temperature <= 0.0 or len(ids) == 1:
         return SparseDist.point(int(ids[0]))
-    scaled = logprobs.astype(np.float64) / temperature
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = logprobs.astype(np.float64) / temperature
+        if not np.isfinite(scaled.max()):  # a temperature so small (1e-320) that the scores overflow:
+            # scaled from the best one, they go to -inf but the best (0), the limit of softmax as T -> 0
+            scaled = (logprobs.astype(np.float64) - logprobs.max()) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     if top_p < 1.0:
