@@ -17,9 +17,11 @@ from .access import ApiKeys, key_given, public_health
 from .completions import Generation, add_completions, cache_scope, check_model, fleet_stats, sse_response, usage
 from .engine import Engine
 from .request import TextDelta
-from .errors import ContextLengthExceeded, FleetError, InvalidRequest
+from .errors import FleetError, InvalidRequest
+from .limits import BodyLimit
 from .logprobs import TokenBytes, chat_logprobs
 from .openai_schema import ChatCompletionRequest, resolve_sampling
+from .prompts import PromptPreparer
 from .http_guard import HostCheck, served_host_names
 from .web import add_web_routes
 
@@ -32,28 +34,20 @@ def _error_response(exc: FleetError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def prompt_byte_limit(engine: Engine) -> int:
-    """Message text (UTF-8 bytes) beyond which a prompt cannot fit the context whatever it says: no
-    token of the vocabulary stands for more bytes than its own UTF-8 spelling, so a longer text needs
-    more than ``max_context`` tokens. Refusing it before tokenizing keeps a megabyte-long prompt from
-    holding the event loop (and every stream) for seconds."""
-    vocab = engine.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-    return engine.max_context * max(len(token.encode("utf-8")) for token in vocab)
-
-
 def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[valid-type]
     """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict. When
     ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``access``: what else
     does). Requests for a Host the coordinator does not serve are refused (``http_guard.HostCheck``); no
     Swagger UI (``/docs`` would load it from a CDN)."""
     settings = engine.settings
+    prompts = PromptPreparer(engine.tokenizer, engine.max_context)  # size checks, then off the event loop
     app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator", docs_url=None,
                   redoc_url=None)
-    byte_limit = prompt_byte_limit(engine)
     vocab = TokenBytes(engine.tokenizer.tokenizer)
     if keys := engine.settings.allowed_api_keys:
         app.add_middleware(ApiKeys, keys=keys, public_metrics=settings.public_metrics)
         log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
+    app.add_middleware(BodyLimit, max_bytes=prompts.body_limit)  # before any parsing: 413 for a huge body
     app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
 
     @app.exception_handler(FleetError)
@@ -75,7 +69,8 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     @app.exception_handler(HTTPException)
     async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}},
+        code = "request_too_large" if exc.status_code == 413 else None  # limits.BodyLimit, a chunked body
+        return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
                             status_code=exc.status_code)
 
     @app.get("/health")
@@ -108,13 +103,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
         check_model(body.model, engine)
         params, sampling = resolve_sampling(body, engine)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        size = sum(len(m["content"].encode("utf-8")) for m in messages)
-        if size > byte_limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {engine.max_context} tokens. However, your messages are "
-                f"{size} bytes long, more than {engine.max_context} tokens can hold ({byte_limit} bytes). Please "
-                "reduce the length of the messages.", param="messages")
-        request = engine.make_request(messages, params)
+        request = engine.request_for(await prompts.chat(messages), params)
         request.cache_scope = cache_scope(http)
         head = {"id": request.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": engine.model_name}
@@ -124,7 +113,7 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
             return None if n is None else chat_logprobs(list(records), vocab, n)
 
         # Start generating before the 200 goes out, so admission and pipeline errors get a status code.
-        gen = Generation(engine, request)
+        gen = Generation(engine, request, http)  # a client gone before its answer is done ends it
         await gen.start()
         if not body.stream:
             deltas = await gen.deltas()
@@ -151,6 +140,6 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return sse_response(gen, head, choice, finish, tail, opening)
 
-    add_completions(app, engine, vocab, byte_limit)
+    add_completions(app, engine, vocab, prompts)
     add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
     return app

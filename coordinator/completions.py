@@ -17,9 +17,10 @@ from fastapi.responses import StreamingResponse
 
 from .engine import Engine
 from .request import Request, RequestStatus, TextDelta
-from .errors import ContextLengthExceeded, FleetError, InvalidRequest, ModelNotFound
+from .errors import ClientGone, FleetError, InvalidRequest, ModelNotFound
 from .logprobs import TokenBytes, completion_logprobs
 from .openai_schema import CompletionRequest, resolve_sampling
+from .prompts import PromptPreparer
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +37,28 @@ class Generation:
     ``prefill_chunk`` steps) goes out at once and every ``PROGRESS_INTERVAL_S``, which clients skip (openai-python
     ignores lines starting with ``:``) and which keeps proxies from timing a long prefill out.
     Errors before the response starts (the queue, admission, no pipeline) keep their status code;
-    later ones go out in the stream as an error event."""
+    later ones go out in the stream as an error event.
 
-    def __init__(self, engine: Engine, request: Request) -> None:
+    With ``http`` (the request's connection), a client that disconnects before its response starts, or
+    before a response not streamed is complete, ends the request (``ClientGone``) and frees its KV: a
+    client that times out and retries must not leave its answers generating (issue 26 #3). Once a
+    stream starts, Starlette's own watch of the connection does that (``unwatch``)."""
+
+    def __init__(self, engine: Engine, request: Request, http: HttpRequest | None = None) -> None:
         self.request = request
         self._deltas = engine.generate(request)
         self._pull: asyncio.Future | None = None
+        self._gone = asyncio.ensure_future(_disconnected(http)) if http is not None else None
 
     async def start(self) -> None:
-        """Wait for the first delta or for a long prefill under way; raises what the engine raised."""
+        """Wait for the first delta or for a long prefill under way; raises what the engine raised, or
+        ``ClientGone`` when the client disconnected meanwhile."""
         self._pull = asyncio.ensure_future(anext(self._deltas))
         try:
             while not self._pull.done():
-                await asyncio.wait({self._pull}, timeout=PROGRESS_INTERVAL_S)
+                await asyncio.wait({self._pull, *self._watch()}, timeout=PROGRESS_INTERVAL_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                self._raise_if_gone()
                 if self.request.status is not RequestStatus.WAITING:
                     break
             if self._pull.done():
@@ -56,6 +66,18 @@ class Generation:
         except BaseException:
             await self.aclose()
             raise
+
+    def _watch(self) -> set[asyncio.Future]:
+        return {self._gone} if self._gone is not None else set()
+
+    def _raise_if_gone(self) -> None:
+        if self._gone is not None and self._gone.done():
+            raise ClientGone(f"{self.request.request_id}: the client disconnected before its answer was complete")
+
+    def unwatch(self) -> None:
+        """Stop watching the connection (a stream's response watches it from now on)."""
+        if self._gone is not None:
+            self._gone.cancel()
 
     async def events(self) -> AsyncIterator[TextDelta | str]:
         """The deltas up to the finishing one, after ``start``; before the first, SSE progress comments."""
@@ -75,11 +97,22 @@ class Generation:
         yield delta
 
     async def deltas(self) -> list[TextDelta]:
-        """Every delta (a request not streamed), after ``start``."""
+        """Every delta (a request not streamed), after ``start``. Raises ``ClientGone`` (the request is
+        then cancelled and its KV freed) when the client disconnects first."""
+        collect = asyncio.ensure_future(self._collect())
         try:
-            return [d async for d in self.events() if not isinstance(d, str)]
+            await asyncio.wait({collect, *self._watch()}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
+                self._raise_if_gone()
+            return collect.result()
         finally:
+            self.unwatch()
             await self.aclose()
+
+    async def _collect(self) -> list[TextDelta]:
+        return [d async for d in self.events() if not isinstance(d, str)]
 
     async def aclose(self) -> None:
         """Stop generating (when not finished: the request is cancelled and its KV freed)."""
@@ -88,7 +121,18 @@ class Generation:
             with contextlib.suppress(BaseException):
                 await self._pull
         self._pull = None
+        self.unwatch()
         await self._deltas.aclose()
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Return once the client of ``http`` (whose body was read) disconnects: the ASGI server's next
+    message after the body is ``http.disconnect``."""
+    try:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a connection that cannot be read is as good as gone
+        log.debug("reading %s's connection failed", http.url.path, exc_info=True)
 
 
 def usage(request: Request) -> dict:
@@ -121,6 +165,7 @@ def sse_response(gen: Generation, head: dict, choice: Callable[[TextDelta], dict
     ``data: [DONE]``. Every chunk before that carries ``usage: null`` when ``tail`` is given (OpenAI's
     rule). A failure mid-stream is sent as an ``{"error": ...}`` event (openai-python raises it)."""
     extra = {"usage": None} if tail is not None else {}
+    gen.unwatch()  # the StreamingResponse watches the connection itself
 
     def data(choices: list[dict]) -> str:
         return "data: " + json.dumps({**head, "choices": choices, **extra}) + "\n\n"
@@ -150,31 +195,17 @@ def sse_response(gen: Generation, head: dict, choice: Callable[[TextDelta], dict
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def prompt_ids(prompt: str | list[int], engine: Engine, byte_limit: int) -> list[int]:
-    """A legacy completion's prompt as token ids: a string is tokenized as it is (no chat template;
-    special tokens the tokenizer's post-processor adds, such as a BOS, are added, as transformers'
-    ``tokenizer(prompt)`` does); token ids must be ids of the model's vocabulary. Raises
-    ``InvalidRequest`` / ``ContextLengthExceeded``."""
+async def prompt_ids(prompt: str | list[int], engine: Engine, prompts: PromptPreparer) -> list[int]:
+    """A legacy completion's prompt as token ids: a string is tokenized as it is (``PromptPreparer.text``:
+    no chat template, off the event loop); token ids must be ids of the model's vocabulary. Raises
+    ``InvalidRequest`` / ``ContextLengthExceeded`` and what ``PromptPreparer.text`` raises."""
     if isinstance(prompt, list):
         vocab = engine.manifest.architecture.vocab_size
         if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
             raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary (0 to {vocab - 1})",
                                  param="prompt")
         return list(prompt)
-    try:
-        size = len(prompt.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"prompt is not valid Unicode: a lone surrogate at character {exc.start}",
-                             param="prompt") from None
-    if size > byte_limit:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {engine.max_context} tokens. However, your prompt is {size} "
-            f"bytes long, more than {engine.max_context} tokens can hold ({byte_limit} bytes). Please reduce the "
-            "length of the prompt.", param="prompt")
-    ids = engine.tokenizer.tokenizer.encode(prompt, add_special_tokens=True).ids
-    if not ids:
-        raise InvalidRequest("prompt is empty: give at least one token", param="prompt")
-    return ids
+    return await prompts.text(prompt)
 
 
 def cache_scope(http: HttpRequest) -> str:
@@ -186,14 +217,15 @@ def cache_scope(http: HttpRequest) -> str:
     return hashlib.sha256(key.strip().encode()).hexdigest()[:32]
 
 
-def add_completions(app: FastAPI, engine: Engine, vocab: TokenBytes, byte_limit: int) -> None:
+def add_completions(app: FastAPI, engine: Engine, vocab: TokenBytes, prompts: PromptPreparer) -> None:
     """Serve ``POST /v1/completions`` (OpenAI's legacy completions) on ``app``."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):  # noqa: ANN202
         check_model(body.model, engine)
         params, sampling = resolve_sampling(body, engine, COMPLETION_MAX_TOKENS)
-        request = engine.request_for(prompt_ids(body.single_prompt(), engine, byte_limit), params, "prompt", "cmpl")
+        ids = await prompt_ids(body.single_prompt(), engine, prompts)
+        request = engine.request_for(ids, params, "prompt", "cmpl")
         request.cache_scope = cache_scope(http)
         head = {"id": request.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": engine.model_name}
@@ -202,7 +234,7 @@ def add_completions(app: FastAPI, engine: Engine, vocab: TokenBytes, byte_limit:
         def logprobs(records: tuple) -> dict | None:
             return None if n is None else completion_logprobs(list(records), vocab, n)
 
-        gen = Generation(engine, request)
+        gen = Generation(engine, request, http)
         await gen.start()
         if not body.stream:
             deltas = await gen.deltas()

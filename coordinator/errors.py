@@ -111,3 +111,20 @@ class ShuttingDown(FleetError):
     status = 503
     type = "server_error"
     code = "shutting_down"
+
+
+class PromptTimeout(FleetError):
+    """Templating and tokenizing a prompt took longer than its deadline (the coordinator is overloaded:
+    the size checks before it keep any one prompt's work far below the deadline)."""
+
+    status = 503
+    type = "server_error"
+    code = "prompt_timeout"
+
+
+class ClientGone(FleetError):
+    """The client disconnected before its answer was complete: the request ends (nobody reads this)."""
+
+    status = 499  # nginx's "client closed request"
+    type = "invalid_request_error"
+    code = "client_closed_request"

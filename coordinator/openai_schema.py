@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .engine import Engine
 from .request import SamplingParams
 from .errors import InvalidRequest
+from .limits import count_messages
 from .sampling import Penalties
 
 
@@ -116,6 +118,17 @@ class ChatCompletionRequest(SamplingRequest):
     service_tier: str | None = None  # accepted: fleet has one tier
     prompt_cache_key: str | None = None  # accepted: fleet matches prompts by their tokens
     safety_identifier: str | None = None  # accepted, unused
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded(cls, value: object) -> object:
+        """At most ``limits.MAX_MESSAGES`` messages and ``MAX_CONTENT_PARTS`` parts, counted before any
+        is validated (a million messages took seconds of the event loop to validate)."""
+        try:
+            count_messages(value)
+        except ValueError as exc:
+            raise PydanticCustomError("too_many", str(exc)) from None
+        return value
 
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
