@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from fleet_common.manifest import DraftEntry, LoadedManifest
+from fleet_common.residency import settle
 from fleet_common.runtime import KVSession, compact, compile_ir, run_chunk, top_candidates
 
 from .sampling import SparseDist, target_distribution
@@ -155,10 +156,15 @@ class DraftModel:
         self._options = (prefill_chunk, top_k, compact_share, compact_min_slots)
         # warm up: the first inferences of a fresh compiled model are several times slower, and
         # adaptive K must not learn the draft's cost from them
-        warm = self.open("warm-up", 64)
-        warm.prefill([0] * 8)
-        for n in (9, 12):
-            warm.propose([0] * n, 2, 0.0, 1.0, np.random.default_rng)
+        # adaptive K must not learn the draft's cost from them; the plugin repacks the weights then, and the
+        # mapped .bin's pages read for it are given back (fleet_common/residency.py: one copy, not two)
+        def warm_up() -> None:
+            warm = self.open("warm-up", 64)
+            warm.prefill([0] * 8)
+            for n in (9, 12):
+                warm.propose([0] * n, 2, 0.0, 1.0, np.random.default_rng)
+
+        settle(warm_up, [loaded.directory / self.entry.bin])
         log.info("draft %s (%d layers, %s weights) compiled in %.1f s", name, self.entry.num_layers,
                  self.entry.weights, compile_s)
 

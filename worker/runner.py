@@ -11,6 +11,7 @@ import numpy as np
 import openvino as ov
 
 from fleet_common.manifest import LoadedManifest
+from fleet_common.residency import resident_mib, settle
 from fleet_common.runtime import ChunkError, KVSession, compact, run_chunk
 
 from .loader import DEFAULT_CACHE_MAX_BYTES, load_shard
@@ -56,13 +57,33 @@ class ShardRunner:
                                verify_hashes=verify_hashes, cache_dir=cache_dir,
                                cache_max_bytes=cache_max_bytes)
         self.compiled, self.kv_value_bytes = self.load.compiled, self.load.kv_value_bytes
-        log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s", stage, self.entry.start, self.entry.end,
-                 device, self.load.source, self.load.seconds)
+        t0 = time.perf_counter()
+        settle(self._warm_up, self._mapped_files())
+        log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s, weights repacked in %.2f s; RSS %s",
+                 stage, self.entry.start, self.entry.end, device, self.load.source, self.load.seconds,
+                 time.perf_counter() - t0, ", ".join(f"{k} {v:.0f} MiB" for k, v in resident_mib().items()))
         if self.entry.device.split(".")[0].upper() != device.split(".")[0].upper():  # served anyway
             # CPU is also what every build without a plan names: no warning for those
             log.log(logging.INFO if self.entry.device == "CPU" else logging.WARNING,
                     "stage %d was planned for %s (the manifest's device); this worker runs it on %s (--device)",
                     stage, self.entry.device, device)
+
+    def _mapped_files(self) -> list[Path]:
+        """The files OpenVINO maps this stage's weights from: the ``.bin``, and a model-cache entry's blobs."""
+        files = [self.loaded.directory / self.entry.bin]
+        if self.load.source == "model-cache":
+            files += list(Path(self.load.detail).glob("*.blob"))
+        return files
+
+    def _warm_up(self) -> None:
+        """One 1-token inference on a throwaway request: the CPU plugin repacks the weights on a compiled model's
+        first inference, now at load time rather than in the first user's request."""
+        x = np.zeros((1, 1), np.int64) if self.first else np.zeros((1, 1, self.hidden_size), np.float32)
+        feed = {"input_ids" if self.first else "hidden_states": x, "attention_mask": np.ones((1, 1), np.int64),
+                "position_ids": np.zeros((1, 1), np.int64), "beam_idx": np.zeros(1, np.int32)}
+        if self.last:
+            feed["logits_index"] = np.zeros(1, np.int64)
+        self.compiled.create_infer_request().infer(feed)
 
     def new_request(self) -> ov.InferRequest:
         return self.compiled.create_infer_request()
