@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server and rpc-server (RPC backend on, CPU, native ISA) for the comparison in
-# bench/interleave_bench.py --llama-cpp, and llama-quantize for the K-quant GGUFs of bench/gguf_forms.py. The source is the llama.cpp vendored in PyPI's llama-cpp-python
+# bench/interleave_bench.py --llama-cpp, llama-quantize for the K-quant GGUFs of bench/gguf_forms.py and bench/real_gguf.py, and llama-bench for bench/kernel_bench.py. The source is the llama.cpp vendored in PyPI's llama-cpp-python
 # sdist at a pinned version (the machine reaches PyPI, not GitHub). Nothing lands in the repository:
 # the build goes to $LLAMA_CPP_DIR (default ~/.cache/fleet/llama.cpp). Idempotent: a finished build at
 # the same version only prints the binaries' paths. About 5 minutes on 2 cores (5 min 10 s here).
@@ -16,9 +16,9 @@ SRC="$DIR/src-$VERSION"
 OUT="$DIR/build-$VERSION"
 BIN="$OUT/bin"
 
-if [ -x "$BIN/llama-server" ] && [ -x "$BIN/rpc-server" ] && [ -x "$BIN/llama-quantize" ]; then
+if [ -x "$BIN/llama-server" ] && [ -x "$BIN/rpc-server" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-bench" ]; then
   echo "llama-server: $BIN/llama-server"; echo "rpc-server: $BIN/rpc-server"
-  echo "llama-quantize: $BIN/llama-quantize"; exit 0
+  echo "llama-quantize: $BIN/llama-quantize"; echo "llama-bench: $BIN/llama-bench"; exit 0
 fi
 
 missing=()
@@ -46,11 +46,12 @@ fi
 # GGML_NATIVE: the kernels for this CPU (llama.cpp's own default build). This version has no libcurl
 # (LLAMA_CURL is deprecated and ignored); LLAMA_OPENSSL off so no libssl-dev is needed: we serve loopback.
 # The RPC server's target is ggml-rpc-server here (rpc-server in older trees); we link it as rpc-server.
-# A build from before llama-quantize was listed only builds that target (cmake's build is incremental).
+# A build from before llama-quantize or llama-bench was listed only builds those targets (cmake's build is incremental).
 cmake -S "$SRC" -B "$OUT" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
-cmake --build "$OUT" --config Release -j "$JOBS" --target llama-server ggml-rpc-server llama-quantize
+cmake --build "$OUT" --config Release -j "$JOBS" --target llama-server ggml-rpc-server llama-quantize llama-bench
 ln -sf ggml-rpc-server "$BIN/rpc-server"
 echo "llama-server: $BIN/llama-server"
 echo "rpc-server: $BIN/rpc-server"
 echo "llama-quantize: $BIN/llama-quantize"
+echo "llama-bench: $BIN/llama-bench"

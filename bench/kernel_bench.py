@@ -1,0 +1,250 @@
+"""One process, one model, per weight type: fleet's 1-stage IR beside llama.cpp on the same GGUF, decode tok/s and
+peak RSS at 1 and 2 threads, table + JSON; with ``--profile``, OpenVINO's per-op profile (``PERF_COUNT``) of each
+fleet build, the decode step's time by op type and by matrix role (q, k, v, o, gate, up, down, head).
+
+The GGUFs are random-weight files of a real model's dimensions (``bench/real_gguf.py``: F16 by gguf-py, every other
+type by ``llama-quantize``), or ``--model PATH`` (any GGUF). Per type:
+
+* fleet: ``fleet-compiler build FILE.gguf --shards 1`` (blocks kept as compiler/gguf.py keeps them; ``int8`` and
+  ``int4`` are ``--weights int8|int4`` builds of the F16 file), run in its own process pinned to cores
+  ``0..T-1`` with ``INFERENCE_NUM_THREADS=T``: a prompt of ``--prompt`` tokens prefilled, then ``--tokens``
+  greedy steps, three times; the cell is the median decode tok/s. Peak RSS is the process's VmHWM.
+* llama.cpp: ``llama-bench -m FILE -p 0 -n TOKENS -t T -r 3`` (its mean over 3 runs, from an empty context:
+  its ``-d`` crashes this build; the same core pinning), and its peak RSS: VmHWM polled while it runs (it
+  memory-maps the file, as our worker maps its ``.bin``).
+
+Both sides run one after the other per cell, so load from elsewhere hits them alike; the ratio is fleet ÷
+llama.cpp of that pair.
+
+    python bench/kernel_bench.py [--model llama-3.2-1b | --model FILE.gguf] [--layers N]
+                                 [--types Q4_0,Q4_K_M,...] [--threads 1,2] [--tokens 48] [--profile] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+
+from bench import real_gguf  # noqa: E402
+
+TYPES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "int8", "int4")
+NNCF = {"int8": "int8", "int4": "int4"}  # built from the F16 file with --weights
+COMPILER_FILES = ("export.py", "gguf.py", "source.py", "compress.py", "build.py")
+BIN = Path(sys.executable).parent
+ROLES = {"attn_q": "q", "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+         "up_proj": "up", "down_proj": "down", "lm_head": "head", "embed_tokens": "head"}
+
+
+def llama_cpp_bin(name: str) -> Path:
+    """A llama.cpp binary of bench/build_llama_cpp.sh's build (run when missing)."""
+    path = real_gguf.LLAMA_CPP / f"build-{real_gguf.LLAMA_CPP_VERSION}" / "bin" / name
+    if not path.is_file():
+        subprocess.run(["bash", str(ROOT / "bench" / "build_llama_cpp.sh")], cwd=ROOT, check=True)
+    return path
+
+
+def compiler_key() -> str:
+    """A short hash of the compiler sources a build depends on: a cached build is remade when they change."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in COMPILER_FILES:
+        h.update((ROOT / "compiler" / name).read_bytes())
+    return h.hexdigest()[:10]
+
+
+def ensure_build(gguf: Path, weights: str | None, cache: Path) -> Path:
+    """``fleet-compiler build GGUF --shards 1 [--weights W]`` into ``cache``, once per compiler version."""
+    out = cache / f"{gguf.stem}{'.' + weights if weights else ''}.{compiler_key()}"
+    if (out / "manifest.json").is_file():
+        return out
+    cmd = [str(BIN / "fleet-compiler"), "build", str(gguf), "--shards", "1", "-o", str(out)]
+    if weights:
+        cmd += ["--weights", weights]
+    print(f"building {out.name} ...", flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+FLEET_RUN = r"""
+import json, os, sys, time
+import numpy as np, openvino as ov
+build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+os.sched_setaffinity(0, set(range(threads)))
+config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "INFERENCE_NUM_THREADS": threads}
+if profile:
+    config["PERF_COUNT"] = True
+req = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU", config).create_infer_request()
+rng = np.random.default_rng(0)
+rates, ops = [], {}
+for run in range(3):
+    req.reset_state()
+    chunk, past, out = list(rng.integers(0, 49152, prompt)), 0, []
+    while len(out) < tokens:
+        seq = len(chunk)
+        logits = req.infer({"input_ids": np.array([chunk], dtype=np.int64),
+            "attention_mask": np.ones((1, past + seq), dtype=np.int64),
+            "position_ids": np.arange(past, past + seq, dtype=np.int64)[None],
+            "beam_idx": np.zeros(1, dtype=np.int32), "logits_index": np.array([seq - 1], dtype=np.int64)})[0]
+        out.append(int(logits[0, -1].argmax()))
+        if past == 0:
+            first = time.perf_counter()
+        elif profile and run == 2:
+            for p in req.profiling_info:
+                key = (p.node_type, p.exec_type, p.node_name)
+                ops[key] = ops.get(key, 0.0) + p.real_time.total_seconds()
+        chunk, past = out[-1:], past + seq
+    rates.append((len(out) - 1) / (time.perf_counter() - first))
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+kib = lambda k: int(status[k].split()[0]) / 1024
+steps = tokens - 1
+print(json.dumps({"tok_s": sorted(rates)[1], "runs": rates, "peak_rss_mib": kib("VmHWM"), "rss_mib": kib("VmRSS"),
+                  "anon_mib": kib("RssAnon"), "file_mib": kib("RssFile"),
+                  "ops": [[t, e, n, s * 1000 / steps] for (t, e, n), s in ops.items()]}))
+"""
+
+
+def fleet_cell(build: Path, threads: int, tokens: int, prompt: int, profile: bool) -> dict:
+    """Decode tok/s, memory and (``profile``) per-op ms per step of ``build`` in its own process."""
+    run = subprocess.run([sys.executable, "-c", FLEET_RUN, str(build), str(threads), str(tokens), str(prompt),
+                          "1" if profile else "0"], capture_output=True, text=True, cwd=ROOT)
+    if run.returncode:
+        raise RuntimeError(f"fleet run of {build} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _poll_peak(proc: subprocess.Popen, peak: list[float]) -> None:
+    while proc.poll() is None:
+        try:
+            for line in open(f"/proc/{proc.pid}/status"):
+                if line.startswith("VmHWM:"):
+                    peak[0] = max(peak[0], int(line.split()[1]) / 1024)
+        except OSError:
+            return
+        time.sleep(0.05)
+
+
+def llama_cell(gguf: Path, threads: int, tokens: int) -> dict:
+    """llama-bench's decode tok/s (``tg`` of ``tokens`` from an empty context) and its peak RSS."""
+    cmd = ["taskset", "-c", ",".join(map(str, range(threads))), str(llama_cpp_bin("llama-bench")), "-m", str(gguf),
+           "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3", "-o", "json"]  # -d crashes this build
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0.0]
+    poller = threading.Thread(target=_poll_peak, args=(proc, peak), daemon=True)
+    poller.start()
+    out, err = proc.communicate()
+    poller.join()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    rows = [r for r in json.loads(out) if r.get("n_gen")]
+    return {"tok_s": rows[0]["avg_ts"], "stddev": rows[0]["stddev_ts"], "peak_rss_mib": peak[0], "command": cmd}
+
+
+def role(name: str) -> str:
+    """The matrix role (q, k, ..., head) an FC node's name names, or ``other``."""
+    return next((r for key, r in ROLES.items() if key in name), "other")
+
+
+def profile_summary(ops: list) -> dict:
+    """ms per decode step by op type and, for FullyConnected, by matrix role; the FC kernels' exec types."""
+    by_type, by_role, execs = {}, {}, {}
+    for node_type, exec_type, name, ms in ops:
+        by_type[node_type] = by_type.get(node_type, 0.0) + ms
+        if node_type.startswith("FullyConnected"):
+            r = role(name)
+            by_role[r] = by_role.get(r, 0.0) + ms
+            execs[exec_type] = execs.get(exec_type, 0) + 1
+    top = dict(sorted(by_type.items(), key=lambda kv: -kv[1])[:8])
+    return {"total_ms": sum(by_type.values()), "by_type_ms": top, "fc_by_role_ms": by_role, "fc_exec_types": execs}
+
+
+def table(rows: list[dict]) -> str:
+    head = "| type | threads | fleet tok/s | llama.cpp tok/s | fleet ÷ llama.cpp | fleet peak RSS MiB | llama.cpp peak RSS MiB | RSS ÷ | stage bin MB |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        f, l = r["fleet"], r.get("llama_cpp") or {}
+        ratio = f"{f['tok_s'] / l['tok_s']:.2f}" if l else "–"
+        mem = f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–"
+        lines.append(f"| {r['type']} | {r['threads']} | {f['tok_s']:.1f} | {l.get('tok_s', float('nan')):.1f} | "
+                     f"{ratio} | {f['peak_rss_mib']:.0f} | {l.get('peak_rss_mib', float('nan')):.0f} | {mem} | "
+                     f"{r['bin_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def profile_lines(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        roles = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["fc_by_role_ms"].items(), key=lambda kv: -kv[1]))
+        types = ", ".join(f"{k} {v:.1f}" for k, v in p["by_type_ms"].items())
+        out.append(f"{r['type']} ({r['threads']} thr): {p['total_ms']:.1f} ms/step; by op: {types}; FC by role: "
+                   f"{roles}; FC kernels: {p['fc_exec_types']}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.2-1b", help=f"a real_gguf shape ({', '.join(real_gguf.SHAPES)}) "
+                        "or a GGUF file (then --types is that file's own type)")
+    parser.add_argument("--layers", type=int, help="layer count of a real_gguf shape (default: the model's)")
+    parser.add_argument("--types", default="Q4_K_M,Q4_0", help=f"comma-separated, of {', '.join(TYPES)}")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompt", type=int, default=8, help="context tokens before the timed decode")
+    parser.add_argument("--profile", action="store_true", help="also PERF_COUNT each fleet build (1 thread)")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--cache", type=Path, default=real_gguf.CACHE)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    files = {}
+    if Path(args.model).is_file():
+        files[Path(args.model).stem] = (Path(args.model), None)
+    else:
+        for t in args.types.split(","):
+            if t not in TYPES:
+                parser.error(f"unknown type {t!r}; known: {', '.join(TYPES)}")
+            gguf = real_gguf.ensure(args.model, "F16" if t in NNCF else t, args.layers, args.cache)
+            files[t] = (gguf, NNCF.get(t))
+    rows = []
+    for t, (gguf, weights) in files.items():
+        build = ensure_build(gguf, weights, args.cache / "builds")
+        bin_mb = sum(p.stat().st_size for p in build.glob("stage_*/*.bin")) / 1e6
+        for n in threads:
+            row = {"type": t, "threads": n, "gguf": str(gguf), "build": str(build), "bin_mb": bin_mb,
+                   "gguf_mb": gguf.stat().st_size / 1e6}
+            row["fleet"] = fleet_cell(build, n, args.tokens, args.prompt, False)
+            if not args.no_llama_cpp and weights is None:
+                row["llama_cpp"] = llama_cell(gguf, n, args.tokens)
+            if args.profile and n == 1:
+                row["profile"] = profile_summary(fleet_cell(build, 1, min(args.tokens, 21), args.prompt, True)["ops"])
+            del row["fleet"]["ops"]
+            rows.append(row)
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(f"\nkernel bench: {args.model}, {args.tokens} greedy tokens after {args.prompt}, nproc {os.cpu_count()}")
+    print(table(rows))
+    if args.profile:
+        print("\nper-op profile, ms per decode step:\n" + profile_lines(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"benchmark": "kernel_bench", "model": args.model, "tokens": args.tokens,
+                                         "prompt": args.prompt, "rows": rows, "machine": {
+                                             "nproc": os.cpu_count(), "platform": platform.platform()}}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
