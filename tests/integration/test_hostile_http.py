@@ -112,20 +112,31 @@ def test_renderer_neither_crashes_nor_stalls_on_crafted_text(browser, fleet):  #
         assert took[0] < RENDER_BUDGET_MS, f"{name}: {took[0]:.0f} ms"
 
 
+@pytest.fixture
+def page(browser, fleet):  # noqa: F811
+    """The open coordinator's page with an empty localStorage, emptied again afterwards (a test that fails
+    must not leave a conversation that breaks the next one's page)."""
+    browser.get(fleet["open"] + "/static/style.css")  # same origin, no page script running
+    browser.execute_script("localStorage.clear()")
+    browser.get_log("browser")  # drop what came before
+    yield browser
+    browser.get(fleet["open"] + "/static/style.css")
+    browser.execute_script("localStorage.clear()")
+
+
 def _stored_conversation(content: str) -> dict:
     return {"id": "c-hostile", "title": "hostile", "created": 1, "messages": [
         {"id": "m1", "role": "user", "content": "hi"},
         {"id": "m2", "role": "assistant", "content": content, "state": "done", "stats": {"ttft_ms": 5}}]}
 
 
-def test_a_saved_hostile_answer_does_not_break_the_page(browser, fleet):  # noqa: F811
+def test_a_saved_hostile_answer_does_not_break_the_page(page, fleet):
     """An answer of ">" x 20,000 saved in localStorage: the page still loads and shows it (it threw
     RangeError on every load, so the conversation could never be shown again)."""
-    open_page(browser, fleet["open"])
+    browser = page
     browser.execute_script("localStorage.setItem('fleet.conversations', JSON.stringify([arguments[0]]));"
                            "localStorage.setItem('fleet.current', JSON.stringify('c-hostile'));",
                            _stored_conversation(">" * 20000))
-    browser.get_log("browser")  # drop what came before
     open_page(browser, fleet["open"])
     shown = wait_until(lambda: browser.execute_script(
         "const m = document.querySelector('.message.assistant .content'); return m && m.innerHTML.length"),
@@ -133,12 +144,12 @@ def test_a_saved_hostile_answer_does_not_break_the_page(browser, fleet):  # noqa
     assert shown > 20000
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
-    browser.execute_script("localStorage.clear()")
 
 
 @pytest.mark.parametrize("stats", [{"tokens_per_s": "x"}, {"ttft_ms": {"a": 1}}, "fast", {"completion_tokens": None,
                                                                                          "approximate": "yes"}])
-def test_import_refuses_what_the_page_cannot_show(browser, fleet, tmp_path, stats):  # noqa: F811
+def test_import_refuses_what_the_page_cannot_show(page, fleet, tmp_path, stats):
+    browser = page
     open_page(browser, fleet["open"])
     conversation = _stored_conversation("fine")
     conversation["id"] = "c-bad-stats"
