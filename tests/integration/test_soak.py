@@ -10,6 +10,11 @@ for the full soak) of mixed lengths from several concurrent clients, half greedy
   to that prompt alone before the soak (workers at f32, one thread: exact whatever the batch or K).
 * Afterwards every stage holds exactly the sessions the coordinator's prefix cache retains, reserving no
   more KV than they hold, and the coordinator logged no traceback and no error.
+* Meanwhile one more client is hostile (issue 26 #1 and #3, ``hostile.py``): over and over it sends a
+  million one-letter messages, 100,000 empty ones and the heaviest chat the size checks let through, and
+  opens three non-streamed 3,000-token requests whose sockets it closes after a second. Each of its
+  requests must be refused as it should (413, 413, 400), and every other request that was not refused
+  must be answered within ``ON_TIME_S``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +35,9 @@ import pytest
 from coordinator.local import free_port
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.manifest import load_manifest
 from tests.conftest import DRAFTS, chat, greedy_with_gaps, retained_sessions, start_coordinator, start_worker, wait_ready
+from tests.integration.hostile import abandoned_requests, heaviest_legal_chat, many_messages, post, prompt_limits
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +52,7 @@ GREEDY = ("What is the capital of France?", "Name three colors of the rainbow.",
 GREEDY_TOKENS = 12
 NEAR_TIE = 1e-3  # top-two logprob gap of the solo runs: above it a greedy answer cannot flip (shifts <= ~6e-5)
 RETRY_WITHIN_S = 90  # a refused request is sent again (after 0.5, 1, 2, 2, ... s) for this long
+ON_TIME_S = 20  # a request answered at its first attempt took at most this (about 1-6 s here with 6 clients)
 
 
 def body_for(rng: random.Random) -> tuple[dict, str | None]:
@@ -70,11 +79,14 @@ def one_request(url: str, rng: random.Random, on_hang=lambda: "") -> tuple[list[
     deadline = time.monotonic() + RETRY_WITHIN_S
     while True:
         seen: list[str] = []  # what the client got before a hang: status, chunks
+        t0 = time.monotonic()
         try:
             outcome, fleet = _attempt(url, body, cancel_after, seen)
         except httpx.ReadTimeout:
             raise AssertionError(f"a request hung for 60 s after {seen}:\n{on_hang()}") from None
         outcomes.append(outcome)
+        if outcome == "done" and len(outcomes) == 1:
+            assert time.monotonic() - t0 < ON_TIME_S, f"a request took {time.monotonic() - t0:.1f} s: {seen}"
         if not outcome.startswith("refused") or time.monotonic() > deadline:
             return outcomes, greedy, fleet
         time.sleep(min(0.5 * 2 ** (len(outcomes) - 1), 2.0))
@@ -149,6 +161,35 @@ def solo_answers(url: str) -> tuple[dict[str, list[int]], float]:
     return out, smallest
 
 
+class HostileClient(threading.Thread):
+    """Issue 26 #1 and #3 over and over until ``stop``: each pattern's status is checked; ``sent`` counts them."""
+
+    def __init__(self, url: str, build) -> None:  # noqa: ANN001 - Path
+        super().__init__(daemon=True)
+        self.url, self.stop, self.sent, self.failures = url, threading.Event(), Counter(), []
+        limits = prompt_limits(build, load_manifest(build).manifest.architecture.max_context)
+        self.patterns = [("1,000,000 messages", many_messages(1_000_000), 413),
+                         ("100,000 empty messages", many_messages(100_000, ""), 413),
+                         ("the heaviest legal chat", heaviest_legal_chat(limits["bytes"], limits["overhead"]), 400)]
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for what, body, status in self.patterns:
+                try:
+                    r, took = post(self.url, body)
+                    if r.status_code != status:
+                        self.failures.append(f"{what}: HTTP {r.status_code} after {took:.1f} s: {r.text[:200]}")
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    self.failures.append(f"{what}: {exc!r}")
+                self.sent[what] += 1
+            try:
+                abandoned_requests(self.url, count=3, after_s=1.0)
+                self.sent["3 abandoned requests"] += 1
+            except OSError as exc:
+                self.failures.append(f"abandoned requests: {exc!r}")
+            self.stop.wait(1.0)
+
+
 def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path):
     w0, a0 = start_worker(build_2, 0, tmp_path, "--no-announce")
     port1 = free_port()
@@ -175,6 +216,8 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
         greedy_done = drafted = 0
         t0 = time.monotonic()
         pool = ThreadPoolExecutor(CLIENTS)
+        hostile = HostileClient(url, build_2)
+        hostile.start()
         try:
             futures = [pool.submit(one_request, url, random.Random(seed), on_hang) for seed in seeds]
             for i, future in enumerate(futures):
@@ -193,6 +236,11 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
                     print(f"soak: stage 1 killed after {i + 1} requests, serving again after {time.monotonic() - t1:.1f} s")
         finally:  # a failure here must not wait for the requests not yet sent (each retries for 90 s)
             pool.shutdown(wait=True, cancel_futures=True)
+            hostile.stop.set()
+            hostile.join(120)
+        print(f"soak: the hostile client sent {dict(hostile.sent)}")
+        assert not hostile.failures, hostile.failures[:5]
+        assert hostile.sent["3 abandoned requests"] > 0, hostile.sent
         elapsed = time.monotonic() - t0
         print(f"soak: {REQUESTS} requests in {elapsed:.0f} s: {dict(outcomes)}; attempts {dict(attempts)}; "
               f"{greedy_done} greedy answers equal to their solo runs; {drafted} tokens drafted")
