@@ -78,8 +78,8 @@ class PromptPreparer:
         their UTF-8 bytes plus the template's ``message_overhead`` per message exceed ``byte_limit``."""
         size = sum(len(m["content"].encode("utf-8")) for m in messages) + self.message_overhead * len(messages)
         if size > self.byte_limit:
-            overhead = f" (with the chat template's {self.message_overhead} bytes per message)" if self.message_overhead \
-                else ""
+            each = self.message_overhead
+            overhead = f" (with the chat template's {each} bytes per message)" if each else ""
             raise self._too_long(f"{len(messages)} messages are{overhead}", size, "messages")
 
     async def chat(self, messages: list[dict]) -> list[int]:
