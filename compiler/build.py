@@ -285,6 +285,7 @@ def build(
     ratio: float | None = None,
     draft_weights: str = "fp16",
     progress: bool = False,
+    exact_blocks: bool = False,
 ) -> Manifest:
     """Build ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
@@ -295,6 +296,8 @@ def build(
     ``stage_weights`` (``"0=int8,1=int4"``) names its own; int4 and int8 take the model's size
     class defaults, overridden by ``symmetric``, ``group_size`` and ``ratio`` (int4 only) where not
     None; model drafts store ``draft_weights`` the same way. ``progress``: a progress bar on stderr.
+    ``exact_blocks`` (a GGUF): every kept block type as the file has it, Q6_K included (compiler/gguf.py
+    ``NEAR``: by default Q6_K is re-quantized to int8 per 32, near-exact and faster).
     Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
     for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
     file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
@@ -310,6 +313,8 @@ def build(
         raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
     with tempfile.TemporaryDirectory() as tmp:
         source = open_source(Path(src), Path(tmp))
+        if source.gguf:
+            source.weights.exact = exact_blocks
         cfg = source.config
         for spec in drafts:
             check_self_draft(spec, cfg)

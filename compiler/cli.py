@@ -22,8 +22,11 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weights", "NNCF weight compression (compiler/compress.py); int4 defaults depend on the "
                                         "model's size: asymmetric, group 32, ratio 0.8 under 1B parameters")
     g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's; a "
-                                                     ".gguf keeps its Q8_0/Q4_0/Q4_1 blocks as they are)")
+                                                     ".gguf keeps its Q8_0/Q4_0/Q4_1/Q4_K blocks as they are)")
     g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
+    g.add_argument("--exact-blocks", action="store_true",
+                   help="a .gguf's Q6_K blocks kept exactly (int8 per 16: ~1.3x slower per weight) instead of "
+                        "re-quantized to int8 per 32 (the default; its error: README 'On a model of real size')")
     g.add_argument("--draft-weights", default="fp16", choices=FORMATS,
                    help="weights of model drafts (self-int4 and self-int8 are compressed as named)")
     g.add_argument("--group-size", type=int, help="int4: weights sharing one scale (-1: one per output channel)")
@@ -90,7 +93,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, model_id=located.model_id,
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
-                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty())
+                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(),
+                     exact_blocks=args.exact_blocks)
     if devices is not None:
         from fleet_common.manifest import load_manifest
 

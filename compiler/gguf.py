@@ -18,9 +18,15 @@ Q4_0   32: f16 d, 16 B of nibbles: w = (q - 8) d        i4 (q - 8) x d
 Q4_1   32: f16 d, f16 m, 16 B of nibbles: w = q d + m   u4 q x d, offset m
 Q4_K   256: f16 d, dmin; 8 x 6-bit (sc, m); nibbles:    u4 q per 32 x d sc, offset -dmin m
        w = d sc q - dmin m
-Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc
-       w = d sc (q - 32)
+Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc (exact); by default
+       w = d sc (q - 32)                                re-quantized to i8 per 32 x max|w|/127 f32
 =====  ===============================================  ======================================
+
+Q6_K's groups of 16 are too small for the CPU plugin's fast kernels (those need groups of 32 or more): kept
+exactly they ran ~1.3x slower per weight than i8 per 32 (bench/kernel_bench.py). By default (``exact=False``,
+``fleet-compiler build`` without ``--exact-blocks``) Q6_K is re-quantized from its exact values to int8 per 32
+(``requantize_i8``): a second rounding 4x finer than Q6_K's own (README "On a model of real size" gives its
+measured error).
 
 GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
@@ -58,8 +64,9 @@ GGUF_LAYER_TO_HF = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
-GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16}  # weights per scale as kept
-STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8"}  # OpenVINO type of the values
+NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
+GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32}  # weights per scale
+STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q6_K~i8g32": "i8"}  # OpenVINO types
 WITH_OFFSET = ("Q4_1", "Q4_K")  # w = q * scale + offset per group (export.py: a second, small product)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
 ROW_BLOCK_BYTES = 32 << 20
@@ -118,10 +125,11 @@ class GGUFWeights:
     plus ``kind``/``blocks`` for kept quantized blocks). ``config`` is the HF config dict built from the
     metadata (``gguf_config``)."""
 
-    def __init__(self, path: Path, reader, config: dict) -> None:  # noqa: ANN001
+    def __init__(self, path: Path, reader, config: dict, exact: bool = False) -> None:  # noqa: ANN001
         import gguf
 
         self.folder = Path(path)
+        self.exact = exact  # every kept type as the file has it; else NEAR's types re-quantized (near-exact)
         permuted = config["model_type"] == "llama"
         self.tensors: dict[str, _Tensor] = {}
         skipped = {}
@@ -149,8 +157,11 @@ class GGUFWeights:
         return name in self.tensors
 
     def kind(self, name: str) -> str:
-        """How the builder stores ``name``: a kept block type (``KEPT``), ``"f32"`` or ``"f16"``."""
+        """How the builder stores ``name``: a kept block type (``KEPT``), its near-exact form (``NEAR``, unless
+        ``exact``), ``"f32"`` or ``"f16"``."""
         qtype = self.tensors[name].qtype
+        if qtype in NEAR and not self.exact:
+            return NEAR[qtype]
         return qtype if qtype in KEPT else "f32" if qtype == "F32" else "f16"
 
     def check(self, expected: dict[str, tuple[int, ...]], where: str = "GGUF metadata") -> None:
@@ -231,8 +242,23 @@ class GGUFWeights:
             qh = qh.reshape(n, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
             qh = (qh & 0x03).reshape(n, blocks, 8, 32)
             q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, blocks * 16, 16)
-            return QuantRows("Q6_K", q, (d[..., None] * sc).reshape(n, -1), None)
+            scale = (d[..., None] * sc).reshape(n, -1)
+            if self.exact:
+                return QuantRows("Q6_K", q, scale, None)
+            return requantize_i8(NEAR["Q6_K"], q.astype(np.float32) * scale[..., None], GROUP[NEAR["Q6_K"]])
         raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
+
+
+def requantize_i8(kind: str, weights: np.ndarray, group: int) -> QuantRows:
+    """Exact dequantized weights [rows, groups, g] re-quantized to int8 per ``group`` (round to nearest,
+    scale = max |w| / 127 in f32): the near-exact form of a type whose own groups are too small for the
+    plugin's fast kernels."""
+    rows = weights.shape[0]
+    w = weights.reshape(rows, -1, group)
+    scale = np.abs(w).max(axis=-1) / np.float32(127)
+    safe = np.where(scale == 0, np.float32(1), scale)
+    q = np.clip(np.rint(w / safe[..., None]), -127, 127).astype(np.int8)
+    return QuantRows(kind, q, scale.astype(np.float32), None)
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:

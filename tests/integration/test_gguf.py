@@ -190,7 +190,7 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, demo_gguf)
-    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4")
+    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4", "--exact-blocks")
     kinds = {}
     for stage in manifest["stages"]:
         assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
@@ -215,7 +215,7 @@ def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
     from compiler.source import read_gguf
 
     reader, _, config = read_gguf(path)
-    weights = GGUFWeights(path, reader, config)
+    weights = GGUFWeights(path, reader, config, exact=True)
     seen = set()
     for name in weights.tensors:
         if weights.kind(name) in ("f16", "f32"):
@@ -232,6 +232,37 @@ def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
             assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max()), name
         seen.add(q.kind)
     assert seen == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}, seen
+
+
+def test_near_exact_q6_k_is_int8_per_32_within_half_a_step(demo_gguf, tmp_path):
+    """By default Q6_K is re-quantized to int8 per 32 (compiler/gguf.py ``NEAR``): every weight within half an
+    int8 step (max |w| / 254 of its group of 32) of gguf-py's dequantization, the manifest names the form, and
+    the build's logits stay within 2% of the exact build's logit range with the same argmax almost everywhere."""
+    from compiler.gguf import NEAR, GGUFWeights
+    from compiler.source import read_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, demo_gguf)
+    reader, _, config = read_gguf(path)
+    weights = GGUFWeights(path, reader, config)
+    names = [n for n in weights.tensors if weights.tensors[n].qtype == "Q6_K"]
+    assert names and all(weights.kind(n) == NEAR["Q6_K"] for n in names)
+    for name in names:
+        shape = weights.shape(name)
+        q = weights.blocks(name, (0, shape[0]))
+        assert q.values.dtype == np.int8 and q.values.shape[-1] == 32 and q.offset is None
+        ours = q.values.astype(np.float32) * q.scale[..., None]
+        theirs = weights.tensor(name, out=np.empty(shape, np.float32)).reshape(ours.shape)
+        step = np.abs(theirs).max(axis=-1, keepdims=True) / 127
+        assert (np.abs(ours - theirs) <= step / 2 * (1 + 1e-5) + 1e-12).all(), name
+    near = build(path, tmp_path / "near", "--shards", "2")
+    assert sum(s["compression"]["tensors"].get(NEAR["Q6_K"], 0) for s in near["stages"]) == len(names)
+    build(path, tmp_path / "exact", "--shards", "2", "--exact-blocks")
+    ids = np.random.default_rng(1).integers(0, 49152, SEQ)
+    garbage = np.random.default_rng(2).integers(0, 49152, 16)
+    got, exact = (chained_logits(tmp_path / b, ids, garbage) for b in ("near", "exact"))
+    assert np.abs(got - exact).max() < 0.02 * np.ptp(exact, axis=-1).min(), np.abs(got - exact).max()
+    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
 
 
 @pytest.mark.parametrize("stages", [2, 3])
