@@ -41,8 +41,9 @@ TYPES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "int8", "int
 NNCF = {"int8": "int8", "int4": "int4"}  # built from the F16 file with --weights
 COMPILER_FILES = ("export.py", "gguf.py", "source.py", "compress.py", "build.py")
 BIN = Path(sys.executable).parent
-ROLES = {"attn_q": "q", "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-         "up_proj": "up", "down_proj": "down", "lm_head": "head", "embed_tokens": "head"}
+ROLES = {"/offset/": "offsets (Q4_K, Q4_1)", "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+         "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "lm_head": "head", "embed_tokens": "head"}
+# compiler/export.py name_products names each MatMul after its weight: model.layers.3.mlp.down_proj.weight/matmul
 
 
 def llama_cpp_bin(name: str) -> Path:

@@ -376,6 +376,20 @@ def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:
     return op.select(visible, _f32(0.0), _f32(MASK_MIN)).output(0)
 
 
+def name_products(model: ov.Model) -> None:
+    """Name every MatMul whose weight comes from a named constant after that weight (``model.layers.3.mlp.
+    down_proj.weight/matmul``; its offset product ``.../offset/matmul``), so a per-op profile (``PERF_COUNT``)
+    says which matrix each FullyConnected is (bench/kernel_bench.py)."""
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "MatMul":
+            continue
+        source = node.input(1).get_source_output().get_node()
+        while source.get_type_name() in ("Reshape", "Multiply", "Subtract", "Convert"):
+            source = source.input(0).get_source_output().get_node()
+        if source.get_input_size() == 0 and source.get_type_name() != "Parameter":  # a (postponed) constant
+            node.set_friendly_name(f"{source.get_friendly_name()}/matmul")
+
+
 def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
     param = op.parameter(ov.PartialShape(shape), dtype, name=name)
     param.output(0).get_tensor().set_names({name})
@@ -435,6 +449,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     result = op.result(x)
     result.output(0).get_tensor().set_names({"logits" if stage.last else "hidden_states"})
     model = ov.Model([result], sinks, params, f"stage_{stage.index}")
+    name_products(model)
     model.set_rt_info(kv_cache_precision, ["runtime_options", "KV_CACHE_PRECISION"])
     model._fleet_weights = weights  # keeps the postponed constants' Python objects alive with the model
     log.info("stage %d: layers [%d, %d) built", stage.index, stage.start, stage.end)
