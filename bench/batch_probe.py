@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages import
 
 import openvino as ov  # noqa: E402
 
-from bench.decode_bench import ensure_build  # noqa: E402
+from bench.models import ensure_build  # noqa: E402
 from fleet_common.runtime import compile_ir  # noqa: E402
 
 VOCAB = 49152

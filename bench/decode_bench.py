@@ -1,4 +1,4 @@
-"""Single-user decode speed of the demo model: fleet (1, 2, 3 stages) vs the whole model, side by side.
+"""Single-user decode speed of a model (the demo by default): fleet (1, 2, 3 stages) vs the whole model, side by side.
 
 All rows come from ONE run (same chat prompts, greedy, ``ignore_eos``, same token count, default
 precision and OpenVINO's default thread count everywhere), so their ratios are comparable:
@@ -15,7 +15,13 @@ Configs are set up and warmed up first, then prompts run round-robin across conf
 from other processes hits all rows alike; a cell is the median over prompts. The JSON holds every
 run, the load average per round and machine facts.
 
-    python bench/decode_bench.py [--json PATH] [--tokens 128] [--prompts 3] [--quick] [--hf DIR] [--cache DIR]
+``--model PATH`` (bench/models.py): a GGUF file or an HF folder, built into ``--cache`` per stage count, or a
+fleet build used as it is (then ``--stages`` defaults to its own count, and the whole-model row needs it to be a
+1-stage build). The GenAI row needs an HF folder (the demo's, or ``--model``'s); for a GGUF or a build it is left
+out, with a note.
+
+    python bench/decode_bench.py [--model PATH] [--stages 1,2,3] [--json PATH] [--tokens 128] [--prompts 3]
+                                 [--quick] [--hf DIR] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
 
+from bench import models  # noqa: E402
+from bench.models import build_dir  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
 from coordinator.tokenizer import ChatTokenizer  # noqa: E402
 
@@ -97,25 +105,10 @@ def messages(prompt: str) -> list[dict]:
 
 # ---------------------------------------------------------------- inputs, cached between runs
 
-def ensure_build(hf: Path, cache: Path, shards: int, layers: str | None = None) -> Path:
-    """The demo built into ``cache`` (default split, or explicit ``layers``), built once per exporter
-    version (a hash of the compiler's export, build and plan code is part of the folder name)."""
-    import hashlib
-
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted((ROOT / "compiler").glob("*.py"))))
-    name = f"smollm2-{shards}stage" + (f"-{layers.replace(':', '_').replace(',', '-')}" if layers else "")
-    out = cache / f"{name}-{key.hexdigest()[:8]}"
-    if not (out / "manifest.json").is_file():
-        from compiler.build import build
-
-        print(f"building {shards}-stage model into {out} ...", flush=True)
-        build(hf, out, shards=shards, layers=layers)
-    return out
-
-
 def ensure_genai_folder(hf: Path, cache: Path) -> Path:
-    """Optimum-style folder for ``LLMPipeline``: whole model with [B, S, V] logits + OV tokenizers."""
-    out = cache / "genai"
+    """Optimum-style folder for ``LLMPipeline`` of HF folder ``hf``: whole model with [B, S, V] logits + OV
+    tokenizers, in ``cache`` once per compiler version and source (named as bench/models.py names builds)."""
+    out = cache / f"genai-{build_dir(hf, cache, 1).name}"
     if all((out / name).is_file() for name in GENAI_FILES):
         return out
     from openvino_tokenizers import convert_tokenizer
@@ -126,7 +119,8 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
     print(f"exporting the GenAI folder into {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(hf / name, out / name)
+        if (hf / name).is_file():  # generation_config.json is optional
+            shutil.copy2(hf / name, out / name)
     save_whole_model(hf, out / "openvino_model.xml", logits_index_input=False)
     tokenizer, detokenizer = convert_tokenizer(AutoTokenizer.from_pretrained(hf), with_detokenizer=True)
     ov.save_model(tokenizer, out / "openvino_tokenizer.xml")
@@ -183,11 +177,12 @@ def stream_chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> Run
             event = json.loads(line[len("data: "):])
             if "error" in event:
                 raise RuntimeError(f"stream failed: {event['error']}")
-            if "usage" in event:
+            choice = (event.get("choices") or [{}])[0]  # the usage chunk has no choices; others say "usage": null
+            if event.get("usage"):
                 final = event
-            elif event["choices"][0]["finish_reason"] is not None:
+            elif choice.get("finish_reason") is not None:
                 end = time.perf_counter()
-            elif content := event["choices"][0]["delta"].get("content"):
+            elif content := choice.get("delta", {}).get("content"):
                 first = first or time.perf_counter()
                 text.append(content)
     n = final.get("usage", {}).get("completion_tokens", 0)
@@ -322,8 +317,61 @@ def table(cells: list[Cell], reference: float | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def configs(model: models.Model, cache: Path, stages: list[int]) -> tuple[dict[int, Path], Path | None, list[str]]:
+    """The builds by stage count (1-stage too where one can be had: the whole-model row), the GenAI folder
+    (HF folders only) and a note for each row left out."""
+    builds = models.builds(model, cache, stages, optional=(1,))
+    notes = [] if 1 in builds else [f"whole-model row left out: {model.path} is a {model.stages}-stage build "
+                                    "(the row runs a 1-stage one)"]
+    genai = ensure_genai_folder(model.path, cache) if model.kind == "hf" else None
+    if genai is None:
+        notes.append(f"GenAI row left out: it exports an HF folder, and --model is a {model.kind}")
+    return builds, genai, notes
+
+
+def setups(stack: ExitStack, builds: dict[int, Path], stages: list[int], genai: Path | None, prompts: list[str],
+           prompt_ids: list[list[int]], tokens: int, logs: Path) -> list[tuple[Cell, Callable[[], tuple[dict, Runner]]]]:
+    """Each row's cell and setup: the whole model (with a 1-stage build), fleets, GenAI (with its folder)."""
+    rows: list[tuple[Cell, Callable[[], tuple[dict, Runner]]]] = []
+    if 1 in builds:
+        rows.append((Cell("whole-model (OpenVINO, 1 process)", 1), lambda: whole_runner(builds[1], prompt_ids, tokens)))
+    rows += [(Cell(f"fleet {n}-stage", n), lambda n=n: fleet_runner(stack, builds[n], n, prompts, tokens, logs))
+             for n in stages]
+    if genai is not None:
+        tokenizer = ChatTokenizer(next(iter(builds.values())))
+        texts = [tokenizer.render_chat(messages(p)) for p in prompts]
+        rows.append((Cell("OpenVINO GenAI LLMPipeline", 1), lambda: genai_runner(genai, texts, prompt_ids, tokens)))
+    return rows
+
+
+def write_json(path: Path, model: models.Model, tokens: int, prompts: list[str], cells: list[Cell],
+               reference: float | None, same: dict, loadavg: list[dict], notes: list[str]) -> None:
+    core = ov.Core()
+    report = {
+        "benchmark": "decode_bench", "model": model.name, "model_path": str(model.path), "model_kind": model.kind,
+        "tokens": tokens, "prompts": prompts, "notes": notes,
+        "decode": "median over prompts of (completion_tokens - 1) / seconds after the first token",
+        "machine": {"nproc": os.cpu_count(), "cpu": core.get_property("CPU", "FULL_DEVICE_NAME"),
+                    "cpu_capabilities": core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
+                    "platform": platform.platform(), "openvino": ov.get_version()},
+        "loadavg_per_round": loadavg,
+        "cells": [{**asdict(c), "decode_tok_s": c.decode_tok_s, "ttft_ms": c.ttft_ms,
+                   "same_text_as_whole_model": same.get(c.config),
+                   "tpot_ms": 1000 / c.decode_tok_s if c.decode_tok_s else None,
+                   "ratio_vs_whole_model": c.decode_tok_s / reference if c.decode_tok_s and reference else None}
+                  for c in cells],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.interleave_bench import counts
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    models.add_model_option(parser)
+    parser.add_argument("--stages", type=counts, help="fleet stage counts (default 1,2,3; a build: its own)")
     parser.add_argument("--json", type=Path, help="write every cell with its config here")
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
     parser.add_argument("--prompts", type=int, default=3, help=f"prompts per cell (1..{len(PROMPTS)})")
@@ -331,57 +379,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf", type=Path, help="demo HF folder (default: fetched into CACHE/SmolLM2-135M-Instruct)")
     parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench", help="builds are cached here")
     args = parser.parse_args(argv)
-    tokens, n_prompts = (16, 1) if args.quick else (args.tokens, args.prompts)
-    if tokens < 2 or not 1 <= n_prompts <= len(PROMPTS):
+    args.tokens, args.prompts = (16, 1) if args.quick else (args.tokens, args.prompts)
+    if args.tokens < 2 or not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"need --tokens >= 2 and 1 <= --prompts <= {len(PROMPTS)}")
+    if args.model is not None:
+        args.stages = models.stage_counts(args.model, args.stages, [1, 2, 3])
+        try:
+            models.check_stages(args.model, args.stages)
+        except models.ModelError as exc:
+            parser.error(str(exc))
+    args.stages = args.stages or [1, 2, 3]
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokens, n_prompts = args.tokens, args.prompts
     # SIGTERM (e.g. a timeout wrapper) must unwind like Ctrl-C so the coordinators get stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    from compiler.source import fetch_demo
-
     cache = args.cache.resolve()
     (cache / "logs").mkdir(parents=True, exist_ok=True)
-    hf = fetch_demo(args.hf or cache / "SmolLM2-135M-Instruct")
-    builds = {n: ensure_build(hf, cache, n) for n in (1, 2, 3)}
-    genai_dir = ensure_genai_folder(hf, cache)
+    model = models.from_args(args.model, cache, args.hf)
+    builds, genai_dir, notes = configs(model, cache, args.stages)
     prompts = list(PROMPTS[:n_prompts])
-    tokenizer = ChatTokenizer(builds[1])
-    texts = [tokenizer.render_chat(messages(p)) for p in prompts]
-    prompt_ids = [tokenizer.encode(t) for t in texts]
-    print(f"decode bench: {tokens} tokens x {n_prompts} prompt(s), nproc {os.cpu_count()}, "
-          f"openvino {ov.get_version()}", flush=True)
-
-    cells = [Cell("whole-model (OpenVINO, 1 process)", 1), *(Cell(f"fleet {n}-stage", n) for n in (1, 2, 3)),
-             Cell("OpenVINO GenAI LLMPipeline", 1)]
+    tokenizer = ChatTokenizer(next(iter(builds.values())))
+    prompt_ids = [tokenizer.encode(tokenizer.render_chat(messages(p))) for p in prompts]
+    print(f"decode bench: {model.name}, {tokens} tokens x {n_prompts} prompt(s), stages {args.stages}, "
+          f"nproc {os.cpu_count()}, openvino {ov.get_version()}", flush=True)
     with ExitStack() as stack:  # stops every coordinator (and its workers) however we leave
-        setups = [lambda: whole_runner(builds[1], prompt_ids, tokens),
-                  *(lambda n=n: fleet_runner(stack, builds[n], n, prompts, tokens, cache / "logs") for n in (1, 2, 3)),
-                  lambda: genai_runner(genai_dir, texts, prompt_ids, tokens)]
-        loadavg = measure(list(zip(cells, setups)), n_prompts)
-    reference = cells[0].decode_tok_s
+        rows = setups(stack, builds, args.stages, genai_dir, prompts, prompt_ids, tokens, cache / "logs")
+        cells = [cell for cell, _ in rows]
+        loadavg = measure(rows, n_prompts)
+    whole = cells[0] if cells[0].config.startswith("whole-model") else None
+    reference = whole.decode_tok_s if whole else None
     print("\n" + table(cells, reference))
+    for note in notes:
+        print(f"note: {note}")
     # Same prompts, greedy: a row whose text differs did different work (or rounds differently, e.g. bf16).
-    same = {c.config: [r.text == w.text for r, w in zip(c.runs, cells[0].runs)] for c in cells[1:]}
+    same = {c.config: [r.text == w.text for r, w in zip(c.runs, whole.runs)] for c in cells[1:]} if whole else {}
     if differ := [name for name, flags in same.items() if not all(flags)]:
         print(f"note: completions differ from the whole model's in: {', '.join(differ)}")
     if args.json:
-        core = ov.Core()
-        report = {
-            "benchmark": "decode_bench", "model": "SmolLM2-135M-Instruct", "tokens": tokens, "prompts": prompts,
-            "decode": "median over prompts of (completion_tokens - 1) / seconds after the first token",
-            "machine": {"nproc": os.cpu_count(), "cpu": core.get_property("CPU", "FULL_DEVICE_NAME"),
-                        "cpu_capabilities": core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
-                        "platform": platform.platform(), "openvino": ov.get_version()},
-            "loadavg_per_round": loadavg,
-            "cells": [{**asdict(c), "decode_tok_s": c.decode_tok_s, "ttft_ms": c.ttft_ms,
-                       "same_text_as_whole_model": same.get(c.config),
-                       "tpot_ms": 1000 / c.decode_tok_s if c.decode_tok_s else None,
-                       "ratio_vs_whole_model": c.decode_tok_s / reference if c.decode_tok_s and reference else None}
-                      for c in cells],
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+        write_json(args.json, model, tokens, prompts, cells, reference, same, loadavg, notes)
     return 0 if all(c.decode_tok_s for c in cells) else 1
 
 

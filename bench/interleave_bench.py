@@ -1,5 +1,5 @@
 """Many users on one fleet: aggregate and per-user decode tokens/s and TTFT for 1, 2, 4, 8 concurrent
-users on 1-, 2- and 3-stage fleets of the demo model, beside the whole model in one process.
+users on 1-, 2- and 3-stage fleets of a model (the demo by default), beside the whole model in one process.
 
 Each worker is pinned to its own core (``taskset``, core = stage mod nproc) with one inference
 thread, standing in for separate PCs; the coordinator is not pinned. The baseline is the 1-stage
@@ -17,13 +17,17 @@ Each fleet runs twice: ``interleave`` (``--max-batch 1``: every session its own 
 different users overlap across the stages) and ``batch groups`` (the default: sessions of a group
 share one infer call per stage, and groups interleave).
 
-    python bench/interleave_bench.py [--json PATH] [--tokens 64] [--users 1,2,4,8] [--stages 1,2,3]
+    python bench/interleave_bench.py [--model PATH] [--json PATH] [--tokens 64] [--users 1,2,4,8] [--stages 1,2,3]
 
-``--llama-cpp`` runs instead the fleet against llama.cpp's RPC fleet on the demo's Q4_1 GGUF, 2 stages,
-1, 2 and 4 users, fleet ÷ llama.cpp per cell (bench/llama_cpp.py; build llama.cpp once with
-bench/build_llama_cpp.sh):
+``--model PATH`` (bench/models.py): a GGUF file or an HF folder, built into ``--cache`` per stage count (and
+the 2-stage even split), or a fleet build used as it is: ``--stages`` then defaults to its own count, and the
+baseline (a 1-stage build), the even split and the fairness runs (2 stages) run only where it has them.
 
-    python bench/interleave_bench.py --llama-cpp [--llama-cpp-bin DIR] [--repeats 5] [--json PATH]
+``--llama-cpp`` runs instead the fleet against llama.cpp's RPC fleet on one GGUF (the demo's Q4_1, or
+``--model FILE.gguf``: llama.cpp needs a GGUF, and the fleet is built from the same file), 2 stages, 1, 2 and
+4 users, fleet ÷ llama.cpp per cell (bench/llama_cpp.py; build llama.cpp once with bench/build_llama_cpp.sh):
+
+    python bench/interleave_bench.py --llama-cpp [--model FILE.gguf] [--llama-cpp-bin DIR] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ import httpx  # noqa: E402
 import openvino as ov  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.decode_bench import ensure_build, wait_healthy  # noqa: E402
+from bench import models  # noqa: E402
+from bench.decode_bench import wait_healthy  # noqa: E402
+from bench.models import counts, positive_int  # noqa: E402, F401 - argparse types, also hop_overhead's
 from bench.spec_bench import start, start_pinned_worker  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
 
@@ -273,8 +279,8 @@ def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, lo
 def add_llama_cpp_options(parser: argparse.ArgumentParser) -> None:
     """The ``--llama-cpp`` comparison's options (bench/llama_cpp.py runs it)."""
     parser.add_argument("--llama-cpp", action="store_true",
-                        help="instead: the fleet against llama.cpp's RPC fleet on the demo's Q4_1 GGUF, 2 stages "
-                        "(bench/llama_cpp.py; build llama.cpp first with bench/build_llama_cpp.sh)")
+                        help="instead: the fleet against llama.cpp's RPC fleet on the same GGUF (the demo's Q4_1, or "
+                        "--model FILE.gguf), 2 stages (bench/llama_cpp.py; build llama.cpp with bench/build_llama_cpp.sh)")
     parser.add_argument("--llama-cpp-bin", type=Path, metavar="DIR", default=None,
                         help="folder with llama-server and rpc-server (default: bench/build_llama_cpp.sh's)")
     parser.add_argument("--llama-cpp-single", action="store_true",
@@ -284,44 +290,80 @@ def add_llama_cpp_options(parser: argparse.ArgumentParser) -> None:
                         "paired ratio are kept")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def counts(text: str) -> list[int]:
-    """argparse type: comma-separated integers >= 1 (``"1,2,4"``)."""
-    return [positive_int(part) for part in text.split(",")]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's options; ``users`` resolved to its default (1,2,4,8, or 1,2,4 with ``--llama-cpp``).
     Exits with argparse's usage error for a bad value."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    models.add_model_option(parser)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tokens", type=positive_int, default=64)
     parser.add_argument("--users", type=counts,
                         help="concurrent users per cell (default 1,2,4,8; with --llama-cpp 1,2,4)")
-    parser.add_argument("--stages", type=counts, default=[1, 2, 3])
+    parser.add_argument("--stages", type=counts, help="fleet stage counts (default 1,2,3; a build: its own)")
     parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
     add_llama_cpp_options(parser)
     parser.add_argument("--modes", default=",".join(MODES), help="fleet modes to run")
     parser.add_argument("--no-fairness", action="store_true", help="skip the long-prompt fairness runs")
-    parser.add_argument("--no-even", action="store_true", help="skip the 2-stage even-split (15+15 layers) runs")
+    parser.add_argument("--no-even", action="store_true", help="skip the 2-stage even-split runs (equal layer counts, e.g. 15+15)")
     args = parser.parse_args(argv)
     args.users = args.users or ([1, 2, 4] if args.llama_cpp else [1, 2, 4, 8])
+    args.stages = models.stage_counts(args.model, args.stages, [1, 2, 3]) if args.model else args.stages or [1, 2, 3]
+    try:
+        if args.llama_cpp and args.model:
+            models.require_gguf(args.model, "--llama-cpp")
+        elif args.model:
+            models.check_stages(args.model, args.stages)
+    except models.ModelError as exc:
+        parser.error(str(exc))
     return args
+
+
+def run_fleets(model: models.Model, builds: dict[int, Path], args: argparse.Namespace, logs: Path) -> list[dict]:
+    """Every fleet cell: each stage count in each mode, and (2 stages, from a source) the even split."""
+    cells = []
+    for stages in args.stages:
+        for mode in args.modes.split(","):
+            if mode:
+                cells += fleet_cells(builds[stages], stages, args.users, args.tokens, logs, mode)
+        if stages == 2 and not args.no_even and model.kind != "build":  # the split before the LM head counted
+            layers = models.even_split(builds[2])
+            even = models.ensure_build(model.path, args.cache.resolve(), 2, layers)
+            split = "+".join(str(int(b) - int(a)) for a, b in (r.split(":") for r in layers.split(",")))
+            for cell in fleet_cells(even, 2, args.users, args.tokens, logs, "batch groups"):
+                cells.append({**cell, "mode": f"batch groups, even split {split}"})
+    return cells
+
+
+def print_tables(base: dict | None, cells: list[dict], fairness: list[dict]) -> None:
+    """The cells beside the baseline (its ratios left out without one), the fairness runs and the targets."""
+    ref = base["decode_tok_s"] if base else None
+    def times(x: float) -> str:
+        return f"{x / ref:>10.2f}" if ref else f"{'-':>10}"
+    lines = [f"{'config':<36} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
+             f"{'TTFT ms':>8} | {'cpu bound x':>11}", "-" * 116]
+    if base:
+        lines.append(f"{'whole model, 1 core':<36} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | "
+                     f"{base['ttft_ms']:>8.0f} |")
+    for c in cells:
+        name = f"fleet {c['stages']}-stage, {c['mode']}"
+        lines.append(f"{name:<36} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | {times(c['aggregate_tok_s'])} | "
+                     f"{c['per_user_tok_s']:>14.1f} | {c['ttft_ms']:>8.0f} | {times(c['cpu_bound_tok_s']):>11}")
+    print("\n" + "\n".join(lines))
+    if fairness:
+        print(f"\n{'2-stage, 3 decoding + 1 long prompt':<36} | {'newcomer TTFT ms':>16} | {'decoders median gap ms':>22} | "
+              f"{'longest gap during its prefill ms':>33}")
+        for f in fairness:
+            print(f"{'--prefill-chunk ' + str(f['prefill_chunk']):<36} | {f['newcomer_ttft_ms']:>16.0f} | "
+                  f"{f['decoder_gap_p50_ms']:>22.0f} | {f['decoder_max_gap_during_prefill_ms']:>33.0f}")
+    for c in cells if ref else []:
+        if c["stages"] == 2 and c["users"] in (2, 4):
+            goal = 1.8 if c["users"] == 2 else 1.9
+            print(f"target: 2 stages, {c['mode']}, {c['users']} users = {c['aggregate_tok_s'] / ref:.2f}x baseline "
+                  f"(goal >= {goal}x; this machine's CPU bound for the cell: {c['cpu_bound_tok_s'] / ref:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    users_list, stage_list = args.users, args.stages
     if args.llama_cpp:
         from bench.llama_cpp import DEFAULT_BIN, binaries
 
@@ -330,58 +372,32 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:
             print(f"interleave_bench: {exc}", file=sys.stderr)
             return 2
-    from compiler.source import fetch_demo
-
     cache = args.cache.resolve()
-    (cache / "logs").mkdir(parents=True, exist_ok=True)
-    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     if args.llama_cpp:
-        from bench.llama_cpp import compare
+        from bench.llama_cpp import compare, demo_gguf
 
-        return compare(hf, cache, users_list, args.tokens, args)
-    builds = {n: ensure_build(hf, cache, n) for n in sorted({1, *stage_list})}
-    print(f"interleave bench: {args.tokens} tokens per user, users {users_list}, stages {stage_list}, "
+        gguf = args.model.path if args.model else demo_gguf(models.from_args(None, cache).path)
+        return compare(gguf, cache, args.users, args.tokens, args)
+    model = models.from_args(args.model, cache)
+    builds = models.builds(model, cache, args.stages, optional=(1,) if args.no_fairness else (1, 2))
+    print(f"interleave bench: {model.name}, {args.tokens} tokens per user, users {args.users}, stages {args.stages}, "
           f"nproc {os.cpu_count()}", flush=True)
-    base = baseline(builds[1], args.tokens)
-    print(f"  whole model, 1 process, 1 core, 1 user: {base['decode_tok_s']:.1f} tok/s, TTFT {base['ttft_ms']:.0f} ms",
-          flush=True)
-    cells = []
-    for stages in stage_list:
-        for mode in args.modes.split(","):
-            if mode:
-                cells += fleet_cells(builds[stages], stages, users_list, args.tokens, cache / "logs", mode)
-        if stages == 2 and not args.no_even:  # the split before the compiler counted the LM head
-            even = ensure_build(hf, cache, 2, "0:15,15:30")
-            for cell in fleet_cells(even, 2, users_list, args.tokens, cache / "logs", "batch groups"):
-                cells.append({**cell, "mode": "batch groups, even split 15+15"})
-    fairness = [] if args.no_fairness else fairness_cells(builds[2] if 2 in builds else ensure_build(hf, cache, 2),
-                                                           cache / "logs")
-    ref = base["decode_tok_s"]
-    lines = [f"{'config':<36} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
-             f"{'TTFT ms':>8} | {'cpu bound x':>11}", "-" * 116,
-             f"{'whole model, 1 core':<36} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | {base['ttft_ms']:>8.0f} |"]
-    for c in cells:
-        name = f"fleet {c['stages']}-stage, {c['mode']}"
-        lines.append(f"{name:<36} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | "
-                     f"{c['aggregate_tok_s'] / ref:>10.2f} | {c['per_user_tok_s']:>14.1f} | {c['ttft_ms']:>8.0f} | "
-                     f"{c['cpu_bound_tok_s'] / ref:>11.2f}")
-    print("\n" + "\n".join(lines))
-    if fairness:
-        print(f"\n{'2-stage, 3 decoding + 1 long prompt':<36} | {'newcomer TTFT ms':>16} | {'decoders median gap ms':>22} | "
-              f"{'longest gap during its prefill ms':>33}")
-        for f in fairness:
-            print(f"{'--prefill-chunk ' + str(f['prefill_chunk']):<36} | {f['newcomer_ttft_ms']:>16.0f} | "
-                  f"{f['decoder_gap_p50_ms']:>22.0f} | {f['decoder_max_gap_during_prefill_ms']:>33.0f}")
-    for c in cells:
-        if c["stages"] == 2 and c["users"] in (2, 4):
-            goal = 1.8 if c["users"] == 2 else 1.9
-            print(f"target: 2 stages, {c['mode']}, {c['users']} users = {c['aggregate_tok_s'] / ref:.2f}x baseline "
-                  f"(goal >= {goal}x; this machine's CPU bound for the cell: {c['cpu_bound_tok_s'] / ref:.2f}x)")
+    base = baseline(builds[1], args.tokens) if 1 in builds else None
+    if base:
+        print(f"  whole model, 1 process, 1 core, 1 user: {base['decode_tok_s']:.1f} tok/s, "
+              f"TTFT {base['ttft_ms']:.0f} ms", flush=True)
+    else:
+        print(f"  no whole-model baseline: {model.path} is a {model.stages}-stage build (it runs a 1-stage one)")
+    cells = run_fleets(model, builds, args, logs)
+    fairness = [] if args.no_fairness or 2 not in builds else fairness_cells(builds[2], logs)
+    print_tables(base, cells, fairness)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "benchmark": "interleave_bench", "tokens": args.tokens, "baseline": base, "cells": cells,
-            "fairness": fairness,
+            "benchmark": "interleave_bench", "model": model.name, "model_path": str(model.path),
+            "model_kind": model.kind, "tokens": args.tokens, "baseline": base, "cells": cells, "fairness": fairness,
             "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
         }, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -1,9 +1,12 @@
-"""The fleet beside llama.cpp's RPC fleet on the same Q4_1 GGUF: ``bench/interleave_bench.py --llama-cpp``.
+"""The fleet beside llama.cpp's RPC fleet on the same GGUF: ``bench/interleave_bench.py --llama-cpp [--model FILE.gguf]``.
 
-Both run the demo's GGUF (``SmolLM2-135M-Instruct.Q4_1.gguf``) split into the same 2 stages, one core each:
+Both run one GGUF file split into the same 2 stages, one core each: the demo's
+(``SmolLM2-135M-Instruct.Q4_1.gguf``), or ``--model FILE.gguf`` (it must be a GGUF: llama.cpp runs nothing else,
+and the fleet is built from the same file; an HF folder or a fleet build is refused with a message):
 
-* fleet: the GGUF built into 2 stages, its 4-bit blocks kept (``fleet-compiler build FILE.gguf``, default
-  split 0:19 / 19:30 + LM head); one ``fleet-worker`` per stage pinned to core ``stage`` (``taskset``,
+* fleet: the GGUF built into 2 stages, its blocks kept (``fleet-compiler build FILE.gguf --shards 2`` into the
+  cache, bench/models.py; for the demo the default split is 0:19 / 19:30 + LM head); one ``fleet-worker`` per
+  stage pinned to core ``stage`` (``taskset``,
   ``--threads 1``), the coordinator unpinned, batch groups (the default).
 * llama.cpp: one ``rpc-server -t 1`` per stage pinned the same way, and ``llama-server --rpc A,B -ngl 99
   --tensor-split 19,12 -t 1 -tb 1`` unpinned. ``-ngl 99`` puts every layer and the output on the RPC
@@ -38,7 +41,8 @@ from pathlib import Path
 
 import psutil
 
-from bench.decode_bench import ensure_build, wait_healthy
+from bench import models
+from bench.decode_bench import wait_healthy
 from bench.interleave_bench import peak_rss_mib, run_users, start_fleet
 from bench.spec_bench import start
 from coordinator.local import free_port
@@ -252,13 +256,14 @@ def demo_gguf(hf: Path) -> Path:
     return path if path.is_file() else extract_demo_gguf(hf)
 
 
-def compare(hf: Path, cache: Path, users_list: list[int], tokens: int, args: argparse.Namespace) -> int:
-    """Run the comparison (module docstring), print its tables and write ``args.json``; returns 0.
-    Raises ``FileNotFoundError`` without the llama.cpp binaries."""
+def compare(gguf: Path, cache: Path, users_list: list[int], tokens: int, args: argparse.Namespace) -> int:
+    """Run the comparison (module docstring) on GGUF file ``gguf``, print its tables and write ``args.json``;
+    returns 0. Raises ``FileNotFoundError`` without the llama.cpp binaries, ``models.ModelError`` if ``gguf``
+    is not a GGUF file."""
+    gguf = models.require_gguf(models.resolve(gguf), "the llama.cpp comparison")
     bins = binaries(args.llama_cpp_bin or DEFAULT_BIN)
     logs = cache / "logs"
-    gguf = demo_gguf(hf)
-    build = ensure_build(gguf, cache / "gguf", 2)
+    build = models.ensure_build(gguf, cache, 2)
     split = tensor_split(json.loads((build / "manifest.json").read_text())["stages"])
     print(f"llama.cpp comparison: {gguf.name}, fleet build {build.name}, --tensor-split {split}, {tokens} tokens "
           f"per user, users {users_list}, {args.repeats} repeats, nproc {os.cpu_count()}, "
