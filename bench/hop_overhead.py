@@ -1,6 +1,6 @@
 """Where each token's CPU goes outside inference: per process of a pinned fleet, measured.
 
-For every cell (stages x users) a fleet of the demo is started as ``interleave_bench`` starts one (each
+For every cell (stages x users) a fleet of the model (the demo by default) is started as ``interleave_bench`` starts one (each
 worker pinned to its own core with one inference thread, the coordinator unpinned, ``--draft none``),
 greedy streams of ``--tokens`` tokens run, and for each process the bench reports CPU ms per token
 (user + system, ``psutil``) and, for workers, the part spent running chunks (the workers' own
@@ -16,9 +16,12 @@ innermost frame it recognises (:data:`CATEGORIES`): gRPC, protobuf, numpy, the i
 asyncio, thread hand-offs, HTTP, tokenizer, sampling, logging, other Python. The table gives each
 category's share of the process's measured CPU per token, in ms.
 
-    python bench/hop_overhead.py [--stages 2,3] [--users 1,2,4] [--tokens 128] [--json PATH] [--profile]
+    python bench/hop_overhead.py [--model PATH] [--stages 2,3] [--users 1,2,4] [--tokens 128] [--json PATH] [--profile]
 
-The baseline is ``interleave_bench.baseline``: the whole model in one process on one core.
+The baseline is ``interleave_bench.baseline``: the whole model in one process on one core (a 1-stage build).
+``--model PATH`` (bench/models.py): a GGUF file or an HF folder, built into ``--cache`` per stage count (and 1
+for the baseline), or a fleet build used as it is (``--stages`` then defaults to its own count; without a
+1-stage build there is no baseline, and the tables leave its ratio out).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ import httpx  # noqa: E402
 import openvino as ov  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.decode_bench import ensure_build, wait_healthy  # noqa: E402
-from bench.interleave_bench import baseline, counts, positive_int, run_users  # noqa: E402
+from bench import models  # noqa: E402
+from bench.decode_bench import wait_healthy  # noqa: E402
+from bench.interleave_bench import baseline, run_users  # noqa: E402
+from bench.models import counts, positive_int  # noqa: E402
 from bench.spec_bench import start, wait_line  # noqa: E402
 from coordinator.local import free_port  # noqa: E402
 
@@ -218,13 +223,22 @@ def both_cores(build: Path, tokens: int) -> list[float]:
         return [r["decode_tok_s"] for r in pool.map(lambda core: baseline(build, tokens, core), cores)]
 
 
-def print_tables(base: dict, cells: list[dict], profiles: dict) -> None:
+def print_baseline(base: dict | None) -> float | None:
+    """The whole model's lines (or why there is none); returns its tok/s."""
+    if base is None:
+        print("\nno whole-model baseline: the build folder has no 1-stage build (give a GGUF or HF folder to make one)")
+        return None
     ref = base["decode_tok_s"]
     print(f"\nwhole model, 1 process, 1 core: {ref:.1f} tok/s = {1000 / ref:.1f} ms per token (mean of a run before "
           f"and after the fleets: {base['before']:.1f}, {base['after']:.1f}; the machine's load drifts)")
     both = base.get("both_cores_tok_s", [])
     print(f"whole model on each of the {len(both)} cores at once: " + " + ".join(f"{r:.1f}" for r in both)
           + f" = {sum(both):.1f} tok/s ({sum(both) / ref:.2f}x one alone: the most users on separate cores can get here)")
+    return ref
+
+
+def print_tables(base: dict | None, cells: list[dict], profiles: dict) -> None:
+    ref = print_baseline(base)
     print(f"{'fleet':<9} | {'users':>5} | {'tok/s':>6} | {'x whole':>7} | CPU ms per token (infer + overhead)")
     print("-" * 100)
     for c in cells:
@@ -232,8 +246,8 @@ def print_tables(base: dict, cells: list[dict], profiles: dict) -> None:
         for name, ms in c["cpu_ms_per_token"].items():
             infer = c["infer_ms_per_token"].get(name)
             parts.append(f"{name} {ms:.1f}" + (f" ({infer:.1f} + {ms - infer:.1f})" if infer is not None else ""))
-        print(f"{c['stages']}-stage  | {c['users']:>5} | {c['aggregate_tok_s']:>6.1f} | "
-              f"{c['aggregate_tok_s'] / ref:>7.2f} | " + ", ".join(parts))
+        ratio = f"{c['aggregate_tok_s'] / ref:>7.2f}" if ref else f"{'-':>7}"
+        print(f"{c['stages']}-stage  | {c['users']:>5} | {c['aggregate_tok_s']:>6.1f} | {ratio} | " + ", ".join(parts))
     for c in cells:
         if c["users"] != 1:
             continue
@@ -266,7 +280,8 @@ def print_tables(base: dict, cells: list[dict], profiles: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=counts, default=[2, 3])
+    models.add_model_option(parser)
+    parser.add_argument("--stages", type=counts, help="fleet stage counts (default 2,3; a build: its own)")
     parser.add_argument("--users", type=counts, default=[1, 2, 4])
     parser.add_argument("--tokens", type=positive_int, default=128)
     parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
@@ -274,15 +289,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="also sample each process with py-spy (Python frames) for a breakdown by category")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    from compiler.source import fetch_demo
-
+    args.stages = models.stage_counts(args.model, args.stages, [2, 3]) if args.model else args.stages or [2, 3]
+    try:
+        if args.model:
+            models.check_stages(args.model, args.stages)
+    except models.ModelError as exc:
+        parser.error(str(exc))
     cache = args.cache.resolve()
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
-    builds = {n: ensure_build(hf, cache, n) for n in sorted({1, *args.stages})}
-    first = baseline(builds[1], args.tokens)
-    both = both_cores(builds[1], args.tokens)
+    model = models.from_args(args.model, cache)
+    builds = models.builds(model, cache, args.stages, optional=(1,))
+    first = baseline(builds[1], args.tokens) if 1 in builds else None
+    both = both_cores(builds[1], args.tokens) if 1 in builds else []
     cells, profiles = [], {}
     for stages in args.stages:
         with ExitStack() as stack:
@@ -296,14 +315,15 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             if args.do_profile:
                 profiles[stages] = profiled(url, procs, args.tokens * 2, logs / f"hop-profile-{stages}stage")
-    last = baseline(builds[1], args.tokens)
+    last = baseline(builds[1], args.tokens) if first else None
     base = {"decode_tok_s": (first["decode_tok_s"] + last["decode_tok_s"]) / 2, "before": first["decode_tok_s"],
-            "after": last["decode_tok_s"], "both_cores_tok_s": both}
+            "after": last["decode_tok_s"], "both_cores_tok_s": both} if first and last else None
     print_tables(base, cells, profiles)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "benchmark": "hop_overhead", "tokens": args.tokens, "baseline": base, "cells": cells,
+            "benchmark": "hop_overhead", "model": model.name, "model_path": str(model.path),
+            "model_kind": model.kind, "tokens": args.tokens, "baseline": base, "cells": cells,
             "profiles": {str(k): v for k, v in profiles.items()},
             "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
         }, indent=2) + "\n")
