@@ -1,4 +1,4 @@
-"""WAN sweep: decode tokens/s of 2- and 3-stage fleets of the demo model behind ``fleet-wan`` links,
+"""WAN sweep: decode tokens/s of 2- and 3-stage fleets of a model (the demo by default) behind ``fleet-wan`` links,
 one-way delay per hop 0/10/25/50/100 ms at 1 Gbit/s and 20 Mbit/s, for
 
 * naive      : 1 user, no speculation (every token crosses every hop)
@@ -23,7 +23,12 @@ keeps the median tok/s with every run's value and the spread (max - min) / media
 statistics are pooled over the runs. Both link rates of one delay run back to back, so a drift of
 the machine's load over minutes does not fall between them.
 
-    python bench/wan_sweep.py [--json PATH] [--tokens 24] [--delays 0,10,25,50,100] [--stages 2,3]
+``--model PATH`` (bench/models.py): a GGUF file or an HF folder, built into ``--cache`` per stage count with a
+self-int8 draft (``fleet-compiler build SRC --shards N --draft self-int8``), or a fleet build used as it is: it
+must have a ``self-int8`` draft, ``--stages`` defaults to its own count, and the relay cells run on it (2 stages
+otherwise). The relay's full-logits return is the manifest's vocabulary, the model's hidden size comes from it too.
+
+    python bench/wan_sweep.py [--model PATH] [--json PATH] [--tokens 24] [--delays 0,10,25,50,100] [--stages 2,3]
                               [--repeats 3] [--cell-budget-s 4]
 """
 
@@ -48,7 +53,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
 
-from bench import fleet_calibrate, fleet_model  # noqa: E402
+from bench import fleet_calibrate, fleet_model, models  # noqa: E402
 from bench.decode_bench import wait_healthy  # noqa: E402
 from bench.interleave_bench import user  # noqa: E402
 from bench.spec_bench import start, start_pinned_worker  # noqa: E402
@@ -61,21 +66,7 @@ PROMPTS = (
 )
 MODES = {"naive": (1, False), "+spec": (1, True), "+interleave": (2, False), "full stack": (2, True)}
 RATES_MBIT = (1000.0, 20.0)
-
-
-def ensure_spec_build(hf: Path, cache: Path, shards: int) -> Path:
-    """The demo in ``shards`` stages (default split) with a self-int8 draft, built once per compiler version."""
-    import hashlib
-
-    key = hashlib.sha256(b"".join((ROOT / "compiler" / n).read_bytes()
-                                  for n in ("export.py", "build.py", "plan.py", "draft.py")))
-    out = cache / f"smollm2-{shards}stage-int8draft-{key.hexdigest()[:8]}"
-    if not (out / "manifest.json").is_file():
-        from compiler.build import build
-
-        print(f"building the {shards}-stage model with a self-int8 draft into {out} ...", flush=True)
-        build(hf, out, shards=shards, drafts=("self-int8",))
-    return out
+DRAFTS = ("self-int8",)  # the +spec modes' draft
 
 
 def run_cell(url: str, users: int, tokens: int) -> dict:
@@ -204,14 +195,13 @@ async def _logits_return(addresses: list[str], build: Path, tokens: int, top_k: 
 
 
 def relay_cells(build: Path, tokens: int, logs: Path) -> list[dict]:
-    """2-stage fleet over ``relay`` links: top-1 return vs full-logits return."""
-    from fleet_common.manifest import load_manifest
-
-    vocab = load_manifest(build).manifest.architecture.vocab_size
+    """A fleet of ``build`` (each of its stages) over ``relay`` links: top-1 return vs full-logits return
+    (the vocabulary size of its manifest)."""
+    vocab = models.architecture(build).vocab_size
     cells = []
     with ExitStack() as stack:
         links = []
-        for stage in range(2):
+        for stage in range(models.num_stages(build)):
             _, port = start_pinned_worker(build, stage, logs / f"wan-relay-worker{stage}.log", stack)
             link = WanLink(f"127.0.0.1:{port}", PROFILES["relay"]).start()
             stack.callback(link.stop)
@@ -241,26 +231,29 @@ def table(cells: list[dict], delays: list[float]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    models.add_model_option(parser)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tokens", type=int, default=24, help="completion tokens per user per cell")
     parser.add_argument("--delays", default="0,10,25,50,100")
-    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--stages", type=models.counts, help="fleet stage counts (default 2,3; a build: its own)")
     parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell at most (the median is kept)")
     parser.add_argument("--cell-budget-s", type=float, default=4.0,
                         help="no further repeat of a cell once its runs took this long (keeps the sweep under 15 min)")
     args = parser.parse_args(argv)
-    delays = [float(d) for d in args.delays.split(",")]
-    from compiler.source import fetch_demo
+    args.stages = models.stage_counts(args.model, args.stages, [2, 3]) if args.model else args.stages or [2, 3]
+    try:
+        if args.model:
+            models.check_stages(args.model, args.stages, DRAFTS)
+    except models.ModelError as exc:
+        parser.error(str(exc))
+    return args
 
-    cache = args.cache.resolve()
-    logs = cache / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
-    builds = {n: ensure_spec_build(hf, cache, n) for n in (int(s) for s in args.stages.split(","))}
-    t0 = time.monotonic()
+
+def stage_profiles(builds: dict[int, Path]) -> dict[int, dict]:
+    """Each build's per-stage and draft chunk costs, measured on one core with one thread as the workers run."""
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})  # profile each stage as the workers run: one core, one thread
     draft = fleet_calibrate.profile_draft(next(iter(builds.values())), "self-int8")  # one model, every build's
@@ -269,12 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     for n, p in profiles.items():
         print(f"  {n}-stage compute per chunk of 1 / 4 / 8 tokens, ms: " + "; ".join(
             f"stage {i} {ms[0]:.1f} / {ms[3]:.1f} / {ms[7]:.1f}" for i, ms in enumerate(p["stage_ms"])), flush=True)
-    print(f"WAN sweep: {args.tokens} tokens per user, delays {delays} ms per hop, {RATES_MBIT} Mbit/s, "
-          f"up to {args.repeats} runs per cell ({args.cell_budget_s:.0f} s), nproc {os.cpu_count()}", flush=True)
-    cells = []
-    for stages, build in builds.items():
-        cells += sweep_fleet(build, stages, delays, args.tokens, logs, args.repeats, args.cell_budget_s)
-    relay = relay_cells(builds.get(2) or ensure_spec_build(hf, cache, 2), args.tokens, logs)
+    return profiles
+
+
+def relay_build(model: models.Model, builds: dict[int, Path], cache: Path) -> Path:
+    """The relay cells' fleet: the 2-stage build (made from a source if the sweep has none), or the build folder."""
+    if model.kind == "build":
+        return model.path
+    return builds.get(2) or models.ensure_build(model.path, cache, 2, drafts=DRAFTS)
+
+
+def print_summary(cells: list[dict], relay: list[dict], delays: list[float]) -> None:
+    """The sweep's table, adaptive K per delay, the relay comparison, the targets and the repeat spread."""
     print("\ndecode tok/s (aggregate over users)\n" + table(cells, delays))
     print("\nadaptive K (+spec, 1 user): mean drafts per verify step by delay (slower links should pick larger K),"
           " and the share of decode steps that drafted")
@@ -295,23 +294,42 @@ def main(argv: list[str] | None = None) -> int:
             goal = 4 if c["delay_ms"] == 50 else 5
             print(f"target: 2 stages, {c['delay_ms']:.0f} ms/hop, full stack = {c['tok_s'] / naive['tok_s']:.2f}x naive "
                   f"(goal >= {goal}x)")
-    from coordinator.tokenizer import ChatTokenizer
-    from fleet_common.manifest import load_manifest
-
     repeated = sorted((c for c in cells if c["runs"] > 1), key=lambda c: c["tok_s_spread"])
     if repeated:
         worst = repeated[-1]
         print(f"repeat spread (max - min) / median over {len(repeated)} repeated cells: median "
               f"{statistics.median(c['tok_s_spread'] for c in repeated):.0%}, largest {worst['tok_s_spread']:.0%} "
               f"({worst['stages']}-stage {worst['rate_mbit']:.0f} Mbit/s {worst['delay_ms']:.0f} ms {worst['mode']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    delays = [float(d) for d in args.delays.split(",")]
+    cache = args.cache.resolve()
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    model = models.from_args(args.model, cache)
+    builds = models.builds(model, cache, args.stages, drafts=DRAFTS)
+    t0 = time.monotonic()
+    profiles = stage_profiles(builds)
+    print(f"WAN sweep: {model.name}, {args.tokens} tokens per user, delays {delays} ms per hop, {RATES_MBIT} Mbit/s, "
+          f"up to {args.repeats} runs per cell ({args.cell_budget_s:.0f} s), nproc {os.cpu_count()}", flush=True)
+    cells = []
+    for stages, build in builds.items():
+        cells += sweep_fleet(build, stages, delays, args.tokens, logs, args.repeats, args.cell_budget_s)
+    relay = relay_cells(relay_build(model, builds, cache), args.tokens, logs)
+    print_summary(cells, relay, delays)
+    from coordinator.tokenizer import ChatTokenizer
+
     tokenizer = ChatTokenizer(next(iter(builds.values())))
     result = {
-        "benchmark": "wan_sweep", "tokens": args.tokens, "delays_ms": delays, "rates_mbit": RATES_MBIT,
+        "benchmark": "wan_sweep", "model": model.name, "model_path": str(model.path), "model_kind": model.kind,
+        "tokens": args.tokens, "delays_ms": delays, "rates_mbit": RATES_MBIT,
         "repeats": args.repeats, "cell_budget_s": args.cell_budget_s,
         "prompt_tokens": [len(tokenizer.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS],
         "cells": cells, "relay": relay, "profiles": {k: v.__dict__ for k, v in PROFILES.items()},
         "stage_profiles": {str(n): p for n, p in profiles.items()},
-        "hidden_size": load_manifest(next(iter(builds.values()))).manifest.architecture.hidden_size,
+        "hidden_size": models.architecture(next(iter(builds.values()))).hidden_size,
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
     }
     checked = fleet_model.validate(result)
