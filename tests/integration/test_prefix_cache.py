@@ -20,6 +20,8 @@ from .reference import TransformersReference, near_ties
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 24
+KEY = {"Authorization": "Bearer alice"}  # /health and /metrics in full need a key where keys are set
+
 QUESTIONS = ["What is the capital of France?", "Why is it famous?", "Name one museum there.",
              "Summarise our chat in one sentence."]
 
@@ -105,9 +107,9 @@ def test_chat_turns_edits_and_background_requests(build_2, reference, tmp_path):
         # the same chat under another key: prefilled in full (nor its system prompt reused)
         assert Checker(fleet.url, build_2, reference, "bob").ask(messages, "another key's chat")["cached"] == 0
 
-        health = httpx.get(f"{fleet.url}/health").json()
+        health = httpx.get(f"{fleet.url}/health", headers=KEY).json()
         assert health["prefix_cache"]["sessions"] >= 2, health["prefix_cache"]
-        metrics = httpx.get(f"{fleet.url}/metrics").text
+        metrics = httpx.get(f"{fleet.url}/metrics", headers=KEY).text
         cached = sum(t["cached"] for t in [*turns, turn, title, last])
         assert f"fleet_prompt_cached_tokens_total {float(cached)}" in metrics
     finally:
