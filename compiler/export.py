@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
+# Q4_1/Q4_K matrices smaller than this keep a float zero point instead of the offset product (``_kept``): the
+# second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves on small matrices
+# (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster: kernel_bench.py)
+OFFSET_FORM_MIN_WEIGHTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -139,18 +143,20 @@ class _Weights:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
         linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
         Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32), or a
-        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for Q4_1/Q4_K unless ``table``, the embedding's
-        Gather, asks for one value)."""
+        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for a large Q4_1/Q4_K matrix unless ``table``, the
+        embedding's Gather, asks for one value)."""
         from .gguf import WITH_OFFSET
 
         kind = self.source.kind(name)
         kept = (matrix or table) and self.keep_blocks and kind not in ("f16", "f32")
-        key = (name, "table") if table and kept and kind in WITH_OFFSET else name  # else one form serves both
+        shape = list(self.source.shape(name))
+        small = math.prod(shape) < OFFSET_FORM_MIN_WEIGHTS
+        # a large Q4_1/Q4_K table used as a matrix too (tied) gets both forms; otherwise one form serves both
+        key = (name, "table") if table and kept and kind in WITH_OFFSET and not small else name
         if key in self.nodes:
             return self.nodes[key]
-        shape = list(self.source.shape(name))
         if kept:
-            self.nodes[key] = self._kept(name, shape, table)
+            self.nodes[key] = self._kept(name, shape, zero_point=table or small)
             return self.nodes[key]
         matrix = matrix or table
         if matrix and self.int8 is not None:
@@ -167,7 +173,7 @@ class _Weights:
         self.nodes[name] = (const if dtype == ov.Type.f32 else op.convert(const, ov.Type.f32)).output(0)
         return self.nodes[name]
 
-    def _kept(self, name: str, shape: list[int], table: bool) -> ov.Output | OffsetWeight:
+    def _kept(self, name: str, shape: list[int], zero_point: bool) -> ov.Output | OffsetWeight:
         """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|i4|u4 [rows, cols/g, g])
         -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32 (16 for
         Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed weights, with
@@ -175,9 +181,9 @@ class _Weights:
 
         The offset types (Q4_1, Q4_K: w = q * scale + offset) come back as an ``OffsetWeight`` whose offsets
         ``linear`` adds as a second, small product: a float zero point, the other exact form, turns the
-        plugin's int8-activation path off and ran 1.5-2x slower (bench/kernel_bench.py). A ``table``
-        (the embedding's Gather) takes them as ``(q - zero point) * scale``, zero point f32: the form
-        OpenVINO's compressed Gather takes."""
+        plugin's int8-activation path off and ran 1.25-2x slower (bench/kernel_bench.py). With
+        ``zero_point`` (the embedding's Gather, and matrices under ``OFFSET_FORM_MIN_WEIGHTS``) they are
+        ``(q - zero point) * scale``, zero point f32: the form OpenVINO's compressed Gather takes."""
         from .gguf import GROUP, STORED, WITH_OFFSET, pack_nibbles
 
         kind = self.source.kind(name)
@@ -186,7 +192,7 @@ class _Weights:
         groups = [rows, cols // g, 1]
         wtype = {"i8": ov.Type.i8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
         offset = kind in WITH_OFFSET
-        part = "zero_point" if table else "offset"
+        part = "zero_point" if zero_point else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
@@ -197,25 +203,25 @@ class _Weights:
                 b = min(rows, a + step)
                 q = self.source.blocks(name, (a, b))
                 values, scales = q.values, q.scale
-                if offset and table:
+                if offset and zero_point:
                     values, extra[a:b, :, 0], scales = q.zero_point()
                 elif offset:
                     extra[a:b, :, 0] = q.offset
                 raw[a:b] = (values if wtype == ov.Type.i8 else pack_nibbles(values)).reshape(b - a, -1)
                 scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
-            return parts | ({part: ov.Tensor(extra if table else extra[..., 0])} if offset else {})
+            return parts | ({part: ov.Tensor(extra if zero_point else extra[..., 0])} if offset else {})
 
         compute = self._once(make)
         q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f32)
-        if offset and table:
+        if offset and zero_point:
             zp = self._postponed(ov.Type.f32, groups, lambda: compute(part), f"{name}/zero_point")
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
         scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
         x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
         weight = op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
-        if not offset or table:
+        if not offset or zero_point:
             return weight
         extra = self._postponed(ov.Type.f32, groups[:2], lambda: compute(part), f"{name}/offset")
         return OffsetWeight(weight, extra.output(0), g)
@@ -254,18 +260,43 @@ def _f32(value: float) -> ov.Output:
 
 
 def linear(x: ov.Output, weight: ov.Output | OffsetWeight, bias: ov.Output | None = None) -> ov.Output:
-    """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear). An
-    ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
-    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group: exact, and the
-    large product keeps the CPU plugin's int8-activation kernel (no float zero point)."""
-    if isinstance(weight, OffsetWeight):
-        y = op.matmul(x, weight.weight, transpose_a=False, transpose_b=True)
-        sums = op.reduce_sum(op.reshape(x, _i64([0, 0, -1, weight.group]), special_zero=True), _i64([-1]),
-                             keep_dims=False)
-        y = op.add(y, op.matmul(sums, weight.offset, transpose_a=False, transpose_b=True))
-    else:
-        y = op.matmul(x, weight, transpose_a=False, transpose_b=True)
-    return (y if bias is None else op.add(y, bias)).output(0)
+    """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear); an
+    ``OffsetWeight`` as ``linears`` computes it."""
+    return linears(x, [weight], [bias])[0]
+
+
+def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight],
+            biases: list[ov.Output | None] | None = None) -> list[ov.Output]:
+    """``x @ w.T (+ b)`` for each weight [out_i, in] of one input x [B, S, in] f32 -> [B, S, out_i] each.
+
+    An ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
+    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group: exact, and the large
+    product keeps the CPU plugin's int8-activation kernel (a float zero point turns it off). The offset
+    products of weights sharing x and g are one product over their offsets stacked (then split): at the
+    demo's size each small product costs more in overhead than in arithmetic."""
+    biases = biases or [None] * len(weights)
+    ys = [op.matmul(x, w.weight if isinstance(w, OffsetWeight) else w, transpose_a=False, transpose_b=True).output(0)
+          for w in weights]
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(weights):
+        if isinstance(w, OffsetWeight):
+            groups.setdefault(w.group, []).append(i)
+    for g, members in groups.items():
+        sums = op.reduce_sum(op.reshape(x, _i64([0, 0, -1, g]), special_zero=True), _i64([-1]), keep_dims=False)
+        offsets = [weights[i].offset for i in members]
+        stacked = offsets[0] if len(offsets) == 1 else op.concat(offsets, axis=0)
+        product = op.matmul(sums, stacked, transpose_a=False, transpose_b=True)
+        parts = [product.output(0)] if len(members) == 1 else op.split(
+            product, _i64(-1), len(members)).outputs() if _same_rows(weights, members) else op.variadic_split(
+            product, _i64(-1), _i64([weights[i].offset.get_partial_shape()[0].get_length() for i in members])).outputs()
+        for i, part in zip(members, parts):
+            ys[i] = op.add(ys[i], part).output(0)
+    return [y if b is None else op.add(y, b).output(0) for y, b in zip(ys, biases)]
+
+
+def _same_rows(weights: list, members: list[int]) -> bool:
+    rows = {weights[i].offset.get_partial_shape()[0].get_length() for i in members}
+    return len(rows) == 1
 
 
 def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:
@@ -345,9 +376,10 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
               mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
     """Self-attention of one layer over its KV state: x [B, S, H] -> [B, S, H], plus the two Assign sinks."""
     d = cfg.head_dim
-    q = _heads(linear(x, w["q"], w.get("q_bias")), cfg.num_heads, d, w.get("q_norm"), cfg.rms_norm_eps)
-    k = _heads(linear(x, w["k"], w.get("k_bias")), cfg.num_kv_heads, d, w.get("k_norm"), cfg.rms_norm_eps)
-    v = _heads(linear(x, w["v"], w.get("v_bias")), cfg.num_kv_heads, d, None, cfg.rms_norm_eps)
+    q, k, v = linears(x, [w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])
+    q = _heads(q, cfg.num_heads, d, w.get("q_norm"), cfg.rms_norm_eps)
+    k = _heads(k, cfg.num_kv_heads, d, w.get("k_norm"), cfg.rms_norm_eps)
+    v = _heads(v, cfg.num_kv_heads, d, None, cfg.rms_norm_eps)
     cos, sin = rope
     q, k = apply_rope(q, cos, sin, d), apply_rope(k, cos, sin, d)
     keys, k_sink = kv_cache(k, beam_idx, cfg, f"past_key_values.{layer}.keypresent.{layer}.key", batch)
@@ -361,7 +393,8 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
 
 def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
     """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, x [B, S, H] -> [B, S, H]."""
-    return linear(op.multiply(op.swish(linear(x, w["gate"])), linear(x, w["up"])).output(0), w["down"])
+    gate, up = linears(x, [w["gate"], w["up"]])
+    return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
 
 
 def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:
