@@ -81,11 +81,20 @@ FLEET_RUN = r"""
 import json, os, sys, time
 import numpy as np, openvino as ov
 build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+precision, root = sys.argv[6], sys.argv[7]
+sys.path.insert(0, root)
+from fleet_common.residency import settle
 os.sched_setaffinity(0, set(range(threads)))
 config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "INFERENCE_NUM_THREADS": threads}
+if precision != "auto":
+    config["INFERENCE_PRECISION_HINT"] = precision
 if profile:
     config["PERF_COUNT"] = True
-req = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU", config).create_infer_request()
+compiled = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU", config)
+one = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 1), np.int64),
+       "position_ids": np.zeros((1, 1), np.int64), "beam_idx": np.zeros(1, np.int32), "logits_index": np.zeros(1, np.int64)}
+settle(lambda: compiled.create_infer_request().infer(one), [build + "/stage_0/openvino_model.bin"])  # as a worker loads
+req = compiled.create_infer_request()
 rng = np.random.default_rng(0)
 rates, ops = [], {}
 for run in range(3):
@@ -115,10 +124,11 @@ print(json.dumps({"tok_s": sorted(rates)[1], "runs": rates, "peak_rss_mib": kib(
 """
 
 
-def fleet_cell(build: Path, threads: int, tokens: int, prompt: int, profile: bool) -> dict:
-    """Decode tok/s, memory and (``profile``) per-op ms per step of ``build`` in its own process."""
+def fleet_cell(build: Path, threads: int, tokens: int, prompt: int, profile: bool, precision: str = "auto") -> dict:
+    """Decode tok/s, memory and (``profile``) per-op ms per step of ``build`` in its own process, loaded as a
+    worker loads it (fleet_common/residency.py: the weights repacked at load, the mapped .bin given back)."""
     run = subprocess.run([sys.executable, "-c", FLEET_RUN, str(build), str(threads), str(tokens), str(prompt),
-                          "1" if profile else "0"], capture_output=True, text=True, cwd=ROOT)
+                          "1" if profile else "0", precision, str(ROOT)], capture_output=True, text=True, cwd=ROOT)
     if run.returncode:
         raise RuntimeError(f"fleet run of {build} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -170,15 +180,19 @@ def profile_summary(ops: list) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| type | threads | fleet tok/s | llama.cpp tok/s | fleet ÷ llama.cpp | fleet peak RSS MiB | llama.cpp peak RSS MiB | RSS ÷ | stage bin MB |"
-    lines = [head, "|" + "---|" * 9]
+    """One line per type and thread count (and fleet's other precisions, ``fleet_<hint>``)."""
+    head = ("| type | threads | fleet | tok/s | llama.cpp tok/s | fleet ÷ llama.cpp | fleet peak RSS MiB (anon + file) | "
+            "llama.cpp peak RSS MiB | RSS ÷ | stage bin MB |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
-        f, l = r["fleet"], r.get("llama_cpp") or {}
-        ratio = f"{f['tok_s'] / l['tok_s']:.2f}" if l else "–"
-        mem = f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–"
-        lines.append(f"| {r['type']} | {r['threads']} | {f['tok_s']:.1f} | {l.get('tok_s', float('nan')):.1f} | "
-                     f"{ratio} | {f['peak_rss_mib']:.0f} | {l.get('peak_rss_mib', float('nan')):.0f} | {mem} | "
-                     f"{r['bin_mb']:.0f} |")
+        l = r.get("llama_cpp") or {}
+        for key in [k for k in r if k == "fleet" or k.startswith("fleet_")]:
+            f = r[key]
+            ratio = f"{f['tok_s'] / l['tok_s']:.2f}" if l else "–"
+            mem = f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–"
+            lines.append(f"| {r['type']} | {r['threads']} | {key.partition('_')[2] or 'default'} | {f['tok_s']:.1f} | "
+                         f"{l.get('tok_s', float('nan')):.1f} | {ratio} | {f['peak_rss_mib']:.0f} ({f['anon_mib']:.0f} + "
+                         f"{f['file_mib']:.0f}) | {l.get('peak_rss_mib', float('nan')):.0f} | {mem} | {r['bin_mb']:.0f} |")
     return "\n".join(lines)
 
 
@@ -206,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=8, help="context tokens before the timed decode")
     parser.add_argument("--profile", action="store_true", help="also PERF_COUNT each fleet build (1 thread)")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--also-precision", default="", type=lambda t: [p for p in t.split(",") if p],
+                        help="also run fleet at these INFERENCE_PRECISION_HINTs (e.g. f32; default: the plugin's)")
     parser.add_argument("--cache", type=Path, default=real_gguf.CACHE)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -227,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
             row = {"type": t, "threads": n, "gguf": str(gguf), "build": str(build), "bin_mb": bin_mb,
                    "gguf_mb": gguf.stat().st_size / 1e6}
             row["fleet"] = fleet_cell(build, n, args.tokens, args.prompt, False)
+            for precision in args.also_precision:
+                other = fleet_cell(build, n, args.tokens, args.prompt, False, precision)
+                row[f"fleet_{precision}"] = {k: v for k, v in other.items() if k != "ops"}
             if not args.no_llama_cpp and weights is None:
                 row["llama_cpp"] = llama_cell(gguf, n, args.tokens)
             if args.profile and n == 1:
                 row["profile"] = profile_summary(fleet_cell(build, 1, min(args.tokens, 21), args.prompt, True)["ops"])
             del row["fleet"]["ops"]
             rows.append(row)
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+            print("\n".join(table(rows[-1:]).splitlines()[2:]), flush=True)
     print(f"\nkernel bench: {args.model}, {args.tokens} greedy tokens after {args.prompt}, nproc {os.cpu_count()}")
     print(table(rows))
     if args.profile:
