@@ -7,7 +7,9 @@ type by ``llama-quantize``), or ``--model PATH`` (any GGUF). Per type:
 
 * fleet: ``fleet-compiler build FILE.gguf --shards 1`` (blocks kept as compiler/gguf.py keeps them; ``int8`` and
   ``int4`` are ``--weights int8|int4`` builds of the F16 file), run in its own process pinned to cores
-  ``0..T-1`` with ``INFERENCE_NUM_THREADS=T``: a prompt of ``--prompt`` tokens prefilled, then ``--tokens``
+  ``0..T-1`` with ``INFERENCE_NUM_THREADS=T``, compiled and loaded as a worker does (``compile_config``: "auto"
+  precision, f32 activations for compressed weights; ``--also-precision bf16,f32`` adds the worker's other
+  settings, f32 being the exact one, with the plugin's int8 activations off): a prompt of ``--prompt`` tokens prefilled, then ``--tokens``
   greedy steps, three times; the cell is the median decode tok/s. Peak RSS is the process's VmHWM.
 * llama.cpp: ``llama-bench -m FILE -p 0 -n TOKENS -t T -r 3`` (its mean over 3 runs, from an empty context:
   its ``-d`` crashes this build; the same core pinning), and its peak RSS: VmHWM polled while it runs (it
@@ -84,10 +86,10 @@ build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys
 precision, root = sys.argv[6], sys.argv[7]
 sys.path.insert(0, root)
 from fleet_common.residency import settle
+from fleet_common.runtime import compile_config, runs_compressed
 os.sched_setaffinity(0, set(range(threads)))
-config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "INFERENCE_NUM_THREADS": threads}
-if precision != "auto":
-    config["INFERENCE_PRECISION_HINT"] = precision
+weights = json.load(open(build + "/manifest.json"))["stages"][0]["weights"]
+config = compile_config(threads, precision, runs_compressed("CPU", weights))  # as a worker compiles it
 if profile:
     config["PERF_COUNT"] = True
 compiled = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU", config)
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also PERF_COUNT each fleet build (1 thread)")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--also-precision", default="", type=lambda t: [p for p in t.split(",") if p],
-                        help="also run fleet at these INFERENCE_PRECISION_HINTs (e.g. f32; default: the plugin's)")
+                        help="also run fleet at these --inference-precision settings (bf16, f32; default: auto)")
     parser.add_argument("--cache", type=Path, default=real_gguf.CACHE)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

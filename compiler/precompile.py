@@ -50,7 +50,7 @@ def precompile(build: Path, devices: tuple[str, ...] = ("CPU",), threads: int = 
             entry = manifest.stages[s]
             t0 = time.perf_counter()
             compiled, _, _ = compile_ir(build / entry.xml, device, threads, inference_precision,
-                                        manifest.kv_cache_precision)
+                                        manifest.kv_cache_precision, weights=entry.weights)
             rel = blob_name(entry.xml, key)
             sha = export_blob(compiled, build / rel)
             del compiled

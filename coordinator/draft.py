@@ -151,7 +151,8 @@ class DraftModel:
         self.entry: DraftEntry = loaded.manifest.draft(name)
         self.name = name
         self.compiled, _, compile_s = compile_ir(loaded.directory / self.entry.xml, "CPU", threads,
-                                                 inference_precision, loaded.manifest.kv_cache_precision)
+                                                 inference_precision, loaded.manifest.kv_cache_precision,
+                                                 weights=self.entry.weights)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._options = (prefill_chunk, top_k, compact_share, compact_min_slots)
         # warm up: the first inferences of a fresh compiled model are several times slower, and

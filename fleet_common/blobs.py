@@ -23,7 +23,7 @@ import numpy as np
 import openvino as ov
 
 from .manifest import Manifest
-from .runtime import compile_config
+from .runtime import compile_config, runs_compressed
 
 # CPU instruction-set extensions whose presence changes which kernels the CPU plugin compiles in
 # (/proc/cpuinfo names); a blob made where one of them differs is not imported.
@@ -71,11 +71,12 @@ def ir_digest(manifest: Manifest, stage: int) -> str:
     return hashlib.sha256(both.encode()).hexdigest()
 
 
-def shard_config(threads: int, inference_precision: str, kv_cache_precision: str) -> dict[str, object]:
+def shard_config(threads: int, inference_precision: str, kv_cache_precision: str,
+                 compressed_cpu: bool = False) -> dict[str, object]:
     """The properties a worker compiles its shard with (``fleet_common.runtime.compile_config``) with the
     KV cache precision spelled out: the build's (written into the IR), f32 under ``inference_precision``
     f32. ``import_model`` is given these too (it does not read the IR's runtime options)."""
-    config = compile_config(threads, inference_precision)
+    config = compile_config(threads, inference_precision, compressed_cpu)
     config.setdefault("KV_CACHE_PRECISION", kv_cache_precision)
     return config
 
@@ -94,7 +95,8 @@ class BlobKey:
     def here(cls, manifest: Manifest, stage: int, device: str, threads: int, inference_precision: str,
              core: ov.Core | None = None) -> BlobKey:
         """The key of a blob compiled here, now, for ``stage`` with this worker config."""
-        config = shard_config(threads, inference_precision, manifest.kv_cache_precision)
+        config = shard_config(threads, inference_precision, manifest.kv_cache_precision,
+                              runs_compressed(device, manifest.stages[stage].weights))
         return cls(ir_digest(manifest, stage), device, ov.get_version(), device_identity(core or ov.Core(), device),
                    {k: str(v) for k, v in config.items()})
 

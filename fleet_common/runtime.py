@@ -96,14 +96,21 @@ class KVSession:
         self.visible[:] = 0
 
 
-def compile_config(threads: int = 0, inference_precision: str = "auto") -> dict[str, object]:
+def compile_config(threads: int = 0, inference_precision: str = "auto", compressed_cpu: bool = False) -> dict[str, object]:
     """The properties a shard is compiled with for low-latency decoding (``compile_ir``; a pre-compiled
     blob is made and imported with the same ones, fleet_common/blobs.py). ``threads`` 0 and precision
     "auto" leave OpenVINO's defaults; "f32" also keeps the KV cache in f32 (bit-exact with one device)
     and switches off the CPU plugin's dynamic quantization of activations for compressed weights
     (``DYNAMIC_QUANTIZATION_GROUP_SIZE`` 0): on by default for int8/int4/GGUF-block weights even at f32,
-    it moved the demo's Q4_1 build's logits by up to 0.49 from the f32 dequantized GGUF, 2e-4 without."""
+    it moved the demo's Q4_1 build's logits by up to 0.49 from the f32 dequantized GGUF, 2e-4 without.
+
+    ``compressed_cpu`` (a CPU stage of compressed weights: GGUF blocks, int8, int4; ``runs_compressed``): "auto"
+    runs its activations at f32, which the plugin quantizes to int8 per group for its integer kernels (dynamic
+    quantization, on); at bf16 a CPU with AMX took its bf16 kernels instead, 1.17x (Q4_K_M) to 1.29x (Q4_0)
+    slower on Llama-3.2-1B's dimensions (bench/kernel_bench.py). The KV cache stays the build's."""
     config: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+    if inference_precision == "auto" and compressed_cpu:
+        config["INFERENCE_PRECISION_HINT"] = "f32"
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     if inference_precision != "auto":
@@ -114,9 +121,17 @@ def compile_config(threads: int = 0, inference_precision: str = "auto") -> dict[
     return config
 
 
+def runs_compressed(device: str, weights: str) -> bool:
+    """Whether a stage of ``weights`` (a manifest's: "fp16", "gguf", "int8", "int4") on ``device`` takes the CPU
+    plugin's compressed kernels (``compile_config``'s ``compressed_cpu``)."""
+    return device.split(".")[0].upper() == "CPU" and weights != "fp16"
+
+
 def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_precision: str = "auto",
-               kv_cache_precision: str = "f16", cache_dir: Path | None = None) -> tuple[ov.CompiledModel, int, float]:
-    """Compile one stateful IR for low-latency decoding (``compile_config``).
+               kv_cache_precision: str = "f16", cache_dir: Path | None = None,
+               weights: str = "fp16") -> tuple[ov.CompiledModel, int, float]:
+    """Compile one stateful IR for low-latency decoding (``compile_config``; ``weights`` is the manifest's for
+    the IR, which "auto" precision follows: ``runs_compressed``).
 
     ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device).
     ``cache_dir``: OpenVINO's model cache (``CACHE_DIR``, "Model Caching Overview" in the OpenVINO
@@ -124,7 +139,7 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
     Returns (compiled model, bytes per KV value, compile seconds). Raises ``RuntimeError`` naming the
     device and this machine's devices when compilation fails.
     """
-    config = compile_config(threads, inference_precision)
+    config = compile_config(threads, inference_precision, runs_compressed(device, weights))
     if inference_precision == "f32":
         kv_cache_precision = "f32"
     if cache_dir is not None:

@@ -25,7 +25,7 @@ import openvino as ov
 
 from fleet_common.blobs import BlobKey, import_blob, ir_digest, shard_config
 from fleet_common.manifest import LoadedManifest, ManifestError, sha256_file, verify_files
-from fleet_common.runtime import KV_VALUE_BYTES, compile_ir
+from fleet_common.runtime import KV_VALUE_BYTES, compile_ir, runs_compressed
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
     Raises ``ManifestError`` when the IR does not match the manifest, ``RuntimeError`` when it does not
     compile."""
     manifest = loaded.manifest
-    kv = shard_config(threads, inference_precision, manifest.kv_cache_precision)["KV_CACHE_PRECISION"]
+    weights = manifest.stages[stage].weights
+    compressed = runs_compressed(device, weights)
+    kv = shard_config(threads, inference_precision, manifest.kv_cache_precision, compressed)["KV_CACHE_PRECISION"]
     kv_bytes = KV_VALUE_BYTES.get(str(kv), 2)
     why_not = ""
     candidates = [b for b in manifest.blobs if b.stage == stage] if blobs else []
@@ -82,7 +84,8 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
                 continue
             t0 = time.perf_counter()
             try:
-                imported = import_blob(core, path, device, shard_config(threads, inference_precision, str(kv)))
+                imported = import_blob(core, path, device, shard_config(threads, inference_precision, str(kv),
+                                                                        compressed))
             except (RuntimeError, OSError, ValueError) as exc:
                 reasons.append(f"blob {blob.file} failed to import ({str(exc).strip().splitlines()[-1][:200]})")
                 continue
@@ -96,14 +99,14 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
         raise ManifestError("shard files do not match the manifest: " + "; ".join(problems))
     if cache_dir is None:
         compiled, kv_bytes, seconds = compile_ir(loaded.directory / entry.xml, device, threads, inference_precision,
-                                                 manifest.kv_cache_precision)
+                                                 manifest.kv_cache_precision, weights=weights)
         log.info("stage %d: IR compiled in %.2f s (model cache off)", stage, seconds)
         return LoadedShard(compiled, kv_bytes, "ir", why_not or "model cache off", seconds)
     folder = Path(cache_dir) / ir_digest(manifest, stage)[:16]
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder / ".lock"):  # OpenVINO writes cache files in place: one writer at a time
         compiled, kv_bytes, seconds = compile_ir(loaded.directory / entry.xml, device, threads, inference_precision,
-                                                 manifest.kv_cache_precision, cache_dir=folder)
+                                                 manifest.kv_cache_precision, cache_dir=folder, weights=weights)
         hit = bool(compiled.get_property("LOADED_FROM_CACHE"))
         (folder / ".lock").touch()  # its mtime is the folder's last use, for _prune_root
         if not hit:
