@@ -185,8 +185,6 @@ def demo_gguf(tmp_path_factory):
 
 
 def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, demo_gguf)
@@ -199,10 +197,19 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
     assert kinds == {"Q8_0": 1 + 2 * LAYERS - 2, "Q4_0": 2 * LAYERS, "Q4_1": 3 * LAYERS - 1 + 1, "Q4_K": 1,
                      "Q6_K": 1, "f16": 1, "f32": 2 * LAYERS + 1}, kinds
     check_blocks_against_gguf_py(path)
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    assert_matches_transformers(tmp_path / "build", path)
+
+
+def assert_matches_transformers(build_dir, path) -> None:  # noqa: ANN001
+    """The build's chained stages give transformers' f32 logits (its own GGUF loader on ``path``) within 1e-4,
+    with the same argmax everywhere."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = np.random.default_rng(1).integers(0, 49152, SEQ)
     garbage = np.random.default_rng(2).integers(0, 49152, 16)
-    got = chained_logits(tmp_path / "build", ids, garbage)
+    got = chained_logits(build_dir, ids, garbage)
     expected = transformers_logits(reference, ids)
     assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).all()
@@ -238,8 +245,6 @@ def test_offset_form_of_q4_k_and_q4_1_matches_transformers(demo_gguf, tmp_path, 
     """Q4_1/Q4_K matrices of 2M weights or more are ``codes * scale`` plus a second product of per-group input
     sums with the offsets (compiler/export.py ``linears``); the tiny model's are smaller, so the threshold is
     lowered here to build every one of them that way: still transformers' f32 logits within 1e-4."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from compiler import export
     from compiler.build import build as build_in_process
@@ -250,13 +255,7 @@ def test_offset_form_of_q4_k_and_q4_1_matches_transformers(demo_gguf, tmp_path, 
     build_in_process(path, tmp_path / "build", layers="0:1,1:3,3:4", exact_blocks=True)
     xml = "".join((tmp_path / "build" / f"stage_{i}" / "openvino_model.xml").read_text() for i in range(3))
     assert xml.count("/offset/matmul") >= 3 * LAYERS, xml.count("/offset/matmul")  # q/k/v, gate/up, ... per layer
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    ids = np.random.default_rng(1).integers(0, 49152, SEQ)
-    garbage = np.random.default_rng(2).integers(0, 49152, 16)
-    got = chained_logits(tmp_path / "build", ids, garbage)
-    expected = transformers_logits(reference, ids)
-    assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
-    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    assert_matches_transformers(tmp_path / "build", path)
 
 
 def test_near_exact_q6_k_is_int8_per_32_within_half_a_step(demo_gguf, tmp_path):
