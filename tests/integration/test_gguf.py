@@ -185,7 +185,6 @@ def demo_gguf(tmp_path_factory):
 
 
 def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
-
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, demo_gguf)
     manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4", "--exact-blocks")
