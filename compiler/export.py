@@ -197,6 +197,7 @@ class _Weights:
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
             scale, extra = np.empty(groups, np.float32), np.empty(groups, np.float32)
+            codes, dmin = np.empty((rows, cols // g), np.uint8), np.empty((rows, cols // g // 8), np.float32)
             raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
@@ -207,10 +208,17 @@ class _Weights:
                     values, extra[a:b, :, 0], scales = q.zero_point()
                 elif offset:
                     extra[a:b, :, 0] = q.offset
+                    if q.offset_codes is not None:
+                        codes[a:b], dmin[a:b] = q.offset_codes, q.offset_step
                 raw[a:b] = (values if wtype == ov.Type.i8 else pack_nibbles(values)).reshape(b - a, -1)
                 scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
-            return parts | ({part: ov.Tensor(extra if zero_point else extra[..., 0])} if offset else {})
+            if zero_point:
+                return parts | ({part: ov.Tensor(extra)} if offset else {})
+            if kind == "Q4_K":  # the offsets as 6-bit integers times -dmin per 8 groups: exact, a quarter the bytes
+                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, 8)),
+                                "offset_step": ov.Tensor(dmin[..., None])}
+            return parts | ({"offset": ov.Tensor(extra[..., 0].astype(np.float16))} if offset else {})  # f16 exact
 
         compute = self._once(make)
         q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
@@ -223,8 +231,21 @@ class _Weights:
         weight = op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
         if not offset or zero_point:
             return weight
-        extra = self._postponed(ov.Type.f32, groups[:2], lambda: compute(part), f"{name}/offset")
-        return OffsetWeight(weight, extra.output(0), g)
+        return OffsetWeight(weight, self._offsets(name, kind, rows, cols // g, compute), g)
+
+    def _offsets(self, name: str, kind: str, rows: int, groups: int, compute: Callable[[str], ov.Tensor]) -> ov.Output:
+        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's as its 6-bit minima (u8) times
+        -dmin per block of 8 groups, the compressed pattern (a quarter of f32's bytes), Q4_1's as f16 (its own
+        type)."""
+        if kind == "Q4_K":
+            codes = self._postponed(ov.Type.u8, [rows, groups // 8, 8], lambda: compute("offset_codes"),
+                                    f"{name}/offset")
+            step = self._postponed(ov.Type.f32, [rows, groups // 8, 1], lambda: compute("offset_step"),
+                                   f"{name}/offset/scale")
+            x = op.multiply(op.convert(codes, ov.Type.f32), step, name=f"{name}/offset/fq_weights_1")
+            return op.reshape(x, _i64([rows, groups]), special_zero=False).output(0)
+        offsets = self._postponed(ov.Type.f16, [rows, groups], lambda: compute("offset"), f"{name}/offset")
+        return op.convert(offsets, ov.Type.f32).output(0)
 
     def _int8(self, name: str, shape: list[int]) -> ov.Output:
         """The three constants of one int8 weight, computed together when the serializer asks for the first
@@ -270,33 +291,23 @@ def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight],
     """``x @ w.T (+ b)`` for each weight [out_i, in] of one input x [B, S, in] f32 -> [B, S, out_i] each.
 
     An ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
-    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group: exact, and the large
-    product keeps the CPU plugin's int8-activation kernel (a float zero point turns it off). The offset
-    products of weights sharing x and g are one product over their offsets stacked (then split): at the
-    demo's size each small product costs more in overhead than in arithmetic."""
+    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group (computed once per
+    input and group size): exact, and the large product keeps the CPU plugin's int8-activation kernel (a float
+    zero point turns it off)."""
     biases = biases or [None] * len(weights)
-    ys = [op.matmul(x, w.weight if isinstance(w, OffsetWeight) else w, transpose_a=False, transpose_b=True).output(0)
-          for w in weights]
-    groups: dict[int, list[int]] = {}
-    for i, w in enumerate(weights):
+    sums: dict[int, ov.Output] = {}
+    out = []
+    for w, bias in zip(weights, biases):
         if isinstance(w, OffsetWeight):
-            groups.setdefault(w.group, []).append(i)
-    for g, members in groups.items():
-        sums = op.reduce_sum(op.reshape(x, _i64([0, 0, -1, g]), special_zero=True), _i64([-1]), keep_dims=False)
-        offsets = [weights[i].offset for i in members]
-        stacked = offsets[0] if len(offsets) == 1 else op.concat(offsets, axis=0)
-        product = op.matmul(sums, stacked, transpose_a=False, transpose_b=True)
-        parts = [product.output(0)] if len(members) == 1 else op.split(
-            product, _i64(-1), len(members)).outputs() if _same_rows(weights, members) else op.variadic_split(
-            product, _i64(-1), _i64([weights[i].offset.get_partial_shape()[0].get_length() for i in members])).outputs()
-        for i, part in zip(members, parts):
-            ys[i] = op.add(ys[i], part).output(0)
-    return [y if b is None else op.add(y, b).output(0) for y, b in zip(ys, biases)]
-
-
-def _same_rows(weights: list, members: list[int]) -> bool:
-    rows = {weights[i].offset.get_partial_shape()[0].get_length() for i in members}
-    return len(rows) == 1
+            if w.group not in sums:
+                sums[w.group] = op.reduce_sum(op.reshape(x, _i64([0, 0, -1, w.group]), special_zero=True),
+                                              _i64([-1]), keep_dims=False).output(0)
+            y = op.add(op.matmul(x, w.weight, transpose_a=False, transpose_b=True),
+                       op.matmul(sums[w.group], w.offset, transpose_a=False, transpose_b=True))
+        else:
+            y = op.matmul(x, w, transpose_a=False, transpose_b=True)
+        out.append((y if bias is None else op.add(y, bias)).output(0))
+    return out
 
 
 def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:

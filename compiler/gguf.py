@@ -100,6 +100,8 @@ class QuantRows:
     values: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
+    offset_codes: np.ndarray | None = None  # Q4_K: offset = offset_codes * offset_step, u8 [rows, groups]
+    offset_step: np.ndarray | None = None  # Q4_K: -dmin per block of 8 groups, f32 [rows, groups / 8]
 
     def zero_point(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same weights as ``(values' - zero_point) * scale'`` (values', zero_point, scale', all per group;
@@ -230,7 +232,8 @@ class GGUFWeights:
             minimum = dmin[..., None] * mins.reshape(n, blocks, 8).astype(np.float32)
             qs = b[..., 16:].reshape(n, blocks, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
             q = (qs & 0x0F).reshape(n, blocks * 8, 32)
-            return QuantRows("Q4_K", q, scale.reshape(n, -1), -minimum.reshape(n, -1))
+            return QuantRows("Q4_K", q, scale.reshape(n, -1), -minimum.reshape(n, -1),
+                             mins.reshape(n, blocks * 8).astype(np.uint8), -dmin)
         if t.qtype == "Q6_K":  # gguf-py's Q6_K.dequantize_blocks, kept apart
             b = raw.reshape(n, -1, 210)
             blocks = b.shape[1]
