@@ -86,10 +86,11 @@ build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys
 precision, root = sys.argv[6], sys.argv[7]
 sys.path.insert(0, root)
 from fleet_common.residency import settle
+from fleet_common.manifest import load_manifest
 from fleet_common.runtime import compile_config, runs_compressed
 os.sched_setaffinity(0, set(range(threads)))
-weights = json.load(open(build + "/manifest.json"))["stages"][0]["weights"]
-config = compile_config(threads, precision, runs_compressed("CPU", weights))  # as a worker compiles it
+entry = load_manifest(build).manifest.stages[0]
+config = compile_config(threads, precision, runs_compressed("CPU", entry))  # as a worker compiles it
 if profile:
     config["PERF_COUNT"] = True
 compiled = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU", config)

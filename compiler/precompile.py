@@ -22,7 +22,7 @@ import openvino as ov
 
 from fleet_common.blobs import BlobKey, blob_name, export_blob
 from fleet_common.manifest import MANIFEST_NAME, BlobEntry, load_manifest
-from fleet_common.runtime import compile_ir
+from fleet_common.runtime import compile_ir, runs_compressed
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def precompile(build: Path, devices: tuple[str, ...] = ("CPU",), threads: int = 
             entry = manifest.stages[s]
             t0 = time.perf_counter()
             compiled, _, _ = compile_ir(build / entry.xml, device, threads, inference_precision,
-                                        manifest.kv_cache_precision, weights=entry.weights)
+                                        manifest.kv_cache_precision, compressed=runs_compressed(device, entry))
             rel = blob_name(entry.xml, key)
             sha = export_blob(compiled, build / rel)
             del compiled

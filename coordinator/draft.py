@@ -17,7 +17,7 @@ import numpy as np
 
 from fleet_common.manifest import DraftEntry, LoadedManifest
 from fleet_common.residency import settle
-from fleet_common.runtime import KVSession, compact, compile_ir, run_chunk, top_candidates
+from fleet_common.runtime import KVSession, compact, compile_ir, run_chunk, runs_compressed, top_candidates
 
 from .sampling import SparseDist, target_distribution
 
@@ -152,7 +152,7 @@ class DraftModel:
         self.name = name
         self.compiled, _, compile_s = compile_ir(loaded.directory / self.entry.xml, "CPU", threads,
                                                  inference_precision, loaded.manifest.kv_cache_precision,
-                                                 weights=self.entry.weights)
+                                                 compressed=runs_compressed("CPU", self.entry))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._options = (prefill_chunk, top_k, compact_share, compact_min_slots)
         # warm up: the first inferences of a fresh compiled model are several times slower, and

@@ -96,7 +96,7 @@ class BlobKey:
              core: ov.Core | None = None) -> BlobKey:
         """The key of a blob compiled here, now, for ``stage`` with this worker config."""
         config = shard_config(threads, inference_precision, manifest.kv_cache_precision,
-                              runs_compressed(device, manifest.stages[stage].weights))
+                              runs_compressed(device, manifest.stages[stage]))
         return cls(ir_digest(manifest, stage), device, ov.get_version(), device_identity(core or ov.Core(), device),
                    {k: str(v) for k, v in config.items()})
 

@@ -121,17 +121,21 @@ def compile_config(threads: int = 0, inference_precision: str = "auto", compress
     return config
 
 
-def runs_compressed(device: str, weights: str) -> bool:
-    """Whether a stage of ``weights`` (a manifest's: "fp16", "gguf", "int8", "int4") on ``device`` takes the CPU
-    plugin's compressed kernels (``compile_config``'s ``compressed_cpu``)."""
-    return device.split(".")[0].upper() == "CPU" and weights != "fp16"
+def runs_compressed(device: str, entry) -> bool:  # noqa: ANN001 - a manifest StageEntry or DraftEntry
+    """Whether a stage (or draft) ``entry`` of a manifest on ``device`` runs on the CPU plugin's compressed kernels
+    alone (``compile_config``'s ``compressed_cpu``): int8/int4 weights, or a GGUF build whose matrices are all kept
+    blocks. One with f16 matrices (an F16 GGUF, types dequantized to f16) is not: at f32 the plugin would widen
+    those to f32, twice their bytes (an F16 1B stage took 8.2 GB)."""
+    if device.split(".")[0].upper() != "CPU" or entry.weights == "fp16":
+        return False
+    return entry.weights != "gguf" or not entry.compression.get("tensors", {}).get("f16", 0)
 
 
 def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_precision: str = "auto",
                kv_cache_precision: str = "f16", cache_dir: Path | None = None,
-               weights: str = "fp16") -> tuple[ov.CompiledModel, int, float]:
-    """Compile one stateful IR for low-latency decoding (``compile_config``; ``weights`` is the manifest's for
-    the IR, which "auto" precision follows: ``runs_compressed``).
+               compressed: bool = False) -> tuple[ov.CompiledModel, int, float]:
+    """Compile one stateful IR for low-latency decoding (``compile_config``; ``compressed``: ``runs_compressed``
+    of its manifest entry on ``device``, which "auto" precision follows).
 
     ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device).
     ``cache_dir``: OpenVINO's model cache (``CACHE_DIR``, "Model Caching Overview" in the OpenVINO
@@ -139,7 +143,7 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
     Returns (compiled model, bytes per KV value, compile seconds). Raises ``RuntimeError`` naming the
     device and this machine's devices when compilation fails.
     """
-    config = compile_config(threads, inference_precision, runs_compressed(device, weights))
+    config = compile_config(threads, inference_precision, compressed)
     if inference_precision == "f32":
         kv_cache_precision = "f32"
     if cache_dir is not None:

@@ -64,8 +64,7 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
     Raises ``ManifestError`` when the IR does not match the manifest, ``RuntimeError`` when it does not
     compile."""
     manifest = loaded.manifest
-    weights = manifest.stages[stage].weights
-    compressed = runs_compressed(device, weights)
+    compressed = runs_compressed(device, manifest.stages[stage])
     kv = shard_config(threads, inference_precision, manifest.kv_cache_precision, compressed)["KV_CACHE_PRECISION"]
     kv_bytes = KV_VALUE_BYTES.get(str(kv), 2)
     why_not = ""
@@ -99,14 +98,15 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
         raise ManifestError("shard files do not match the manifest: " + "; ".join(problems))
     if cache_dir is None:
         compiled, kv_bytes, seconds = compile_ir(loaded.directory / entry.xml, device, threads, inference_precision,
-                                                 manifest.kv_cache_precision, weights=weights)
+                                                 manifest.kv_cache_precision, compressed=compressed)
         log.info("stage %d: IR compiled in %.2f s (model cache off)", stage, seconds)
         return LoadedShard(compiled, kv_bytes, "ir", why_not or "model cache off", seconds)
     folder = Path(cache_dir) / ir_digest(manifest, stage)[:16]
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder / ".lock"):  # OpenVINO writes cache files in place: one writer at a time
         compiled, kv_bytes, seconds = compile_ir(loaded.directory / entry.xml, device, threads, inference_precision,
-                                                 manifest.kv_cache_precision, cache_dir=folder, weights=weights)
+                                                 manifest.kv_cache_precision, cache_dir=folder,
+                                                 compressed=compressed)
         hit = bool(compiled.get_property("LOADED_FROM_CACHE"))
         (folder / ".lock").touch()  # its mtime is the folder's last use, for _prune_root
         if not hit:
