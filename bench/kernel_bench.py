@@ -85,7 +85,7 @@ import numpy as np, openvino as ov
 build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 precision, root = sys.argv[6], sys.argv[7]
 sys.path.insert(0, root)
-from fleet_common.residency import settle
+from fleet_common.residency import resident_mib, settle
 from fleet_common.manifest import load_manifest
 from fleet_common.runtime import compile_config, runs_compressed
 os.sched_setaffinity(0, set(range(threads)))
@@ -118,11 +118,10 @@ for run in range(3):
                 ops[key] = ops.get(key, 0.0) + p.real_time.total_seconds()
         chunk, past = out[-1:], past + seq
     rates.append((len(out) - 1) / (time.perf_counter() - first))
-status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-kib = lambda k: int(status[k].split()[0]) / 1024
+mib = resident_mib()
 steps = tokens - 1
-print(json.dumps({"tok_s": sorted(rates)[1], "runs": rates, "peak_rss_mib": kib("VmHWM"), "rss_mib": kib("VmRSS"),
-                  "anon_mib": kib("RssAnon"), "file_mib": kib("RssFile"),
+print(json.dumps({"tok_s": sorted(rates)[1], "runs": rates, "peak_rss_mib": mib["VmHWM"], "rss_mib": mib["VmRSS"],
+                  "anon_mib": mib["RssAnon"], "file_mib": mib["RssFile"],
                   "ops": [[t, e, n, s * 1000 / steps] for (t, e, n), s in ops.items()]}))
 """
 

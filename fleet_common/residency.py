@@ -17,13 +17,10 @@ Only mappings without write permission are touched (a private page that was writ
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4  # linux/mman.h
 RELEASE_EVERY_S = 0.1  # while the repack runs: how often the mapped pages read so far are given back

@@ -96,7 +96,8 @@ class KVSession:
         self.visible[:] = 0
 
 
-def compile_config(threads: int = 0, inference_precision: str = "auto", compressed_cpu: bool = False) -> dict[str, object]:
+def compile_config(threads: int = 0, inference_precision: str = "auto",
+                   compressed_cpu: bool = False) -> dict[str, object]:
     """The properties a shard is compiled with for low-latency decoding (``compile_ir``; a pre-compiled
     blob is made and imported with the same ones, fleet_common/blobs.py). ``threads`` 0 and precision
     "auto" leave OpenVINO's defaults; "f32" also keeps the KV cache in f32 (bit-exact with one device)
