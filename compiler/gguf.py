@@ -317,12 +317,18 @@ def _open_part(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
         raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt ({exc})") from None
 
 
+def field(reader, key: str, default: object = None) -> object:  # noqa: ANN001 - a GGUFReader or SplitReader
+    """The decoded value of GGUF metadata ``key`` (gguf-py ``ReaderField.contents``), ``default`` if absent."""
+    value = reader.fields.get(key)
+    return default if value is None else value.contents()
+
+
 def _split_field(reader, key: str, path: Path, default: int | None = None) -> int:  # noqa: ANN001
-    field = reader.fields.get(key)
-    if field is None and default is None:
+    value = field(reader, key)
+    if value is None and default is None:
         raise ValueError(f"{path}: metadata {key} missing (a part of a split GGUF has split.no, split.count and "
                          "split.tensors.count)")
-    return default if field is None else int(field.contents())
+    return default if value is None else int(value)
 
 
 def open_reader(path: Path):  # noqa: ANN201 - a gguf.GGUFReader or a SplitReader
@@ -362,16 +368,15 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``). Raises ``UnsupportedModel``/``ValueError`` naming
     the file and the field."""
     from .arch import SUPPORTED_ARCHITECTURES, UnsupportedModel
-    from .source import _field
 
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(f"{where}: GGUF architecture {arch!r} is not supported; the builder makes "
                                f"{', '.join(ARCHITECTURES)} GGUF files ({', '.join(SUPPORTED_ARCHITECTURES)} from HF "
                                "folders)")
 
     def key(name: str, default: object = None) -> object:
-        value = _field(reader, f"{arch}.{name}", default)
+        value = field(reader, f"{arch}.{name}", default)
         if value is None:
             raise ValueError(f"{where}: metadata {arch}.{name} missing")
         return value
@@ -379,7 +384,7 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     names = {t.name for t in reader.tensors}
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported")
     head_dim = int(key("attention.key_length", hidden // heads))  # llama.cpp's n_embd_head_k
@@ -388,7 +393,7 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
             raise UnsupportedModel(f"{where}: metadata {arch}.{other} {int(key(other))} differs from the head size "
                                    f"{head_dim} ({arch}.attention.key_length): partial rotary or other value heads "
                                    "are not supported")
-    vocab = _field(reader, "tokenizer.ggml.tokens")
+    vocab = field(reader, "tokenizer.ggml.tokens")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ValueError(f"{where}: tensor token_embd.weight missing")
@@ -404,7 +409,7 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
         "tie_word_embeddings": "output.weight" not in names, "attention_bias": arch == "qwen2", "mlp_bias": False,
         "has_rope_freqs": "rope_freqs.weight" in names,
     }
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = field(reader, f"{arch}.attention.sliding_window")
     if window:  # exact while the context fits the window: arch.py serves no more than that
         config |= {"sliding_window": int(window), "use_sliding_window": True}
     return config

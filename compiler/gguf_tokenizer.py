@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .gguf import field
+
 log = logging.getLogger(__name__)
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp LLAMA_TOKEN_TYPE_*
@@ -68,12 +70,6 @@ BPE_PRE = {  # tokenizer.ggml.pre -> how it splits (llama.cpp's names for the sa
     "gpt-2": BpePre((GPT2_REGEX,)),
 }
 MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values: byte-level BPE, SentencePiece
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    """The decoded value of GGUF metadata ``key`` (gguf-py ``ReaderField.contents``), ``default`` if absent."""
-    value = reader.fields.get(key)
-    return default if value is None else value.contents()
 
 
 def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:

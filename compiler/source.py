@@ -26,7 +26,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from .gguf_tokenizer import field as _field  # noqa: F401 - compiler/gguf.py reads metadata through it
 from .gguf_tokenizer import read_tokenizer, write_tokenizer
 
 logger = logging.getLogger(__name__)
