@@ -1,6 +1,7 @@
 """``fleet-compiler build``: HF folder or GGUF -> stateful IR shards + tokenizer + manifest, no torch.
 
-Each stage is built by compiler/export.py straight from the memory-mapped weights and written at once,
+The source is opened by compiler/source.py (headers and metadata only). Each stage is built by
+compiler/export.py straight from the memory-mapped weights and written at once (compiler/save.py),
 one tensor in memory at a time (fp16, int8 by NNCF's per-channel lowering, a GGUF's own blocks); int4
 stages are then compressed by NNCF from that fp16 stage IR read back memory-mapped. So fp16 and int8
 builds peak at about one tensor, not the model (bench/build_memory.py measures it). The build is
@@ -10,14 +11,10 @@ written into a hidden folder beside ``out`` and moved into place only when compl
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import math
 import shutil
 import tempfile
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import openvino as ov
@@ -26,73 +23,15 @@ from fleet_common import PROTOCOL_VERSION
 from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEntry, sha256_file
 
 from .arch import ModelConfig
-from .compress import WeightSpec, compress, parse_stage_weights, resolve
+from .compress import WeightSpec, parse_stage_weights, resolve
 from .draft import check_self_draft, draft_name, export_draft
-from .export import StageSpec, export_stage, stage_tensors
-from .gguf import is_gguf_file
+from .export import StageSpec, stage_tensors
 from .plan import balanced_split, decode_weights, parse_layers
-from .weights import SafetensorsWeights, WeightsError
+from .save import BuildError, Progress, disk_errors, human_size, save_stage, stage_fp16_bytes
+from .source import TOKENIZER_FILES, Source, open_source
+from .weights import WeightsError
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "config.json")
-
-
-class BuildError(ValueError):
-    """A build that cannot go on (disk full, unwritable output); the message says what to do."""
-
-
-@dataclass
-class Source:
-    """A model to build: its config, its weights (lazily read: ``weights.SafetensorsWeights`` or
-    ``gguf.GGUFWeights``) and the folder holding its tokenizer files."""
-
-    config: ModelConfig
-    weights: object
-    folder: Path
-
-    @property
-    def gguf(self) -> bool:
-        return hasattr(self.weights, "blocks")
-
-
-def open_source(src: Path, workdir: Path) -> Source:
-    """Open ``src``: an HF folder (config.json + safetensors) or a GGUF file (its config and tokenizer
-    written into ``workdir``; compiler/gguf.py). Reads headers and metadata only. Raises
-    ``FileNotFoundError`` / ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and
-    the problem."""
-    src = Path(src)
-    if src.suffix == ".gguf" or is_gguf_file(src):  # an Ollama blob (sha256-<hex>) has no suffix
-        return open_gguf(src, Path(workdir) / f"{src.stem}-tokenizer")
-    config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
-    return Source(config, SafetensorsWeights(src), src)
-
-
-def open_gguf(path: Path, folder: Path) -> Source:
-    """A GGUF file as a source: config and tokenizer from its metadata (written to ``folder``), weights
-    memory-mapped with their blocks kept (compiler/gguf.py); ``rope_freqs.weight`` divides RoPE's
-    frequencies as llama.cpp does (Llama 3.1's scaling)."""
-    import dataclasses
-
-    import numpy as np
-
-    from .gguf import GGUFWeights, rope_freqs
-    from .source import read_gguf, write_gguf_tokenizer
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    reader, meta, config = read_gguf(path)
-    write_gguf_tokenizer(meta, config, folder)
-    cfg = ModelConfig.from_folder(folder)
-    divisors = rope_freqs(reader)
-    if divisors is not None:
-        if divisors.shape != (cfg.head_dim // 2,):
-            raise WeightsError(f"{path.name}: rope_freqs.weight has {divisors.size} values, head_dim {cfg.head_dim} "
-                               f"needs {cfg.head_dim // 2}")
-        cfg = dataclasses.replace(cfg, inv_freq=tuple(np.asarray(cfg.inv_freq) / divisors))
-    return Source(cfg, GGUFWeights(path, reader, config), folder)
-
 
 def eos_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
     """End-of-sequence ids of config.json and generation_config.json together."""
@@ -102,61 +41,6 @@ def eos_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return tuple(sorted(ids))
-
-
-class Progress:
-    """A progress bar over a build's bytes (rich), one task per stage or draft, with ETA."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
-        self.bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                       TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), disable=not enabled, transient=False)
-
-    @contextmanager
-    def task(self, description: str, total: int):  # noqa: ANN201 - yields the on_read callback
-        task = self.bar.add_task(description, total=total, tensor="")
-
-        def on_read(name: str, nbytes: int) -> None:
-            self.bar.update(task, advance=nbytes, tensor=name)
-
-        yield on_read
-        self.bar.update(task, completed=total, tensor="")
-
-    def __enter__(self) -> Progress:
-        self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.stop()
-
-
-def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: WeightSpec,  # noqa: ANN001
-               kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True,
-               keep_blocks: bool = False) -> None:
-    """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
-
-    fp16 and int8 go straight from the source to the file, one tensor at a time (int8 by NNCF's own
-    per-channel lowering, in blocks of rows: compress.int8_rows). int4 (NNCF ranks every layer of the
-    stage to pick which go to 4 bits, so it needs the stage whole): the fp16 IR is written first, read
-    back memory-mapped and compressed by NNCF. Raises ``BuildError`` on a full disk."""
-    total = stage_fp16_bytes(cfg, stage)
-    model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,
-                         int8=spec if spec.format == "int8" else None, keep_blocks=keep_blocks)
-    fp16 = path if spec.format in ("fp16", "int8") else path.with_name(path.stem + ".fp16.xml")
-    with _disk_errors(path), progress.task(label, total) as on_read:
-        model._fleet_weights.on_read = on_read
-        ov.save_model(model, fp16, compress_to_fp16=False)
-    del model
-    if spec.format in ("fp16", "int8"):
-        return
-    with _disk_errors(path):
-        compressed = compress(ov.Core().read_model(fp16), spec)
-        ov.save_model(compressed, path, compress_to_fp16=False)
-        del compressed
-    fp16.unlink()
-    fp16.with_suffix(".bin").unlink()
 
 
 def save_whole_model(src: Path, xml: Path, kv_cache_precision: str = "f16", logits_index_input: bool = True) -> Path:
@@ -170,33 +54,6 @@ def save_whole_model(src: Path, xml: Path, kv_cache_precision: str = "f16", logi
         save_stage(source.config, source.weights, StageSpec(0, 0, layers, layers), Path(xml), WeightSpec("fp16"),
                    kv_cache_precision, bar, "model", logits_index_input=logits_index_input)
     return Path(xml)
-
-
-def stage_fp16_bytes(cfg: ModelConfig, stage: StageSpec) -> int:
-    """Bytes of ``stage``'s tensors at 2 per weight: what an fp16 stage writes, and the unit of the
-    progress bar (export.py reports each tensor so, whatever it is stored as)."""
-    return sum(2 * math.prod(shape) for shape in stage_tensors(cfg, stage).values())
-
-
-@contextmanager
-def _disk_errors(path: Path):  # noqa: ANN202
-    """Turn a full disk while writing ``path`` into one ``BuildError`` that says so."""
-    try:
-        yield
-    except (OSError, RuntimeError) as exc:
-        free = shutil.disk_usage(path.parent).free
-        if getattr(exc, "errno", None) != errno.ENOSPC and free >= 64 << 20:
-            raise
-        raise BuildError(f"disk full writing {path} ({_size(free)} free): free space or choose another -o "
-                         "folder; the previous build, if any, is unchanged") from None
-
-
-def _size(nbytes: int) -> str:
-    """``nbytes`` for a person: 3.2 GiB, 12.5 MiB, 900 KiB."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{max(1, round(nbytes / 1024)) if nbytes else 0} KiB"
 
 
 def estimated_bytes(cfg: ModelConfig, ranges: list[tuple[int, int]], drafts: int) -> int:
@@ -304,41 +161,18 @@ def build(
     is left as it was.
     """
     out = Path(out)
-    names = [draft_name(d) for d in drafts]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two drafts share a name: {names}")
-    if out.exists() and not out.is_dir():
-        raise BuildError(f"-o {out} is a file, not a folder: choose another -o folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
-        raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
+    _check_output(out, drafts)
     with tempfile.TemporaryDirectory() as tmp:
         source = open_source(Path(src), Path(tmp))
-        if source.gguf:
-            source.weights.exact = exact_blocks
         cfg = source.config
-        for spec in drafts:
-            check_self_draft(spec, cfg)
-        ranges = stage_ranges(cfg, shards, layers)
-        check_layers(source.weights, cfg, str(source.folder / "config.json"))
-        if not (source.folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{source.folder} has no tokenizer.json (fast tokenizer) to ship with the build")
-        for index, (start, end) in enumerate(ranges):  # every tensor there, shaped as the config says
-            source.weights.check(stage_tensors(cfg, StageSpec(index, start, end, cfg.num_layers)),
-                                 str(source.folder / "config.json"))
+        ranges = _checked_ranges(source, shards, layers, drafts, exact_blocks)
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
-        keep = source.gguf and weights is None  # a GGUF's own blocks, unless other weights are asked for
-        if source.gguf and not keep:
-            log.warning("--weights %s: the GGUF's quantized blocks are dequantized and compressed again (without "
-                        "--weights they are kept as they are)", weights)
-        formats = ({i: weights or "fp16" for i in range(len(ranges))}
-                   | parse_stage_weights(stage_weights or "", len(ranges)))
-        keep_stage = {i: keep and i not in parse_stage_weights(stage_weights or "", len(ranges)) for i in formats}
-        specs = {i: resolve(fmt, cfg.parameters(), **overrides) for i, fmt in formats.items()}
+        specs, keep_stage = _stage_specs(source, len(ranges), weights, stage_weights, overrides)
         staging = _staging_dir(out)
         try:
             need, free = estimated_bytes(cfg, ranges, len(drafts)), shutil.disk_usage(staging).free
             if need > free:
-                raise BuildError(f"{out.parent} has {_size(free)} free, the build needs about {_size(need)}: "
+                raise BuildError(f"{out.parent} has {human_size(free)} free, the build needs about {human_size(need)}: "
                                  "free space or choose another -o folder")
             with Progress(progress) as bar:
                 # drafts first: a draft with another vocabulary fails the build before the long part
@@ -346,7 +180,7 @@ def build(
                                               draft_weights, **overrides) for spec in drafts]
                 stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i], staging,
                                        kv_cache_precision, bar) for i, (a, b) in enumerate(ranges)]
-            with _disk_errors(staging / MANIFEST_NAME):
+            with disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
                     if (source.folder / name).is_file():
                         shutil.copy2(source.folder / name, staging / name)
@@ -358,6 +192,52 @@ def build(
             raise
     log.info("wrote %d stage(s) to %s", len(stages), out)
     return manifest
+
+
+def _check_output(out: Path, drafts: tuple[str, ...]) -> None:
+    """Refuse, before anything is read, drafts that share a name (``ValueError``) and an ``out`` that is a
+    file or a folder holding something other than a fleet build (``BuildError``)."""
+    names = [draft_name(d) for d in drafts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two drafts share a name: {names}")
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"-o {out} is a file, not a folder: choose another -o folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
+
+
+def _checked_ranges(source: Source, shards: int, layers: str | None, drafts: tuple[str, ...],
+                    exact_blocks: bool) -> list[tuple[int, int]]:
+    """The stages' layer ranges (``stage_ranges``), once everything a build needs of ``source`` is checked
+    from its headers: self drafts it may have, no layers beyond its config, a tokenizer.json, and every
+    tensor of every stage there and shaped as the config says. Sets a GGUF's ``exact`` (``exact_blocks``)."""
+    cfg = source.config
+    if source.gguf:
+        source.weights.exact = exact_blocks
+    for spec in drafts:
+        check_self_draft(spec, cfg)
+    ranges = stage_ranges(cfg, shards, layers)
+    check_layers(source.weights, cfg, str(source.folder / "config.json"))
+    if not (source.folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{source.folder} has no tokenizer.json (fast tokenizer) to ship with the build")
+    for index, (start, end) in enumerate(ranges):
+        source.weights.check(stage_tensors(cfg, StageSpec(index, start, end, cfg.num_layers)),
+                             str(source.folder / "config.json"))
+    return ranges
+
+
+def _stage_specs(source: Source, stages: int, weights: str | None, stage_weights: str | None,
+                 overrides: dict) -> tuple[dict[int, WeightSpec], dict[int, bool]]:
+    """Each stage's weight spec (``weights``, or its own in ``stage_weights``, with ``overrides``) and whether
+    it keeps a GGUF's own blocks (a GGUF built without ``weights`` and not named in ``stage_weights``)."""
+    keep = source.gguf and weights is None  # a GGUF's own blocks, unless other weights are asked for
+    if source.gguf and not keep:
+        log.warning("--weights %s: the GGUF's quantized blocks are dequantized and compressed again (without "
+                    "--weights they are kept as they are)", weights)
+    named = parse_stage_weights(stage_weights or "", stages)
+    formats = {i: weights or "fp16" for i in range(stages)} | named
+    specs = {i: resolve(fmt, source.config.parameters(), **overrides) for i, fmt in formats.items()}
+    return specs, {i: keep and i not in named for i in formats}
 
 
 def _write_stage(source: Source, stage: StageSpec, spec: WeightSpec, keep_blocks: bool, staging: Path,

@@ -29,6 +29,8 @@ from fleet_common.manifest import DraftEntry
 from .arch import ModelConfig
 from .compress import SELF_DRAFT_SPECS, resolve
 from .export import StageSpec
+from .save import save_stage
+from .source import TOKENIZER_FILES, Source, open_source
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +88,17 @@ def check_self_draft(spec: str, target: ModelConfig) -> None:
             "the same way, e.g. Llama-3.2-1B for Llama-3.1-8B) or serve with --draft ngram (no model)")
 
 
-def export_draft(spec: str, target, out: Path, kv_cache_precision: str, workdir: Path,  # noqa: ANN001
-                 progress, weights: str = "fp16", **overrides) -> DraftEntry:  # noqa: ANN001
+def export_draft(spec: str, target: Source, out: Path, kv_cache_precision: str, workdir: Path,
+                 progress, weights: str = "fp16", **overrides) -> DraftEntry:  # noqa: ANN001 - a save.Progress
     """Build draft ``spec`` (``self-int4``, ``self-int8`` or a model path) as one whole-model stage in
     ``out/drafts/<name>/``.
 
-    ``target`` is the opened target (``compiler.build.Source``: its config, weights, folder). A self
+    ``target`` is the opened target (``compiler.source.Source``: its config, weights, folder). A self
     draft is compressed as its name says (``SELF_DRAFT_SPECS``); a model draft stores ``weights``
     (fp16, int8, int4: its size class's defaults with ``overrides``, see ``compiler.compress.resolve``).
     Raises ``VocabularyMismatch`` for a draft with another tokenizer, ``FileNotFoundError`` /
     ``ValueError`` for an unusable source or a self draft of a big target (``check_self_draft``).
     """
-    from .build import open_source, save_stage
-
     name = draft_name(spec)
     if spec in SELF_DRAFTS:
         check_self_draft(spec, target.config)
@@ -130,7 +130,6 @@ def early_exit_model(src: Path, layers: int, out: Path) -> Path:
 
     from safetensors.numpy import save_file
 
-    from .build import TOKENIZER_FILES
     from .weights import SafetensorsWeights
 
     src, out = Path(src), Path(out)

@@ -120,7 +120,7 @@ class _Weights:
 
     def _read(self, name: str, tensor: ov.Tensor) -> ov.Tensor:
         """``tensor`` (read for ``name``), reported to ``on_read`` at 2 bytes per weight whatever it is stored
-        as, the unit the build's progress totals count in (``build.stage_fp16_bytes``)."""
+        as, the unit the build's progress totals count in (``save.stage_fp16_bytes``)."""
         if self.on_read is not None:
             self.on_read(name, 2 * math.prod(self.source.shape(name)))
         return tensor

