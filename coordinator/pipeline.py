@@ -20,8 +20,8 @@ import grpc
 import numpy as np
 
 from fleet_common import fleet_pb2 as pb
-from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.security import Security, open_channel
+from fleet_common.channels import ChannelCache, StreamClosed, StreamWriter, describe
+from fleet_common.security import Security
 from fleet_common.wire import from_tensor, to_tensor
 
 from .errors import InvalidRequest, Overloaded, StageFailure, stage_failed, stage_lost
@@ -37,35 +37,17 @@ class StepOutput:
     top_logprobs: np.ndarray  # [N, k] float32, log-softmax over the full vocabulary
 
 
-class Channels:
-    """One gRPC channel per worker address, shared by every pipeline of this coordinator, secured as
-    ``security`` says (default: this process's, which the coordinator's settings set)."""
+class Channels(ChannelCache):
+    """One gRPC channel per worker address (``fleet_common.channels.ChannelCache``), shared by every pipeline
+    of this coordinator, secured as ``security`` says (the coordinator passes its settings'; default
+    ``Security()``: plaintext, no tokens); ``owner`` names this coordinator process to the workers."""
 
     def __init__(self, security: Security | None = None) -> None:
-        self.security = security if security is not None else Security()
+        super().__init__(security)
         # this coordinator process, named in the sessions it makes and in its health checks: a worker
         # frees the sessions of an owner it has not heard from (the coordinator died)
         self.owner = f"coordinator-{uuid.uuid4().hex[:12]}"
         log.info("links to workers: %s", self.security.describe())
-        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = {}
-
-    def stub(self, address: str) -> pb_grpc.StageStub:
-        """The stub of the worker at ``address`` (host:port), its channel opened on first use."""
-        entry = self._stubs.get(address)
-        if entry is None:
-            channel = open_channel(address, self.security)
-            entry = self._stubs[address] = (channel, pb_grpc.StageStub(channel))
-        return entry[1]
-
-    async def drop(self, address: str) -> None:
-        entry = self._stubs.pop(address, None)
-        if entry is not None:
-            await entry[0].close()
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
 
 
 class Pipeline:
@@ -83,9 +65,8 @@ class Pipeline:
         self._waiters: dict[tuple[str, int], asyncio.Future] = {}
         self._steps = itertools.count(1)
         self._reader: asyncio.Task | None = None
-        self._link: grpc.aio.StreamStreamCall | None = None  # the steps' stream to stage 0
+        self._link: StreamWriter | None = None  # the steps' stream to stage 0
         self._link_reader: asyncio.Task | None = None
-        self._write_lock = asyncio.Lock()  # one write at a time on a gRPC stream
         self._broken: StageFailure | None = None  # why it no longer runs steps
         self._close_reason: StageFailure | str = "pipeline closed"
         self.observe_link = None  # (seconds) -> None: a step's time on the links (``path``), for metrics
@@ -105,8 +86,8 @@ class Pipeline:
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
             await pipeline.close()
             raise stage_lost(len(addresses) - 1, addresses[-1],
-                             f"the result stream was not accepted: {_describe(exc)}") from exc
-        pipeline._link = channels.stub(addresses[0]).Link()
+                             f"the result stream was not accepted: {describe(exc)}") from exc
+        pipeline._link = StreamWriter(channels.stub(addresses[0]).Link())
         pipeline._link_reader = asyncio.create_task(pipeline._read_acks(), name=f"link-{addresses[0]}")
         return pipeline
 
@@ -127,7 +108,7 @@ class Pipeline:
                     waiter.set_result(result)
             reason = "its result stream ended"
         except grpc.aio.AioRpcError as exc:
-            reason = f"its result stream failed: {_describe(exc)}"
+            reason = f"its result stream failed: {describe(exc)}"
             if not ready.done():
                 ready.set_exception(exc)
         except asyncio.CancelledError:
@@ -144,14 +125,14 @@ class Pipeline:
         """The failures stage 0 sends back up the link: one step's (its waiter fails), or the link below
         a stage broke (the pipeline is broken); the link itself failing breaks it too."""
         try:
-            async for ack in self._link:
+            async for ack in self._link.call:
                 if not ack.session_id:
                     self._fail(self._ack_failure(ack))
                 elif (waiter := self._waiters.get((ack.session_id, ack.step_id))) is not None and not waiter.done():
                     waiter.set_exception(self._ack_failure(ack))
             reason = "its link stream ended"
         except grpc.aio.AioRpcError as exc:
-            reason = f"its link failed: {_describe(exc)}"
+            reason = f"its link failed: {describe(exc)}"
         except asyncio.CancelledError:
             return
         self._fail(stage_lost(0, self.addresses[0], reason))
@@ -170,7 +151,7 @@ class Pipeline:
         ``StageFailure``, or its message)."""
         self._close_reason = reason
         if self._link is not None:
-            self._link.cancel()
+            self._link.call.cancel()
         for task in (self._link_reader, self._reader):
             if task is not None:
                 task.cancel()
@@ -218,7 +199,7 @@ class Pipeline:
         )
         for address, r in zip(self.addresses, results):
             if isinstance(r, BaseException):
-                log.warning("session %s: close on %s failed: %s", session_id, address, _describe(r))
+                log.warning("session %s: close on %s failed: %s", session_id, address, describe(r))
 
     async def _on_every_stage(self, rpc: str, request, timeout_s: float, what: str) -> list:  # noqa: ANN001
         """Call ``rpc`` with ``request`` on every stage at once; the replies in stage order. Raises
@@ -309,15 +290,14 @@ class Pipeline:
         waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
         sent = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self._write_lock:
-                    await self._link.write(request)
+            async with asyncio.timeout(timeout_s):  # the write and the result together
+                await self._link.write(request)
                 result = await waiter
         except TimeoutError:
             raise StageFailure(f"a pipeline step missed its {timeout_s:.1f} s deadline (a stage is overloaded "
                                "or stuck); send the request again", detail=f"session {session_id}") from None
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-            self._fail(stage_lost(0, self.addresses[0], f"the link to stage 0 failed: {_describe(exc)}"))
+        except StreamClosed as exc:
+            self._fail(stage_lost(0, self.addresses[0], f"the link to stage 0 failed: {exc}"))
             raise self._broken.again() from exc
         finally:
             self._waiters.pop(key, None)
@@ -350,7 +330,7 @@ def _failure(stage: int, address: str, what: str, exc: BaseException) -> StageFa
     worker that cannot be reached (or did not answer in time) stopped answering, else it failed; the gRPC
     status and details go to the ``detail``."""
     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-    return _classified(stage, address, what, code, _describe(exc))
+    return _classified(stage, address, what, code, describe(exc))
 
 
 def _classified(stage: int, address: str, what: str, code: grpc.StatusCode | None, description: str) -> StageFailure:
@@ -361,8 +341,3 @@ def _classified(stage: int, address: str, what: str, code: grpc.StatusCode | Non
         return stage_lost(stage, address, detail)
     return stage_failed(stage, address, what, detail)
 
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return repr(exc)

@@ -23,6 +23,7 @@ import grpc
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.channels import StreamClosed, StreamWriter, describe
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ class Downlink:
         self.upstreams: set[Upstream] = set()  # upstreams that forwarded through this link (told if it breaks)
         self.broken: str | None = None
         self._relay, self._on_broken = relay, on_broken
-        self._call = stub.Link()
-        self._lock = asyncio.Lock()  # one write at a time on a gRPC stream
+        self._link = StreamWriter(stub.Link())
         self._reader = asyncio.ensure_future(self._read())
 
     async def send(self, request: pb.ForwardRequest, timeout_s: float) -> None:
@@ -54,23 +54,22 @@ class Downlink:
         if self.broken:
             raise LinkBroken(self.broken)
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self._lock:
-                    await self._call.write(request)
+            await self._link.write(request, timeout_s)
         except TimeoutError:
             self._break(f"DEADLINE_EXCEEDED: a step could not be written in {timeout_s:.1f} s (it stopped reading)")
             raise LinkBroken(self.broken) from None
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-            self._break(_describe(exc))
+        except StreamClosed as exc:
+            self._break(str(exc))
             raise LinkBroken(self.broken) from None
 
     async def _read(self) -> None:
+        """Relay each ack the next stage sends; break the link when its stream ends, fails or is closed."""
         try:
-            async for ack in self._call:
+            async for ack in self._link.call:
                 self._relay(self, ack)
             reason = "UNAVAILABLE: the stream ended"
         except grpc.aio.AioRpcError as exc:
-            reason = _describe(exc)
+            reason = describe(exc)
         except asyncio.CancelledError:
             reason = "CANCELLED: the link was closed"
         self._break(reason)
@@ -78,17 +77,13 @@ class Downlink:
     def _break(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-            self._call.cancel()
+            self._link.call.cancel()
             log.warning("link to the next stage at %s broke: %s", self.address, reason)
             self._on_broken(self, reason)
 
     async def close(self) -> None:
-        self._call.cancel()
+        """End the stream and stop its reader."""
+        self._link.call.cancel()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
 
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"UNAVAILABLE: {exc!r}"

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,7 +16,8 @@ import openvino as ov
 from fleet_common import PROTOCOL_VERSION
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.security import Security, open_channel, open_server
+from fleet_common.channels import ChannelCache
+from fleet_common.security import Security, open_server
 from fleet_common.runtime import ChunkError, KVSession, top_candidates
 from fleet_common.wire import Malformed, WireError, add_servicer, address_problem, from_tensor, to_tensor
 
@@ -58,9 +58,12 @@ class StepError(Exception):
 
 
 class StageService(pb_grpc.StageServicer):
-    """Serves one shard. Inference runs on one dedicated thread, so chunks of different sessions
-    queue at this stage and the event loop keeps answering RPCs meanwhile. ``security`` is used for the
-    calls to the next stage."""
+    """Serves one shard. Steps run on one inference thread, in the order they arrive, so chunks of
+    different sessions queue at this stage while the event loop keeps answering RPCs; a small step (at
+    most ``INLINE_MAX_TOKENS`` rows x tokens, e.g. a decode step) runs inline on the event loop's thread
+    instead when the inference thread is idle and such steps take under ``INLINE_MAX_MS`` (``_run_chunk``).
+    Compactions, copies and merges always go to the inference thread. ``security`` secures the calls to
+    the next stage."""
 
     def __init__(self, runner: ShardRunner, store: SessionStore, manifest_sha256: str, max_context: int,
                  security: Security | None = None) -> None:
@@ -71,8 +74,10 @@ class StageService(pb_grpc.StageServicer):
         self.max_context = max_context
         self.worker_id = uuid.uuid4().hex[:12]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{runner.stage}-infer")
-        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.StageStub]] = OrderedDict()  # LRU first
-        self._closing: set[asyncio.Task] = set()  # evicted channels closing once their calls are done
+        # channels to the next stage, bounded: the route comes from the caller, and one channel per address ever
+        # named would grow without bound; the least recently used one is closed (its link first), once its calls end
+        self.channels = ChannelCache(self.security, MAX_NEXT_STAGE_CHANNELS, DOWNSTREAM_TIMEOUT_S, self._evicted)
+        self._closing: set[asyncio.Task] = set()  # links to evicted channels, closing
         self._downlinks: dict[str, Downlink] = {}  # streams to the next stage, by address (one per channel)
         self._upstream: dict[str, Upstream] = {}  # session id -> the Link that sent its last step
         self._subscribers: dict[str, asyncio.Queue] = {}
@@ -100,35 +105,20 @@ class StageService(pb_grpc.StageServicer):
                     f"the caller has {sha[:12]}")
         return None
 
-    def _stub(self, address: str) -> pb_grpc.StageStub:
-        """The stub of the next stage at ``address``. Channels stay open for reuse, at most
-        ``MAX_NEXT_STAGE_CHANNELS`` (the route comes from the caller: one channel per address ever
-        named would grow without bound); the least recently used one is closed, once its calls end."""
-        entry = self._channels.get(address)
-        if entry is None:
-            channel = open_channel(address, self.security)
-            entry = (channel, pb_grpc.StageStub(channel))
-            self._channels[address] = entry
-            if len(self._channels) > MAX_NEXT_STAGE_CHANNELS:
-                evicted_address, (evicted, _) = self._channels.popitem(last=False)
-                if (downlink := self._downlinks.pop(evicted_address, None)) is not None:
-                    closing = asyncio.ensure_future(downlink.close())
-                    self._closing.add(closing)
-                    closing.add_done_callback(self._closing.discard)
-                task = asyncio.ensure_future(evicted.close(grace=DOWNSTREAM_TIMEOUT_S))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-        else:
-            self._channels.move_to_end(address)
-        return entry[1]
+    def _evicted(self, address: str) -> None:
+        """The channel to ``address`` is being closed (``channels`` holds too many): close its link too."""
+        if (downlink := self._downlinks.pop(address, None)) is not None:
+            closing = asyncio.ensure_future(downlink.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
+        """Close the links and channels to the next stage and stop the inference thread."""
         for task in list(self._closing):
             task.cancel()
         for downlink in list(self._downlinks.values()):
             await downlink.close()
-        for channel, _ in self._channels.values():
-            await channel.close()
+        await self.channels.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _on_inference_thread(self, fn, *args) -> asyncio.Future:  # noqa: ANN001
@@ -336,7 +326,8 @@ class StageService(pb_grpc.StageServicer):
         """The link to the next stage at ``address``, opened (again) when there is none or it broke."""
         downlink = self._downlinks.get(address)
         if downlink is None or downlink.broken:
-            downlink = self._downlinks[address] = Downlink(address, self._stub(address), self._relay, self._broken)
+            downlink = self._downlinks[address] = Downlink(address, self.channels.stub(address), self._relay,
+                                                           self._broken)
         return downlink
 
     def _relay(self, downlink: Downlink, ack: pb.LinkAck) -> None:

@@ -41,12 +41,13 @@ def test_next_stage_channels_are_bounded():
         service = StageService(SimpleNamespace(stage=0), store=None, manifest_sha256="", max_context=16)
         try:
             for i in range(3 * MAX_NEXT_STAGE_CHANNELS):
-                service._stub(f"127.0.{i}.1:1")
-            service._stub("127.0.40.1:1")  # a recent one is reused and becomes the most recent
-            assert len(service._channels) == MAX_NEXT_STAGE_CHANNELS
-            assert list(service._channels)[-1] == "127.0.40.1:1" and "127.0.0.1:1" not in service._channels
+                service.channels.stub(f"127.0.{i}.1:1")
+            service.channels.stub("127.0.40.1:1")  # a recent one is reused and becomes the most recent
+            open_now = service.channels.addresses()
+            assert len(open_now) == MAX_NEXT_STAGE_CHANNELS
+            assert open_now[-1] == "127.0.40.1:1" and "127.0.0.1:1" not in open_now
             await asyncio.sleep(0.1)
-            assert not service._closing  # the evicted ones closed (no calls on them)
+            assert not service.channels.closing  # the evicted ones closed (no calls on them)
         finally:
             await service.close()
 
