@@ -1,4 +1,6 @@
-"""Choosing the next token from what the last stage returns (top-k ids + full-vocabulary logprobs)."""
+"""Choosing the next token from what the last stage returns (top-k ids + full-vocabulary logprobs), with
+the request's penalties; and what a request silent on sampling gets: the model's own defaults
+(generation_config.json), and the fallback chat clients send for a model without them."""
 
 from __future__ import annotations
 
@@ -69,15 +71,6 @@ def target_distribution(ids: np.ndarray, logprobs: np.ndarray, temperature: floa
     return SparseDist(ids[: len(probs)].astype(np.int64), probs)
 
 
-def choose_token(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_p: float,
-                 rng: np.random.Generator) -> int:
-    """Pick one token from ``target_distribution(ids, logprobs, temperature, top_p)``.
-
-    Temperature 0 is greedy (``ids[0]``, no randomness used). Deterministic for a given ``rng`` state.
-    """
-    return target_distribution(ids, logprobs, temperature, top_p).sample(rng)
-
-
 @dataclass(frozen=True)
 class Penalties:
     """Repetition penalties of one request (OpenAI's ``frequency_penalty``/``presence_penalty``, HF's
@@ -89,6 +82,7 @@ class Penalties:
 
     @property
     def active(self) -> bool:
+        """Whether any penalty changes the scores."""
         return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
 
 
@@ -124,6 +118,23 @@ def penalized_distribution(ids: np.ndarray, logprobs: np.ndarray, temperature: f
     if top_k > 0:
         ids, logprobs = ids[:top_k], logprobs[:top_k]
     return target_distribution(ids, logprobs, temperature, top_p)
+
+
+FALLBACK_SAMPLING = {"temperature": 0.0, "frequency_penalty": 0.3}
+"""What a chat client (fleet-chat, the chat page) sends when its user sets no sampling field and the model's
+generation_config.json holds no sampling defaults: greedy (answers stay deterministic) with OpenAI's frequency
+penalty at 0.3. Tried on the demo model (max_tokens 512): plain greedy loops on "Write a short poem about the
+sea." to the cap ("A world where the sea is a place, a place where the sea is a place, ..."), 0.3 ends it after
+160 tokens; short answers ("Hi!", "What is the capital of France?") are unchanged. repetition_penalty (scaled
+here on log-probabilities, the last stage sends no raw logits) still looped at 1.3; temperature 0.7 wandered
+("Le Grand Paris, Le Havre is the capital of France.")."""
+
+
+def fallback_sampling(defaults: dict) -> dict[str, float]:
+    """The model card's ``fallback_sampling`` (``GET /v1/models``): ``FALLBACK_SAMPLING`` when the model's
+    ``defaults`` (``generation_defaults``) hold neither a temperature nor a repetition penalty, else {} (the
+    model's own defaults apply). A chat client sends these fields when its user sets no sampling field."""
+    return {} if {"temperature", "repetition_penalty"} & set(defaults) else dict(FALLBACK_SAMPLING)
 
 
 def generation_defaults(folder: Path) -> dict[str, float | int]:

@@ -1,9 +1,15 @@
 import numpy as np
 
-from coordinator.sampling import choose_token
+from coordinator.sampling import FALLBACK_SAMPLING, fallback_sampling, target_distribution
 
 IDS = np.array([7, 3, 9, 1], dtype=np.int32)
 LOGPROBS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+
+
+def choose_token(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_p: float,
+                 rng: np.random.Generator) -> int:
+    """One draw from ``target_distribution``, as plain decoding makes it."""
+    return target_distribution(ids, logprobs, temperature, top_p).sample(rng)
 
 
 def test_greedy_takes_best():
@@ -34,3 +40,12 @@ def test_low_temperature_sharpens():
     rng = np.random.default_rng(0)
     draws = [choose_token(IDS, LOGPROBS, 0.1, 1.0, rng) for _ in range(1000)]
     assert draws.count(7) > 990
+
+
+def test_fallback_sampling_only_for_a_model_without_its_own():
+    assert fallback_sampling({}) == FALLBACK_SAMPLING == {"temperature": 0.0, "frequency_penalty": 0.3}
+    assert fallback_sampling({"top_p": 0.9, "max_tokens": 64}) == FALLBACK_SAMPLING
+    assert fallback_sampling({"temperature": 0.7}) == {} == fallback_sampling({"repetition_penalty": 1.1})
+    served = fallback_sampling({})
+    served["temperature"] = 1.0
+    assert FALLBACK_SAMPLING["temperature"] == 0.0, "each caller gets its own copy"
