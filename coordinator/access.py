@@ -36,6 +36,27 @@ def public_health(status: dict) -> dict:
             "workers_hidden": "send the API key (or start the coordinator with --public-health) to see the workers"}
 
 
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization`` header value ``Bearer KEY`` (stripped; the scheme in any case), or
+    None for another scheme, an empty key or no header."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest of an API key: what keys are compared as, and what a cache scope is made of."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def cache_scope(authorization: str | None) -> str:
+    """Whose retained KV (prefix cache) a request with this ``Authorization`` header value may reuse: a
+    digest of its Bearer key, so requests under different keys never see each other's conversations; ""
+    without a key (whether or not the coordinator has keys: a client may send one anyway)."""
+    key = bearer_key(authorization)
+    return "" if key is None else key_digest(key).hex()[:32]
+
+
 def key_given(scope: Scope) -> bool:
     """Whether the request of ``scope`` carried a valid API key, or the coordinator needs none."""
     return bool(scope.get("state", {}).get(KEY_SCOPE, True))
@@ -49,16 +70,16 @@ class ApiKeys:
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], public_metrics: bool = False) -> None:
         self.app = app
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self._digests = [key_digest(k) for k in keys]
         self.public_metrics = public_metrics
 
     def refusal(self, authorization: str | None) -> InvalidApiKey | None:
         """Why a request with this ``Authorization`` header value is refused, or None when it may pass."""
-        scheme, _, key = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = bearer_key(authorization)
+        if key is None:
             return InvalidApiKey("this fleet requires an API key: send 'Authorization: Bearer KEY' "
                                  "(fleet-chat --api-key, or the OpenAI client's api_key)")
-        digest = hashlib.sha256(key.strip().encode()).digest()
+        digest = key_digest(key)
         if not sum(hmac.compare_digest(digest, d) for d in self._digests):  # no early exit
             return InvalidApiKey("invalid API key")
         return None

@@ -7,11 +7,10 @@ import time
 
 import pytest
 
-from coordinator.api import ApiKeys
+from coordinator.access import ApiKeys, bearer_key, cache_scope
 from coordinator.settings import read_api_keys
 from fleet_common.discovery import WorkerAd, encode_txt
-from fleet_common.security import (MAX_SKEW_S, Security, SecurityError, TokenError, check_token, make_token,
-                                   read_secret)
+from fleet_common.security import MAX_SKEW_S, Security, SecurityError, TokenError, check_token, make_token, read_secret
 
 SECRET = b"correct horse battery staple"
 FORWARD = "/fleet.v1.Stage/Forward"
@@ -113,6 +112,17 @@ def test_api_key_check():
         assert refusal is not None and words in refusal.message
         assert refusal.status == 401 and refusal.body()["error"] == {
             "message": refusal.message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+
+
+def test_bearer_key_and_cache_scope():
+    """One parse of ``Authorization: Bearer KEY`` serves the key check and the prefix cache's scope: the
+    scope is a digest of the key (never the key), the same for the same key however it is spelt."""
+    assert bearer_key("Bearer k1") == bearer_key("bearer  k1 ") == bearer_key(" BEARER k1") == "k1"
+    for value in (None, "", "Bearer", "Bearer  ", "Basic k1", "k1"):
+        assert bearer_key(value) is None and cache_scope(value) == "", value
+    scope = cache_scope("Bearer k1")
+    assert scope == cache_scope("bearer  k1 ") != cache_scope("Bearer k2")
+    assert len(scope) == 32 and "k1" not in scope and int(scope, 16) >= 0
 
 
 def test_mdns_announcement_carries_no_secret():
