@@ -15,7 +15,8 @@ qwen3      no          yes             per-head RMSNorm on q and k before RoPE; 
 
 Sources: transformers' ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
 ``modeling_qwen3.py`` and ``modeling_rope_utils.py`` (``_compute_llama3_parameters``,
-``_compute_linear_scaling_rope_parameters``); ../shared/research/compiler.md §4.
+``_compute_linear_scaling_rope_parameters``); for GGUF files, llama.cpp's ``convert_hf_to_gguf.py``
+(compiler/gguf.py).
 """
 
 from __future__ import annotations

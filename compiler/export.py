@@ -1,7 +1,7 @@
 """Build one layer range of a decoder-only model as a stateful OpenVINO IR shard, with OpenVINO's opset
 API (no torch): one small function per block, like gpt-fast's ``model.py``.
 
-The shard graph (design.md §4):
+The shard graph:
 
 * inputs: ``input_ids`` [B, S] i64 (stage 0) or ``hidden_states`` [B, S, H] f32 (later stages);
   ``attention_mask`` [B, P+S] i64 over *physical* KV slots (1 = visible, 0 = hidden, e.g. a
@@ -25,7 +25,8 @@ Weights are float16 ``Constant -> Convert(f32)`` (the layout ``save_model(compre
 writes), or NNCF's per-channel int8 decompression, or a GGUF's own blocks (``_Weights``). Each is a
 ``PostponedConstant`` whose maker reads the tensor from the source only when
 ``ov.save_model`` writes it, so a stage's build holds one tensor at a time, never the stage
-(openvino/utils/postponed_constant.py; ../shared/research/compiler.md §2). Save with
+(openvino/utils/postponed_constant.py: the serializer calls the maker when it writes the constant and
+drops the data once written). Save with
 ``compress_to_fp16=False``: the weights already are f16, and RoPE's frequencies stay f32.
 """
 
@@ -66,10 +67,12 @@ class StageSpec:
 
     @property
     def first(self) -> bool:
+        """Whether the stage starts at layer 0 (it takes ``input_ids`` and holds the embedding)."""
         return self.start == 0
 
     @property
     def last(self) -> bool:
+        """Whether the stage ends at the last layer (it holds the final norm and LM head)."""
         return self.end == self.num_layers
 
 

@@ -153,6 +153,7 @@ class GGUFWeights:
                         "%s blocks as they are", self.folder.name, len(names), qtype, names[0], ", ".join(KEPT))
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """HF shape of tensor ``name`` (rows first)."""
         return self.tensors[name].shape
 
     def __contains__(self, name: str) -> bool:

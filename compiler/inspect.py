@@ -28,7 +28,8 @@ class StageReport:
 
 
 def fusion_report(xml: Path, index: int, layers: tuple[int, int], device: str = "CPU") -> StageReport:
-    """Compile ``xml`` on ``device`` and count fused stateful SDPA nodes (design.md §4)."""
+    """Compile ``xml`` on ``device`` and count fused stateful SDPA nodes: the plugin fuses a layer's attention
+    with its KV state only when the KV reads have the chain compiler/export.py builds (``fused``)."""
     import time
 
     t0 = time.perf_counter()

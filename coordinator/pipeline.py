@@ -93,6 +93,7 @@ class Pipeline:
 
     @property
     def healthy(self) -> bool:
+        """Whether the pipeline still runs steps (no stream or link of it has failed)."""
         return self._broken is None
 
     async def _read_results(self, ready: asyncio.Future) -> None:

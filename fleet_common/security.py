@@ -245,7 +245,8 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
     """A grpc.aio channel to the worker at ``address`` (host:port) with ``GRPC_OPTIONS``: TLS when
     ``security`` has a certificate (presented as the client certificate; the worker's is verified
     against ``--tls-ca``, else the system's roots, and must name ``host``), and an HMAC token on every
-    unary-unary and unary-stream call when it has a secret. Refusals by the worker are logged."""
+    call (unary, server-streaming and the ``Link`` stream) when it has a secret. Refusals by the worker are
+    logged."""
     interceptors = None
     if security.secret or security.tls:
         refusals = _Refusals(address, security.tls)

@@ -97,9 +97,9 @@ class Malformed:
 
 def _lenient(handler: grpc.RpcMethodHandler | None,
              on_malformed: Callable[[], None] | None) -> grpc.RpcMethodHandler | None:
-    """``handler`` (a grpc.aio unary-unary or unary-stream one), answering INVALID_ARGUMENT to bytes
-    that do not parse instead of gRPC's UNKNOWN "Unexpected DecodeError". A stream-request handler
-    receives a ``Malformed`` in place of such a message and answers it itself."""
+    """``handler`` (a grpc.aio method handler), answering INVALID_ARGUMENT to bytes that do not parse
+    instead of gRPC's UNKNOWN "Unexpected DecodeError". A stream-request handler (``Link``) receives a
+    ``Malformed`` in place of such a message and answers it itself."""
     if handler is None or handler.request_deserializer is None:
         return handler
     parse = handler.request_deserializer

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class ChunkResult:
     """Output of one chunk through this stage."""
 
-    output: np.ndarray  # hidden [1, S, H] float32, or last stage: logits [1, K, V] float32
+    output: np.ndarray  # hidden [B, S, H] float32, or last stage: logits [B, K, V] float32 (B: the session's rows)
     compute_ms: float  # wall time of the infer call
     cpu_ms: float = 0.0  # CPU time of the calling thread for the chunk (its inputs built, infer, output copied)
     thread: str = "inference"  # the thread that ran it: "inference" (its own) or "event_loop"
@@ -86,6 +86,7 @@ class ShardRunner:
         self.compiled.create_infer_request().infer(feed)
 
     def new_request(self) -> ov.InferRequest:
+        """A fresh InferRequest (an empty KV state) of this stage's compiled model: one per session."""
         return self.compiled.create_infer_request()
 
     def kv_bytes(self, session: KVSession) -> int:

@@ -154,6 +154,7 @@ class StageService(pb_grpc.StageServicer):
         return min(request.max_context or self.max_context, self.max_context)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionReply:
+        """Open a session (or ``resume`` one: keep its KV, change its reservation) of ``max_context`` slots."""
         max_context = await self._new_session_context(request, context)
         try:
             if request.resume:
@@ -168,6 +169,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.OpenSessionReply(stage=self.runner.stage)
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionReply:
+        """Free a session's KV; says whether it existed and how many bytes were freed."""
         session = self.store.close(request.session_id)
         self._upstream.pop(request.session_id, None)
         if session is None:
@@ -272,6 +274,7 @@ class StageService(pb_grpc.StageServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardReply:
+        """Run one step here and pass it on, as a unary call (``Link`` is the per-token path)."""
         arrived = time.perf_counter()
         remaining = context.time_remaining()  # None when the caller set no deadline
         timeout_s = DOWNSTREAM_TIMEOUT_S if remaining is None else min(remaining, DOWNSTREAM_TIMEOUT_S)
@@ -346,6 +349,7 @@ class StageService(pb_grpc.StageServicer):
                                            details=f"stage {self.runner.stage + 1} at {downlink.address}: {reason}"))
 
     async def Compact(self, request: pb.CompactRequest, context: grpc.aio.ServicerContext) -> pb.CompactReply:
+        """Drop a session's invisible KV slots (on the inference thread); returns its new length."""
         if msg := self._check_manifest(request.manifest_sha256):
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, msg)
         try:
@@ -360,6 +364,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.CompactReply(length=length, compute_ms=ms)
 
     async def Copy(self, request: pb.CopyRequest, context: grpc.aio.ServicerContext) -> pb.CopyReply:
+        """A new session from the first visible slots of a row of another (on the inference thread)."""
         max_context = await self._new_session_context(request, context)
         t0 = time.perf_counter()
         try:  # on the inference thread: the source's state must not change while it is copied
@@ -374,6 +379,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.CopyReply(length=session.length, compute_ms=ms)
 
     async def Merge(self, request: pb.MergeRequest, context: grpc.aio.ServicerContext) -> pb.MergeReply:
+        """One batch-group session of the given sessions' rows (on the inference thread)."""
         max_context = await self._new_session_context(request, context)
         try:  # on the inference thread: the sources' states must not change while they are copied
             group = await self._on_inference_thread(
@@ -386,6 +392,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.MergeReply(length=group.length, rows=group.rows)
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
+        """The last stage's results for ``subscriber_id``: a handshake, then each step's result."""
         if not request.subscriber_id:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id is required")
         queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_QUEUE)
@@ -401,6 +408,7 @@ class StageService(pb_grpc.StageServicer):
             log.info("subscriber %s left", request.subscriber_id)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        """What this worker serves and holds (renews the caller's owner lease)."""
         self.store.renew(request.owner)
         manifest = self.runner.loaded.manifest
         entry = self.runner.entry

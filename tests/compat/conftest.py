@@ -2,9 +2,10 @@
 it at any running coordinator; unset, it starts the demo's 2-stage fleet here (real workers on
 loopback, no mDNS) once for the whole package.
 
-The assertions are the structure that openai-python, LangChain and Open WebUI rely on (see
-/work/shared/research/chat-ux.md sections 4 and 5), checked through the real ``openai`` client and,
-where the client would hide the wire, with raw httpx.
+The assertions are the structure that openai-python, LangChain and Open WebUI rely on (openai-python's
+SSE rules in its ``src/openai/_streaming.py``; the endpoints and fields those clients send; the portable
+assertions of llama.cpp's ``tools/server/tests`` and vLLM's ``tests/entrypoints/openai``), checked through
+the real ``openai`` client and, where the client would hide the wire, with raw httpx.
 """
 
 from __future__ import annotations
