@@ -8,10 +8,10 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleet_common.security import Security, SecurityError
+from fleet_common.settings import SecuritySettings
 
 
-class CoordinatorSettings(BaseSettings):
+class CoordinatorSettings(SecuritySettings, BaseSettings):
     """How ``fleet-coordinator serve`` finds workers, runs requests and serves HTTP."""
 
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
@@ -60,8 +60,6 @@ class CoordinatorSettings(BaseSettings):
     batch_groups: int = Field(0, ge=0, le=64, description="batch groups in flight, interleaved across the stages "
                               "(0 = one per stage; measured better than one more at 2-4 users); more are opened "
                               "only when all are full")
-    batch_wait_ms: float = Field(200.0, gt=0, description="longest a batch group's step waits for a member's chunk; "
-                                 "a member later than that sits the step out (a slow client never stalls the others)")
     prefix_cache: bool = Field(True, description="keep a finished request's KV on the stages and prefill only what a "
                                "new prompt adds to it (the next turn of a chat)")
     prefix_cache_tokens: int = Field(16384, ge=0, description="bound on the tokens all retained sessions hold "
@@ -71,14 +69,6 @@ class CoordinatorSettings(BaseSettings):
     prefix_cache_idle_s: float = Field(300.0, gt=0, description="a retained session unused this long is freed")
     failover_attempts: int = Field(2, ge=0, le=16, description="times a request moves to replica workers after a "
                                    "stage fails mid-generation (its KV rebuilt from its tokens); 0 = fail at once")
-    secret: Path | None = Field(None, description="file holding the fleet's shared key (stripped): every call to a "
-                                "worker carries an HMAC token made with it (workers need the same file); local "
-                                "workers get it too")
-    tls_cert: Path | None = Field(None, description="PEM client certificate: talk TLS to the workers and present it "
-                                  "(local workers serve it, so it must then name 127.0.0.1)")
-    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert (unencrypted)")
-    tls_ca: Path | None = Field(None, description="PEM CA certificate that signed the workers' certificates (default: "
-                                "the system's roots); with it, local workers require client certificates")
     api_key_file: Path | None = Field(None, description="file of HTTP API keys, one per line ('#' comments): /v1/*, "
                                       "/metrics and /openapi.json then require 'Authorization: Bearer KEY' (/health "
                                       "stays open without the workers: see --public-health, --public-metrics)")
@@ -107,25 +97,15 @@ class CoordinatorSettings(BaseSettings):
                                     "shutting down (a second Ctrl-C ends them at once)")
     log_level: str = Field("INFO", description="logging level")
 
-    _security: Security = PrivateAttr(default_factory=Security)
     _api_keys: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
-    def _load_credentials(self) -> CoordinatorSettings:
-        try:
-            self._security = Security.load(self.secret, self.tls_cert, self.tls_key, self.tls_ca)
-        except SecurityError as exc:
-            raise ValueError(str(exc)) from exc
+    def _load_api_keys(self) -> CoordinatorSettings:
         keys = [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
         if self.api_key_file is not None:
             keys += read_api_keys(self.api_key_file)
         self._api_keys = tuple(dict.fromkeys(keys))
         return self
-
-    @property
-    def security(self) -> Security:
-        """The secret and TLS material read from ``--secret``/``--tls-*`` (checked at validation)."""
-        return self._security
 
     @property
     def allowed_api_keys(self) -> tuple[str, ...]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleet_common.security import Security, SecurityError
+from fleet_common.settings import SecuritySettings
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(SecuritySettings, BaseSettings):
     """fleet-worker: serve a shard over gRPC, announced by zeroconf; --profile: time a layer for fleet-compiler plan."""
 
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
@@ -52,27 +52,5 @@ class WorkerSettings(BaseSettings):
                                 "loaded shards' entries are deleted first")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (same host); "
                               "0 = off")
-    secret: Path | None = Field(None, description="file holding the fleet's shared key (stripped); every gRPC call "
-                                "must then carry an HMAC token made with it, and this worker's calls to the next "
-                                "stage carry one (give every role the same file)")
-    tls_cert: Path | None = Field(None, description="PEM certificate of this worker (must name the host/IP the others "
-                                  "dial); serve TLS, and present it when forwarding to the next stage")
-    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert (unencrypted)")
-    tls_ca: Path | None = Field(None, description="PEM CA certificate that signed the fleet's certificates: clients "
-                                "must present one it signed (mutual TLS), and the next stage's is checked against it")
     log_level: str = Field("INFO", description="logging level")
 
-    _security: Security = PrivateAttr(default_factory=Security)
-
-    @model_validator(mode="after")
-    def _load_security(self) -> WorkerSettings:
-        try:
-            self._security = Security.load(self.secret, self.tls_cert, self.tls_key, self.tls_ca)
-        except SecurityError as exc:
-            raise ValueError(str(exc)) from exc
-        return self
-
-    @property
-    def security(self) -> Security:
-        """The secret and TLS material read from ``--secret``/``--tls-*`` (checked at validation)."""
-        return self._security

@@ -8,9 +8,10 @@ import time
 import pytest
 
 from coordinator.access import ApiKeys, bearer_key, cache_scope
-from coordinator.settings import read_api_keys
+from coordinator.settings import CoordinatorSettings, read_api_keys
 from fleet_common.discovery import WorkerAd, encode_txt
 from fleet_common.security import MAX_SKEW_S, Security, SecurityError, TokenError, check_token, make_token, read_secret
+from fleet_common.settings import SecuritySettings
 
 SECRET = b"correct horse battery staple"
 FORWARD = "/fleet.v1.Stage/Forward"
@@ -123,6 +124,27 @@ def test_bearer_key_and_cache_scope():
     scope = cache_scope("Bearer k1")
     assert scope == cache_scope("bearer  k1 ") != cache_scope("Bearer k2")
     assert len(scope) == 32 and "k1" not in scope and int(scope, 16) >= 0
+
+
+def test_security_settings_are_one_mixin(tmp_path):
+    """The worker's and the coordinator's settings take --secret/--tls-* from the same mixin, which
+    loads them at validation (an unusable file is a validation error naming the flag)."""
+    from pydantic import ValidationError
+
+    from worker.settings import WorkerSettings
+
+    secret = tmp_path / "secret"
+    secret.write_text("correct horse\n")
+    for cls, required in ((WorkerSettings, {"shard": 0, "model": tmp_path}), (CoordinatorSettings, {"model": tmp_path})):
+        assert issubclass(cls, SecuritySettings)
+        assert cls.model_fields["secret"] is not None and cls.model_fields["tls_ca"].description
+        assert cls(**required).security.describe() == "no authentication, plaintext"
+        loaded = cls(**required, secret=secret).security
+        assert loaded.secret == b"correct horse" and loaded.describe() == "HMAC tokens, plaintext"
+        with pytest.raises(ValidationError, match="--tls-cert and --tls-key go together"):
+            cls(**required, tls_cert=secret)
+    keys = CoordinatorSettings(model=tmp_path, secret=secret, api_keys="a, b,a").allowed_api_keys
+    assert keys == ("a", "b"), "the coordinator's own validator still runs beside the mixin's"
 
 
 def test_mdns_announcement_carries_no_secret():
