@@ -1,11 +1,12 @@
 """OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 ``/health``) and Prometheus ``/metrics``. The request bodies and the fields fleet refuses are in
-``openai_schema``; what chat and legacy completions share in ``completions``."""
+``openai_schema``; the answers to both completion endpoints come from ``completions.Responder``."""
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -14,41 +15,58 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from .access import ApiKeys, key_given, public_health
-from .completions import Generation, add_completions, cache_scope, check_model, fleet_stats, sse_response, usage
-from .engine import Engine
-from .request import TextDelta
+from .completions import Responder, check_model
 from .errors import FleetError, InvalidRequest
-from .limits import BodyLimit
-from .logprobs import TokenBytes, chat_logprobs
-from .openai_schema import ChatCompletionRequest, resolve_sampling
-from .prompts import PromptPreparer
 from .http_guard import HostCheck, served_host_names
+from .limits import BodyLimit
+from .openai_schema import ChatCompletionRequest, CompletionRequest
+from .prompts import PromptPreparer
+from .sampling import fallback_sampling
 from .web import add_web_routes
 
-__all__ = ["ApiKeys", "ChatCompletionRequest", "create_app", "resolve_sampling"]
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .settings import CoordinatorSettings
+
+__all__ = ["create_app", "model_card"]
 
 log = logging.getLogger(__name__)
+
+
+def create_app(engine: Engine, health: Callable[[], dict]) -> FastAPI:
+    """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict. When
+    ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``access``: what else
+    does). Requests for a Host the coordinator does not serve are refused (``http_guard.HostCheck``); no
+    Swagger UI (``/docs`` would load it from a CDN)."""
+    prompts = PromptPreparer(engine.tokenizer, engine.max_context)  # size checks, then off the event loop
+    app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator", docs_url=None,
+                  redoc_url=None)
+    add_guards(app, engine.settings, prompts.body_limit)
+    add_error_handlers(app)
+    add_status_routes(app, engine, health)
+    add_model_routes(app, engine)
+    add_completion_routes(app, Responder(engine, prompts))
+    add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
+    return app
+
+
+def add_guards(app: FastAPI, settings: CoordinatorSettings, body_limit: int) -> None:
+    """The middleware every request passes first: the Host check, then the body cap (``body_limit`` bytes:
+    a 413 before any parsing), then the API keys (when ``settings`` has any)."""
+    if keys := settings.allowed_api_keys:
+        app.add_middleware(ApiKeys, keys=keys, public_metrics=settings.public_metrics)
+        log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
+    app.add_middleware(BodyLimit, max_bytes=body_limit)
+    app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
 
 
 def _error_response(exc: FleetError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[valid-type]
-    """Build the FastAPI app around ``engine``; ``health()`` returns the fleet status dict. When
-    ``engine.settings.allowed_api_keys`` holds keys, ``/v1/*`` requires one of them (``access``: what else
-    does). Requests for a Host the coordinator does not serve are refused (``http_guard.HostCheck``); no
-    Swagger UI (``/docs`` would load it from a CDN)."""
-    settings = engine.settings
-    prompts = PromptPreparer(engine.tokenizer, engine.max_context)  # size checks, then off the event loop
-    app = FastAPI(title="fleet", description="OpenAI-compatible API of a fleet coordinator", docs_url=None,
-                  redoc_url=None)
-    vocab = TokenBytes(engine.tokenizer.tokenizer)
-    if keys := engine.settings.allowed_api_keys:
-        app.add_middleware(ApiKeys, keys=keys, public_metrics=settings.public_metrics)
-        log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
-    app.add_middleware(BodyLimit, max_bytes=prompts.body_limit)  # before any parsing: 413 for a huge body
-    app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error body: fleet's own (``FleetError``), a body that does not validate
+    (400 naming the field), and Starlette's (404, 405, a chunked body over the cap: 413)."""
 
     @app.exception_handler(FleetError)
     async def fleet_error(_: HttpRequest, exc: FleetError) -> JSONResponse:
@@ -73,6 +91,12 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
         return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
                             status_code=exc.status_code)
 
+
+def add_status_routes(app: FastAPI, engine: Engine, health: Callable[[], dict]) -> None:
+    """``GET /health`` (``health()``; without a key where keys are needed, only ``access.PUBLIC_HEALTH``
+    unless ``--public-health``) and ``GET /metrics``."""
+    settings = engine.settings
+
     @app.get("/health")
     async def get_health(http: HttpRequest) -> JSONResponse:
         status = health()
@@ -84,62 +108,38 @@ def create_app(engine: Engine, health: callable) -> FastAPI:  # type: ignore[val
     def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict:
-        return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "fleet",
-                # fleet extension: what requests silent on a field get
-                "generation_defaults": engine.generation_defaults}
+
+def model_card(engine: Engine) -> dict:
+    """The model entry of ``/v1/models``, with two fleet extensions: ``generation_defaults`` (what requests
+    silent on a field get from the model's generation_config.json) and ``fallback_sampling`` (what a chat
+    client sends when its user sets no sampling field: ``sampling.fallback_sampling``, {} when the model
+    has defaults of its own)."""
+    defaults = engine.generation_defaults
+    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "fleet",
+            "generation_defaults": defaults, "fallback_sampling": fallback_sampling(defaults)}
+
+
+def add_model_routes(app: FastAPI, engine: Engine) -> None:
+    """``GET /v1/models`` and ``GET /v1/models/{id}`` (404 for a model not served here)."""
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(engine)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         check_model(model_id or "?", engine)
-        return model_card()
+        return model_card(engine)
+
+
+def add_completion_routes(app: FastAPI, responder: Responder) -> None:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's legacy completions), both
+    answered by ``responder``."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):  # noqa: ANN202
-        check_model(body.model, engine)
-        params, sampling = resolve_sampling(body, engine)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        request = engine.request_for(await prompts.chat(messages), params)
-        request.cache_scope = cache_scope(http)
-        head = {"id": request.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": engine.model_name}
-        n = params.logprobs
+        return await responder.chat(body, http)
 
-        def logprobs(records: tuple) -> dict | None:
-            return None if n is None else chat_logprobs(list(records), vocab, n)
-
-        # Start generating before the 200 goes out, so admission and pipeline errors get a status code.
-        gen = Generation(engine, request, http)  # a client gone before its answer is done ends it
-        await gen.start()
-        if not body.stream:
-            deltas = await gen.deltas()
-            return {
-                **head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                             "finish_reason": request.finish_reason.value,
-                             "logprobs": logprobs(tuple(r for d in deltas for r in d.logprobs))}],
-                "usage": usage(request), "fleet": fleet_stats(engine, request, sampling),
-            }
-
-        def choice(delta: TextDelta) -> dict | None:
-            if not delta.text and not delta.logprobs:
-                return None
-            return {"index": 0, "delta": {"content": delta.text}, "logprobs": logprobs(delta.logprobs),
-                    "finish_reason": None}
-
-        def finish(delta: TextDelta) -> dict:
-            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason.value}
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        tail = (lambda: {"usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}) if include_usage \
-            else None
-        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return sse_response(gen, head, choice, finish, tail, opening)
-
-    add_completions(app, engine, vocab, prompts)
-    add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
-    return app
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):  # noqa: ANN202
+        return await responder.completion(body, http)

@@ -1,26 +1,32 @@
-"""What the chat and the legacy completion endpoints share (a request's deltas with prefill progress,
-the SSE stream, usage and the ``fleet`` report), and ``/v1/completions`` itself: a raw prompt (a
-string or token ids), not run through the chat template."""
+"""The one responder of chat and legacy completions (``Responder``): a request's deltas with prefill
+progress (``Generation``), the response as a whole or as an SSE stream, usage and the ``fleet`` report. The
+two endpoints differ only in how they spell a choice (a ``Dialect``: ``CHAT``'s ``message``/``delta``,
+``COMPLETION``'s ``text``) and in their prompt: messages through the chat template, or a raw prompt (a
+string or token ids) as it is."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from .engine import Engine
-from .request import Request, RequestStatus, TextDelta
-from .errors import ClientGone, FleetError, InvalidRequest, ModelNotFound
-from .logprobs import TokenBytes, completion_logprobs
-from .openai_schema import CompletionRequest, resolve_sampling
+from .access import cache_scope
+from .errors import ClientGone, FleetError, ModelNotFound
+from .logprobs import TokenBytes, TokenLogprob, chat_logprobs, completion_logprobs
+from .openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, resolve_sampling
 from .prompts import PromptPreparer
+from .request import Request, RequestStatus, TextDelta
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens of a legacy completion
 
 
 class Generation:
-    """One request's deltas for an HTTP response: ``start``, then ``events`` (streamed) or ``text``.
+    """One request's deltas for an HTTP response: ``start``, then ``events`` (streamed) or ``deltas``.
 
     A streamed request's response starts (HTTP 200) with its first delta, or once it is admitted (KV
     open on every stage) and has prefilled for ``PROGRESS_INTERVAL_S`` without one: then, until the
@@ -136,6 +142,7 @@ async def _disconnected(http: HttpRequest) -> None:
 
 
 def usage(request: Request) -> dict:
+    """The response's ``usage``: prompt, completion and total tokens, and the prompt tokens cached."""
     n_in, n_out = len(request.prompt_ids), len(request.output_ids)
     # cached_tokens: prompt tokens whose KV a retained session gave (prefix cache), not prefilled
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
@@ -152,6 +159,7 @@ def fleet_stats(engine: Engine, request: Request, sampling: dict) -> dict:
 
 
 def check_model(name: str, engine: Engine) -> None:
+    """Raise ``ModelNotFound`` when a request names a model (``name``; "" names none) this fleet does not serve."""
     if name and name != engine.model_name:
         raise ModelNotFound(f"model {name!r} not served here; this fleet serves {engine.model_name!r}", param="model")
 
@@ -195,64 +203,91 @@ def sse_response(gen: Generation, head: dict, choice: Callable[[TextDelta], dict
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def prompt_ids(prompt: str | list[int], engine: Engine, prompts: PromptPreparer) -> list[int]:
-    """A legacy completion's prompt as token ids: a string is tokenized as it is (``PromptPreparer.text``:
-    no chat template, off the event loop); token ids must be ids of the model's vocabulary. Raises
-    ``InvalidRequest`` / ``ContextLengthExceeded`` and what ``PromptPreparer.text`` raises."""
-    if isinstance(prompt, list):
-        vocab = engine.manifest.architecture.vocab_size
-        if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
-            raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary (0 to {vocab - 1})",
-                                 param="prompt")
-        return list(prompt)
-    return await prompts.text(prompt)
+@dataclass(frozen=True)
+class Dialect:
+    """How one endpoint spells its responses; everything else about them is the same (``Responder``)."""
+
+    kind: str  # the request id's prefix
+    param: str  # the request field holding the prompt (a prompt too long names it)
+    chunk_object: str  # ``object`` of each streamed chunk
+    whole_object: str  # ``object`` of a response not streamed
+    logprobs: Callable[[list[TokenLogprob], TokenBytes, int], dict]  # a choice's ``logprobs`` of its tokens
+    whole: Callable[[str], dict]  # the fields of a choice holding the whole text
+    piece: Callable[[str], dict]  # the fields of a streamed choice holding a piece of it
+    finish: dict  # the fields of the streamed choice that finishes (no text)
+    opening: dict | None = None  # the fields of a streamed choice sent before any text, if any
+    max_tokens_default: int | None = None  # max_tokens of a request silent on it (None: the coordinator's)
 
 
-def cache_scope(http: HttpRequest) -> str:
-    """Whose retained KV (prefix cache) a request may reuse: a digest of its API key, so requests under
-    different keys never see each other's conversations; "" without a key."""
-    scheme, _, key = (http.headers.get("authorization") or "").strip().partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return ""
-    return hashlib.sha256(key.strip().encode()).hexdigest()[:32]
+CHAT = Dialect("chatcmpl", "messages", "chat.completion.chunk", "chat.completion", chat_logprobs,
+               whole=lambda text: {"message": {"role": "assistant", "content": text}},
+               piece=lambda text: {"delta": {"content": text}}, finish={"delta": {}},
+               opening={"delta": {"role": "assistant", "content": ""}})
+COMPLETION = Dialect("cmpl", "prompt", "text_completion", "text_completion", completion_logprobs,
+                     whole=lambda text: {"text": text}, piece=lambda text: {"text": text}, finish={"text": ""},
+                     max_tokens_default=COMPLETION_MAX_TOKENS)
 
 
-def add_completions(app: FastAPI, engine: Engine, vocab: TokenBytes, prompts: PromptPreparer) -> None:
-    """Serve ``POST /v1/completions`` (OpenAI's legacy completions) on ``app``."""
+class Responder:
+    """Answers chat completions (``chat``) and legacy completions (``completion``) from ``engine``'s
+    deltas, with the prompts prepared by ``prompts``."""
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HttpRequest):  # noqa: ANN202
+    def __init__(self, engine: Engine, prompts: PromptPreparer) -> None:
+        self.engine, self.prompts = engine, prompts
+        self.vocab = TokenBytes(engine.tokenizer.tokenizer)
+
+    async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> dict | StreamingResponse:
+        """The answer to a chat completion request: its messages through the chat template."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return await self.respond(CHAT, body, http, lambda: self.prompts.chat(messages))
+
+    async def completion(self, body: CompletionRequest, http: HttpRequest) -> dict | StreamingResponse:
+        """The answer to a legacy completion request: its raw prompt (a string or token ids), no template."""
+        vocab_size = self.engine.manifest.architecture.vocab_size
+        return await self.respond(COMPLETION, body, http,
+                                  lambda: self.prompts.completion(body.single_prompt(), vocab_size))
+
+    async def respond(self, dialect: Dialect, body: SamplingRequest, http: HttpRequest,
+                      prompt: Callable[[], Awaitable[list[int]]]) -> dict | StreamingResponse:
+        """The answer to ``body`` in ``dialect``, whole or (``stream``) as an SSE stream; ``prompt()`` gives
+        its prompt's token ids, asked for once the model and sampling fields passed their checks.
+
+        Generation starts before the 200 goes out, so errors of the queue, admission and the pipeline keep
+        their status codes; a client gone before its answer is complete ends it (``Generation``)."""
+        engine = self.engine
         check_model(body.model, engine)
-        params, sampling = resolve_sampling(body, engine, COMPLETION_MAX_TOKENS)
-        ids = await prompt_ids(body.single_prompt(), engine, prompts)
-        request = engine.request_for(ids, params, "prompt", "cmpl")
-        request.cache_scope = cache_scope(http)
-        head = {"id": request.request_id, "object": "text_completion", "created": int(time.time()),
+        params, sampling = resolve_sampling(body, engine, dialect.max_tokens_default)
+        request = engine.request_for(await prompt(), params, dialect.param, dialect.kind)
+        request.cache_scope = cache_scope(http.headers.get("authorization"))
+        head = {"id": request.request_id, "object": dialect.chunk_object, "created": int(time.time()),
                 "model": engine.model_name}
-        n = params.logprobs
 
-        def logprobs(records: tuple) -> dict | None:
-            return None if n is None else completion_logprobs(list(records), vocab, n)
+        def logprobs(records: tuple[TokenLogprob, ...]) -> dict | None:
+            n = params.logprobs
+            return None if n is None else dialect.logprobs(list(records), self.vocab, n)
+
+        def report() -> dict:
+            return {"usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}
 
         gen = Generation(engine, request, http)
         await gen.start()
         if not body.stream:
             deltas = await gen.deltas()
-            records = tuple(r for d in deltas for r in d.logprobs)
-            return {**head, "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
-                                         "logprobs": logprobs(records),
-                                         "finish_reason": request.finish_reason.value}],
-                    "usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}
+            choice = {"index": 0, **dialect.whole("".join(d.text for d in deltas)),
+                      "logprobs": logprobs(tuple(r for d in deltas for r in d.logprobs)),
+                      "finish_reason": request.finish_reason.value}
+            return {**head, "object": dialect.whole_object, "choices": [choice], **report()}
 
-        def choice(delta: TextDelta) -> dict | None:
+        def piece(delta: TextDelta) -> dict | None:
             if not delta.text and not delta.logprobs:
                 return None
-            return {"index": 0, "text": delta.text, "logprobs": logprobs(delta.logprobs), "finish_reason": None}
+            return {"index": 0, **dialect.piece(delta.text), "logprobs": logprobs(delta.logprobs),
+                    "finish_reason": None}
 
         def finish(delta: TextDelta) -> dict:
-            return {"index": 0, "text": "", "logprobs": None, "finish_reason": delta.finish_reason.value}
+            return {"index": 0, **dialect.finish, "logprobs": None, "finish_reason": delta.finish_reason.value}
 
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        tail = (lambda: {"usage": usage(request), "fleet": fleet_stats(engine, request, sampling)}) if include_usage \
-            else None
-        return sse_response(gen, head, choice, finish, tail)
+        opening = None if dialect.opening is None else {"index": 0, **dialect.opening, "logprobs": None,
+                                                        "finish_reason": None}
+        tail = report if body.stream_options is not None and body.stream_options.include_usage else None
+        return sse_response(gen, head, piece, finish, tail, opening)

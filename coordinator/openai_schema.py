@@ -14,28 +14,35 @@ answer (``tools``, ``functions``, ``response_format`` other than text, ``logit_b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from .engine import Engine
-from .request import SamplingParams
 from .errors import InvalidRequest
 from .limits import count_messages
+from .request import SamplingParams
 from .sampling import Penalties
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 class ContentPart(BaseModel):
+    """One part of a message's content: text only (no images or audio)."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    """One chat message; its content a string, text parts or null (empty)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = ""
 
     def text(self) -> str:
+        """The content as one string (text parts joined, null as "")."""
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
@@ -52,6 +59,8 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and fleet's report)."""
+
     include_usage: bool = False
     include_obfuscation: bool | None = None  # fleet never pads chunks: nothing to obfuscate
 
@@ -79,6 +88,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, unused
 
     def max_tokens_asked(self) -> int | None:
+        """The most tokens the request asks for, None when it says nothing."""
         return self.max_tokens
 
     def logprob_count(self) -> int | None:
@@ -131,14 +141,18 @@ class ChatCompletionRequest(SamplingRequest):
         return value
 
     def max_tokens_asked(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name), else ``max_tokens``."""
         return self.max_completion_tokens or self.max_tokens
 
     def logprob_count(self) -> int | None:
+        """``top_logprobs`` when ``logprobs`` is true (0 without it), None without ``logprobs``."""
         if self.top_logprobs and not self.logprobs:
             _refuse("top_logprobs", "top_logprobs needs logprobs: true", plain=True)
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def refuse_unsupported(self) -> None:
+        """Also tools and functions, a response format other than text, audio, and the fields of features
+        fleet does not have (``prediction``, ``reasoning_effort``, ...); ``store: true``."""
         super().refuse_unsupported()
         tools = "fleet does not implement tool calling (tools, tool_choice, functions); send the request without them"
         if self.tools:
@@ -173,9 +187,11 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1)
 
     def logprob_count(self) -> int | None:
+        """The legacy ``logprobs``: the count of best candidates per token (0: the token's own only)."""
         return self.logprobs
 
     def refuse_unsupported(self) -> None:
+        """Also ``echo``, ``suffix`` and ``best_of`` > 1."""
         super().refuse_unsupported()
         if self.echo:
             _refuse("echo", "the prompt is not sent back (its logprobs are not computed); echo must be false")

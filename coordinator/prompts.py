@@ -67,20 +67,24 @@ class PromptPreparer:
         """Stop the threads (a preparation running finishes on its own)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _too_long(self, what: str, size: int, param: str) -> ContextLengthExceeded:
-        return ContextLengthExceeded(
-            f"This model's maximum context length is {self.max_context} tokens. However, your {what} {size} bytes "
-            f"long, more than {self.max_context} tokens can hold ({self.byte_limit} bytes). Please reduce the "
-            f"length of the {param}.", param=param)
+    def check_bytes(self, size: int, what: str, param: str) -> None:
+        """Raise ``ContextLengthExceeded`` (naming the request field ``param``) when a prompt of ``size``
+        UTF-8 bytes (for a chat: counting the template's bytes per message) exceeds ``byte_limit``: then
+        it cannot fit ``max_context`` tokens. ``what``: the prompt as the message names it, with its verb
+        ("prompt is")."""
+        if size > self.byte_limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_context} tokens. However, your {what} {size} "
+                f"bytes long, more than {self.max_context} tokens can hold ({self.byte_limit} bytes). Please "
+                f"reduce the length of the {param}.", param=param)
 
     def check_chat(self, messages: list[dict]) -> None:
-        """Raise ``ContextLengthExceeded`` when ``messages`` (``content`` strings) cannot fit the context:
-        their UTF-8 bytes plus the template's ``message_overhead`` per message exceed ``byte_limit``."""
+        """``check_bytes`` for ``messages`` (``content`` strings): their UTF-8 bytes plus the template's
+        ``message_overhead`` per message."""
         size = sum(len(m["content"].encode("utf-8")) for m in messages) + self.message_overhead * len(messages)
-        if size > self.byte_limit:
-            each = self.message_overhead
-            overhead = f" (with the chat template's {each} bytes per message)" if each else ""
-            raise self._too_long(f"{len(messages)} messages are{overhead}", size, "messages")
+        each = self.message_overhead
+        overhead = f" (with the chat template's {each} bytes per message)" if each else ""
+        self.check_bytes(size, f"{len(messages)} messages are{overhead}", "messages")
 
     async def chat(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` through the chat template (``check_chat`` first). Raises
@@ -100,12 +104,22 @@ class PromptPreparer:
         except UnicodeEncodeError as exc:
             raise InvalidRequest(f"prompt is not valid Unicode: a lone surrogate at character {exc.start}",
                                  param="prompt") from None
-        if size > self.byte_limit:
-            raise self._too_long("prompt is", size, "prompt")
+        self.check_bytes(size, "prompt is", "prompt")
         ids = await self._run(lambda: self._ids(prompt, special=True), size)
         if not ids:
             raise InvalidRequest("prompt is empty: give at least one token", param="prompt")
         return ids
+
+    async def completion(self, prompt: str | list[int], vocab_size: int) -> list[int]:
+        """A legacy completion's prompt as token ids: a string through ``text`` (no chat template); token
+        ids as they are, each of which must be below ``vocab_size`` (the model's vocabulary). Raises
+        ``InvalidRequest`` for an id outside it, and what ``text`` raises."""
+        if isinstance(prompt, str):
+            return await self.text(prompt)
+        if (bad := next((t for t in prompt if not 0 <= t < vocab_size), None)) is not None:
+            raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary (0 to {vocab_size - 1})",
+                                 param="prompt")
+        return list(prompt)
 
     def _ids(self, text: str, special: bool) -> list[int]:
         """``text``'s token ids (``special``: with what the post-processor adds), as ``ChatTokenizer.encode``

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from coordinator.api import ChatCompletionRequest, resolve_sampling
+from coordinator.openai_schema import ChatCompletionRequest, resolve_sampling
 from coordinator.sampling import Penalties, generation_defaults, penalize, penalized_distribution
 
 IDS = np.array([7, 3, 9], dtype=np.int64)
