@@ -1,7 +1,8 @@
 """The browser chat page at ``/`` in a real headless Chromium (Debian's ``chromium`` and ``chromedriver``,
 driven by Selenium) against a real 2-stage demo fleet: a streamed answer with its numbers, history that
-survives a reload, Stop ending the generation on the fleet (its KV freed), the fleet panel, markdown
-escaping, export, and the API-key prompt of a coordinator that requires a key."""
+survives a reload, Stop ending the generation on the fleet (its KV freed), the fleet panel, the sampling
+the coordinator's /v1/models asks for, markdown (the page's ES module markdown.js on the vendored
+markdown-it) and its escaping, export, and the API-key prompt of a coordinator that requires a key."""
 
 from __future__ import annotations
 
@@ -116,6 +117,13 @@ def answered(browser, timeout: float = 60.0) -> list:  # noqa: ANN001
                       timeout=timeout, what="the answer to end")
 
 
+def render(browser, text: str) -> str:  # noqa: ANN001
+    """The page's markdown module's HTML of ``text``, in the page (newlines between tags dropped)."""
+    html = browser.execute_async_script("""const [text, done] = arguments;
+        import('/static/markdown.js').then((m) => done(m.renderMarkdown(text)), (e) => done('ERROR ' + e));""", text)
+    return html.replace("\n", "")
+
+
 def set_field(browser, element_id: str, value: str) -> None:  # noqa: ANN001
     from selenium.webdriver.common.by import By
 
@@ -140,6 +148,10 @@ def test_answer_streams_with_its_numbers_and_survives_a_reload(browser, fleet):
     headings = [e.text for e in browser.find_elements("css selector", "#fleet-stages .stage .heading")]
     assert [h.split(" · ")[0] for h in headings] == ["stage 0", "stage 1"] and all("1 of 1" in h for h in headings)
     assert browser.find_element("id", "fleet-state").text == "ready"
+    # the sampling sent is the coordinator's fallback from /v1/models (the page holds no copy of its own)
+    fallback = httpx.get(fleet["url"] + "/v1/models", timeout=5).json()["data"][0].get("fallback_sampling") or {}
+    hint = browser.find_element("id", "sampling-hint").text
+    assert all(f"{k} {v:g}" in hint for k, v in fallback.items()) and (fallback or "Sends nothing" in hint), hint
     if shot := os.environ.get("FLEET_WEB_SCREENSHOT"):  # a PNG of the page after an answer, to look at
         browser.save_screenshot(shot)
 
@@ -189,7 +201,8 @@ def test_stop_ends_the_generation_on_the_fleet(browser, fleet):
     assert worker_sessions(url)[0] == 1
     browser.find_element("id", "stop").click()
     state, text, _, stats = answered(browser, timeout=5)
-    assert state == "stopped" and text.startswith(first[1]) and "stopped" in stats, (state, stats)
+    # (the text as rendered: markdown-it ends each block with a newline, so the earlier text ends in one)
+    assert state == "stopped" and text.startswith(first[1].rstrip()) and "stopped" in stats, (state, stats)
     stopped_at = int(re.search(r"~(\d+) tokens", stats).group(1))
     assert stopped_at < 1000
     fleet["coordinator"].wait_for(r": cancelled, prompt \d+ tokens", timeout=10)
@@ -213,25 +226,32 @@ def test_stop_ends_the_generation_on_the_fleet(browser, fleet):
     set_field(browser, "settings-max-tokens", "")
 
 
+LINK = 'target="_blank" rel="noopener noreferrer"'
 MARKDOWN = [
     ("**bold** *it* `a<b>` snake_case", "<p><strong>bold</strong> <em>it</em> <code>a&lt;b&gt;</code> snake_case</p>"),
-    ("<img src=x onerror=alert(1)> & 'q'", "<p>&lt;img src=x onerror=alert(1)&gt; &amp; &#39;q&#39;</p>"),
+    ("<img src=x onerror=alert(1)> & 'q'", "<p>&lt;img src=x onerror=alert(1)&gt; &amp; 'q'</p>"),
     ("- a\n- b\n  1. c", "<ul><li>a</li><li>b<ol><li>c</li></ol></li></ul>"),
     ("line\nnext\n\npara", "<p>line<br>next</p><p>para</p>"),
     ("[x](javascript:alert(1)) [y](https://a.org/b_c_d)",
-     '<p>[x](javascript:alert(1)) <a href="https://a.org/b_c_d" target="_blank" rel="noopener noreferrer">y</a></p>'),
+     f'<p>[x](javascript:alert(1)) <a href="https://a.org/b_c_d" {LINK}>y</a></p>'),
+    # what the first, hand-written renderer got wrong
+    ("***x***", "<p><em><strong>x</strong></em></p>"),
+    ("- one\n\n- two\n\n- three", "<ul><li><p>one</p></li><li><p>two</p></li><li><p>three</p></li></ul>"),
 ]
 
 
 def test_markdown_is_rendered_and_escaped(browser, fleet):
     open_page(browser, fleet["url"])
     for source, html in MARKDOWN:
-        assert browser.execute_script("return renderMarkdown(arguments[0])", source) == html
-    code = browser.execute_script("return renderMarkdown(arguments[0])", "```python\nx = '<b>'\n```\nafter")
-    assert '<pre><code class="language-python">x = &#39;&lt;b&gt;&#39;</code></pre>' in code
+        assert render(browser, source) == html
+    code = render(browser, "```python\nx = '<b>'\n```\nafter")
+    assert '<pre><code class="language-python">x = \'&lt;b&gt;\'</code></pre>' in code and "Copy</button>" in code
     assert code.endswith("<p>after</p>")
+    # a fenced block inside a list item stays a block in the item
+    listed = render(browser, "1. Run:\n   ```bash\n   make\n   ```\n2. Done")
+    assert listed.startswith('<ol><li>Run:<div class="code">') and '<code class="language-bash">make</code>' in listed
     # unclosed fence, as while an answer streams: still a code block
-    unclosed = browser.execute_script("return renderMarkdown(arguments[0])", "```\ndef f():")
+    unclosed = render(browser, "```\ndef f():")
     assert "<pre><code>def f():</code></pre>" in unclosed
     # the page's own headers: nothing inline may run even if escaping failed
     r = httpx.get(fleet["url"] + "/", timeout=5)
@@ -276,4 +296,4 @@ def test_api_key_prompt_then_import(browser, fleet, tmp_path):
     titles = [e.text for e in browser.find_elements("css selector", "#conversation-list .open")]
     assert titles == ["From elsewhere", QUESTION]
     browser.find_element("css selector", "#conversation-list .open").click()
-    assert browser.execute_script(LAST_ANSWER)[2] == "<p>Hello <strong>there</strong></p>"
+    assert browser.execute_script(LAST_ANSWER)[2].strip() == "<p>Hello <strong>there</strong></p>"

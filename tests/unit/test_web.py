@@ -3,6 +3,7 @@ the addresses ``serve`` prints, and the static files in a built wheel."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from coordinator.api import ApiKeys
 from coordinator.web import STATIC, add_web_routes, lan_addresses, page_urls
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE_FILES = ("index.html", "app.js", "markdown.js", "conversation.js", "style.css")
+# every file of the page: its ES modules (app.js imports the others), the vendored renderer and its licence
+PAGE_FILES = ("index.html", "style.css", "app.js", "conversation.js", "dom.js", "fleet.js", "markdown.js",
+              "messages.js", "request.js", "sse.js", "vendor/markdown-it.esm.min.js", "vendor/markdown-it.LICENSE")
 
 
 def test_page_and_static_files_are_open_while_the_api_needs_a_key():
@@ -32,12 +35,16 @@ def test_page_and_static_files_are_open_while_the_api_needs_a_key():
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["content-security-policy"]
-    assert '<script src="/static/app.js"' in page.text and "http" not in page.text.split("<body>")[0]
+    assert '<script type="module" src="/static/app.js">' in page.text and "http" not in page.text.split("<body>")[0]
     for name in PAGE_FILES:
         r = client.get(f"/static/{name}")
         assert r.status_code == 200 and r.content == (STATIC / name).read_bytes()
-    assert client.get("/static/app.js").headers["content-type"].split(";")[0] in ("text/javascript",
-                                                                                  "application/javascript")
+    for name in PAGE_FILES:  # a module script of another type is refused by the browser (nosniff)
+        if name.endswith(".js"):
+            r = client.get(f"/static/{name}")
+            assert r.headers["content-type"].split(";")[0] in ("text/javascript", "application/javascript"), name
+            assert r.headers["content-security-policy"] == page.headers["content-security-policy"], name
+            assert r.headers["x-content-type-options"] == "nosniff", name
     assert client.get("/static/../web.py").status_code == 404
     assert client.get("/static/missing.js").status_code == 404
     assert client.get("/v1/models").status_code == 401
@@ -77,3 +84,16 @@ def test_a_built_wheel_holds_the_page(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"coordinator/static/{name}" for name in PAGE_FILES} <= names
     assert "coordinator/web.py" in names
+
+
+def test_every_module_the_page_imports_is_a_page_file():
+    """The modules import one another by relative path only (nothing from elsewhere, no bundler), and each
+    one imported is in PAGE_FILES (so the tests above serve it and find it in a wheel)."""
+    imported = set()
+    for name in PAGE_FILES:
+        if name.endswith(".js") and not name.startswith("vendor/"):
+            for spec in re.findall(r"""^import\s[^;]*?from\s+["']([^"']+)["']""", (STATIC / name).read_text(), re.M):
+                assert spec.startswith("./"), (name, spec)
+                imported.add(spec[2:])
+    assert "markdown.js" in imported and "vendor/markdown-it.esm.min.js" in imported
+    assert imported <= set(PAGE_FILES), imported - set(PAGE_FILES)
