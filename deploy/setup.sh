@@ -17,6 +17,22 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
          "and chromium-driver, or the chat page's browser test skips" >&2
   fi
 fi
+# The chat page's modules are tested under node's own test runner (tests/unit/test_page_js.py; node 18 or newer,
+# the first with `node --test`): Debian's nodejs, installed only when node is missing. Not pinned to a version
+# (each release has its own: bookworm 18.20, trixie 20.19), only checked for 18 or newer; where apt-get is not
+# ours to use or the node found is older, that test skips and says why (CI fails instead).
+if ! command -v node >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs \
+        >/dev/null; } || echo "setup: apt-get could not install nodejs: the chat page's node tests will skip" >&2
+  else
+    echo "setup: node missing and apt-get unavailable (or not root): install nodejs 18 or newer, or the chat" \
+         "page's node tests skip" >&2
+  fi
+fi
+if command -v node >/dev/null && [ "$(node -p 'process.versions.node.split(".")[0]')" -lt 18 ]; then
+  echo "setup: node $(node --version) is older than 18 (no 'node --test'): the chat page's node tests skip" >&2
+fi
 # The LAN tests (tests/lan) make network namespaces with iproute2's `ip` (and `bridge`); they skip, saying why,
 # where it is missing or namespaces are not allowed (not root, a container without CAP_NET_ADMIN).
 if ! command -v ip >/dev/null || ! command -v bridge >/dev/null; then
