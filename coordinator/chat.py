@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -75,26 +76,22 @@ class Interrupted(Exception):
         self.partial = partial
 
 
-# fleet-chat's own default when the model's generation_config.json holds no sampling defaults: greedy (answers
-# stay deterministic) with OpenAI's frequency penalty at 0.3. Tried on the demo model (max_tokens 512): plain
-# greedy loops on "Write a short poem about the sea." to the cap ("A world where the sea is a place, a place
-# where the sea is a place, ..."), 0.3 ends it after 160 tokens; short answers ("Hi!", "What is the capital of
-# France?") are unchanged. repetition_penalty (scaled here on log-probabilities, the last stage sends no raw
-# logits) still looped at 1.3; temperature 0.7 wandered ("Le Grand Paris, Le Havre is the capital of France.").
-CHAT_SAMPLING = {"temperature": 0.0, "frequency_penalty": 0.3}
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "repetition_penalty")
+"""The fields of a coordinator's ``fallback_sampling`` fleet-chat sends (any other is left out)."""
 
 
-def sampling_fields(args: argparse.Namespace, defaults: dict) -> dict:
-    """The request's sampling fields: the user's flags; else nothing when the model's ``defaults`` (from
-    /v1/models) hold a temperature or repetition penalty; else fleet-chat's ``CHAT_SAMPLING``."""
+def sampling_fields(args: argparse.Namespace, fallback: dict) -> dict:
+    """The request's sampling fields: the user's flags; without any, the coordinator's ``fallback``
+    (``fallback_sampling`` of its model in /v1/models: greedy with a small frequency penalty for a model
+    without sampling defaults of its own, else nothing; a coordinator that serves none: nothing)."""
     body = {}
     if args.temperature is not None:
         body["temperature"] = args.temperature
     for name in ("frequency_penalty", "repetition_penalty"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
-    if not body and not ({"temperature", "repetition_penalty"} & set(defaults)):
-        body = dict(CHAT_SAMPLING)
+    if not body:
+        body = dict(fallback)
     if args.max_tokens is not None:
         body["max_tokens"] = args.max_tokens
     if args.seed is not None:
@@ -219,7 +216,9 @@ def ask(client: httpx.Client, url: str, messages: list[dict], args: argparse.Nam
             print("[conversation too long for the model: dropped the oldest turn]", file=sys.stderr)
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """fleet-chat's command line; ``--api-key`` defaults to $FLEET_API_KEY, else (with ``--url`` only)
+    $OPENAI_API_KEY."""
     parser = argparse.ArgumentParser(prog="fleet-chat", description=__doc__)
     parser.add_argument("--url", help="coordinator base URL, e.g. http://192.168.1.20:8000 (default: zeroconf)")
     parser.add_argument("--model", help="with several coordinators on the LAN, the one serving this model "
@@ -228,8 +227,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="longest answer in tokens (default: the model's, else the "
                         "coordinator's --max-tokens-default, 512)")
     parser.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation_config.json; "
-                        "without sampling defaults there, greedy with --frequency-penalty "
-                        f"{CHAT_SAMPLING['frequency_penalty']})")
+                        "without sampling defaults there, the coordinator's fallback: greedy with a small "
+                        "--frequency-penalty)")
     parser.add_argument("--frequency-penalty", type=float, help="OpenAI's: > 0 discourages repeating the answer's "
                         "tokens, by how often they came (default: see --temperature)")
     parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating the conversation's tokens "
@@ -252,9 +251,9 @@ def _report(error: ChatError, args: argparse.Namespace) -> None:
         print(f"fleet-chat: details: {error.detail}", file=sys.stderr)
 
 
-def _model(client: httpx.Client, url: str) -> tuple[str, dict]:
-    """The model the coordinator at ``url`` serves and its sampling defaults; raises ``ChatError`` when it
-    does not answer as one."""
+def served_model(client: httpx.Client, url: str) -> tuple[str, dict]:
+    """The model the coordinator at ``url`` serves and the sampling to send when the user sets none (its
+    ``fallback_sampling``, {} when absent); raises ``ChatError`` when it does not answer as a coordinator."""
     try:
         response = client.get(f"{url}/v1/models")
     except httpx.HTTPError as exc:
@@ -263,7 +262,11 @@ def _model(client: httpx.Client, url: str) -> tuple[str, dict]:
         if response.status_code == 401:
             raise ChatError(f"{url} refused the API key: {response.json()['error']['message']}")
         model = response.json()["data"][0]
-        return model["id"], model.get("generation_defaults") or {}
+        name, fallback = model["id"], model.get("fallback_sampling")
+        fallback = fallback if isinstance(fallback, dict) else {}
+        # sampling fields with finite numbers only (as the chat page takes them): never the request's messages
+        return name, {k: v for k, v in fallback.items() if k in SAMPLING_NAMES and isinstance(v, (int, float))
+                      and not isinstance(v, bool) and math.isfinite(v)}
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise ChatError(f"{url} answers, but not as a fleet coordinator (HTTP {response.status_code} for "
                         "/v1/models): check the address (--url)", f"{type(exc).__name__}: {exc}") from None
@@ -333,7 +336,7 @@ def _converse(client: httpx.Client, url: str, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fleet-chat`` console script."""
-    args = _parse(argv)
+    args = parse_args(argv)
     try:
         url = args.url or choose_api(discover_apis(), args.model, "fleet-chat")
     except NoCoordinator as exc:
@@ -345,11 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), headers=headers) as client:
         try:
-            model, defaults = _model(client, url)
+            model, fallback = served_model(client, url)
         except ChatError as exc:
             _report(exc, args)
             return 2
-        args.sampling = sampling_fields(args, defaults)
+        args.sampling = sampling_fields(args, fallback)
         quits = "" if args.prompt else "; empty line or Ctrl-D quits"
         print(f"fleet-chat: connected to {url} ({model}){quits}", file=sys.stderr)
         return _converse(client, url, args)

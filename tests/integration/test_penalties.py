@@ -1,9 +1,10 @@
 """Penalties and the model's sampling defaults through the API, on the real demo build (issue 20, item 7).
 
 Greedy, the demo model loops on this prompt to the token cap ("A world where the sea is a place, a place
-where the sea is a place, ..."); a frequency penalty of 0.3 (fleet-chat's default for a model without
-sampling defaults) ends the poem. With a draft model on, penalized greedy answers are the same tokens as
-without one (verification uses the penalized targets), and greedy without penalties is unchanged."""
+where the sea is a place, ..."); a frequency penalty of 0.3 (the chat clients' fallback for a model without
+sampling defaults, served in /v1/models as ``fallback_sampling``) ends the poem. With a draft model on,
+penalized greedy answers are the same tokens as without one (verification uses the penalized targets), and
+greedy without penalties is unchanged."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from coordinator.chat import CHAT_SAMPLING
+from coordinator.sampling import FALLBACK_SAMPLING
 from tests.conftest import Fleet, start_coordinator, start_worker, wait_ready
 
 POEM = "Write a short poem about the sea."
@@ -43,16 +44,18 @@ def test_a_penalty_ends_the_greedy_loop(plain):
     looping = ask(plain, temperature=0)
     assert looping["choices"][0]["finish_reason"] == "length"
     assert looping["choices"][0]["message"]["content"].count("a place where the sea is a place") >= 3
-    penalized = ask(plain, **CHAT_SAMPLING)
+    penalized = ask(plain, **FALLBACK_SAMPLING)
     assert penalized["choices"][0]["finish_reason"] == "stop"
     assert penalized["fleet"]["completion_token_ids"] != looping["fleet"]["completion_token_ids"]
     used = penalized["fleet"]["sampling"]
-    assert used["frequency_penalty"] == CHAT_SAMPLING["frequency_penalty"] and used["temperature"] == 0
+    assert used["frequency_penalty"] == FALLBACK_SAMPLING["frequency_penalty"] and used["temperature"] == 0
     assert used["from_model"] == []  # the demo's generation_config.json holds no sampling defaults
+    card = httpx.get(f"{plain}/v1/models", timeout=10).json()["data"][0]
+    assert card["fallback_sampling"] == FALLBACK_SAMPLING  # what fleet-chat and the chat page send
 
 
 def test_drafting_with_penalties_gives_the_same_answer(plain, drafted):
-    for kw in ({"temperature": 0}, {**CHAT_SAMPLING}, {"temperature": 0, "repetition_penalty": 1.3,
+    for kw in ({"temperature": 0}, {**FALLBACK_SAMPLING}, {"temperature": 0, "repetition_penalty": 1.3,
                                                        "presence_penalty": 0.2}):
         want = ask(plain, **kw)["fleet"]["completion_token_ids"]
         got = ask(drafted, **kw)
@@ -79,6 +82,8 @@ def test_model_defaults_apply_and_an_explicit_temperature_wins(build_2, plain, t
         peers = [a for _, address in workers for a in ("--peer", address)]
         coordinator, url = start_coordinator(copy, tmp_path, "--no-discover", *peers)
         wait_ready(url)
+        card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        assert card["fallback_sampling"] == {}, "a model with sampling defaults of its own gets no fallback"
         silent = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": POEM}]},
                             timeout=120).json()
         used = silent["fleet"]["sampling"]
