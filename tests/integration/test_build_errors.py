@@ -464,7 +464,7 @@ def test_disk_estimate_message_shows_the_shortfall(sizes, small_fs, models):
 
 
 def test_bad_weight_on_a_small_disk_is_not_called_disk_full(small_fs, models, tmp_path):
-    """compiler/build.py's _disk_errors reads errors under 64 MiB free as a full disk: a weights error
+    """compiler/save.py's disk_errors reads errors under 64 MiB free as a full disk: a weights error
     raised while a stage is written there must still say what it is."""
     src = _copy(models.llama, tmp_path / "src")
     tensor = "model.layers.3.mlp.down_proj.weight"
