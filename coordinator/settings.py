@@ -1,4 +1,5 @@
-"""Coordinator settings: one pydantic-settings class; the ``serve`` CLI is generated from it."""
+"""Coordinator settings: one pydantic-settings class; the ``serve`` CLI is generated from it. The security flags
+(``--secret``, ``--tls-*``) come from ``fleet_common.settings.SecuritySettings``, as the worker's do."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Worker settings: one pydantic-settings class; the CLI is generated from it (env prefix ``FLEET_``)."""
+"""Worker settings: one pydantic-settings class; the CLI is generated from it (env prefix ``FLEET_``). The
+security flags (``--secret``, ``--tls-*``) come from ``fleet_common.settings.SecuritySettings``, as the
+coordinator's do."""
 
 from __future__ import annotations
 
