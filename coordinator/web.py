@@ -1,10 +1,11 @@
 """The browser chat page: ``GET /`` and its static files (``coordinator/static``), and the addresses
 ``fleet-coordinator serve`` prints for it.
 
-The page is hand-written HTML, CSS and JavaScript (no build step, nothing fetched from the internet), so
-it works on a LAN without one. It calls the same API as any client: ``/v1/models``,
-``/v1/chat/completions`` (streamed) and ``/health``; ``/v1/*`` needs the API key when the coordinator
-has keys, the page and its files do not (they hold no secret), so the key middleware leaves them alone.
+The page is HTML, CSS and ES modules (no build step, nothing fetched from the internet; its one
+third-party file, markdown-it, is vendored in ``static/vendor``), so it works on a LAN without one. It calls
+the same API as any client: ``/v1/models``, ``/v1/chat/completions`` (streamed) and ``/health``; ``/v1/*``
+needs the API key when the coordinator has keys, the page and its files do not (they hold no secret), so the
+key middleware leaves them alone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).with_name("static")
 
-# The page renders model output as HTML (escaped by its own markdown renderer): this policy is a second
-# line of defence, so an escaping bug could still not run a script or send the conversation elsewhere.
+# The page renders model output as HTML (markdown-it with raw HTML escaped and links limited to http(s) and
+# mailto, static/markdown.js): this policy is a second line of defence, so an escaping bug could still not run
+# a script or send the conversation elsewhere.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
                            "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 PAGE_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-Type-Options": "nosniff",
@@ -32,8 +34,9 @@ PAGE_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-T
 
 
 def add_web_routes(app: FastAPI) -> None:
-    """Serve the chat page at ``/`` and its files under ``/static/`` (index.html, app.js, markdown.js,
-    style.css). Raises ``FileNotFoundError`` when the package was installed without them."""
+    """Serve the chat page at ``/`` and its files under ``/static/`` (index.html, style.css, the ES modules
+    app.js, sse.js, conversation.js, request.js, markdown.js, messages.js, fleet.js, dom.js, and the vendored
+    vendor/markdown-it.esm.min.js). Raises ``FileNotFoundError`` when the package was installed without them."""
     index = STATIC / "index.html"
     if not index.is_file():
         raise FileNotFoundError(f"the chat page is missing from the installed package ({index})")
