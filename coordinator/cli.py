@@ -79,7 +79,7 @@ def _health(engine: Engine, registry: Registry, loaded) -> dict:  # noqa: ANN001
         "num_stages": loaded.manifest.num_stages,
         "protocol_version": PROTOCOL_VERSION,
         "missing_stages": registry.missing_stages(),
-        "queued": engine._queued,
+        "queued": engine.queued,
         "running": engine.running,
         "prefix_cache": engine.prefix_cache_state(),
         "workers": [_worker_health(registry, w, now) for w in list(registry.workers.values())],
@@ -89,7 +89,7 @@ def _health(engine: Engine, registry: Registry, loaded) -> dict:  # noqa: ANN001
 def _state(engine: Engine, registry: Registry) -> dict:
     """What the metrics gauges report: the engine's load and each worker's."""
     cache = engine.prefix_cache_state()
-    return {"queued": engine._queued, "running": engine.running, "retained_sessions": cache["sessions"],
+    return {"queued": engine.queued, "running": engine.running, "retained_sessions": cache["sessions"],
             "retained_tokens": cache["tokens"], "workers": [
         {"address": w.address, "stage": w.info.stage, "healthy": int(w.healthy), "sessions": w.info.sessions,
          "sequences": w.info.sequences, "kv_bytes": w.info.kv_bytes, "kv_reserved_bytes": w.info.kv_reserved_bytes,

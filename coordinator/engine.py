@@ -1,7 +1,11 @@
-"""Generation engine: one request's life from chat messages to streamed text, over the pipeline.
+"""The generation engine's front: admission, placement, failover and shutdown around the step loops.
 
-The coordinator owns each session's tokens; workers own only KV state. Prefill is chunked
-(``prefill_chunk`` tokens per step) so a long prompt never builds one huge message.
+A request comes from the API (``api.py``), waits here for a request slot, is placed on a pipeline
+(``registry.py``) with its session opened on every stage (admission by the workers' KV budgets, a
+retained session reused when its prompt begins with one: ``prefix_cache.py``), and is handed to that
+pipeline's step loop (``loop.py``), which runs it to the end; its text deltas come back here from
+the loop's output processor and go to the API. The coordinator owns each session's tokens; workers
+own only KV state, so a stage failure moves the request to replicas, which rebuild its KV from them.
 """
 
 from __future__ import annotations
@@ -9,25 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fleet_common.manifest import LoadedManifest
 
-from .batching import Batcher, Member
 from .draft import DraftModel
-from .errors import (ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown,
-                     StageFailure)
+from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown, StageFailure
+from .loop import LoopContext, Moved, StepLoop
 from .metrics import CoordinatorMetrics
-from .prefix_cache import PrefixCache, Retained, new_session_id
+from .output import OutputProcessor
+from .prefix_cache import PrefixCache, Retained
 from .registry import Registry
-from .request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta, position_generators
-from .sampling import SparseDist, generation_defaults
-from .seat import Seat
+from .request import Request, RequestStatus, SamplingParams, TextDelta
+from .sampling import generation_defaults
+from .scheduler import Scheduler, Seq
 from .settings import CoordinatorSettings
-from .speculative import AdaptiveK, StepCostsByLoad, ngram_draft, verify
-from .tokenizer import ChatTokenizer, IncrementalDetokenizer
+from .speculative import StepCostsByLoad
+from .tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,6 @@ class Engine:
         self._queued = 0  # requests waiting for a slot
         self.running = 0  # requests generating
         self.metrics = CoordinatorMetrics()
-        self._decode_step_seconds = self.metrics.step.labels("decode")  # resolved once: labels() costs ~10 us a step
         self._kv_freed_event = asyncio.Event()  # set (and replaced) whenever KV is freed at the stages
         self.model_name = settings.served_model_name or self.manifest.model_id
         self._background: set[asyncio.Task] = set()  # best-effort closes of sessions left behind
@@ -59,10 +61,10 @@ class Engine:
         self._pulling: set[asyncio.Task] = set()  # tasks waiting in _next for a request's next delta
         # pipeline step wall time by chunk length and the draft's cost per token, at each load, for adaptive K
         self.step_costs = StepCostsByLoad(lambda: self.running)
-        self.batcher = Batcher(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
-                               settings.spec_k_max + 1, settings.compact_share, settings.compact_min_slots,
-                               self._timeout, settings.batch_wait_ms / 1000, on_freed=self._kv_freed,
-                               context_limit=self.max_context)
+        self.scheduler = Scheduler(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
+                                   settings.prefill_chunk, settings.spec_k_max + 1, settings.compact_share,
+                                   settings.compact_min_slots, context_limit=self.max_context)
+        self.loops: dict[int, StepLoop] = {}  # one per pipeline (by id: a pipeline is replaced, never mutated)
         self.draft_source = settings.draft
         if self.draft_source == "auto":
             self.draft_source = self.manifest.drafts[0].name if self.manifest.drafts else "none"
@@ -78,6 +80,24 @@ class Engine:
         if settings.prefix_cache:
             self.prefix_cache = PrefixCache(self._evict_retained, settings.prefix_cache_min_tokens,
                                             settings.prefix_cache_tokens, settings.prefix_cache_idle_s)
+        self._context = LoopContext(self._timeout, self.metrics, self.step_costs, self.draft_model,
+                                    self.draft_source, self.prefix_cache, self._kv_freed, settings.rpc_timeout_s)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a request slot."""
+        return self._queued
+
+    def _loop(self, pipeline) -> StepLoop:
+        """The step loop of ``pipeline`` (made on first use; loops of pipelines gone are dropped)."""
+        loop = self.loops.get(id(pipeline))  # a loop holds its pipeline: the id is not reused meanwhile
+        if loop is None:
+            for key, old in list(self.loops.items()):
+                if not old.pipeline.healthy and old.idle:
+                    old.close()
+                    del self.loops[key]
+            loop = self.loops[id(pipeline)] = StepLoop(pipeline, self.scheduler, self._context)
+        return loop
 
     def prefix_cache_state(self) -> dict:
         """What the prefix cache holds (``/health``, metrics): retained sessions and their tokens."""
@@ -96,6 +116,8 @@ class Engine:
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for loop in self.loops.values():
+            loop.close()
         if self.draft_model is not None:
             self.draft_model.close()
 
@@ -121,7 +143,7 @@ class Engine:
         await self._free_retained(bound_s)
         if not await self._settled(bound_s, self._sessions_freed):
             log.warning("shutting down: sessions of %d batch group(s) may be left open at the stages",
-                        sum(not g.idle for g in self.batcher.groups))
+                        sum(not g.idle for loop in self.loops.values() for g in loop.groups))
 
     async def _free_retained(self, bound_s: float) -> None:
         """Free every retained session (prefix cache) at the stages, waiting up to ``bound_s``."""
@@ -141,10 +163,10 @@ class Engine:
         return not self.running and not self._queued
 
     def _sessions_freed(self) -> bool:
-        return not self._background and all(g.idle for g in self.batcher.groups)
+        return not self._background and all(loop.idle for loop in self.loops.values())
 
     @staticmethod
-    async def _settled(timeout_s: float, done) -> bool:  # noqa: ANN001 - () -> bool
+    async def _settled(timeout_s: float, done) -> bool:
         """Wait up to ``timeout_s`` for ``done()``; whether it came true."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not done():
@@ -212,15 +234,15 @@ class Engine:
         try:
             self._refuse_if_stopping()  # it waited in the queue while the coordinator began to stop
             async with contextlib.aclosing(self._generate(request)) as deltas:
-                while (delta := await self._next(request, deltas)) is not None:
+                async for delta in deltas:
                     yield delta
         finally:
             self.running -= 1
             self._slots.release()
 
-    async def _next(self, request: Request, deltas: AsyncIterator[TextDelta]) -> TextDelta | None:
-        """The next delta of ``deltas`` (None after the last), or ``ShuttingDown`` when the coordinator
-        ends running requests first (``cut``): ``deltas`` is then cancelled, which frees its sessions.
+    async def _next(self, seq: Seq) -> TextDelta | Moved:
+        """The next item of ``seq``'s outbox (a delta, or ``Moved``; an exception put there is raised),
+        or ``ShuttingDown`` when the coordinator ends running requests first (``cut``).
 
         Runs in the caller's task (a task per token cost ~50 us of the coordinator's CPU, issue 17):
         ``cut`` cancels that task while it waits here, and the cancellation becomes ``ShuttingDown``."""
@@ -228,22 +250,26 @@ class Engine:
         if not self._cutting:
             self._pulling.add(task)
             try:
-                return await anext(deltas, None)
+                item = await seq.outbox.get()
             except asyncio.CancelledError:
                 if not (self._cutting and task.uncancel() == 0):
                     raise  # cancelled from outside (its client left), not or not only by the cut: that wins
+            else:
+                if isinstance(item, BaseException):
+                    raise item
+                return item
             finally:
                 self._pulling.discard(task)
         raise ShuttingDown(f"the coordinator is shutting down: this answer was cut short after "
-                           f"{len(request.output_ids)} tokens; send the request again once it is back (or to "
+                           f"{len(seq.request.output_ids)} tokens; send the request again once it is back (or to "
                            "another coordinator)")
 
-    async def _open_session(self, pipeline, session: str, slots: int, resume: bool = False) -> None:  # noqa: ANN001
+    async def _open_session(self, pipeline, session: str, slots: int, resume: bool = False) -> None:
         """Open ``session`` with ``slots`` KV slots on every stage (``resume``: a retained session it
         takes over), waiting while a stage has no room (``_admitted``). Raises ``Overloaded``."""
         await self._admitted(session, lambda: pipeline.open_session(session, slots, self.settings.rpc_timeout_s, resume))
 
-    async def _admitted(self, session: str, attempt) -> None:  # noqa: ANN001 - () -> Awaitable (raises Overloaded)
+    async def _admitted(self, session: str, attempt) -> None:
         """Run ``attempt`` (an OpenSession or a Copy on every stage) until a stage stops refusing it for
         KV room, up to ``queue_timeout_s``: admission control by the workers' KV budgets. Under that
         pressure retained sessions (prefix cache) are freed first, least recently used first. Raises
@@ -269,18 +295,18 @@ class Engine:
                 with contextlib.suppress(TimeoutError):  # a session or batch group freeing KV may make room
                     await asyncio.wait_for(freed.wait(), max(0.0, deadline - loop.time()))
 
-    async def _seat(self, request: Request, slots: int) -> Seat:
-        """A pipeline for ``request`` with its session open on every stage. Raises ``Overloaded``,
-        ``PipelineUnavailable``, or ``StageFailure`` (saying which stage has no worker left, when a
-        health check of the failed one finds so)."""
+    async def _seat(self, request: Request, slots: int, top_k: int) -> Seq:
+        """``request`` as a ``Seq`` on the pipeline placement picks, its session open on every stage.
+        Raises ``Overloaded``, ``PipelineUnavailable``, or ``StageFailure`` (saying which stage has no
+        worker left, when a health check of the failed one finds so)."""
         try:
             pipeline = await self._placement()
-            seat = await self._seat_on_retained(request, slots, pipeline)
-            if seat is None:
+            seq = await self._seat_on_retained(request, slots, top_k, pipeline)
+            if seq is None:
                 if not pipeline.healthy:  # a worker of it failed when its retained KV was reused
                     pipeline = await self._placement()
                 await self._open_session(pipeline, request.request_id, slots)
-                seat = Seat(self, request, pipeline, slots)
+                seq = self._seq(request, pipeline, request.request_id, slots, top_k, 0)
         except StageFailure as failure:
             if failure.address is not None:
                 await self.registry.recheck([failure.address])
@@ -288,17 +314,29 @@ class Engine:
                 raise StageFailure(f"{failure.summary}; {self.registry.missing_message(missing)}",
                                    detail=failure.detail, stage=failure.stage, address=failure.address) from failure
             raise
-        return seat
+        return seq
 
-    async def _placement(self):  # noqa: ANN202 - Pipeline
+    def _seq(self, request: Request, pipeline, session: str, slots: int, top_k: int, cached: int,
+             draft=None) -> Seq:
+        """The loop's state of ``request`` on ``session`` (holding its first ``cached`` prompt tokens),
+        with its output processor and its draft model session."""
+        s = self.settings
+        drafter = self._drafter(request, draft, slots)
+        drafting = self.draft_source != "none" and (self.draft_model is None or drafter is not None)
+        output = OutputProcessor(request, self.tokenizer, self.eos_ids, self.step_costs, s.spec_k_max,
+                                 s.spec_k or None, drafting)
+        return Seq(request, output, pipeline, session, slots, top_k, request.prompt_ids[cached:], start=cached,
+                   drafter=drafter)
+
+    async def _placement(self):
         """The pipeline placement picks for a new session (``Registry.pipeline``), with link metrics."""
         pipeline = await self.registry.pipeline()
         if pipeline.observe_link is None:
             pipeline.observe_link = self.metrics.link.labels(pipeline.path).observe
         return pipeline
 
-    async def _seat_on_retained(self, request: Request, slots: int, placed) -> Seat | None:  # noqa: ANN001
-        """A seat on a retained session's KV when ``request``'s prompt begins with one (prefix cache):
+    async def _seat_on_retained(self, request: Request, slots: int, top_k: int, placed) -> Seq | None:
+        """A ``Seq`` on a retained session's KV when ``request``'s prompt begins with one (prefix cache):
         the session itself when the prompt extends it (wherever it is: its conversation's KV), else a
         copy of the common prefix when it is on ``placed``, the pipeline placement picked (a copy does
         not outweigh spreading the load); None when nothing is reused (or the reuse failed: the prompt
@@ -336,120 +374,64 @@ class Engine:
         finally:
             self.prefix_cache.copied(hit)
         request.cached_tokens = hit.tokens
-        seat = Seat(self, request, entry.pipeline, slots, session=session, cached=hit.tokens)
-        seat.draft = entry.draft if hit.take else None
-        return seat
+        return self._seq(request, entry.pipeline, session, slots, top_k, hit.tokens, entry.draft if hit.take else None)
 
-    async def _prefill(self, pipeline, session: str, tokens: list[int], top_k: int, logits: bool,  # noqa: ANN001
-                       request: Request | None = None, offset: int = 0):
-        """Run ``tokens`` through every stage in ``prefill_chunk`` steps, after the ``offset`` tokens the
-        session holds already (a retained session's); the last step's candidates (``logits``) or None;
-        ``request.prefilled`` counts the prompt tokens on the stages. Raises ``StageFailure``."""
-        out, chunk_len = None, self.settings.prefill_chunk
-        for start in range(0, len(tokens), chunk_len):
-            chunk = tokens[start:start + chunk_len]
-            last = start + len(chunk) == len(tokens)
-            t0 = time.perf_counter()
-            out = await pipeline.step(session, chunk, offset + start, offset + start, 1 if last and logits else 0,
-                                      top_k, self._timeout(len(chunk)))
-            self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
-            if request is not None:
-                request.prefilled = offset + start + len(chunk)
-        return out
-
-    async def _fail_over(self, request: Request, failure: StageFailure, pipeline, session: str, slots: int,  # noqa: ANN001
-                         visible: list[int]):  # noqa: ANN202
-        """Move ``request`` to healthy workers after ``failure``: health-check the failed pipeline's
-        workers now (a dead one is dropped with every pipeline using it), take the placement's
-        pipeline of replicas, open a new session there and prefill the ``visible`` tokens again,
-        so the lost KV is rebuilt from the tokens the coordinator owns (Petals' replay, Borzunov et
-        al. 2023 §3.2; a fresh session, never a possibly corrupted cache). Returns (pipeline,
-        session id). Raises ``StageFailure`` when the attempts are used up, when no replica serves
-        a lost stage, or when every worker still answers (the failure was not a lost worker).
-        """
-        s = self.settings
-        if request.failovers >= s.failover_attempts:
+    async def _fail_over(self, seq: Seq, failure: StageFailure) -> None:
+        """Move ``seq`` to healthy workers after ``failure`` (its loop freed its KV at the old stages):
+        health-check the failed pipeline's workers now (a dead one is dropped with every pipeline using
+        it), take the placement's pipeline of replicas, open a new session there and hand the request to
+        that pipeline's loop, which prefills its visible tokens again, so the lost KV is rebuilt from the
+        tokens the coordinator owns (Petals' replay, Borzunov et al. 2023 §3.2; a fresh session, never a
+        possibly corrupted cache). Raises ``StageFailure`` when the attempts are used up, when no replica
+        serves a lost stage, or when every worker still answers (the failure was not a lost worker)."""
+        request, old = seq.request, seq.pipeline
+        if request.failovers >= self.settings.failover_attempts:
             raise failure
-        self._close_in_background(pipeline, session)  # frees live stages' KV
-        await self.registry.recheck(pipeline.addresses)
+        await self.registry.recheck(old.addresses)
         try:
-            new = await self.registry.pipeline()
+            new = await self._placement()
         except PipelineUnavailable as exc:
             raise StageFailure(f"{failure.summary}; {exc.message}", detail=failure.detail, stage=failure.stage,
                                address=failure.address) from failure
-        if new is pipeline:
+        if new is old:
             raise failure
         request.failovers += 1
         self.metrics.failovers.inc()
         session = f"{request.request_id}-{request.failovers}"
+        # the stages then hold the prompt and the output but its newest token, which the next step feeds;
+        # without output yet, the prompt is prefilled again in full
+        visible = request.prompt_ids + request.output_ids[:-1]
         log.warning("%s: %s; failing over to %s, prefilling its %d visible tokens again", request.request_id,
                     failure.message, " -> ".join(new.addresses), len(visible))
-        await self._open_session(new, session, slots)
         try:
-            await self._prefill(new, session, visible, 1, logits=False)
-        except BaseException:
-            await asyncio.shield(new.close_session(session, s.rpc_timeout_s))
+            await self._open_session(new, session, seq.slots)
+        except asyncio.CancelledError:
+            self._close_in_background(new, session)
             raise
-        return new, session
+        seq.pipeline, seq.session, seq.prefill, seq.start = new, session, visible, 0
+        seq.logits = not request.output_ids
+        seq.decided, seq.draft, seq.group, seq.member = request.output_ids[-1:], None, None, None
+        self._loop(new).submit(seq)
 
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:
         s, params = self.settings, request.params
-        rng_at, draft_rng_at = position_generators(params.seed)
         # greedy without penalties needs only the best candidate (bit-identical to plain argmax)
         top_k = 1 if params.temperature <= 0 and not params.penalties.active else s.sample_top_k
         top_k = max(top_k, params.logprobs or 0)  # the API refuses more than sample_top_k
-        prompt = request.prompt_ids
         # physical KV slots (make_request capped max_tokens to the context): rejected drafts keep
         # theirs (masked, never trimmed) until a compaction, hence the slack
-        slots = len(prompt) + params.max_tokens + (s.spec_slack if self.draft_source != "none" else 0)
-        seat = await self._seat(request, slots)
-        drafter = self._drafter(request, seat, slots)
-        drafting = self.draft_source != "none" and (self.draft_model is None or drafter is not None)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        text, sent = "", 0
-        hold = max((len(x) for x in params.stop), default=1) - 1
+        slots = len(request.prompt_ids) + params.max_tokens + (s.spec_slack if self.draft_source != "none" else 0)
+        seq = await self._seat(request, slots, top_k)
+        self._loop(seq.pipeline).submit(seq)
         try:
-            policy = AdaptiveK(self.step_costs, s.spec_k_max, fixed=s.spec_k or None)
-            # the draft prefills beside the stages only if drafting pays on this fleet's measured costs:
-            # else it would take CPU from stages that share its cores for tokens never drafted; it
-            # prefills when K first becomes > 0 (a probe, or the costs changed)
-            out = await self._prefill_all(request, seat, drafter if policy.would_draft() else None, top_k)
-            logical = len(prompt)  # visible tokens at every stage
-            decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(len(prompt)))]
             while True:
-                text = self._take(request, decided, detok, text, sent, hold)
-                if request.finish_reason is not None:
-                    break
-                safe = len(text) - hold if params.stop else len(text)
-                if safe > sent:
-                    # a slow client blocks here; its group goes on without it
-                    yield TextDelta(text[sent:safe], logprobs=request.take_logprobs(safe))
-                    sent = safe
-                if seat.group is None:  # decode in a batch group: one infer call per stage for all its sessions
-                    await seat.join(logical)
-                k = min(policy.choose(), params.max_tokens - len(request.output_ids)) if drafting else 0
-                if k and drafter is not None:
-                    if seat.draft_prefill is None:
-                        self._start_draft_prefill(request, seat, drafter)
-                    if not seat.draft_prefill.done():
-                        await seat.draft_prefill  # the draft must hold the prompt before it proposes
-                t0 = time.perf_counter()
-                draft, qs = await self._propose(request, seat.member, drafter, k, draft_rng_at)
-                # feed the newest token; earlier ones in `decided` were fed as accepted drafts
-                chunk = [decided[-1], *draft]
-                t1 = time.perf_counter()
-                out = await seat.step(chunk, logical, top_k)
-                t2 = time.perf_counter()
-                request.batch_max = max(request.batch_max, seat.group.last_rows)
-                self.step_costs.observe(len(chunk), t2 - t1)
-                self._decode_step_seconds.observe(t2 - t1)
-                if draft:
-                    decided = self._verify(request, seat, out, draft, qs, logical, rng_at, policy, drafter,
-                                           draft_s=t1 - t0, verify_s=t2 - t1)
-                else:
-                    decided = [request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(rng_at(logical + 1))]
-                logical += len(decided)  # the fed token and the accepted drafts
-            yield TextDelta(text[sent:], request.finish_reason, request.take_logprobs())
+                item = await self._next(seq)
+                if isinstance(item, Moved):
+                    await self._fail_over(seq, item.failure)
+                    continue
+                yield item  # a slow client blocks here; the loop goes on without waiting for it
+                if item.finish_reason is not None:
+                    return
         except (asyncio.CancelledError, GeneratorExit):
             # a consumer closing this generator after the last delta (the API does, streamed or not)
             # ends a finished request; only one closed before that was cancelled
@@ -461,172 +443,41 @@ class Engine:
             self.metrics.errors.labels(type(exc).__name__).inc()
             raise
         finally:
-            await self._end(request, seat, drafter)
+            await self._end(seq)
 
-    def _drafter(self, request: Request, seat: Seat, slots: int):  # noqa: ANN202 - DraftSession | None
-        """The draft model's session for ``request``: the retained one of its seat's session (prefix
-        cache) when that fits, else a fresh one; None without a draft model or when the prompt does not
-        fit the draft's context."""
+    def _drafter(self, request: Request, draft, slots: int):
+        """The draft model's session for ``request``: ``draft``, the retained one of the session it
+        takes (prefix cache), when that fits, else a fresh one; None without a draft model or when the
+        prompt does not fit the draft's context."""
         if self.draft_model is None:
             return None
-        drafter = self.draft_model.reopen(seat.draft, slots) if seat.draft is not None else None
+        drafter = self.draft_model.reopen(draft, slots) if draft is not None else None
         if drafter is None:
             drafter = self.draft_model.open(request.request_id, slots)
         if len(request.prompt_ids) + self.settings.spec_k_max + 1 > drafter.kv.max_context:
             return None
         return drafter
 
-    async def _prefill_all(self, request: Request, seat: Seat, drafter, top_k: int):  # noqa: ANN001, ANN202
-        """Prefill the prompt on the stages and, at the same time, in the draft model if ``drafter`` is
-        given (awaited before the first proposal, not before the first token); the candidates of the
-        prompt's last position (a StepOutput)."""
-        request.status = RequestStatus.PREFILL
-        if drafter is not None:  # the draft prefills here while the stages prefill
-            self._start_draft_prefill(request, seat, drafter)
-        out = await seat.prefill(request.prompt_ids, top_k)
-        request.status = RequestStatus.DECODE
-        return out
-
-    def _start_draft_prefill(self, request: Request, seat: Seat, drafter) -> None:  # noqa: ANN001 - DraftSession
-        """The draft model's prefill of the prompt, started on its thread as ``seat.draft_prefill``."""
-        seat.draft_prefill = asyncio.ensure_future(self.draft_model.run(drafter.prefill, request.prompt_ids))
-
-    def _take(self, request: Request, decided: list[int], detok: IncrementalDetokenizer, text: str, sent: int,
-              hold: int) -> str:
-        """Append the ``decided`` tokens to ``request`` until it finishes (end of sequence, a stop string,
-        ``max_tokens``); returns its text so far, cut before a stop string (``sent`` characters of it went
-        out already, the last ``hold`` are held back while a stop string may still begin there)."""
-        params = request.params
-        for token in decided:
-            if token in self.eos_ids and not params.ignore_eos:
-                request.finish(FinishReason.STOP)
-                break
-            request.append(token, len(text))
-            text += detok.push(token)
-            if params.stop:
-                cut = min((i for i in (text.find(x, max(0, sent - hold)) for x in params.stop) if i >= 0),
-                          default=-1)
-                if cut >= 0:
-                    request.finish(FinishReason.STOP)
-                    if request.logprobs is not None:
-                        request.logprobs.cut(cut)
-                    return text[:cut]
-            if len(request.output_ids) >= params.max_tokens:
-                request.finish(FinishReason.LENGTH)
-                break
-        return text
-
-    async def _propose(self, request: Request, member: Member, drafter, k: int,  # noqa: ANN001 - DraftSession
-                       draft_rng_at) -> tuple[list[int], list[SparseDist]]:  # noqa: ANN001
-        """Up to ``k`` draft tokens for the next step to verify, with the distributions they were drawn
-        from: from the draft model (``drafter``), or by prompt lookup (ngram), or none."""
-        params, context = request.params, request.prompt_ids + request.output_ids
-        if k and drafter is not None:
-            member.drafting = True  # the group waits for this (and only this) past --batch-wait-ms
-            try:
-                return await self.draft_model.run(drafter.propose, context, k, params.temperature, params.top_p,
-                                                  draft_rng_at)
-            finally:
-                member.drafting = False
-        if k and self.draft_source == "ngram":
-            draft = ngram_draft(context, k)
-            return draft, [SparseDist.point(t) for t in draft]
-        return [], []
-
-    def _verify(self, request: Request, seat: Seat, out, draft: list[int], qs: list[SparseDist],  # noqa: ANN001
-                logical: int, rng_at, policy: AdaptiveK, drafter, *, draft_s: float,  # noqa: ANN001
-                verify_s: float) -> list[int]:
-        """The tokens a step that carried ``draft`` decided (accepted drafts, then the target's own
-        token); counts the acceptance and hides the rejected drafts from the group's next step on."""
-        # the penalized targets: position i's penalties count the drafts before it (its context if accepted)
-        targets = [request.target(out.top_ids[i], out.top_logprobs[i], draft[:i]) for i in range(len(draft) + 1)]
-        decided = verify(draft, qs, targets, [rng_at(logical + 1 + i) for i in range(len(draft) + 1)])
-        accepted = len(decided) - 1
-        request.record_verify(len(draft), accepted, draft_s * 1000, verify_s * 1000)
-        if drafter is None:
-            self.step_costs.observe_draft(len(draft), draft_s)
-        elif drafter.seconds_per_token is not None:
-            self.step_costs.observe_draft(1, drafter.seconds_per_token)
-        policy.observe(len(draft), accepted)
-        seat.group.reject(seat.member, len(draft) - accepted)  # hidden from the next step on, never trimmed
-        return decided
-
-    async def _end(self, request: Request, seat: Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
-        """However ``request`` ended: count and log it, and keep its KV on every stage for a later prompt
-        that begins with its tokens (a finished request, with the prefix cache on) or free it."""
-        if seat.draft_prefill is not None and not seat.draft_prefill.done():
-            seat.draft_prefill.cancel()
-        seat.count_compactions()
+    async def _end(self, seq: Seq) -> None:
+        """However ``seq``'s request ended: count and log it, and have its loop keep its KV for a later
+        prompt that begins with its tokens (a finished request, with the prefix cache on) or free it."""
+        request = seq.request
         self.metrics.finished(request)
         log.info("%s: %s, prompt %d tokens (%d cached), completion %d tokens, TTFT %s ms, %.1f tok/s, drafts %d/%d "
                  "accepted in %d verify steps (draft %.1f ms, verify %.1f ms), %d compactions, %d failovers",
-                 seat.session, request.finish_reason.value if request.finish_reason else request.status.value,
+                 seq.session, request.finish_reason.value if request.finish_reason else request.status.value,
                  len(request.prompt_ids), request.cached_tokens, len(request.output_ids),
                  f"{request.ttft_ms:.0f}" if request.ttft_ms else "-", request.decode_tokens_per_s or 0.0,
                  request.accepted, request.drafted, request.verify_steps, request.draft_ms, request.verify_ms,
                  request.compactions, request.failovers)
-        # everything above runs even when a client's disconnect cancels this task, whose every
-        # await then raises again at once: the rest goes on in the background (a close then wakes
-        # requests waiting for KV room)
-        if self.prefix_cache is not None and request.status is RequestStatus.FINISHED:
-            await asyncio.shield(self._in_background(self._retain(request, seat, drafter)))
-        else:
-            await asyncio.shield(self._in_background(self._free(seat)))
+        loop = self.loops.get(id(seq.pipeline))
+        if loop is not None:
+            # this runs even when a client's disconnect cancels this task: the loop frees or retains the
+            # KV whatever happens here (a close then wakes requests waiting for KV room)
+            retain = request.status is RequestStatus.FINISHED
+            await asyncio.shield(loop.end(seq, retain))
 
-    async def _free(self, seat: Seat) -> None:
-        """Free the seat's KV on every stage: its batch group drops its row, or its session is closed."""
-        if seat.leave():  # its group frees the KV (the merge may still be running); it no longer runs here
-            seat.pipeline.forget(seat.session)
-        else:
-            await self._close_in_background(seat.pipeline, seat.session)
-
-    async def _retain(self, request: Request, seat: Seat, drafter) -> None:  # noqa: ANN001 - DraftSession | None
-        """Keep a finished request's KV on the stages as a retained session (prefix cache): its row copied
-        out of its batch group, or its solo session (prefilled only) kept with its reservation shrunk to
-        what it holds; with the draft model's session for the same tokens. Frees it when that fails."""
-        if seat.group is None and seat.member is not None:  # failed over and not back in a group: free it
-            return await self._free(seat)
-        # the tokens fed: the prompt, then the output but its newest token (decided, never fed); past the
-        # output only drafts accepted after a stop (an end-of-sequence, a stop string) that no list holds
-        context = request.prompt_ids + request.output_ids
-        held = min(seat.member.visible, len(context)) if seat.group is not None else len(request.prompt_ids)
-        pipeline = seat.pipeline
-        session = new_session_id() if seat.group is not None else seat.session
-        # matchable at once (the client's next request may come before the copy is made: it waits for it)
-        entry = Retained(session, pipeline, context[:held], scope=request.cache_scope, copying=1,
-                         ready=asyncio.get_running_loop().create_future())
-        if not self.prefix_cache.retain(entry):
-            return await self._free(seat)
-        try:
-            if seat.group is not None:
-                copy = seat.detach(session, held)  # the member leaves its group (which frees its row) either way
-                seat.pipeline.forget(seat.session)
-                await copy
-            else:
-                await pipeline.open_session(session, held, self.settings.rpc_timeout_s, resume=True)
-        except Exception as exc:  # noqa: BLE001 - retention is best effort
-            log.warning("%s: its KV is not retained (%s)", seat.session, exc)
-            self.prefix_cache.forget(entry)
-            entry.copying -= 1
-            entry.ready.set_result(False)
-            if seat.group is None and seat.member is None:
-                await self._close_in_background(pipeline, seat.session)
-            return None
-        draft, prefill = None, seat.draft_prefill
-        if drafter is not None and prefill is not None and prefill.done() and not prefill.cancelled() \
-                and prefill.exception() is None:
-            try:
-                await self.draft_model.run(drafter.retain, context, held)
-                draft = drafter
-            except Exception as exc:  # noqa: BLE001 - the stages' KV is retained without the draft's
-                log.warning("%s: the draft model's KV is not retained (%s)", seat.session, exc)
-        pipeline.forget(session)  # held KV, not a running request: placement counts only those
-        entry.draft = draft
-        entry.copying -= 1
-        entry.ready.set_result(True)
-        return None
-
-    def _in_background(self, coro) -> asyncio.Task:  # noqa: ANN001
+    def _in_background(self, coro) -> asyncio.Task:
         """``coro`` as a task that a cancellation of the caller does not stop."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -639,7 +490,7 @@ class Engine:
         self._kv_freed_event.set()
         self._kv_freed_event = asyncio.Event()
 
-    def _close_in_background(self, pipeline, session: str) -> asyncio.Task:  # noqa: ANN001
+    def _close_in_background(self, pipeline, session: str) -> asyncio.Task:
         """Free ``session``'s KV on every stage of ``pipeline``, then wake requests waiting for room, in a
         task that a cancellation of the caller does not stop (close failures are logged, never raised)."""
         async def close() -> None:

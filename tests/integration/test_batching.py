@@ -99,16 +99,22 @@ def test_bad_group_arguments_are_refused_untouched(model):
     assert (group.rows, group.length) == (2, 3)
 
 
-def test_group_over_real_workers_equals_solo_and_a_stalled_member_stalls_nobody(build_2, tmp_path):
-    """Two sessions in one batch group over a real 2-stage fleet: greedy tokens equal solo decoding;
-    while one member stops submitting (a client that stopped reading), the other's steps go on after
-    ``wait_s`` and the stalled one rejoins later; leaving closes the group's KV on every stage."""
+def test_step_loop_over_real_workers_equals_solo_and_a_slow_reader_stalls_nobody(build_2, tmp_path):
+    """Two requests in one batch group of a step loop over a real 2-stage fleet: greedy tokens equal solo
+    decoding; while one request's client reads nothing (its deltas queue up), the other's steps go on;
+    once both end the group's KV is closed on every stage."""
     import asyncio
 
     import grpc
 
-    from coordinator.batching import BatchGroup, Member
+    from coordinator.loop import LoopContext, StepLoop
+    from coordinator.metrics import CoordinatorMetrics
+    from coordinator.output import OutputProcessor
     from coordinator.pipeline import Channels, Pipeline
+    from coordinator.request import Request, SamplingParams
+    from coordinator.scheduler import Scheduler, Seq
+    from coordinator.speculative import StepCostsByLoad
+    from coordinator.tokenizer import ChatTokenizer
     from fleet_common import fleet_pb2 as pb
     from fleet_common import fleet_pb2_grpc as pb_grpc
     from fleet_common.manifest import load_manifest
@@ -117,15 +123,14 @@ def test_group_over_real_workers_equals_solo_and_a_stalled_member_stalls_nobody(
     workers = [start_worker(build_2, shard, tmp_path) for shard in range(2)]
     addresses = [address for _, address in workers]
     sha = load_manifest(build_2).sha256
+    tokenizer = ChatTokenizer(build_2)
     prompts = {"a": [1, 504, 3060, 282, 4649, 314], "b": [1, 9690, 198, 2683, 359, 253, 5356, 30]}
-
-    async def prefill(pipeline: Pipeline, sid: str) -> int:
-        await pipeline.open_session(sid, 64, 10)
-        out = await pipeline.step(sid, prompts[sid], 0, 0, 1, 1, 30)
-        return int(out.top_ids[-1, 0])
+    lengths = {"a": 6, "b": 14}
 
     async def solo(pipeline: Pipeline, sid: str, n: int) -> list[int]:
-        tokens = [await prefill(pipeline, sid)]
+        await pipeline.open_session(sid, 64, 10)
+        out = await pipeline.step(sid, prompts[sid], 0, 0, 1, 1, 30)
+        tokens = [int(out.top_ids[-1, 0])]
         for i in range(n - 1):
             pos = len(prompts[sid]) + i
             out = await pipeline.step(sid, tokens[-1:], pos, pos, 1, 1, 30)
@@ -137,31 +142,33 @@ def test_group_over_real_workers_equals_solo_and_a_stalled_member_stalls_nobody(
         channels = Channels()
         pipeline = await Pipeline.connect(addresses, channels, sha)
         try:
-            ref = {sid: await solo(pipeline, sid, 12) for sid in prompts}
-            first = {sid: await prefill(pipeline, sid) for sid in prompts}
-            group = BatchGroup(pipeline, slack=9, compact_share=0.5, compact_min_slots=8, timeout_s=lambda n: 30.0,
-                               max_rows=4, wait_s=0.05)
-            members = {sid: Member(sid, 64, len(prompts[sid])) for sid in prompts}
-            await asyncio.gather(*(group.join(m) for m in members.values()))
-            got = {sid: [first[sid]] for sid in prompts}
-
-            async def decode(sid: str, n: int) -> None:
-                for _ in range(n):
-                    pos = len(prompts[sid]) + len(got[sid]) - 1
-                    out = await group.step(members[sid], got[sid][-1:], pos, 1, 1)
-                    got[sid].append(int(out.top_ids[-1, 0]))
-
-            await asyncio.gather(decode("a", 3), decode("b", 3))  # together
-            await asyncio.wait_for(decode("a", 5), 20)  # b stalls (not drafting): a goes on without it
-            assert members["b"].late
-            await asyncio.gather(decode("a", 3), decode("b", 8))  # b is back
+            ref = {sid: await solo(pipeline, sid, lengths[sid]) for sid in prompts}
+            costs = StepCostsByLoad(lambda: 2)
+            ctx = LoopContext(lambda n: 30.0, CoordinatorMetrics(), costs, None, "none", None, lambda: None, 10.0)
+            loop = StepLoop(pipeline, Scheduler(1, 4, 64, 9, 0.5, 8), ctx)
+            seqs = {}
+            for sid, prompt in prompts.items():
+                request = Request(sid, prompt, SamplingParams(max_tokens=lengths[sid], temperature=0.0,
+                                                              ignore_eos=True))
+                output = OutputProcessor(request, tokenizer, set(), costs, 4, None, drafting=False)
+                await pipeline.open_session(sid, 64, 10)
+                seqs[sid] = Seq(request, output, pipeline, sid, 64, 1, prompt)
+                loop.submit(seqs[sid])
+            while True:  # only b is read; a's deltas queue up meanwhile
+                delta = await asyncio.wait_for(seqs["b"].outbox.get(), 30)
+                if delta.finish_reason is not None:
+                    break
+            assert seqs["a"].request.finish_reason is not None  # a finished without being read
+            got = {sid: seq.request.output_ids for sid, seq in seqs.items()}
             assert got == ref
-            for m in members.values():
-                group.leave(m)
+            assert max(seq.request.batch_max for seq in seqs.values()) == 2
+            for seq in seqs.values():
+                await asyncio.wait_for(loop.end(seq, retain=False), 10)
             for _ in range(100):
-                if not group.rows and group._task is None:
+                if loop.idle:
                     break
                 await asyncio.sleep(0.05)
+            loop.close()
         finally:
             await pipeline.close()
             await channels.close()

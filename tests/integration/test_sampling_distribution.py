@@ -65,7 +65,7 @@ ALPHA = 1e-3  # each of the 4 tests (t2-t4, bonus): seeds are fixed, so the outc
 # the test by a crash, not by the distribution.)
 BROKEN_COORDINATOR = """
 import sys
-import coordinator.engine
+import coordinator.output
 from coordinator.cli import main
 from coordinator.sampling import SparseDist
 
@@ -80,7 +80,7 @@ def verify(draft_tokens, draft_dists, target_dists, rngs):
         return out
     return out + [target_dists[-1].sample(rngs[-1])]
 
-coordinator.engine.verify = verify
+coordinator.output.verify = verify
 sys.exit(main())
 """
 
