@@ -90,6 +90,7 @@ class _Direction:
         self.last_due = 0.0  # release times never go backwards (stream order)
 
     def stamp(self, data: bytes) -> None:
+        """Stamp ``data``'s release time (bandwidth cap, then delay and jitter) and queue it."""
         p, now = self.link.profile, time.monotonic()
         start = max(now, self.free_at)
         sent = start + (len(data) * 8 / (p.rate_mbit * 1e6) if p.rate_mbit else 0.0)
@@ -99,6 +100,7 @@ class _Direction:
         self.queue.put_nowait((self.last_due, data))
 
     async def release(self) -> None:
+        """Write queued chunks as their release times come, in order."""
         while True:
             due, data = await self.queue.get()
             if not data:
@@ -135,7 +137,13 @@ class WanLink:
 
     @property
     def address(self) -> str:
+        """The link's listening address, ``host:port``: where a client dials to reach the target."""
         return f"{self.listen_host}:{self.listen_port}"
+
+    @property
+    def thread_id(self) -> int | None:
+        """The native id of the thread running the link's event loop (None before :meth:`start`)."""
+        return self._thread.native_id
 
     async def _pump(self, reader: asyncio.StreamReader, direction: _Direction, crossed: list[int],
                     drop: asyncio.Event) -> None:
@@ -193,6 +201,7 @@ class WanLink:
             w.close()
 
     def start(self) -> WanLink:
+        """Start the link's event loop thread and listen; returns the link (its port is known now)."""
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
             asyncio.start_server(self._handle, self.listen_host, self.listen_port), self._loop).result()
@@ -200,6 +209,7 @@ class WanLink:
         return self
 
     def stop(self) -> None:
+        """Close the listener and every connection, then stop the event loop thread."""
         async def close() -> None:
             self._server.close()
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

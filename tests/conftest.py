@@ -1,44 +1,19 @@
-"""Shared fixtures: the real demo model (built once per run) and real fleet processes on loopback."""
+"""Shared fixtures: the real demo model (built once per run) and real fleet processes on loopback, started
+with bench/harness.py (the benchmarks' processes, builds and cache key)."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))
+from bench import harness
+from bench.harness import BIN, ROOT, Proc, compiler_key, wait_ready  # noqa: F401 - the tests' names for them
 
-
-@functools.cache
-def build_sources() -> tuple[str, ...]:
-    """The repo's source files a build runs (relative paths): every module compiler.build and compiler.draft
-    import, found by importing them in a fresh interpreter (tests/build_sources.py), not a hand-kept list."""
-    out = subprocess.run([sys.executable, "-m", "tests.build_sources"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)
-    return tuple(out.stdout.split())
-
-
-def _compiler_key() -> str:
-    """Builds are cached per version of the code a build runs (``build_sources``: the compiler modules, the
-    manifest schema, ...) and the protocol version, so a change to any of them rebuilds."""
-    from fleet_common import PROTOCOL_VERSION
-
-    digest = hashlib.sha256(f"protocol {PROTOCOL_VERSION}".encode())
-    for path in build_sources():
-        digest.update(path.encode() + b"\0" + (ROOT / path).read_bytes())
-    return digest.hexdigest()[:10]
+MODELS = harness.TEST_MODELS
 
 
 @pytest.fixture(scope="session")
@@ -54,22 +29,17 @@ DRAFTS = ("self-int4", f"SmolLM2-early{EARLY_EXIT_LAYERS}")  # names of the draf
 
 @pytest.fixture(scope="session")
 def early_exit_draft(demo_hf) -> Path:
-    """A separate same-tokenizer draft model: the demo's first 8 layers (compiler.draft.early_exit_model),
-    made again when the compiler changed (``_compiler_key``, kept in a stamp file beside it)."""
-    out, key = MODELS / DRAFTS[1], _compiler_key()
-    stamp = out / "fleet-test-key"
-    if not (out / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != key:
-        from compiler.draft import early_exit_model
-
-        early_exit_model(demo_hf, EARLY_EXIT_LAYERS, out)
-        stamp.write_text(key)
-    return out
+    """A separate same-tokenizer draft model: the demo's first 8 layers (``harness.early_exit_draft``), made
+    again when the compiler changed."""
+    return harness.early_exit_draft(demo_hf, MODELS / DRAFTS[1], EARLY_EXIT_LAYERS)
 
 
-def _build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "fp16",
-           draft_weights: str = "fp16") -> Path:
+def demo_build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "fp16",
+               draft_weights: str = "fp16") -> Path:
+    """``hf`` built (in this process, ``compiler.build.build``) into MODELS/smollm2-Nstage[-WEIGHTS]-KEY once
+    per ``compiler_key``; builds of older code an hour old are removed (0.5 GB each)."""
     tag = "" if weights == "fp16" else f"-{weights}"
-    out = MODELS / f"smollm2-{shards}stage{tag}-{_compiler_key()}"
+    out = MODELS / f"smollm2-{shards}stage{tag}-{compiler_key()}"
     if not (out / "manifest.json").is_file():
         import shutil
 
@@ -85,54 +55,17 @@ def _build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "
 
 @pytest.fixture(scope="session")
 def build_1(demo_hf) -> Path:
-    return _build(demo_hf, 1)
+    return demo_build(demo_hf, 1)
 
 
 @pytest.fixture(scope="session")
 def build_2(demo_hf, early_exit_draft) -> Path:
-    return _build(demo_hf, 2, ("self-int4", str(early_exit_draft)))
+    return demo_build(demo_hf, 2, ("self-int4", str(early_exit_draft)))
 
 
 @pytest.fixture(scope="session")
 def build_3(demo_hf, early_exit_draft) -> Path:
-    return _build(demo_hf, 3, ("self-int4", str(early_exit_draft)))
-
-
-class Proc:
-    """A real child process whose combined output goes to a log file we can wait on."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.args, self.log = args, log
-        self._fh = open(log, "w")
-        self.popen = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                      start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if m := re.search(pattern, self.text()):
-                return m
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args[0]} exited ({self.popen.returncode}):\n{self.text()[-3000:]}")
-            time.sleep(0.1)
-        raise TimeoutError(f"{pattern!r} not seen in {self.log} after {timeout} s:\n{self.text()[-3000:]}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, sig)
-            self.popen.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._fh.close()
+    return demo_build(demo_hf, 3, ("self-int4", str(early_exit_draft)))
 
 
 EXACT_WORKER = ("--inference-precision", "f32", "--threads", "1")  # what start_worker adds unless defaults=True
@@ -144,11 +77,8 @@ def start_worker(build: Path, shard: int, log_dir: Path, *extra: str, port: int 
 
     ``defaults``: the shipped defaults instead (``--inference-precision auto``: bf16 on a bf16-capable CPU,
     f16 KV cache; OpenVINO's thread count), under which outputs are not shape-invariant (README "Precision")."""
-    proc = Proc([str(BIN / "fleet-worker"), "--shard", str(shard), "--model", str(build), "--port", str(port),
-                 *(() if defaults else EXACT_WORKER), *extra],
-                log_dir / f"worker{shard}{name}.log")
-    m = proc.wait_for(r"serving on ([\d.]+:\d+)")
-    return proc, m.group(1)
+    return harness.start_worker(build, shard, log_dir / f"worker{shard}{name}.log", "--port", str(port),
+                                *(() if defaults else EXACT_WORKER), *extra, timeout_s=120)
 
 
 def start_coordinator(build: Path, log_dir: Path, *extra: str, announce: bool = False,
@@ -157,29 +87,9 @@ def start_coordinator(build: Path, log_dir: Path, *extra: str, announce: bool = 
 
     Without a ``--draft`` in ``extra`` it decodes plainly (``--draft none``), not with the build's draft;
     with ``defaults`` it keeps the shipped default (``--draft auto``: the build's first draft model, adaptive K)."""
-    from coordinator.local import free_port
-
-    port = free_port()
     if "--draft" not in extra and not defaults:
         extra = (*extra, "--draft", "none")
-    proc = Proc([str(BIN / "fleet-coordinator"), "serve", "--model", str(build), "--port", str(port),
-                 "--announce" if announce else "--no-announce", *extra], log_dir / "coordinator.log")
-    url = f"http://127.0.0.1:{port}"
-    proc.wait_for(r"Uvicorn running")
-    return proc, url
-
-
-def wait_ready(url: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/health", timeout=2)
-            if r.status_code == 200:
-                return r.json()
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout} s")
+    return harness.start_coordinator(build, log_dir / "coordinator.log", *extra, announce=announce, timeout_s=120)
 
 
 def retained_sessions(url: str) -> int:
@@ -193,49 +103,23 @@ def chat(url: str, content: str, **kw) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
-class Fleet:
-    """Workers (one per stage) and a coordinator, all real processes. By default the workers announce
-    themselves and the coordinator finds them by zeroconf; with ``peers=True`` nothing uses mDNS (the
-    workers get ``--no-announce`` and ``worker_args``, the coordinator ``--no-discover --peer ...``). With
-    ``defaults=True`` workers and coordinator run the shipped defaults (``start_worker``, ``start_coordinator``).
-    ``link_ms`` (with ``peers``): each worker is reached through a ``fleet-wan`` link of that one-way delay
-    (the coordinator's peer addresses are the links', so stage-to-stage steps cross them too)."""
+class Fleet(harness.Fleet):
+    """Workers (one per stage) and a coordinator, all real processes (``bench.harness.Fleet``). By default
+    the workers announce themselves and the coordinator finds them by zeroconf; with ``peers=True`` nothing
+    uses mDNS (the workers get ``--no-announce`` and ``worker_args``, the coordinator ``--no-discover --peer
+    ...``). With ``defaults=True`` workers and coordinator run the shipped defaults (``start_worker``,
+    ``start_coordinator``). ``link_ms`` (with ``peers``): each worker is reached through a ``fleet-wan`` link
+    of that one-way delay (the coordinator's peer addresses are the links', so stage-to-stage steps cross
+    them too)."""
 
     def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False, peers: bool = False,
                  worker_args: tuple[str, ...] = (), defaults: bool = False, link_ms: float = 0.0) -> None:
-        self.build, self.log_dir = build, log_dir
-        self.workers: list[tuple[Proc, str]] = []
-        self.links = []
-        self.coordinator = None
-        from fleet_common.manifest import load_manifest
+        from bench.wan import LinkProfile
 
-        try:
-            for shard in range(load_manifest(build).manifest.num_stages):
-                self.workers.append(start_worker(build, shard, log_dir, *(("--no-announce",) if peers else ()),
-                                                 *worker_args, defaults=defaults))
-            if peers:
-                addresses = [address for _, address in self.workers]
-                if link_ms:
-                    from bench.wan import LinkProfile, WanLink
-
-                    self.links = [WanLink(a, LinkProfile(delay_ms=link_ms)).start() for a in addresses]
-                    addresses = [link.address for link in self.links]
-                coord_args = ("--no-discover", *(a for address in addresses for a in ("--peer", address)),
-                              *coord_args)
-            self.coordinator, self.url = start_coordinator(build, log_dir, *coord_args, announce=announce,
-                                                           defaults=defaults)
-            wait_ready(self.url)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        if self.coordinator is not None:
-            self.coordinator.stop()
-        for proc, _ in self.workers:
-            proc.stop()
-        for link in self.links:
-            link.stop()
+        self.log_dir = log_dir
+        super().__init__(build, log_dir, *coord_args, worker_args=(*(() if defaults else EXACT_WORKER), *worker_args),
+                         link=LinkProfile(delay_ms=link_ms) if peers and link_ms else None, zeroconf=not peers,
+                         draft=None if defaults else "none", announce=announce, worker_timeout_s=120)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import pytest
 
 from compiler.cli import main as compiler_main
 from fleet_common.manifest import DEVICES_FORMAT, load_manifest
-from tests.conftest import BIN, MODELS, ROOT, Fleet, _compiler_key, chat
+from tests.conftest import BIN, MODELS, ROOT, Fleet, chat, compiler_key
 from tests.integration.test_compiler import run_cli
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def planned(demo_hf, tmp_path_factory) -> tuple[Path, str]:
     assert compiler_main(["plan", str(demo_hf), "--node", "slow:4GiB:1:GPU", "--node", "fast:4GiB:2",
                           "--max-context", "1024", "--max-sessions", "2", "-o", str(plan)]) == 0
     layers = json.loads(plan.read_text())["layers"]
-    key = hashlib.sha256((_compiler_key() + layers + (ROOT / "compiler" / "planner.py").read_text()).encode())
+    key = hashlib.sha256((compiler_key() + layers + (ROOT / "compiler" / "planner.py").read_text()).encode())
     build = MODELS / f"smollm2-planned-{key.hexdigest()[:10]}"
     if not (build / "manifest.json").is_file():
         out = run_cli("build", str(demo_hf), "--plan", str(plan), "-o", str(build))

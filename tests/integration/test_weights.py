@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleet_common.manifest import load_manifest
-from tests.conftest import DRAFTS, _build, chat, start_coordinator, start_worker, wait_ready
+from tests.conftest import DRAFTS, chat, demo_build, start_coordinator, start_worker, wait_ready
 from tests.integration.test_compiler import run_cli
 
 pytestmark = pytest.mark.integration
@@ -46,8 +46,8 @@ def compressed(request, demo_hf, early_exit_draft):
     """(weights, build): 2 stages at ``weights``; the int8 build also carries the early-exit draft at int8."""
     weights = request.param
     if weights == "int8":
-        return weights, _build(demo_hf, 2, (str(early_exit_draft),), weights="int8", draft_weights="int8")
-    return weights, _build(demo_hf, 2, weights=weights)
+        return weights, demo_build(demo_hf, 2, (str(early_exit_draft),), weights="int8", draft_weights="int8")
+    return weights, demo_build(demo_hf, 2, weights=weights)
 
 
 def test_manifest_records_each_stage_weights(compressed, build_1):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import _build
+from tests.conftest import demo_build
 
 from .conftest import LanCoordinator, start_workers, stop_all
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.lan,
 
 @pytest.mark.parametrize("stages", [3, 4])
 def test_many_requests_with_idle_gaps_across_pcs(stages, lan, demo_hf, early_exit_draft, tmp_path):
-    build = _build(demo_hf, stages, ("self-int4", str(early_exit_draft)))
+    build = demo_build(demo_hf, stages, ("self-int4", str(early_exit_draft)))
     names = [f"s{stages}w{i}" for i in range(stages)]
     for pc in (f"s{stages}coord", *names):
         lan.add_pc(pc)

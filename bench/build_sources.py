@@ -1,7 +1,8 @@
-"""Print the repo's source files a build runs, one per line (``python -m tests.build_sources``): every
+"""Print the repo's source files a build runs, one per line (``python -m bench.build_sources``): every
 module ``compiler.build`` and ``compiler.draft`` import, at module level (``sys.modules`` after importing
 them) and inside functions (their import statements, followed until no new module turns up). Run in a
-fresh interpreter by tests/conftest.py, whose build cache key hashes these files."""
+fresh interpreter by ``bench.harness.build_sources``, whose build cache key (``compiler_key``, the tests'
+and the benches') hashes these files."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def ours() -> dict[str, Path]:
-    """Imported modules whose file is in the repo, not in its .venv or tests/ (this script, also as
-    ``__main__`` and ``__mp_main__``): name -> file."""
+    """Imported modules whose file is in the repo, not in its .venv, tests/ or bench/ (this script, also as
+    ``__main__`` and ``__mp_main__``, and its package): name -> file."""
     files = {n: Path(m.__file__).resolve() for n, m in list(sys.modules.items()) if getattr(m, "__file__", None)}
     return {n: f for n, f in files.items()
-            if f.is_relative_to(ROOT) and f.relative_to(ROOT).parts[0] not in (".venv", "tests")}
+            if f.is_relative_to(ROOT) and f.relative_to(ROOT).parts[0] not in (".venv", "tests", "bench")}
 
 
 def imported_names(name: str, path: Path) -> list[str]:
