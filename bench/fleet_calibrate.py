@@ -15,10 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain script: make the repo's packages importable
-
-from bench import fleet_model  # noqa: E402
-
+from bench import fleet_sim
 
 DRAFT_SEQS = (*range(1, 10), 16, 24, 32, 48)  # a draft feeds 1 token, or the ones it missed while adaptive K
 # decoded plainly, or (prefill) the prompt: the sweep's prompts are 40 and 46 tokens
@@ -93,59 +90,50 @@ def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
     (1 Gbit/s, 0 ms), one user, no speculation: each worker's inference thread (its busiest) and the
     rest of it, the coordinator, the proxies and the client (this process). Medians over ``runs``."""
     import os
-    from contextlib import ExitStack
 
     import psutil
 
-    from bench.decode_bench import wait_healthy
-    from bench.spec_bench import start, start_pinned_worker
-    from bench.wan import LinkProfile, WanLink
-    from bench.wan_sweep import run_cell
-    from coordinator.local import free_port
+    from bench.clients import run_users, warm_up
+    from bench.harness import Fleet
+    from bench.wan import LinkProfile
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-model-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    me = psutil.Process()
     samples: dict[str, list[float]] = {}
-    with ExitStack() as stack:
-        procs, links = {}, []
-        for stage in range(2):
-            proc, port = start_pinned_worker(build, stage, logs / f"worker{stage}.log", stack)
-            procs[f"worker {stage}"] = psutil.Process(proc.pid)
-            links.append(WanLink(f"127.0.0.1:{port}", LinkProfile(rate_mbit=1000.0)).start())
-            stack.callback(links[-1].stop)
-        port = free_port()
-        log = logs / "coordinator.log"
-        proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                      "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING",
-                      *[a for link in links for a in ("--peer", link.address)]], log, stack)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, log)
-        procs["coordinator"] = psutil.Process(proc.pid)
-        run_cell(url, 1, 8)
-        link_threads = {link._thread.native_id for link in links}
+    with Fleet(build, logs, "--log-level", "WARNING", shards=[0, 1], worker_args=("--threads", "1"), pin=True,
+               link=LinkProfile(rate_mbit=1000.0)) as fleet:
+        procs = {**fleet.processes(), "this process": psutil.Process()}
+        warm_up(fleet.url)
+        link_threads = {link.thread_id for link in fleet.links}
 
         def cpu() -> dict[str, dict[int, float]]:
-            return {name: {t.id: t.user_time + t.system_time for t in p.threads()}
-                    for name, p in {**procs, "this process": me}.items()}
+            return {name: {t.id: t.user_time + t.system_time for t in p.threads()} for name, p in procs.items()}
 
         for _ in range(runs):
             before = cpu()
-            run_cell(url, 1, tokens)
-            after = cpu()
-            for name, threads in after.items():
-                spent = {tid: (t - before[name].get(tid, 0.0)) * 1000 / tokens for tid, t in threads.items()}
-                if name.startswith("worker"):
-                    busiest = max(spent.values())
-                    parts = {f"{name} inference": busiest, f"{name} other": sum(spent.values()) - busiest}
-                elif name == "this process":
-                    proxies = sum(v for tid, v in spent.items() if tid in link_threads)
-                    parts = {"proxies": proxies, "client": sum(spent.values()) - proxies}
-                else:
-                    parts = {name: sum(spent.values())}
+            run_users(fleet.url, 1, tokens)
+            for name, parts in hop_cpu_parts(before, cpu(), link_threads, tokens).items():
                 for key, value in parts.items():
                     samples.setdefault(key, []).append(value)
     return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def hop_cpu_parts(before: dict, after: dict, link_threads: set[int], tokens: int) -> dict[str, dict[str, float]]:
+    """CPU ms per token between two samples of every process's threads ({name: {thread id: seconds}}): a
+    worker's busiest thread (inference) and the rest, the proxies' threads and the rest of this process
+    (the client), the coordinator whole."""
+    out = {}
+    for name, threads in after.items():
+        spent = {tid: (t - before[name].get(tid, 0.0)) * 1000 / tokens for tid, t in threads.items()}
+        if name.startswith("worker"):
+            busiest = max(spent.values())
+            out[name] = {f"{name} inference": busiest, f"{name} other": sum(spent.values()) - busiest}
+        elif name == "this process":
+            proxies = sum(v for tid, v in spent.items() if tid in link_threads)
+            out[name] = {"proxies": proxies, "client": sum(spent.values()) - proxies}
+        else:
+            out[name] = {name: sum(spent.values())}
+    return out
 
 
 def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_trips: int = 60) -> list[dict]:
@@ -183,7 +171,7 @@ def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_
                             while got < size:
                                 got += len(sock.recv(1 << 16))
                             times.append((time.perf_counter() - t0) * 1000)
-                    modelled = 2 * fleet_model.timer_release((size * 8 / (rate * 1e3) if rate else 0.0) + delay, delay)
+                    modelled = 2 * fleet_sim.timer_release((size * 8 / (rate * 1e3) if rate else 0.0) + delay, delay)
                     rows.append({"rate_mbit": rate, "delay_ms": delay, "bytes": size,
                                  "round_trip_ms": statistics.median(times), "timer_model_ms": modelled})
             finally:
@@ -195,6 +183,7 @@ def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``link-timers`` or ``hop-cpu BUILD`` (module docstring); prints the measurements."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("link-timers", help="fleet-wan's timer term: an echo server behind one link (a few seconds)")
@@ -206,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         for key, ms in measure_hop_cpu(args.build).items():
             print(f"{key:<20} {ms:6.2f} CPU ms per decode step")
         return 0
-    print(f"{'Mbit/s':>6} | {'ms':>4} | {'bytes':>5} | {'round trip ms':>13} | {'model: timers ms':>16}")
-    for r in measure_link_timers():
-        print(f"{r['rate_mbit']:>6.0f} | {r['delay_ms']:>4.0f} | {r['bytes']:>5} | {r['round_trip_ms']:>13.2f} | "
-              f"{r['timer_model_ms']:>16.2f}")
+    from bench.harness import table
+
+    print(table(["Mbit/s", "ms", "bytes", "round trip ms", "model: timers ms"],
+                [[f"{r['rate_mbit']:.0f}", f"{r['delay_ms']:.0f}", r["bytes"], f"{r['round_trip_ms']:.2f}",
+                  f"{r['timer_model_ms']:.2f}"] for r in measure_link_timers()], pad=True))
     return 0
 
 

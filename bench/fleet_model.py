@@ -1,5 +1,7 @@
 """A discrete-event model of a fleet: predicts decode tokens/s (and TTFT) from per-stage compute,
-link delay and bandwidth, hidden size, draft cost, acceptance, K and the number of users.
+link delay and bandwidth, hidden size, draft cost, acceptance, K and the number of users. The simulator is
+``bench/fleet_sim.py`` (``Fleet``, ``simulate``); this module calibrates it on measured sweeps, validates it
+and predicts paper-scale fleets.
 
 A user's decode step (one batch group's): the coordinator's draft model proposes K tokens -> the chunk
 crosses the link into stage 0 -> stage 0 computes -> link into stage 1 -> ... -> last stage -> the
@@ -105,317 +107,17 @@ arXiv 2608.19147: ~20-23 ms per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT
 from __future__ import annotations
 
 import argparse
-import heapq
 import itertools
 import json
 import math
 import statistics
 import sys
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-MESSAGE_OVERHEAD_BYTES = 300  # protobuf fields (session and step ids, route, manifest hash, ...) + framing
-# fleet-wan's event loop sets no timer for a message due less than this after it arrived (measured with
-# ``fleet_calibrate.py link-timers``, 1 Gbit/s: at 0 ms a 1,500-byte message (12 us) crosses with none and a 2,000-byte one
-# (16 us) with one; at 10 ms 3,200 bytes (25.6 us) with none, 3,600 (28.8 us) with one, half the time)
-LINK_TIMER_EPS_MS = {False: 0.014, True: 0.027}  # keyed by "the link has a delay"
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """What the model needs to know. Times in milliseconds, sizes in bytes, rates in Mbit/s.
-
-    ``stage_ms[i](seq)``: stage i's compute for one chunk of ``seq`` tokens of one row;
-    ``stage_core[i]``: the PC (or, with ``shared_cores``, the core) that runs stage i.
-    """
-
-    stage_ms: tuple[Callable[[float], float], ...]
-    stage_core: tuple[int, ...]
-    hidden_size: int
-    delay_ms: float = 0.0  # one-way, per link
-    rate_mbit: float = 0.0  # per link direction; 0 = unlimited
-    hop_ms: float = 0.0  # software overhead per hop (calibrated)
-    hop_work_ms: float = 0.0  # shared_cores: the part of hop_ms that is CPU work on any core (the rest waits)
-    hop_cpu_ms: float = 0.0  # CPU a hop costs the receiving stage's core (gRPC, protobuf, Python)
-    coordinator_ms: float = 0.0  # per step at the coordinator (sampling, scheduling)
-    users: int = 1
-    groups: int = 0  # batch groups (0 = one per stage); users beyond them share steps
-    batch_cost: Callable[[int], float] = lambda rows: 1.0 + 0.15 * (rows - 1)
-    k: float = 0.0  # drafts per verify step (mean); 0 = no speculation
-    draft_core: int | None = None  # the PC/core the draft model shares (None: its own PC; any core if shared)
-    acceptance: float = 0.0
-    draft_ms: Callable[[float], float] | None = None  # one draft forward of seq tokens (its prompt, catch-up, drafts)
-    draft_ms_per_token: float = 0.0  # > 0: a verify step's draft costs this per drafted token instead (measured)
-    tokens_per_step: float | None = None  # emitted per verify step, measured; else from acceptance and k
-    verify_share: float = 1.0  # share of decode steps that carry drafts (the rest decode one token plainly)
-    result_candidates: int = 1  # candidates per position the last stage returns (vocab = full logits)
-    prompt_tokens: tuple[int, ...] = (32,)  # prompt length of user u: prompt_tokens[u % len]
-    prefill_chunk: int = 64
-    shared_cores: int = 0  # > 0: every stage, the coordinator and the proxies time-share this many cores
-    link_timers: bool = False  # links are fleet-wan proxies (their timers round waits up to whole ms)
-    bench_tokens: int = 0  # > 0: time users x (bench_tokens - 1) tokens as bench/wan_sweep.py does
-
-    @property
-    def emitted_per_step(self) -> float:
-        """Tokens a verify step emits."""
-        if self.tokens_per_step is not None:
-            return self.tokens_per_step
-        if not self.k:
-            return 1.0
-        a, k = self.acceptance, self.k
-        return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
-@dataclass(order=True)
-class _Event:
-    time: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
-
-
-class _Machine:
-    """Processors (PCs or cores) that time-share: while n jobs run on one, each progresses at 1/n of its
-    speed (a lone job at full speed), the OS's fair time slicing; plus timers for pure delays."""
-
-    def __init__(self, processors: int) -> None:
-        self.now = 0.0
-        self._jobs: list[list[list]] = [[] for _ in range(processors)]  # per processor: [ms left, callback]
-        self.pinned = [0] * processors  # threads pinned to each (unpinned work avoids them on ties)
-        self._timers: list[_Event] = []
-        self._count = itertools.count()
-
-    def later(self, ms: float, then: Callable[[], None]) -> None:
-        heapq.heappush(self._timers, _Event(self.now + max(0.0, ms), next(self._count), then))
-
-    def work(self, processor: int | None, ms: float, then: Callable[[], None]) -> None:
-        """``ms`` of CPU work on ``processor`` (None: the one running the fewest jobs now), then ``then``."""
-        if ms <= 0:
-            self.later(0.0, then)
-            return
-        if processor is None:
-            processor = min(range(len(self._jobs)), key=lambda p: (len(self._jobs[p]), self.pinned[p], p))
-        self._jobs[processor].append([ms, then])
-
-    def run(self) -> None:
-        while True:
-            t = self._timers[0].time if self._timers else math.inf
-            for jobs in self._jobs:
-                if jobs:
-                    t = min(t, self.now + min(j[0] for j in jobs) * len(jobs))
-            if t == math.inf:
-                return
-            finished = []
-            for jobs in self._jobs:
-                if jobs:
-                    share = (t - self.now) / len(jobs)
-                    for j in jobs:
-                        j[0] -= share
-                    finished += [j[1] for j in jobs if j[0] <= 1e-9]
-                    jobs[:] = [j for j in jobs if j[0] > 1e-9]
-            self.now = t
-            for then in finished:
-                then()
-            while self._timers and self._timers[0].time <= self.now + 1e-12:
-                heapq.heappop(self._timers).action()
-
-
-class _Thread:
-    """One thread's jobs, first come first served (a worker's inference thread, the draft thread), on
-    ``processor`` (None: whichever is least busy when each job starts)."""
-
-    def __init__(self, machine: _Machine, processor: int | None) -> None:
-        self.machine, self.processor = machine, processor
-        self._queue: deque[tuple[float, Callable[[], None]]] = deque()
-        self._busy = False
-        if processor is not None:
-            machine.pinned[processor] += 1
-
-    def run(self, ms: float, then: Callable[[], None]) -> None:
-        self._queue.append((ms, then))
-        self._next()
-
-    def _next(self) -> None:
-        if self._busy or not self._queue:
-            return
-        ms, then = self._queue.popleft()
-        self._busy = True
-
-        def done() -> None:
-            self._busy = False
-            then()
-            self._next()
-
-        self.machine.work(self.processor, ms, done)
-
-
-class _Link:
-    """One link direction: messages serialise one after another (``free_at``), then travel."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0
-
-
-def timer_release(wait_ms: float, delay_ms: float) -> float:
-    """When fleet-wan writes a message due ``wait_ms`` after it arrived (``delay_ms`` of it the link's
-    delay): asyncio sleeps, and the epoll selector rounds the timeout up to whole milliseconds."""
-    eps = LINK_TIMER_EPS_MS[delay_ms > 0]
-    if wait_ms <= eps:
-        return wait_ms
-    return eps + math.ceil(wait_ms - eps - 1e-9)
-
-
-def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
-    """Decode tok/s (aggregate and per user), the modelled TTFT (ms) and the draft's wall time per
-    drafted token (queueing included). Steady state over ``steps_per_user`` steps of every group, or,
-    with ``fleet.bench_tokens``, the benchmark's window (see the module docstring)."""
-    n = len(fleet.stage_ms)
-    shared = fleet.shared_cores > 0
-    machine = _Machine(fleet.shared_cores if shared else max(fleet.stage_core) + 2)
-    if shared:  # each worker its own inference thread on its pinned core; the draft thread floats
-        stage_threads = [_Thread(machine, fleet.stage_core[i]) for i in range(n)]
-        draft = _Thread(machine, fleet.draft_core)
-    else:  # one PC runs one chunk at a time: stages placed on one PC (and its draft) share a queue
-        pcs = {c: _Thread(machine, c) for c in sorted(set(fleet.stage_core))}
-        stage_threads = [pcs[c] for c in fleet.stage_core]
-        draft = pcs[fleet.draft_core] if fleet.draft_core is not None else _Thread(machine, max(pcs) + 1)
-    up = [_Link() for _ in range(n)]  # link into stage i
-    down = _Link()  # the last stage's link back to the coordinator
-    groups = fleet.groups or n
-    rows = max(1, math.ceil(fleet.users / groups))
-    n_groups = min(groups, fleet.users)
-    spec = fleet.k > 0
-    seq_verify = 1 + fleet.k
-    draft_wall = [0.0, 0.0]  # ms waited for drafts, tokens drafted
-    draft_ms = fleet.draft_ms or (lambda seq: 0.0)
-
-    def cross(link: _Link, payload: int, then: Callable[[], None]) -> None:
-        serial = (payload + MESSAGE_OVERHEAD_BYTES) * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0
-        start = max(machine.now, link.free_at)
-        link.free_at = start + serial
-        wait = start - machine.now + serial + fleet.delay_ms
-        if fleet.link_timers:
-            wait = timer_release(wait, fleet.delay_ms)
-        if shared:
-            work = min(fleet.hop_work_ms, fleet.hop_ms)
-            machine.later(wait + fleet.hop_ms - work, lambda: machine.work(None, work, then))
-        else:
-            machine.later(wait + fleet.hop_ms, then)
-
-    def stage(i: int, seq: float, then: Callable[[], None]) -> None:
-        compute = fleet.stage_ms[i](seq) * fleet.batch_cost(rows)
-        if shared:
-            machine.work(fleet.stage_core[i], fleet.hop_cpu_ms, lambda: stage_threads[i].run(compute, then))
-        else:
-            stage_threads[i].run(compute + fleet.hop_cpu_ms, then)
-
-    def chain(seq: float, logits: float, then: Callable[[], None]) -> None:
-        """One chunk of every row of a group through all stages, and its result back."""
-        def into(i: int) -> None:
-            stage(i, seq, lambda: out_of(i))
-
-        def out_of(i: int) -> None:
-            if i + 1 < n:
-                cross(up[i + 1], round(rows * seq * fleet.hidden_size * 4), lambda: into(i + 1))
-            elif shared:
-                cross(down, round(rows * logits * fleet.result_candidates * 8),
-                      lambda: machine.work(None, fleet.coordinator_ms, then))
-            else:
-                cross(down, round(rows * logits * fleet.result_candidates * 8),
-                      lambda: machine.later(fleet.coordinator_ms, then))
-
-        cross(up[0], round(rows * seq * 8), lambda: into(0))
-
-    target = fleet.bench_tokens - 1 if fleet.bench_tokens else math.inf
-    emitted = [0.0] * n_groups
-    steps = [0] * n_groups
-    credit = [0.0] * n_groups  # verify steps owed (verify_share per step)
-    missed = [0] * n_groups  # tokens decoded plainly since the group's draft last ran (it feeds them first)
-    first_at = [0.0] * n_groups
-    done_at = [0.0] * n_groups
-
-    def step(g: int) -> None:
-        if emitted[g] >= target - 1e-9 or (not fleet.bench_tokens and steps[g] == steps_per_user):
-            done_at[g] = machine.now
-            return
-        verify = False
-        if spec:
-            credit[g] += fleet.verify_share
-            verify = credit[g] >= 1 - 1e-9
-            credit[g] -= 1 if verify else 0
-        seq = seq_verify if verify else 1.0
-        tokens = fleet.emitted_per_step if verify else 1.0
-
-        def finished() -> None:
-            missed[g] = 0 if verify else missed[g] + 1
-            emitted[g] += tokens
-            steps[g] += 1
-            step(g)
-
-        def run_chunk() -> None:
-            chain(seq, seq, finished)
-
-        if verify:  # every row of the group drafts, on the one draft thread
-            asked = machine.now
-
-            def drafted() -> None:
-                draft_wall[0] += machine.now - asked
-                draft_wall[1] += rows * fleet.k
-                run_chunk()
-
-            # per row: the newest token plus the ones decoded plainly in one forward, then K - 1 one-token forwards
-            draft.run(rows * (fleet.k * fleet.draft_ms_per_token if fleet.draft_ms_per_token
-                              else draft_ms(1 + missed[g]) + max(0.0, fleet.k - 1) * draft_ms(1)), drafted)
-        else:
-            run_chunk()
-
-    def start(g: int) -> None:
-        """A request: OpenSession round trip, its prompt through the stages while the draft model
-        prefills it too (the first token waits for both), then a Merge round trip into its group."""
-        prompt = fleet.prompt_tokens[g % len(fleet.prompt_tokens)]
-        chunks = [min(fleet.prefill_chunk, prompt - s) for s in range(0, prompt, fleet.prefill_chunk)]
-        pending = [2 if spec else 1]
-
-        def prefilled() -> None:
-            pending[0] -= 1
-            if pending[0]:
-                return
-            first_at[g] = machine.now
-            cross(up[0], 0, lambda: cross(down, 0, lambda: step(g)))
-
-        def prefill(c: int) -> None:
-            if c < len(chunks):
-                chain(chunks[c], 1 if c + 1 == len(chunks) else 0, lambda: prefill(c + 1))
-            else:
-                prefilled()
-
-        def opened() -> None:
-            if spec:  # the draft model prefills the prompt too
-                draft.run(rows * draft_ms(prompt), prefilled)
-            prefill(0)
-
-        cross(up[0], 0, lambda: cross(down, 0, opened))
-
-    for g in range(n_groups):
-        machine.later(0.0, (lambda g=g: start(g)) if fleet.bench_tokens else (lambda g=g: step(g)))
-    machine.run()
-    if fleet.bench_tokens:
-        decoded = n_groups * rows * (fleet.bench_tokens - 1)
-        elapsed = max(done_at) - min(first_at)
-        ttft = statistics.median(first_at) + fleet.coordinator_ms
-    else:
-        decoded = rows * sum(emitted)
-        elapsed = max(done_at)
-        chunks = math.ceil(fleet.prompt_tokens[0] / fleet.prefill_chunk)
-        chunk = min(fleet.prompt_tokens[0], fleet.prefill_chunk)
-        per_chunk = (sum(f(chunk) for f in fleet.stage_ms) + (n + 1) * (fleet.delay_ms + fleet.hop_ms)
-                     + (chunk * fleet.hidden_size * 4 * 8 / (fleet.rate_mbit * 1e3) if fleet.rate_mbit else 0.0)
-                     * (n - 1))
-        ttft = chunks * per_chunk + fleet.coordinator_ms
-    tok_s = decoded / elapsed * 1000
-    return {"tok_s": tok_s, "per_user_tok_s": tok_s / fleet.users, "ttft_ms": ttft,
-            "draft_wall_ms_per_token": draft_wall[0] / draft_wall[1] if draft_wall[1] else None}
+from bench import harness
+from bench.fleet_sim import Fleet, simulate
 
 
 # -- calibration on this machine -------------------------------------------------------------------
@@ -643,7 +345,27 @@ def summary(cells: list[dict]) -> str:
     return "\n".join([line("all cells", cells)] + [line(f"  {m}", [c for c in cells if c["mode"] == m]) for m in modes])
 
 
+def validation_table(cells: list[dict]) -> str:
+    """``validate``'s cells: measured tok/s (and the repeats' spread), predicted, error; calibration cells marked."""
+    return harness.table(
+        ["fleet", "Mbit/s", "ms/hop", "mode", "measured", "spread", "model", "error", ""],
+        [[f"{c['stages']}-stage", f"{c['rate_mbit']:.0f}", f"{c['delay_ms']:.0f}", c["mode"], f"{c['tok_s']:.1f}",
+          f"{c['tok_s_spread']:.0%}" if c.get("tok_s_spread") is not None else None, f"{c['predicted_tok_s']:.1f}",
+          f"{c['error']:+.1%}", "calibration" if c["calibration"] else ""] for c in cells], pad=True)
+
+
+def predictions_table(rows: list[dict]) -> str:
+    """``predictions()``'s rows: tok/s per model, link and node count for 1 user, + speculation, N users."""
+    out = []
+    for (model, link, nodes), group in itertools.groupby(rows, key=lambda r: (r["model"], r["link"], r["nodes"])):
+        vals = {(r["users"] == 1, r["speculation"]): r["tok_s"] for r in group}
+        out.append([model, link, nodes, f"{vals.get((True, False), 0):.1f}", f"{vals.get((True, True), 0):.1f}",
+                    f"{vals.get((False, True), vals.get((True, True), 0)):.1f}"])
+    return harness.table(["model", "link", "nodes", "1 user", "+spec", "N users+spec"], out, pad=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Validate against ``--sweep`` (if given), check the paper's figures, print and plot the predictions."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", type=Path, help="wan_sweep.py JSON to validate against")
     parser.add_argument("--json", type=Path, help="write the validation and predictions here")
@@ -653,13 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         cells = validate(json.loads(args.sweep.read_text()))
         result["validation"] = cells
-        print(f"{'fleet':<7} | {'Mbit/s':>6} | {'ms/hop':>6} | {'mode':<11} | {'measured':>8} | {'spread':>6} | "
-              f"{'model':>7} | {'error':>6}")
-        for c in cells:
-            spread = f"{c['tok_s_spread']:>6.0%}" if c.get("tok_s_spread") is not None else f"{'-':>6}"
-            print(f"{c['stages']}-stage | {c['rate_mbit']:>6.0f} | {c['delay_ms']:>6.0f} | {c['mode']:<11} | "
-                  f"{c['tok_s']:>8.1f} | {spread} | {c['predicted_tok_s']:>7.1f} | {c['error']:>+6.1%}"
-                  + ("  (calibration)" if c["calibration"] else ""))
+        print(validation_table(cells))
         print("calibrated per fleet: " + ", ".join(sorted({f"{c['stages']}-stage speed {c['speed']:.3f}, hop overhead "
                                                            f"{c['hop_ms']:.2f} ms" for c in cells})))
         print(summary(cells) + "  (goal: every cell)")
@@ -673,20 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     result["predictions"] = rows
     print(f"\npredicted fleets (INT4, Arc iGPU PCs, {NODE_MEMORY_GB:.0f} GB usable each; draft K={DRAFT['k']}, "
           f"acceptance {DRAFT['acceptance']}):")
-    print(f"{'model':<14} | {'link':<17} | {'nodes':>5} | {'1 user':>7} | {'+spec':>7} | {'N users+spec':>12}")
-    for (model, link, nodes), group in itertools.groupby(rows, key=lambda r: (r["model"], r["link"], r["nodes"])):
-        vals = {(r["users"] == 1, r["speculation"]): r["tok_s"] for r in group}
-        print(f"{model:<14} | {link:<17} | {nodes:>5} | {vals.get((True, False), 0):>7.1f} | "
-              f"{vals.get((True, True), 0):>7.1f} | {vals.get((False, True), vals.get((True, True), 0)):>12.1f}")
+    print(predictions_table(rows))
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "fleet_model", result)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

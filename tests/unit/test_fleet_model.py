@@ -1,14 +1,16 @@
-"""The fleet model (bench/fleet_model.py) on hand-made fleets: its simulator's physics (processor
-sharing, fleet-wan timers, the benchmark's window), its calibration and draft deconvolution on a
+"""The fleet model (bench/fleet_model.py) on hand-made fleets: its simulator's physics (bench/fleet_sim.py:
+processor sharing, fleet-wan timers, the benchmark's window), its calibration and draft deconvolution on a
 synthetic sweep, the paper checks; and bench/wan_sweep.py's pooling of repeated runs."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from bench import fleet_model as fm
+from bench import fleet_sim as sim
 
 
 def _flat(ms: float):  # noqa: ANN202 - a stage curve
@@ -17,13 +19,13 @@ def _flat(ms: float):  # noqa: ANN202 - a stage curve
 
 def test_separate_pcs_step_is_the_sum_of_compute_and_hops():
     # 2 PCs, one user: a step = both stages' compute + 3 hops of (delay + overhead), nothing shared
-    fleet = fm.Fleet(stage_ms=(_flat(10.0), _flat(10.0)), stage_core=(0, 1), hidden_size=64, delay_ms=5.0,
+    fleet = sim.Fleet(stage_ms=(_flat(10.0), _flat(10.0)), stage_core=(0, 1), hidden_size=64, delay_ms=5.0,
                      hop_ms=1.0)
-    assert fm.simulate(fleet, steps_per_user=50)["tok_s"] == pytest.approx(1000 / (20 + 3 * 6), rel=1e-3)
+    assert sim.simulate(fleet, steps_per_user=50)["tok_s"] == pytest.approx(1000 / (20 + 3 * 6), rel=1e-3)
 
 
 def test_processor_sharing_and_unpinned_work():
-    machine = fm._Machine(2)
+    machine = sim.Machine(2)
     done: dict[str, float] = {}
     machine.work(0, 10.0, lambda: done.setdefault("a", machine.now))
     machine.work(0, 10.0, lambda: done.setdefault("b", machine.now))
@@ -36,31 +38,31 @@ def test_processor_sharing_and_unpinned_work():
 def test_shared_cores_only_when_asked():
     # two users on 2 stages: on separate PCs the hop overhead is a latency and the users' steps
     # overlap freely; on one 2-core machine it is work that competes with the stages for the cores
-    base = fm.Fleet(stage_ms=(_flat(10.0),) * 2, stage_core=(0, 1), hidden_size=64, hop_ms=8.0, hop_work_ms=8.0,
+    base = sim.Fleet(stage_ms=(_flat(10.0),) * 2, stage_core=(0, 1), hidden_size=64, hop_ms=8.0, hop_work_ms=8.0,
                     users=2)
-    pcs = fm.simulate(base)["tok_s"]
+    pcs = sim.simulate(base)["tok_s"]
     assert pcs == pytest.approx(2 * 1000 / (20 + 3 * 8), rel=0.02)  # two users, twice one user's rate
-    assert fm.simulate(fm.replace(base, shared_cores=2))["tok_s"] < 0.9 * pcs
-    one = fm.replace(base, users=1)
+    assert sim.simulate(replace(base, shared_cores=2))["tok_s"] < 0.9 * pcs
+    one = replace(base, users=1)
     # one user on a shared machine: nothing else runs, the hop overhead is as fast as a latency
-    assert fm.simulate(fm.replace(one, shared_cores=2))["tok_s"] == pytest.approx(fm.simulate(one)["tok_s"], rel=1e-3)
+    assert sim.simulate(replace(one, shared_cores=2))["tok_s"] == pytest.approx(sim.simulate(one)["tok_s"], rel=1e-3)
 
 
 def test_fleet_wan_timer_rounds_up_to_whole_milliseconds():
-    assert fm.timer_release(0.010, 0.0) == 0.010  # due before the loop looks: no timer
-    assert fm.timer_release(0.019, 0.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[False] + 1)
-    assert fm.timer_release(10.0 + 0.04, 10.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[True] + 11)
-    assert fm.timer_release(10.0 + 0.02, 10.0) == pytest.approx(fm.LINK_TIMER_EPS_MS[True] + 10)
+    assert sim.timer_release(0.010, 0.0) == 0.010  # due before the loop looks: no timer
+    assert sim.timer_release(0.019, 0.0) == pytest.approx(sim.LINK_TIMER_EPS_MS[False] + 1)
+    assert sim.timer_release(10.0 + 0.04, 10.0) == pytest.approx(sim.LINK_TIMER_EPS_MS[True] + 11)
+    assert sim.timer_release(10.0 + 0.02, 10.0) == pytest.approx(sim.LINK_TIMER_EPS_MS[True] + 10)
 
 
 def test_bench_window_counts_whole_steps():
     # 24 tokens: the first from the prefill, then 23 at 6 per verify step take 4 steps, not 3.83
-    fleet = fm.Fleet(stage_ms=(_flat(10.0), _flat(10.0)), stage_core=(0, 1), hidden_size=64, k=5.0,
+    fleet = sim.Fleet(stage_ms=(_flat(10.0), _flat(10.0)), stage_core=(0, 1), hidden_size=64, k=5.0,
                      tokens_per_step=6.0, bench_tokens=24)
-    assert fm.simulate(fleet)["tok_s"] == pytest.approx(23 / (4 * 20.0) * 1000, rel=1e-6)
+    assert sim.simulate(fleet)["tok_s"] == pytest.approx(23 / (4 * 20.0) * 1000, rel=1e-6)
     # plain steps (adaptive K decoding without drafts) emit one token each
-    half = fm.replace(fleet, verify_share=0.5)
-    assert fm.simulate(half)["tok_s"] < fm.simulate(fleet)["tok_s"]
+    half = replace(fleet, verify_share=0.5)
+    assert sim.simulate(half)["tok_s"] < sim.simulate(fleet)["tok_s"]
 
 
 def _synthetic_sweep(hop_ms: float, draft_service_ms: float, speed: float = 1.0) -> dict:
@@ -78,8 +80,8 @@ def _synthetic_sweep(hop_ms: float, draft_service_ms: float, speed: float = 1.0)
                         "draft_ms_per_token": draft_service_ms if spec else None, "tok_s": 1.0}
                 fleet = fm.local_fleet(profile, cell, sweep, hop_ms, speed)
                 if spec:
-                    fleet = fm.replace(fleet, draft_ms_per_token=draft_service_ms)
-                result = fm.simulate(fleet)
+                    fleet = replace(fleet, draft_ms_per_token=draft_service_ms)
+                result = sim.simulate(fleet)
                 cell["tok_s"] = result["tok_s"]
                 if spec:  # what the coordinator reports: wall time per drafted token, queueing included
                     cell["draft_ms_per_token"] = result["draft_wall_ms_per_token"]
