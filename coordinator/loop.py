@@ -182,6 +182,9 @@ class StepLoop:
         raise TypeError(f"unknown action {action!r}")
 
     def _finished(self, action: Action, result, seconds: float) -> None:
+        seq = getattr(action, "seq", None)
+        if seq is not None and seq.owner is not self and not isinstance(action, DraftPrefill):
+            return  # it moved to another pipeline's loop meanwhile: this outcome is stale
         match action:
             case Prefill():
                 self._prefilled(action, result, seconds)
@@ -225,6 +228,7 @@ class StepLoop:
     # -- updates -----------------------------------------------------------------------------------
     def _submitted(self, seq: Seq) -> None:
         self.seqs.append(seq)
+        seq.owner = self
         seq.phase, seq.done, seq.busy = Phase.PREFILL, 0, False
         if seq.logits:
             seq.request.status = RequestStatus.PREFILL
@@ -397,6 +401,7 @@ class StepLoop:
         if seq not in self.seqs:
             return
         self.seqs.remove(seq)
+        seq.owner = None
         if seq.group is not None:
             if seq.group.leave(seq.member) or seq.group.broken is not None:
                 self._close(seq.session)

@@ -68,6 +68,7 @@ class Seq:
     member: object = None  # its group.Member
     joined_compactions: int = 0  # its group's compactions when it joined
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # TextDelta | Moved | BaseException
+    owner: object = None  # the StepLoop running it
     released: asyncio.Future | None = None  # once finished: resolved when its KV is retained or freed
 
     @property
