@@ -20,7 +20,7 @@ Each is built with ``fleet-compiler build X.gguf --shards 1``, the reference wit
   weight input and their ``runtimePrecision``. Compressed kernels show the packed type (u4/i4/i8) with f32
   scale inputs; a dequantized copy would show f32/bf16/f16 weights;
 * decode ms per token at 128 tokens of context, one thread, at the default precision and at f32: every
-  build x precision compiled in this process (the 1-stage IR fed from numpy, ``bench/shard_parity.Whole``),
+  build x precision compiled in this process (the 1-stage IR fed from numpy, ``bench/decoding.Whole``),
   prefilled once on the quality text with the KV kept, then ``--rounds`` rounds of ``--steps`` teacher-forced
   steps from that KV, every configuration one step in turn (rotated each round) so load from other
   processes hits them alike; a cell is the median step, its ratio the median over rounds of the per-round
@@ -40,21 +40,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import numpy as np
 
-import numpy as np  # noqa: E402
+from bench import harness
+from bench.decoding import WARM_UP_STEPS, Whole, load_kv, prefill, step
 
 FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K+Q4_1", "Q6_K")
 BY_LLAMA_QUANTIZE = ("Q4_K", "Q4_K+Q4_1", "Q6_K")  # gguf-py has no quantizer for k-quants
@@ -67,10 +64,6 @@ FILE_TYPE = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # gguf.LlamaFileType (g
 PRECISIONS = ("auto", "f32")
 CONTEXT = 128
 REFERENCE = "fp16"
-COMPILER_FILES = ("export.py", "gguf.py", "source.py", "compress.py")  # what a stage's IR is made by
-LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "fleet" / "llama.cpp"))
-LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")  # as bench/build_llama_cpp.sh
-BIN = Path(sys.executable).parent
 MB = 1e6
 
 
@@ -117,15 +110,6 @@ def write_gguf(source: Path, out: Path, matrix_type: str) -> Path:
     return out
 
 
-def llama_quantize_binary() -> Path:
-    """llama.cpp's ``llama-quantize``, built by ``bench/build_llama_cpp.sh`` (run here when missing)."""
-    path = LLAMA_CPP / f"build-{LLAMA_CPP_VERSION}" / "bin" / "llama-quantize"
-    if not path.is_file():
-        print("building llama-quantize (bench/build_llama_cpp.sh) ...", flush=True)
-        subprocess.run(["bash", str(ROOT / "bench" / "build_llama_cpp.sh")], cwd=ROOT, check=True)
-    return path
-
-
 def llama_quantize(f32: Path, out: Path, form: str, logs: Path) -> Path:
     """``llama-quantize --pure --token-embedding-type q8_0 F32 OUT TYPE``: every tensor (the embedding:
     Q8_0) that type where its rows allow, no k-quant mixture; ``TYPE+OTHER`` adds ``--tensor-type M=OTHER``
@@ -133,8 +117,8 @@ def llama_quantize(f32: Path, out: Path, form: str, logs: Path) -> Path:
     tmp = out.with_name(out.name + ".partial")
     qtype, _, other = form.partition("+")
     overrides = [a for m in NARROW for a in ("--tensor-type", f"{m}={other.lower()}")] if other else []
-    cmd = [str(llama_quantize_binary()), "--pure", "--token-embedding-type", "q8_0", *overrides, str(f32), str(tmp),
-           qtype, "2"]
+    cmd = [str(harness.llama_cpp_tool("llama-quantize")), "--pure", "--token-embedding-type", "q8_0", *overrides,
+           str(f32), str(tmp), qtype, "2"]
     log = logs / f"llama-quantize-{form}.log"
     with open(log, "w") as fh:
         if subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode:
@@ -173,24 +157,6 @@ def same_tensors(a: Path, b: Path) -> bool:
                                       and np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(ta, tb))
 
 
-def compiler_key() -> str:
-    """Builds are cached per version of the exporter and the GGUF/HF readers (``COMPILER_FILES``)."""
-    return hashlib.sha256(b"".join((ROOT / "compiler" / n).read_bytes() for n in COMPILER_FILES)).hexdigest()[:8]
-
-
-def ensure_build(source: Path, out: Path) -> Path:
-    """``fleet-compiler build SOURCE --shards 1 -o OUT`` unless already there."""
-    from fleet_common.manifest import MANIFEST_NAME
-
-    if not (out / MANIFEST_NAME).is_file():
-        cmd = [str(BIN / "fleet-compiler"), "build", str(source), "--shards", "1", "-o", str(out)]
-        print(f"building {out.name} ...", flush=True)
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return out
-
-
 # ---------------------------------------------------------------- what runs: the compiled model
 
 def fully_connected(compiled) -> dict:  # noqa: ANN001 - an ov.CompiledModel
@@ -221,23 +187,17 @@ class Config:
     """One build at one inference precision, compiled in this process, and its timed steps per round."""
 
     def __init__(self, form: str, build: Path, precision: str, threads: int) -> None:
-        from bench.shard_parity import Whole
         from fleet_common.manifest import load_manifest
-        from fleet_common.runtime import compile_ir
-
-        class AtPrecision(Whole):  # Whole's feeding, compiled at this precision
-            def __init__(self, request) -> None:  # noqa: ANN001
-                self.request = request
 
         self.form, self.build, self.precision = form, build, precision
-        compiled, _, _ = compile_ir(build / load_manifest(build).manifest.stages[0].xml, "CPU", threads, precision)
-        self.model = AtPrecision(compiled.create_infer_request())
-        self.runtime = fully_connected(compiled)
+        self.model = Whole(build / load_manifest(build).manifest.stages[0].xml, threads, precision)
+        self.runtime = fully_connected(self.model.compiled)
         self.runs: list[list[float]] = []  # per round: ms per step
         self.top1: list[list[int]] = []
 
     @property
     def name(self) -> str:
+        """``FORM @PRECISION``."""
         return f"{self.form} @{self.precision}"
 
 
@@ -245,8 +205,6 @@ def time_decode(configs: list[Config], tokens: list[int], steps: int, rounds: in
     """Prefill every config to ``CONTEXT`` tokens, keep its KV, warm up; then ``rounds`` rounds of ``steps``
     teacher-forced steps from that KV, one step of each config in turn (rotated by one each round).
     Returns the load average after each round."""
-    from bench.shard_parity import WARM_UP_STEPS, load_kv, prefill, step
-
     saved = {}
     for c in configs:
         kv, _ = prefill(c.model, tokens, [CONTEXT], WARM_UP_STEPS, CONTEXT + steps)
@@ -292,10 +250,10 @@ def speed_cells(configs: list[Config]) -> dict[str, dict[str, dict]]:
 def worker_memory(builds: dict[str, Path], tokens: list[int], steps: int, logs: Path) -> tuple[dict, int]:
     """{form: {precision: worker row}} of a real ``fleet-worker`` serving each 1-stage build (one thread,
     the IR compiled: no blob, no model cache) through one session of ``CONTEXT`` + ``steps`` tokens
-    (``bench/shard_parity.worker_memory``), each row with ``own_bytes`` = RSS - the runtime's - mapped
-    ``.bin``; and the runtime's RSS (a worker process that loaded nothing)."""
-    from bench.shard_parity import runtime_baseline
-    from bench.shard_parity import worker_memory as serve
+    (``bench/worker_memory.py``), each row with ``own_bytes`` = RSS - the runtime's - mapped ``.bin``; and
+    the runtime's RSS (a worker process that loaded nothing)."""
+    from bench.worker_memory import runtime_baseline
+    from bench.worker_memory import worker_memory as serve
 
     baseline = runtime_baseline()
     out: dict[str, dict] = {}
@@ -343,19 +301,20 @@ def _fc(runtime: dict) -> str:
 def table(rows: list[dict]) -> str:
     """The markdown table of ``form_rows``: one row per build, speed ratios against fp16 at the same
     precision, peak worker RSS at the default precision / f32, own = RSS - runtime - mapped .bin."""
-    head = ("| build | stage .bin MB | FullyConnected weights (default / f32) | perplexity | vs fp16 | agreement "
-            "| ms/token default | x fp16 | ms/token f32 | x fp16 | peak RSS MB default / f32 | own MB default / f32 |")
-    lines = [head, "|" + "|".join("---" for _ in head.split("|")[1:-1]) + "|"]
+    out = []
     for r in rows:
         q, s, m = r["quality"], r["speed"], r["memory"]
-        qual = (f"{q['perplexity']:.3f} | {q['ppl_increase']:+.2%} | {q['agreement']:.3f}, "
-                f"{q['identical']}/{q['prompts']}") if q else "- | - | -"
-        cells = " | ".join(f"{s[p]['ms']:.2f} | {s[p]['over_fp16']:.2f}" if p in s else "- | -" for p in PRECISIONS)
-        mem = " | ".join(" / ".join(f"{m[p][k] / MB:.0f}" if p in m else "-" for p in PRECISIONS)
-                         for k in ("peak_rss_bytes", "own_bytes"))
-        fc = " / ".join(_fc(r["runtime"][p]) for p in PRECISIONS if p in r["runtime"]) or "-"
-        lines.append(f"| {r['label']} | {r['bin_bytes'] / MB:.0f} | {fc} | {qual} | {cells} | {mem} |")
-    return "\n".join(lines)
+        qual = [f"{q['perplexity']:.3f}", f"{q['ppl_increase']:+.2%}",
+                f"{q['agreement']:.3f}, {q['identical']}/{q['prompts']}"] if q else [None] * 3
+        cells = [x for p in PRECISIONS for x in ((f"{s[p]['ms']:.2f}", f"{s[p]['over_fp16']:.2f}") if p in s
+                                                 else (None, None))]
+        mem = [" / ".join(f"{m[p][k] / MB:.0f}" if p in m else "-" for p in PRECISIONS)
+               for k in ("peak_rss_bytes", "own_bytes")]
+        fc = " / ".join(_fc(r["runtime"][p]) for p in PRECISIONS if p in r["runtime"]) or None
+        out.append([r["label"], f"{r['bin_bytes'] / MB:.0f}", fc, *qual, *cells, *mem])
+    return harness.table(["build", "stage .bin MB", "FullyConnected weights (default / f32)", "perplexity",
+                          "vs fp16", "agreement", "ms/token default", "x fp16", "ms/token f32", "x fp16",
+                          "peak RSS MB default / f32", "own MB default / f32"], out)
 
 
 def run_speed(builds: dict[str, Path], tokens: list[int], args: argparse.Namespace) -> tuple[dict, dict, dict]:
@@ -378,7 +337,8 @@ def run_speed(builds: dict[str, Path], tokens: list[int], args: argparse.Namespa
     return cells, runtime, timing
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's options, ``forms`` as a list; argparse's usage error for a bad value."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write every row, run and fact here")
     parser.add_argument("--forms", default=",".join(FORMS), help="kept GGUF types, comma-separated")
@@ -388,34 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the worker memory part")
     parser.add_argument("--no-quality", dest="quality", action="store_false", help="skip perplexity/agreement")
     parser.add_argument("--hf", type=Path, help="demo HF folder (default: the tests' copy, else fetched into CACHE)")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench" / "gguf-forms",
+    parser.add_argument("--cache", type=Path, default=harness.CACHE / "gguf-forms",
                         help="GGUFs and builds are kept here")
     args = parser.parse_args(argv)
-    forms = args.forms.split(",")
-    if bad := [f for f in forms if f not in FORMS]:
+    args.forms = args.forms.split(",")
+    if bad := [f for f in args.forms if f not in FORMS]:
         parser.error(f"unknown form(s) {bad}; choose from {', '.join(FORMS)}")
     if args.steps < 1 or args.rounds < 1:
         parser.error("need --steps >= 1 and --rounds >= 1")
+    return args
 
-    import openvino as ov
 
-    from bench.shard_parity import TEST_MODELS
-    from compiler.quality import EVAL_TEXT
-    from bench.llama_cpp import demo_gguf
-    from compiler.source import fetch_demo, is_converted
-    from coordinator.tokenizer import ChatTokenizer
-
-    cache = args.cache.resolve()
-    logs = cache / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    hf = fetch_demo(args.hf or next((d for d in (TEST_MODELS / "SmolLM2-135M-Instruct",
-                                                 cache.parent / "SmolLM2-135M-Instruct") if is_converted(d)),
-                                    cache.parent / "SmolLM2-135M-Instruct"))
-    demo = demo_gguf(hf)
-    key = compiler_key()
-    ggufs = {f: ensure_gguf(demo, cache, f, logs) for f in forms}
-    builds = {REFERENCE: ensure_build(hf, cache / f"smollm2-1stage-fp16-{key}")}
-    builds |= {f: ensure_build(g, cache / f"smollm2-1stage-{f}-{key}") for f, g in ggufs.items()}
+def make_builds(hf: Path, demo: Path, forms: list[str], cache: Path) -> tuple[dict[str, Path], dict[str, dict]]:
+    """The fp16 build of ``hf`` and a 1-stage build of each form's GGUF (made from ``demo``): ({form: build},
+    {form: facts}: label, stage bytes, compression, weights and, for a GGUF, its size and tensor types)."""
+    ggufs = {f: ensure_gguf(demo, cache, f, cache / "logs") for f in forms}
+    builds = {REFERENCE: harness.ensure_build(hf, cache, 1)}
+    builds |= {f: harness.ensure_build(g, cache, 1) for f, g in ggufs.items()}
     facts = {}
     for f, b in builds.items():
         stage = json.loads((b / "manifest.json").read_text())["stages"][0]
@@ -427,8 +376,22 @@ def main(argv: list[str] | None = None) -> int:
                          "gguf_types": tensor_types(ggufs[f])}
     if "Q4_1" in ggufs:
         facts["Q4_1"]["same_as_demo"] = same_tensors(ggufs["Q4_1"], demo)
-    tokens = ChatTokenizer(builds[REFERENCE]).encode(EVAL_TEXT.read_text())
+    return builds, facts
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Make the GGUFs and builds, measure them (module docstring); prints the table, writes ``--json``."""
+    args = parse_args(argv)
+    from compiler.quality import EVAL_TEXT
+    from coordinator.tokenizer import ChatTokenizer
+
+    cache = args.cache.resolve()
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    hf = harness.demo_hf(args.hf, cache.parent)
+    demo = harness.demo_gguf(hf)
+    builds, facts = make_builds(hf, demo, args.forms, cache)
+    tokens = ChatTokenizer(builds[REFERENCE]).encode(EVAL_TEXT.read_text())
     qual = {}
     if args.quality:
         print("quality against fp16 (f32 inference) ...", flush=True)
@@ -440,25 +403,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory:
         print("worker memory ...", flush=True)
         memory, baseline = worker_memory(builds, tokens, args.steps, logs)
-    rows = form_rows(forms, facts, speed, memory, qual)
+    rows = form_rows(args.forms, facts, speed, memory, qual)
     print(f"\n1 stage, decode at {CONTEXT} tokens of context, {args.threads} thread(s), median of {args.rounds} x "
           f"{args.steps} steps taking turns; x fp16 at the same precision (median paired ratio); runtime of a "
           f"worker that loaded nothing: {baseline / MB:.0f} MB\n")
     print(table(rows))
     if "Q4_1" in facts:
         print(f"\nQ4_1 GGUF made here holds the demo's own tensors: {facts['Q4_1']['same_as_demo']}")
-    if args.json:
-        core = ov.Core()
-        report = {"benchmark": "gguf_forms", "model": "SmolLM2-135M-Instruct", "command": " ".join(sys.argv),
-                  "context": CONTEXT, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
-                  "demo_gguf": str(demo), "runtime_baseline_bytes": baseline, "rows": rows, "timing": timing,
-                  "machine": {"nproc": os.cpu_count(), "cpu": core.get_property("CPU", "FULL_DEVICE_NAME"),
-                              "platform": platform.platform(), "openvino": ov.get_version()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
-        print(f"\nwrote {args.json}")
+    harness.write_json(args.json, "gguf_forms", {
+        "model": "SmolLM2-135M-Instruct", "context": CONTEXT, "steps": args.steps, "rounds": args.rounds,
+        "threads": args.threads, "demo_gguf": str(demo), "runtime_baseline_bytes": baseline, "rows": rows,
+        "timing": timing}, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
