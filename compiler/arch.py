@@ -11,27 +11,79 @@ llama      no          no              Llama 2/3/3.1/3.2; ``rope_scaling`` ``lla
 mistral    no          no              the Llama graph; ``sliding_window`` is refused past the window
 qwen2      yes         no              Qwen2/2.5 (q/k/v biases, o_proj none)
 qwen3      no          yes             per-head RMSNorm on q and k before RoPE; explicit ``head_dim``
+phi3       no          no              Phi-3/3.5, Phi-4-mini: fused ``qkv_proj`` and ``gate_up_proj`` (split at
+                                       build: compiler/source.py), partial rotary, LongRoPE; ``sliding_window``
+                                       as mistral
 =========  ==========  ==============  =======================================================
 
+LongRoPE (Ding et al. 2024, arXiv 2402.13753; transformers ``_compute_longrope_parameters``): each rotary
+frequency divided by its own factor, one list for contexts up to ``original_max_position_embeddings`` (short)
+and one past it (long), cos and sin times ``attention_factor``. transformers switches per forward call (long
+factors once a call's largest position reaches the original context; the KV cache keeps keys rotated with the
+short ones), which no fixed graph with chunked prefill can follow. The builder takes the short factors and
+serves no more than ``original_max_position_embeddings``: exact against transformers at every position it
+serves (llama.cpp makes the same choice for a context within the original one). Phi-3-mini-128k, Phi-3.5-mini
+and Phi-4-mini so build with a 4096-token context.
+
+Refused, naming what is missing (``UnsupportedModel``): a vision or audio tower (``vision_config``, ...),
+layers that are not attention (``layer_types`` with ``linear_attention``: Qwen3-Next/Qwen3.5's gated delta
+net; recurrent or state-space blocks), a rope type not in ``ROPE_TYPES``, partial rotary outside phi3.
+
 Sources: transformers' ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
-``modeling_qwen3.py`` and ``modeling_rope_utils.py`` (``_compute_llama3_parameters``,
-``_compute_linear_scaling_rope_parameters``); for GGUF files, llama.cpp's ``convert_hf_to_gguf.py``
+``modeling_qwen3.py``, ``modeling_phi3.py`` and ``modeling_rope_utils.py`` (``_compute_llama3_parameters``,
+``_compute_linear_scaling_rope_parameters``, ``_compute_longrope_parameters``); for GGUF files, llama.cpp's ``convert_hf_to_gguf.py``
 (compiler/gguf.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 QKV_BIAS = {"qwen2"}
 QK_NORM = {"qwen3"}
-ROPE_TYPES = ("default", "llama3", "linear")
+FUSED = {"phi3"}  # one qkv_proj [q + 2 kv, H] and one gate_up_proj [2 I, H] per layer (source.py splits them)
+PARTIAL_ROTARY = {"phi3"}  # partial_rotary_factor < 1: RoPE on the first dims of each head only
+SLIDING = {"mistral", "phi3"}  # sliding_window applies without use_sliding_window
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # layer_types the Llama decoder's attention covers
+NOT_BUILT = {  # config keys of parts the builder does not make -> what they are
+    "vision_config": "a vision tower", "vision_tower": "a vision tower", "mm_vision_tower": "a vision tower",
+    "audio_config": "an audio tower", "speech_config": "an audio tower",
+    "linear_attn_config": "linear-attention layers", "block_types": "recurrent blocks",
+    "hybrid_override_pattern": "state-space (Mamba) layers", "mamba_d_state": "state-space (Mamba) layers",
+    "attn_layer_period": "state-space (Mamba) layers", "ssm_cfg": "state-space (Mamba) layers",
+}
+NOT_ATTENTION = {"linear_attention": "linear-attention layers (gated delta net, as Qwen3-Next/Qwen3.5)",
+                 "mamba": "state-space (Mamba) layers", "recurrent": "recurrent layers", "conv": "convolution layers"}
+
+
+def refuse_parts(config: dict, where: str = "config.json") -> None:
+    """Raise ``UnsupportedModel`` naming the part of ``config`` (an HF ``config.json`` dict, its ``text_config``
+    too) that the builder does not make: a vision or audio tower (``NOT_BUILT``), or ``layer_types`` other than
+    attention (``NOT_ATTENTION``: e.g. Qwen3.5's ``linear_attention``, gated delta net layers)."""
+    arch = config.get("model_type")
+    archs = ", ".join(config.get("architectures") or []) or "no 'architectures' given"
+    for part in (config, config.get("text_config") or {}):
+        if not isinstance(part, dict):
+            continue
+        for key, what in NOT_BUILT.items():
+            if part.get(key):
+                raise UnsupportedModel(f"{where}: {arch!r} ({archs}) has {what} ({key!r}), which the builder does "
+                                       "not make: it builds text decoders of attention layers only")
+        kinds = sorted({k for k in part.get("layer_types") or [] if k not in ATTENTION_LAYERS}, key=str)
+        if kinds:
+            what = "; ".join(f"{k!r}: {NOT_ATTENTION.get(k, 'layers that are not attention')}" for k in kinds)
+            raise UnsupportedModel(f"{where}: {arch!r} ({archs}) has layer_types the builder does not make ({what});"
+                                   f" it builds {' and '.join(ATTENTION_LAYERS)} layers only")
 
 
 class UnsupportedModel(ValueError):
@@ -60,8 +112,15 @@ class ModelConfig:
     inv_freq: tuple[float, ...]
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused: bool = False  # phi3: qkv_proj and gate_up_proj in the source, split into q/k/v, gate/up at build
+    rope_scale: float = 1.0  # cos and sin times this (LongRoPE's attention_factor)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (the first ones; ``head_dim`` unless partial rotary)."""
+        return 2 * len(self.inv_freq)
 
     @property
     def kv_groups(self) -> int:
@@ -78,6 +137,7 @@ class ModelConfig:
         if not isinstance(config, dict):
             raise ValueError(f"{where}: not a model config (a JSON object), but a {type(config).__name__}")
         model_type = config.get("model_type")
+        refuse_parts(config, where)
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = ", ".join(config.get("architectures") or []) or "no 'architectures' given"
             raise UnsupportedModel(f"{where}: architecture {model_type!r} ({archs}) is not supported; the builder "
@@ -113,13 +173,18 @@ class ModelConfig:
             raise UnsupportedModel(f"{where}: attention_bias is not supported for {model_type}")
         max_context = int(config.get("max_position_embeddings") or 2048)
         window = config.get("sliding_window")
-        if window and (model_type == "mistral" or config.get("use_sliding_window")) and window < max_context:
+        if window and (model_type in SLIDING or config.get("use_sliding_window")) and window < max_context:
             # exact only while the context fits the window: serve no more than that
             max_context = int(window)
+        inv_freq, rope_scale, rope_context = rope_parameters(config, head_dim, where)
+        if rope_context < max_context:  # LongRoPE: exact up to the original context (module docstring)
+            log.warning("%s: LongRoPE built with its short factors: context %d tokens (original_max_position_"
+                        "embeddings), not %d", where, rope_context, max_context)
+            max_context = rope_context
         eos = config.get("eos_token_id")
         return cls(model_type=model_type, **dims, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   max_context=max_context, inv_freq=tuple(rope_inv_freq(config, head_dim, where)),
-                   qkv_bias=model_type in QKV_BIAS, qk_norm=model_type in QK_NORM,
+                   max_context=max_context, inv_freq=tuple(inv_freq), rope_scale=rope_scale,
+                   qkv_bias=model_type in QKV_BIAS, qk_norm=model_type in QK_NORM, fused=model_type in FUSED,
                    bos_token_id=config.get("bos_token_id"),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
@@ -145,38 +210,85 @@ class ModelConfig:
 
 
 def rope_inv_freq(config: dict, head_dim: int, where: str = "config.json") -> np.ndarray:
-    """RoPE inverse frequencies [head_dim / 2] float64 for ``config``'s ``rope_theta`` and scaling.
+    """RoPE inverse frequencies [rotary_dim / 2] float64 for ``config``'s ``rope_theta`` and scaling
+    (``rope_parameters``' first result)."""
+    return rope_parameters(config, head_dim, where)[0]
 
-    Reads transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``. Scalings:
-    none (``default``), ``linear`` (positions / factor) and ``llama3`` (Llama 3.1's: low frequencies
-    / factor, high kept, a smooth ramp between; transformers ``_compute_llama3_parameters``). Others
-    (yarn, longrope, dynamic) raise ``UnsupportedModel``.
+
+def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> tuple[np.ndarray, float, int]:
+    """RoPE of ``config`` (an HF ``config.json`` dict): (inverse frequencies [rotary_dim / 2] float64,
+    cos/sin scale, the largest context these are exact for).
+
+    Reads transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``. rotary_dim is
+    ``int(head_dim * partial_rotary_factor)`` (phi3 only; Phi-4-mini 0.75). Scalings: none (``default``),
+    ``linear`` (positions / factor), ``llama3`` (Llama 3.1's: low frequencies / factor, high kept, a smooth
+    ramp between; transformers ``_compute_llama3_parameters``) and ``longrope`` (Ding et al. 2024, "LongRoPE:
+    Extending LLM Context Window Beyond 2 Million Tokens", arXiv 2402.13753; transformers
+    ``_compute_longrope_parameters``): frequencies / ``short_factor`` [rotary_dim / 2], cos and sin times
+    ``attention_factor`` (default sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings /
+    original_max_position_embeddings), exact up to ``original_max_position_embeddings`` (module docstring:
+    why not the long factors). phi3's legacy ``su``/``yarn`` types are longrope (transformers'
+    ``Phi3Config``). Others (yarn, dynamic, ...) raise ``UnsupportedModel`` naming the type.
     """
     params = dict(config.get("rope_parameters") or {})
     scaling = dict(config.get("rope_scaling") or {})
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported")
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
-    inv = inv.astype(np.float64)
+    model_type = config.get("model_type")
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and model_type not in PARTIAL_ROTARY:
+        raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported for {model_type} "
+                               f"(only {', '.join(sorted(PARTIAL_ROTARY))})")
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"{where}: rope scaling {rope_type!r} is not supported (supported: "
+                               f"{', '.join(ROPE_TYPES)})")
+    dim = int(head_dim * float(partial))
+    if dim < 2 or dim % 2 or dim > head_dim:
+        raise UnsupportedModel(f"{where}: partial_rotary_factor {partial} gives {dim} rotary dims of head_dim "
+                               f"{head_dim}: not an even number in 2..{head_dim}")
+    powers = theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)  # f32, as transformers
+    inv = (1.0 / powers).astype(np.float64)
+    context = int(config.get("max_position_embeddings") or 2048)
     if rope_type == "default":
-        return inv
+        return inv, 1.0, context
     if rope_type == "linear":
-        return inv / float(params["factor"])
-    if rope_type == "llama3":
-        factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_context = float(params["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_context / low, old_context / high
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled)
-    raise UnsupportedModel(f"{where}: rope scaling {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        return inv / float(params["factor"]), 1.0, context
+    if rope_type == "longrope":
+        return _longrope(config, params, powers, where)
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_context = float(params["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled), 1.0, context
 
+
+def _longrope(config: dict, params: dict, powers: np.ndarray, where: str) -> tuple[np.ndarray, float, int]:
+    """LongRoPE's short-context frequencies, attention factor and original context (``rope_parameters``;
+    ``powers`` [rotary_dim / 2] f32: theta ** (2i / rotary_dim))."""
+    short, long = params.get("short_factor"), params.get("long_factor")
+    for name, factors in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(factors, list) or len(factors) != powers.size:
+            raise ValueError(f"{where}: longrope {name} must be a list of {powers.size} numbers (rotary dims / 2), "
+                             f"not {factors!r}")
+    # Phi3Config's own field comes first (transformers standardize_rope_params); its default is 4096
+    original = config.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    if original is None:
+        original = 4096 if config.get("model_type") == "phi3" else config.get("max_position_embeddings")
+    original = int(original)
+    max_positions = int(config.get("max_position_embeddings") or original)
+    factor = params.get("factor") or max_positions / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    inv = (1.0 / (np.asarray(short, np.float32) * powers)).astype(np.float64)
+    return inv, float(attention), min(original, max_positions)
 
 def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     """HF tensor names of decoder layer ``layer``, by role (the same for every supported family)."""

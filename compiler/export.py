@@ -322,8 +322,10 @@ def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:
 
 
 def rope_tables(position_ids: ov.Output, cfg: ModelConfig) -> tuple[ov.Output, ov.Output]:
-    """cos and sin [B, 1, S, head_dim] f32 of RoPE (Su et al. 2021, half-split "NeoX" layout as in
-    transformers) at logical ``position_ids`` [B, S] i64, computed once per stage.
+    """cos and sin [B, 1, S, rotary_dim] f32 of RoPE (Su et al. 2021, half-split "NeoX" layout as in
+    transformers) at logical ``position_ids`` [B, S] i64, computed once per stage; both times
+    ``cfg.rope_scale`` when it is not 1 (LongRoPE's attention factor, Ding et al. 2024: transformers'
+    ``attention_scaling``).
 
     The angles are ``inv_freq [B, D/2, 1] @ positions [B, 1, S]`` as transformers' rotary embedding
     writes them: the CPU plugin keeps that MatMul and Cos/Sin in f32 when it runs the rest in bf16
@@ -335,11 +337,22 @@ def rope_tables(position_ids: ov.Output, cfg: ModelConfig) -> tuple[ov.Output, o
     inv = op.broadcast(inv_freq, op.concat([batch, _i64([len(cfg.inv_freq), 1])], axis=0))  # [B, D/2, 1]
     freqs = op.transpose(op.matmul(inv, pos, transpose_a=False, transpose_b=False), _i64([0, 2, 1]))  # [B, S, D/2]
     emb = op.unsqueeze(op.concat([freqs, freqs], axis=-1), _i64([1]))  # [B, 1, S, D]
-    return op.cos(emb).output(0), op.sin(emb).output(0)
+    cos, sin = op.cos(emb).output(0), op.sin(emb).output(0)
+    if cfg.rope_scale != 1.0:
+        cos, sin = op.multiply(cos, _f32(cfg.rope_scale)).output(0), op.multiply(sin, _f32(cfg.rope_scale)).output(0)
+    return cos, sin
 
 
-def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int) -> ov.Output:
-    """``x * cos + rotate_half(x) * sin`` for x [B, heads, S, D] (transformers' ``apply_rotary_pos_emb``)."""
+def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int,
+               rotary_dim: int | None = None) -> ov.Output:
+    """``x * cos + rotate_half(x) * sin`` for x [B, heads, S, D] (transformers' ``apply_rotary_pos_emb``); with
+    ``rotary_dim`` < D (partial rotary, Phi-4-mini's 0.75) only the first ``rotary_dim`` dims of each head turn,
+    the rest pass as they are (cos and sin [B, 1, S, rotary_dim])."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim < head_dim:
+        turned = op.slice(x, _i64([0]), _i64([rotary_dim]), _i64([1]), _i64([3])).output(0)
+        kept = op.slice(x, _i64([rotary_dim]), _i64([head_dim]), _i64([1]), _i64([3]))
+        return op.concat([apply_rope(turned, cos, sin, rotary_dim), kept], axis=-1).output(0)
     half = head_dim // 2
     x1 = op.slice(x, _i64([0]), _i64([half]), _i64([1]), _i64([3]))
     x2 = op.slice(x, _i64([half]), _i64([head_dim]), _i64([1]), _i64([3]))
@@ -395,7 +408,7 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     k = _heads(k, cfg.num_kv_heads, d, w.get("k_norm"), cfg.rms_norm_eps)
     v = _heads(v, cfg.num_kv_heads, d, None, cfg.rms_norm_eps)
     cos, sin = rope
-    q, k = apply_rope(q, cos, sin, d), apply_rope(k, cos, sin, d)
+    q, k = apply_rope(q, cos, sin, d, cfg.rotary_dim), apply_rope(k, cos, sin, d, cfg.rotary_dim)
     keys, k_sink = kv_cache(k, beam_idx, cfg, f"past_key_values.{layer}.keypresent.{layer}.key", batch)
     values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
     out = op.scaled_dot_product_attention(q, repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d),

@@ -69,7 +69,49 @@ def open_source(src: Path, workdir: Path) -> Source:
     if src.suffix == ".gguf" or is_gguf_file(src):  # an Ollama blob (sha256-<hex>) has no suffix
         return open_gguf(src, Path(workdir) / f"{src.stem}-tokenizer")
     config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
-    return Source(config, SafetensorsWeights(src), src)
+    weights = SafetensorsWeights(src)
+    if config.fused:
+        split_fused(weights, config)
+    return Source(config, weights, src)
+
+
+def split_fused(weights, cfg: ModelConfig) -> None:  # noqa: ANN001 - SafetensorsWeights or GGUFWeights
+    """Replace each layer's fused weights in ``weights.tensors`` (phi3: ``self_attn.qkv_proj`` [q + 2 kv, H] and
+    ``mlp.gate_up_proj`` [2 I, H]; in a GGUF ``attn_qkv`` and ``ffn_up`` holding gate then up, llama.cpp's
+    converter's names) by their row ranges under the Llama names (q/k/v, gate/up), so the builder reads and
+    stores each part as it would a separate weight: a safetensors part is the same bytes at an offset
+    (``TensorInfo``), a GGUF part the same rows of blocks (quantized rows are whole blocks). Nothing is read.
+    A fused tensor of another shape is left as it is (the shape check then names what is missing)."""
+    import dataclasses
+
+    import numpy as np
+
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    tensors = weights.tensors
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        up = p + "mlp.up_proj.weight"
+        gate_up = p + "mlp.gate_up_proj.weight"
+        if gate_up not in tensors and p + "mlp.gate_proj.weight" not in tensors and up in tensors:
+            gate_up = up  # a GGUF's ffn_up holds gate and up (llama.cpp maps gate_up_proj to ffn_up)
+        for fused, parts in ((p + "self_attn.qkv_proj.weight", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+                             (gate_up, (("gate_proj", inter), ("up_proj", inter)))):
+            t = tensors.get(fused)
+            if t is None or tuple(t.shape) != (sum(n for _, n in parts), h):
+                continue
+            del tensors[fused]
+            start = 0
+            for part, rows in parts:
+                name = p + ("self_attn." if part.endswith(("q_proj", "k_proj", "v_proj")) else "mlp.") + part + \
+                    ".weight"
+                if hasattr(t, "offset"):  # safetensors: rows are contiguous bytes
+                    row_bytes = t.nbytes // t.shape[0]
+                    tensors[name] = dataclasses.replace(t, offset=t.offset + start * row_bytes, shape=(rows, h))
+                else:  # GGUF: a row range of the memory-mapped [rows, ...] view
+                    tensors[name] = dataclasses.replace(t, data=np.asarray(t.data)[start:start + rows],
+                                                        shape=(rows, h))
+                start += rows
 
 
 def open_gguf(path: Path, folder: Path) -> Source:
@@ -87,11 +129,14 @@ def open_gguf(path: Path, folder: Path) -> Source:
     cfg = ModelConfig.from_folder(folder)
     divisors = rope_freqs(reader)
     if divisors is not None:
-        if divisors.shape != (cfg.head_dim // 2,):
-            raise WeightsError(f"{path.name}: rope_freqs.weight has {divisors.size} values, head_dim {cfg.head_dim} "
-                               f"needs {cfg.head_dim // 2}")
+        if divisors.shape != (cfg.rotary_dim // 2,):
+            raise WeightsError(f"{path.name}: rope_freqs.weight has {divisors.size} values, {cfg.rotary_dim} rotary "
+                               f"dims need {cfg.rotary_dim // 2}")
         cfg = dataclasses.replace(cfg, inv_freq=tuple(np.asarray(cfg.inv_freq) / divisors))
-    return Source(cfg, GGUFWeights(path, reader, config), folder)
+    weights = GGUFWeights(path, reader, config)
+    if cfg.fused:
+        split_fused(weights, cfg)
+    return Source(cfg, weights, folder)
 
 
 def is_converted(out_dir: Path) -> bool:

@@ -1,7 +1,8 @@
 """Every architecture the torch-free stage builder makes (compiler/arch.py) computes what transformers
-computes: tiny random llama (``rope_scaling`` ``llama3``), mistral, qwen2 (q/k/v biases, tied head) and
-qwen3 (q/k RMSNorm, ``head_dim`` != hidden / heads) models, 4 layers with grouped KV heads (4 query
-heads, 2 KV heads), made by transformers here and saved as safetensors in bf16 and in f32, then built
+computes: tiny random llama (``rope_scaling`` ``llama3``), mistral, qwen2 (q/k/v biases, tied head),
+qwen3 (q/k RMSNorm, ``head_dim`` != hidden / heads), phi3 (fused ``qkv_proj``/``gate_up_proj``, sliding
+window) and phi4mini (a ``Phi3Config`` shaped as Phi-4-mini: LongRoPE at 4x the original context, partial
+rotary 0.75, tied head) models, 4 layers with grouped KV heads (4 query heads, 2 KV heads), made by transformers here and saved as safetensors in bf16 and in f32, then built
 by ``compiler.build.build`` into 1, 2 and 3 stages.
 
 * Logits: the stages chained in this process (OpenVINO CPU, f32 inference and f32 KV, one thread)
@@ -41,12 +42,22 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}  # < max_position_embeddings: frequencies do change
-ARCHS = {  # model_type -> (transformers config class name, options on top of COMMON)
+ROTARY = int(COMMON["hidden_size"] // COMMON["num_attention_heads"] * 0.75)  # Phi-4-mini's partial rotary: 12 of 16
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.3, 1.9, 2.6, 4.1, 7.5][:ROTARY // 2],  # per frequency, as Phi-4-mini's rise
+            "long_factor": [1.0, 2.0, 5.0, 11.0, 23.0, 41.0][:ROTARY // 2]}  # unused: the build serves <= original
+ARCHS = {  # name -> (transformers config class name, options on top of COMMON)
     "llama": ("LlamaConfig", dict(rope_scaling=LLAMA3_SCALING)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=96)),  # the build serves 96 (> 64 + 32 tokens)
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),  # q/k/v biases always; tied as Qwen2.5-0.5B/1.5B
     "qwen3": ("Qwen3Config", dict(head_dim=32)),  # 4 x 32 query dims != 64 hidden
+    "phi3": ("Phi3Config", dict(sliding_window=96)),  # fused qkv/gate_up; Phi-3-mini-4k's window (2047) cuts context
+    # Phi-4-mini's shape: LongRoPE (4x the original context: attention factor 1.13), partial rotary 0.75, tied head
+    "phi4mini": ("Phi3Config", dict(rope_parameters=LONGROPE, max_position_embeddings=4 * MAX_POSITIONS,
+                                    original_max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True)),
 }
+MODEL_TYPE = {"phi4mini": "phi3"}  # names that are not their model_type
+TIED = ("qwen2", "phi4mini")
 DTYPES = ("bf16", "f32")
 WEIGHT_STD = 0.15  # ~8x transformers' 0.02: logits of std ~1.2 and |max| ~6.5, not all near zero
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -185,25 +196,43 @@ def zoo(tmp_path_factory, demo_hf) -> Zoo:
 def test_tiny_models_exercise_each_switch(zoo):
     """The tiny models have what their architecture is tested for: llama3-scaled RoPE frequencies (as
     the builder computes them and as transformers does), qwen2's biases and tied head (no lm_head
-    tensor saved), qwen3's head_dim, mistral's context cut to its sliding window, GQA everywhere."""
+    tensor saved), qwen3's head_dim, mistral's and phi3's context cut to the sliding window, phi3's fused
+    qkv_proj/gate_up_proj (split by the source), Phi-4-mini's LongRoPE short factors and attention factor
+    (as transformers computes them) with 12 of 16 dims rotated, GQA everywhere."""
     from compiler.arch import ModelConfig, rope_inv_freq
+    from compiler.source import open_source
     from compiler.weights import SafetensorsWeights
 
     for arch in ARCHS:
         src = zoo.sources(arch)["bf16"]
         cfg = ModelConfig.from_folder(src)
-        context = 96 if arch == "mistral" else MAX_POSITIONS  # past its sliding window mistral is not exact
-        assert (cfg.model_type, cfg.num_layers, cfg.kv_groups, cfg.max_context) == (arch, 4, 2, context)
-        hf_inv_freq = zoo.reference(arch, "bf16").model.rotary_emb.inv_freq.numpy()
-        np.testing.assert_allclose(cfg.inv_freq, hf_inv_freq, rtol=1e-6)
+        context = 96 if arch in ("mistral", "phi3") else MAX_POSITIONS  # past its sliding window not exact
+        assert (cfg.model_type, cfg.num_layers, cfg.kv_groups, cfg.max_context) == \
+            (MODEL_TYPE.get(arch, arch), 4, 2, context)
+        rotary = zoo.reference(arch, "bf16").model.rotary_emb
+        np.testing.assert_allclose(cfg.inv_freq, rotary.inv_freq.numpy(), rtol=1e-6)
+        assert cfg.rope_scale == pytest.approx(rotary.attention_scaling, rel=1e-12)
+        assert cfg.rotary_dim == (ROTARY if arch == "phi4mini" else cfg.head_dim)
         names = set(SafetensorsWeights(src).tensors)
-        assert ("lm_head.weight" in names) == (arch != "qwen2") and cfg.tie_word_embeddings == (arch == "qwen2")
+        tied = arch in TIED
+        assert ("lm_head.weight" in names) != tied and cfg.tie_word_embeddings == tied
+        fused = "model.layers.0.self_attn.qkv_proj.weight" in names
+        assert fused == cfg.fused == arch.startswith("phi") == ("model.layers.0.mlp.gate_up_proj.weight" in names)
+        if fused:  # the source presents the fused weights' rows under the Llama names
+            split = open_source(src, zoo.root).weights
+            assert "model.layers.0.self_attn.qkv_proj.weight" not in split.tensors
+            assert split.shape("model.layers.3.self_attn.k_proj.weight") == (2 * cfg.head_dim, cfg.hidden_size)
+            assert split.shape("model.layers.3.mlp.up_proj.weight") == (cfg.intermediate_size, cfg.hidden_size)
         assert cfg.qkv_bias == (arch == "qwen2") and ("model.layers.0.self_attn.q_proj.bias" in names) == cfg.qkv_bias
         assert cfg.qk_norm == (arch == "qwen3") and ("model.layers.0.self_attn.q_norm.weight" in names) == cfg.qk_norm
     llama = ModelConfig.from_folder(zoo.sources("llama")["bf16"])
     default = rope_inv_freq({"rope_theta": 10000.0}, llama.head_dim)
     assert (np.abs(np.asarray(llama.inv_freq) / default - 1) > 0.1).sum() >= 4  # most frequencies scaled
     assert ModelConfig.from_folder(zoo.sources("qwen3")["bf16"]).head_dim * 4 != COMMON["hidden_size"]
+    phi4 = ModelConfig.from_folder(zoo.sources("phi4mini")["bf16"])
+    plain = rope_inv_freq({"rope_theta": 10000.0, "model_type": "phi3", "partial_rotary_factor": 0.75}, phi4.head_dim)
+    np.testing.assert_allclose(np.asarray(phi4.inv_freq) * LONGROPE["short_factor"], plain, rtol=1e-6)
+    assert phi4.rope_scale > 1.1  # sqrt(1 + ln 4 / ln 128)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
@@ -215,10 +244,10 @@ def test_stage_logits_match_transformers(arch, dtype, stages, zoo):
 
     Measured max |error| (bf16 / f32 source; the same for 1, 2 and 3 stages, as chaining f32 hidden
     states adds nothing): llama 1.3e-5 / 1.2e-5, mistral 1.2e-5 / 1.4e-5, qwen2 7.1e-6 / 7.9e-6, qwen3
-    8.5e-6 / 8.8e-6. That is f32 rounding (eps 6e-8) accumulated over 4 layers of sums taken in another
+    8.5e-6 / 8.8e-6, phi3 1.5e-5 / 1.1e-5, phi4mini 1.3e-5 / 1.3e-5. That is f32 rounding (eps 6e-8) accumulated over 4 layers of sums taken in another
     order (oneDNN's GEMMs and fused SDPA against PyTorch's eager ops); ``ATOL`` is ~7x the worst. Real
     faults are far above it: dropping the llama3 scaling moves the logits by 8.9, zeroing qwen2's q bias
-    by 5.5, qwen3's k-norm weights set to 1 by 2.1, leaving the rejected slots visible by 4-8, and a
+    by 5.5, qwen3's k-norm weights set to 1 by 2.1, phi4mini without LongRoPE's attention factor by 7.4, leaving the rejected slots visible by 4-8, and a
     reference that does not round the f32 source's weights to fp16 is off by 0.016-0.022, so the
     tolerance even resolves fp16 rounding. The smallest top-2 gap of a reference is 9.3e-5 (mistral bf16),
     ~4x what the errors of two logits could close there (2 x 1.2e-5): argmax equality is no near-tie."""

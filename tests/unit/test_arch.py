@@ -100,3 +100,94 @@ def test_from_folder_with_json_not_an_object(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: "):
         ModelConfig.from_folder(tmp_path)
+
+
+# Phi-3 / Phi-4-mini (issue 28 item 2): what the reader takes of their configs
+
+def phi3(**changes) -> dict:
+    return llama(model_type="phi3", architectures=["Phi3ForCausalLM"], **changes)
+
+
+LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0]}  # 6 of 16 dims
+
+
+def test_phi3_reads_fused_and_keeps_its_context():
+    cfg = ModelConfig.from_hf(phi3(), WHERE)
+    assert cfg.fused and (cfg.rotary_dim, cfg.rope_scale, cfg.max_context) == (16, 1.0, 256)
+    assert not ModelConfig.from_hf(llama(), WHERE).fused
+
+
+def test_phi3_sliding_window_cuts_the_context():
+    """Phi-3-mini-4k's sliding_window (2047 of 4096) applies without use_sliding_window, as in transformers."""
+    assert ModelConfig.from_hf(phi3(sliding_window=100), WHERE).max_context == 100
+
+
+def test_phi3_partial_rotary_and_longrope_short_factors():
+    """Phi-4-mini's shape: int(16 * 0.375) = 6 rotated dims, LongRoPE's short factors divide their frequencies,
+    the attention factor is sqrt(1 + ln(1024 / 256) / ln 256), and the context is the original one."""
+    import math
+
+    import numpy as np
+
+    cfg = ModelConfig.from_hf(phi3(partial_rotary_factor=0.375, rope_scaling=LONGROPE, max_position_embeddings=1024,
+                                   original_max_position_embeddings=256), WHERE)
+    plain = 1.0 / 10000.0 ** (np.arange(0, 6, 2) / 6)
+    np.testing.assert_allclose(cfg.inv_freq, plain / np.array(LONGROPE["short_factor"]), rtol=1e-6)
+    assert cfg.rotary_dim == 6 and cfg.max_context == 256
+    assert cfg.rope_scale == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
+
+
+def test_phi3_legacy_su_type_is_longrope_and_attention_factor_is_read():
+    cfg = ModelConfig.from_hf(phi3(partial_rotary_factor=0.375, max_position_embeddings=1024,
+                                   original_max_position_embeddings=256,
+                                   rope_scaling={**LONGROPE, "type": "su", "attention_factor": 1.25}), WHERE)
+    assert (cfg.rope_scale, cfg.max_context) == (1.25, 256)
+
+
+def test_longrope_factors_of_the_wrong_length_are_named():
+    with pytest.raises(ValueError, match="short_factor must be a list of 8 numbers"):
+        ModelConfig.from_hf(phi3(rope_scaling=LONGROPE), WHERE)
+
+
+def test_partial_rotary_with_an_odd_dim_count_is_refused():
+    with pytest.raises(UnsupportedModel, match="partial_rotary_factor 0.3125 gives 5 rotary dims"):
+        ModelConfig.from_hf(phi3(partial_rotary_factor=0.3125), WHERE)
+
+
+# Bad input (issue 28 item 7): a part or feature the builder does not make is refused, naming it
+
+@pytest.mark.parametrize(("changes", "pattern"), [
+    ({"vision_config": {"hidden_size": 32}}, "has a vision tower \\('vision_config'\\)"),
+    ({"audio_config": {"d_model": 32}}, "has an audio tower"),
+    ({"text_config": {"vision_tower": "clip"}}, "vision tower"),
+    ({"layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]},
+     "'linear_attention': linear-attention layers \\(gated delta net"),
+    ({"text_config": {"layer_types": ["linear_attention", "full_attention"]}}, "gated delta net"),
+    ({"layer_types": ["mamba", "full_attention"]}, "'mamba': state-space"),
+    ({"block_types": ["recurrent", "recurrent", "attention"]}, "recurrent blocks"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope scaling 'yarn'"),
+])
+def test_unbuilt_part_or_feature_is_named(changes, pattern):
+    with pytest.raises(UnsupportedModel, match=pattern) as exc:
+        ModelConfig.from_hf(llama(**changes), WHERE)
+    assert str(exc.value).startswith(WHERE)
+
+
+def test_qwen3_5_is_refused_for_its_gated_delta_net_and_its_vision_tower():
+    """A Qwen3.5 config (a vision tower beside a text model of gated delta net and attention layers) names what
+    the builder lacks, not only that the architecture is unknown."""
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "vision_config": {"depth": 2},
+              "text_config": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention"] * 3 +
+                              ["full_attention"]}}
+    with pytest.raises(UnsupportedModel, match="vision tower"):
+        ModelConfig.from_hf(config, WHERE)
+    del config["vision_config"]
+    with pytest.raises(UnsupportedModel, match="'qwen3_5'.*linear_attention.*gated delta net"):
+        ModelConfig.from_hf(config, WHERE)
+
+
+def test_attention_layer_types_are_not_refused():
+    cfg = ModelConfig.from_hf(llama(layer_types=["full_attention"] * 4), WHERE)
+    assert cfg.num_layers == 4
