@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
-# Q4_1/Q4_K matrices smaller than this keep a float zero point instead of the offset product (``_kept``): the
-# second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves on small matrices
+# offset-type (Q4_1/Q4_K/Q5_1/Q5_K) matrices smaller than this keep a float zero point instead of the offset
+# product (``_kept``): the second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves on small matrices
 # (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster: kernel_bench.py)
 OFFSET_FORM_MIN_WEIGHTS = 1 << 21
 
@@ -79,8 +79,8 @@ class StageSpec:
 @dataclass(frozen=True)
 class OffsetWeight:
     """A linear weight [rows, cols] kept as ``codes * scale + offset`` per group of ``group`` columns (GGUF's
-    Q4_1 and Q4_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed pattern),
-    ``offset`` [rows, cols / group] f32 the groups' offsets. ``linear`` multiplies both."""
+    Q4_1, Q4_K, Q5_1, Q5_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed
+    pattern), ``offset`` [rows, cols / group] f32 the groups' offsets. ``linear`` multiplies both."""
 
     weight: ov.Output
     offset: ov.Output
@@ -146,15 +146,15 @@ class _Weights:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
         linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
         Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32), or a
-        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for a large Q4_1/Q4_K matrix unless ``table``, the
-        embedding's Gather, asks for one value)."""
+        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for a large matrix of an offset type unless
+        ``table``, the embedding's Gather, asks for one value)."""
         from .gguf import WITH_OFFSET
 
         kind = self.source.kind(name)
         kept = (matrix or table) and self.keep_blocks and kind not in ("f16", "f32")
         shape = list(self.source.shape(name))
         small = math.prod(shape) < OFFSET_FORM_MIN_WEIGHTS
-        # a large Q4_1/Q4_K table used as a matrix too (tied) gets both forms; otherwise one form serves both
+        # a large offset-type table used as a matrix too (tied) gets both forms; otherwise one form serves both
         key = (name, "table") if table and kept and kind in WITH_OFFSET and not small else name
         if key in self.nodes:
             return self.nodes[key]
@@ -177,31 +177,33 @@ class _Weights:
         return self.nodes[name]
 
     def _kept(self, name: str, shape: list[int], zero_point: bool) -> ov.Output | OffsetWeight:
-        """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|i4|u4 [rows, cols/g, g])
-        -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32 (16 for
-        Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed weights, with
-        int8 activations: "dynamic quantization").
+        """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|u8|i4|u4 [rows, cols/g, g],
+        ``gguf.STORED``) -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32
+        (16 for exact Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
+        weights, with int8 activations: "dynamic quantization").
 
-        The offset types (Q4_1, Q4_K: w = q * scale + offset) come back as an ``OffsetWeight`` whose offsets
-        ``linear`` adds as a second, small product: a float zero point, the other exact form, turns the
+        The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, w = q * scale + offset) come back as an
+        ``OffsetWeight`` whose offsets ``linear`` adds as a second, small product: a float zero point, the other exact form, turns the
         plugin's int8-activation path off and ran 1.25-2x slower (bench/kernel_bench.py). With
         ``zero_point`` (the embedding's Gather, and matrices under ``OFFSET_FORM_MIN_WEIGHTS``) they are
         ``(q - zero point) * scale``, zero point f32: the form OpenVINO's compressed Gather takes."""
-        from .gguf import GROUP, STORED, WITH_OFFSET, pack_nibbles
+        from .gguf import CODED_OFFSET, GROUP, QK_K, STORED, WITH_OFFSET, pack_nibbles
 
         kind = self.source.kind(name)
         rows, cols = shape
         g = GROUP[kind]
         groups = [rows, cols // g, 1]
-        wtype = {"i8": ov.Type.i8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
+        wtype = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
+        nibbles = STORED[kind] in ("i4", "u4")
+        per_step = QK_K // g  # groups per super-block: the CODED_OFFSET types' offset steps
         offset = kind in WITH_OFFSET
         part = "zero_point" if zero_point else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
             scale, extra = np.empty(groups, np.float32), np.empty(groups, np.float32)
-            codes, dmin = np.empty((rows, cols // g), np.uint8), np.empty((rows, cols // g // 8), np.float32)
-            raw = weights.data.view(np.uint8 if wtype != ov.Type.i8 else np.int8).reshape(rows, -1)
+            codes, dmin = np.empty((rows, cols // g), np.uint8), np.empty((rows, cols // QK_K), np.float32)
+            raw = weights.data.view(np.int8 if wtype == ov.Type.i8 else np.uint8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
                 b = min(rows, a + step)
@@ -213,13 +215,13 @@ class _Weights:
                     extra[a:b, :, 0] = q.offset
                     if q.offset_codes is not None:
                         codes[a:b], dmin[a:b] = q.offset_codes, q.offset_step
-                raw[a:b] = (values if wtype == ov.Type.i8 else pack_nibbles(values)).reshape(b - a, -1)
+                raw[a:b] = (pack_nibbles(values) if nibbles else values).reshape(b - a, -1)
                 scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
             if zero_point:
                 return parts | ({part: ov.Tensor(extra)} if offset else {})
-            if kind == "Q4_K":  # the offsets as 6-bit integers times -dmin per 8 groups: exact, a quarter the bytes
-                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, 8)),
+            if kind in CODED_OFFSET:  # the offsets as 6-bit integers times -dmin per 256: exact, a quarter the bytes
+                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, per_step)),
                                 "offset_step": ov.Tensor(dmin[..., None])}
             return parts | ({"offset": ov.Tensor(extra[..., 0].astype(np.float16))} if offset else {})  # f16 exact
 
@@ -237,13 +239,17 @@ class _Weights:
         return OffsetWeight(weight, self._offsets(name, kind, rows, cols // g, compute), g)
 
     def _offsets(self, name: str, kind: str, rows: int, groups: int, compute: Callable[[str], ov.Tensor]) -> ov.Output:
-        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's as its 6-bit minima (u8) times
-        -dmin per block of 8 groups, the compressed pattern (a quarter of f32's bytes), Q4_1's as f16 (its own
+        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's and Q5_K's (``CODED_OFFSET``) as
+        their 6-bit minima (u8 [rows, groups / k, k]) times -dmin per super-block of k groups (f32 [rows,
+        groups / k, 1]), the compressed pattern (a quarter of f32's bytes); Q4_1's and Q5_1's as f16 (their own
         type)."""
-        if kind == "Q4_K":
-            codes = self._postponed(ov.Type.u8, [rows, groups // 8, 8], lambda: compute("offset_codes"),
+        from .gguf import CODED_OFFSET, GROUP, QK_K
+
+        if kind in CODED_OFFSET:
+            k = QK_K // GROUP[kind]
+            codes = self._postponed(ov.Type.u8, [rows, groups // k, k], lambda: compute("offset_codes"),
                                     f"{name}/offset")
-            step = self._postponed(ov.Type.f32, [rows, groups // 8, 1], lambda: compute("offset_step"),
+            step = self._postponed(ov.Type.f32, [rows, groups // k, 1], lambda: compute("offset_step"),
                                    f"{name}/offset/scale")
             x = op.multiply(op.convert(codes, ov.Type.f32), step, name=f"{name}/offset/fq_weights_1")
             return op.reshape(x, _i64([rows, groups]), special_zero=False).output(0)
@@ -470,7 +476,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
     ``int8`` (a ``compiler.compress.WeightSpec`` of format int8): every linear and embedding weight is
     written in NNCF's per-channel int8 form as it is read (``compress.int8_rows``), norms and biases f16.
-    ``keep_blocks`` (a GGUF source, compiler/gguf.py): its Q8_0/Q4_0/Q4_1 weights keep their blocks.
+    ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
+    blocks.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """

@@ -45,10 +45,21 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# block bytes, where its f16 d (and dmin) are, their scale: Q5_K's codes reach 31, so half Q4_K's d gives its range
+K_FIELDS = {"Q5_K": (176, (0, 2), 0.5e-3), "Q3_K": (110, (108,), 1e-3), "Q2_K": (84, (80, 82), 1e-3)}
+
+
 def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """Valid random Q4_K or Q6_K blocks for a [rows, cols] weight: uint8 [rows, cols / 256 * block bytes]."""
+    """Valid random K-quant blocks (Q4_K, Q6_K, ``K_FIELDS``' types) for a [rows, cols] weight: uint8 [rows,
+    cols / 256 * block bytes], random bytes with f16 scales d (and dmin) of 1..3 times 1e-3 (Q4_K; ``K_FIELDS``
+    gives the others'; Q6_K 1e-4)."""
     n = rows * cols // 256
-    if kind == "Q4_K":  # f16 d, f16 dmin, 12 B of 6-bit scales and mins, 128 B of nibbles
+    if kind in K_FIELDS:
+        size, fields, unit = K_FIELDS[kind]
+        blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        for at in fields:
+            blocks[:, at:at + 2] = (rng.uniform(1, 3, (n, 1)) * unit).astype(np.float16).view(np.uint8)
+    elif kind == "Q4_K":  # f16 d, f16 dmin, 12 B of 6-bit scales and mins, 128 B of nibbles
         d = (rng.uniform(1, 3, (n, 2)) * 1e-3).astype(np.float16).view(np.uint8)
         blocks = np.concatenate([d, rng.integers(0, 256, (n, 140), dtype=np.uint8)], axis=1)
     else:  # Q6_K: 128 B low nibbles, 64 B high bits, 16 int8 scales, f16 d
@@ -71,7 +82,8 @@ def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
 def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  # noqa: ANN001
                     kinds: dict[str, str] | None = None, *, head_dim: int | None = None, tied: bool = False,
                     model_name: str | None = None, rope_freqs: np.ndarray | None = None,
-                    split_max_tensors: int = 0, vocab: int | None = None) -> None:
+                    split_max_tensors: int = 0, vocab: int | None = None, down: dict[int, str] | None = None,
+                    embedding: str = "Q8_0", output: str = "Q4_1") -> None:
     """A 4-layer random GGUF with the demo's tokenizer metadata and every kept block type, written as
     llama.cpp's converter writes ``arch`` (convert_hf_to_gguf.py: ``LlamaModel`` permutes Q/K rows,
     ``Qwen2Model`` adds q/k/v biases, ``Qwen3Model`` q/k norms; neither Qwen permutes).
@@ -82,7 +94,9 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
     ``rope_freqs`` adds ``rope_freqs.weight`` (Llama 3.1's); ``split_max_tensors`` > 0 splits the file as
     gguf-split does, into ``<stem>-00001-of-0000N.gguf``, ... (gguf-py's ``SHARD_NAME_FORMAT``); ``vocab`` keeps
     the demo's first ``vocab`` tokens and the merges among them (a smaller file gguf-py and transformers parse
-    in a fraction of the time; the special tokens are the first ones)."""
+    in a fraction of the time; the special tokens are the first ones); ``down`` gives some layers' ``ffn_down``
+    (256 columns: the K-quants fit) another type (default Q4_K for layer 2, Q6_K for 3); ``embedding`` and
+    ``output`` are the types of ``token_embd`` and ``output``."""
     import gguf
 
     tokens, merges, types, template = demo_vocabulary(str(demo_gguf))
@@ -121,7 +135,7 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
         if heads and arch == "llama":
             w = _permute(w, heads)
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind in ("Q4_K", "Q6_K"):
+        if kind.endswith("_K"):
             writer.add_tensor(name, k_blocks(rows, cols, kind, rng), raw_dtype=qtype)
         elif kind == "F16":
             writer.add_tensor(name, w.astype(np.float16))
@@ -131,14 +145,14 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
     def norm(name: str, size: int = HIDDEN) -> None:
         writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(size)).astype(np.float32))
 
-    matrix("token_embd.weight", len(tokens), HIDDEN, "Q8_0")
+    matrix("token_embd.weight", len(tokens), HIDDEN, embedding)
     d = head_dim or HIDDEN // HEADS
     q, kv = HEADS * d, KV_HEADS * d
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
         layer = {k: ("F16" if i == 1 and k == "ffn_up" else v) for k, v in (kinds or KINDS).items()}  # an F16 too
-        layer["ffn_down"] = {2: "Q4_K", 3: "Q6_K"}.get(i, layer["ffn_down"])  # K-quants need 256 columns
+        layer["ffn_down"] = ({2: "Q4_K", 3: "Q6_K"} if down is None else down).get(i, layer["ffn_down"])  # 256 cols
         matrix(f"blk.{i}.attn_q.weight", q, HIDDEN, layer["attn_q"], HEADS)
         matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, layer["attn_k"], KV_HEADS)
         matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, layer["attn_v"])
@@ -154,7 +168,7 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
             norm(f"blk.{i}.attn_k_norm.weight", d)
     norm("output_norm.weight")
     if not tied:
-        matrix("output.weight", len(tokens), HIDDEN, "Q4_1")
+        matrix("output.weight", len(tokens), HIDDEN, output)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     writer.write_header_to_file()
@@ -199,9 +213,9 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
     assert_matches_transformers(tmp_path / "build", path)
 
 
-def assert_matches_transformers(build_dir, path) -> None:  # noqa: ANN001
-    """The build's chained stages give transformers' f32 logits (its own GGUF loader on ``path``) within 1e-4,
-    with the same argmax everywhere."""
+def assert_matches_transformers(build_dir, path, tolerance: float = 1e-4) -> None:  # noqa: ANN001
+    """The build's chained stages give transformers' f32 logits (its own GGUF loader on ``path``) within
+    ``tolerance``, with the same argmax everywhere."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -210,13 +224,13 @@ def assert_matches_transformers(build_dir, path) -> None:  # noqa: ANN001
     garbage = np.random.default_rng(2).integers(0, 49152, 16)
     got = chained_logits(build_dir, ids, garbage)
     expected = transformers_logits(reference, ids)
-    assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
+    assert np.abs(got - expected).max() < tolerance, np.abs(got - expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
 
-def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
+def check_blocks_against_gguf_py(path, kinds=("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")) -> None:  # noqa: ANN001
     """Every kept weight's values * scale + offset, and its zero-point form (the embedding's Gather),
-    equal gguf-py's dequantization of its bytes."""
+    equal gguf-py's dequantization of its bytes; the kept types seen are ``kinds``."""
     from compiler.gguf import GGUFWeights
     from compiler.source import read_gguf
 
@@ -237,7 +251,43 @@ def check_blocks_against_gguf_py(path) -> None:  # noqa: ANN001
             ours = ((values.astype(np.float32) - zero[..., None]) * scale[..., None]).reshape(shape)
             assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max()), name
         seen.add(q.kind)
-    assert seen == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}, seen
+    assert seen == set(kinds), seen
+
+
+FIVE_BIT = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q5_1",
+            "ffn_up": "Q5_0", "ffn_down": "Q5_K"}
+
+
+@pytest.mark.parametrize("offset_form", [False, True])
+def test_tiny_gguf_of_the_5_and_3_bit_types_matches_transformers(offset_form, demo_gguf, tmp_path, monkeypatch):
+    """Q5_0 (i8 codes), Q5_1 and Q5_K (u8 codes and offsets) and Q3_K (i8 codes -(sc - 32) q times -d per 32) are
+    kept, not dequantized: a Q5_1 embedding (the Gather's zero-point form) and head (the offset form), Q5_0/Q5_1
+    layer matrices, Q5_K and Q3_K ``ffn_down``. Built as it comes (small matrices in the zero-point form) and with
+    every offset-type matrix in the offset form (``OFFSET_FORM_MIN_WEIGHTS`` lowered, in process): transformers'
+    f32 logits within 2e-4 either way. Measured: 5.1e-5 and 7.6e-5 (7e-5 from transformers in f64, whose own f32
+    logits are 2e-5 off it; each kept product is within 1.5e-7 of sum |x| |w| of f64's): f32 summation over
+    wider codes, where a wrong bit or an integer zero point moves logits by ~0.5."""
+    from compiler import export
+    from compiler.build import build as build_in_process
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, demo_gguf, kinds=FIVE_BIT, down={1: "Q3_K"}, embedding="Q5_1", output="Q5_1")
+    if offset_form:
+        monkeypatch.setattr(export, "OFFSET_FORM_MIN_WEIGHTS", 0)
+        build_in_process(path, tmp_path / "build", layers="0:1,1:3,3:4", exact_blocks=True)
+        xml = "".join((tmp_path / "build" / f"stage_{i}" / "openvino_model.xml").read_text() for i in range(3))
+        assert xml.count("/offset/matmul") == 3 * LAYERS + 1 + 3, xml.count("/offset/matmul")  # k/o/gate, head, down
+    else:
+        manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4")
+        kinds = {}
+        for stage in manifest["stages"]:
+            assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
+            for kind, n in stage["compression"]["tensors"].items():
+                kinds[kind] = kinds.get(kind, 0) + n
+        assert kinds == {"Q5_0": 3 * LAYERS - 1, "Q5_1": 3 * LAYERS + 2, "Q5_K": LAYERS - 1, "Q3_K": 1, "f16": 1,
+                         "f32": 2 * LAYERS + 1}, kinds
+        check_blocks_against_gguf_py(path, ("Q5_0", "Q5_1", "Q5_K", "Q3_K"))
+    assert_matches_transformers(tmp_path / "build", path, tolerance=2e-4)
 
 
 def test_offset_form_of_q4_k_and_q4_1_matches_transformers(demo_gguf, tmp_path, monkeypatch):

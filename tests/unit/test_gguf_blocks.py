@@ -1,0 +1,72 @@
+"""compiler/gguf.py's kept block forms against gguf-py's dequantization (``gguf.quants.dequantize``, the
+reference): for every kept type, random blocks unpacked by ``GGUFWeights.blocks`` give back gguf-py's f32
+values exactly, as codes x scale (+ offset), as the zero-point form, and with the coded offsets
+(``CODED_OFFSET``); the codes fit the OpenVINO type they are stored as (``STORED``)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from compiler.gguf import CODED_OFFSET, GROUP, KEPT, STORED, WITH_OFFSET, GGUFWeights, _Tensor
+
+Q = gguf.GGMLQuantizationType
+K_FIELDS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,))}
+RANGE = {"i8": (-128, 127), "u8": (0, 255), "i4": (-8, 7), "u4": (0, 15)}
+BITS = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q3_K": (-128, 124)}  # the types' own code ranges
+
+
+def raw_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, bytes per row] of valid ``kind`` blocks: gguf-py's quantizer where it has one, else random
+    bytes with f16 scales (d, dmin) of 1e-3..3e-3 (every bit pattern of the rest is a valid block)."""
+    if kind not in K_FIELDS:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q[kind])
+    size, fields = K_FIELDS[kind]
+    raw = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    for at in fields:
+        raw[:, at:at + 2] = (rng.uniform(1, 3, (len(raw), 1)) * 1e-3).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def weights_of(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFWeights:
+    w = GGUFWeights.__new__(GGUFWeights)  # no file: one tensor as a reader's memory map would give it
+    w.exact, w.folder = True, None
+    w.tensors = {"w": _Tensor(raw, kind, shape, 0)}
+    return w
+
+
+@pytest.mark.parametrize("kind", KEPT)
+def test_kept_blocks_are_gguf_py_dequantization_exactly(kind):
+    rng = np.random.default_rng(KEPT.index(kind))
+    rows, cols = 12, 768
+    raw = raw_blocks(kind, rows, cols, rng)
+    theirs = gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols)
+    q = weights_of(kind, raw, (rows, cols)).blocks("w", (0, rows))
+    assert q.kind == kind and q.values.shape == (rows, cols // GROUP[kind], GROUP[kind])
+    assert q.scale.dtype == np.float32 and q.scale.shape == q.values.shape[:2]
+    low, high = RANGE[STORED[kind]]
+    assert low <= q.values.min() and q.values.max() <= high
+    if kind in BITS:
+        assert (q.values.min(), q.values.max()) == BITS[kind]  # random blocks reach both ends
+    assert (q.offset is not None) == (kind in WITH_OFFSET)
+    offset = 0 if q.offset is None else q.offset[..., None]
+    ours = (q.values.astype(np.float32) * q.scale[..., None] + offset).reshape(rows, cols)
+    assert np.array_equal(ours, theirs), np.abs(ours - theirs).max()
+    if kind in WITH_OFFSET:
+        values, zero, scale = q.zero_point()
+        ours = ((values.astype(np.float32) - zero[..., None]) * scale[..., None]).reshape(rows, cols)
+        assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max())
+    if kind in CODED_OFFSET:
+        assert q.offset_codes.dtype == np.uint8 and q.offset_codes.max() < 64
+        step = np.repeat(q.offset_step, q.offset_codes.shape[-1] // q.offset_step.shape[-1], axis=-1)
+        assert np.array_equal(q.offset_codes * step, q.offset)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_K", "Q3_K"])
+def test_kept_blocks_of_a_row_range(kind):
+    """Rows [a, b) unpack as those rows of the whole."""
+    raw = raw_blocks(kind, 8, 512, np.random.default_rng(7))
+    w = weights_of(kind, raw, (8, 512))
+    whole, part = w.blocks("w", (0, 8)), w.blocks("w", (3, 6))
+    assert np.array_equal(part.values, whole.values[3:6]) and np.array_equal(part.scale, whole.scale[3:6])
