@@ -1,0 +1,193 @@
+"""Phi-3 GGUF files (issue 28 item 2) built straight into stages, their blocks kept, against transformers in f32.
+
+The tiny phi3 and phi4mini models of test_architectures (transformers' ``Phi3ForCausalLM``: fused ``qkv_proj``
+and ``gate_up_proj``; phi4mini with LongRoPE at 4x the original context, partial rotary 0.75, tied head) are
+written as llama.cpp's converter writes a ``Phi3ForCausalLM`` (convert_hf_to_gguf.py ``Phi3MiniModel``; names
+from gguf-py's tensor_mapping): ``blk.N.attn_qkv`` holding q, k, v and ``blk.N.ffn_up`` holding gate then up,
+rows not permuted; ``phi3.rope.dimension_count`` = int(0.75 x hidden) / heads; ``rope_factors_short.weight`` and
+``rope_factors_long.weight`` with ``phi3.rope.scaling.attn_factor`` and ``.original_context_length``;
+``phi3.attention.sliding_window`` (0: none). Matrices are Q8_0, Q4_0, Q4_1 (gguf-py ``gguf.quants``), norms F32;
+the tokenizer is the demo's (the HF models' vocabulary).
+
+The reference is transformers' model of the same config with every weight replaced by the file's values as
+gguf-py dequantizes them (the fused tensors are HF's fused parameters, so the split is the builder's alone).
+transformers' own GGUF loader is not used: it reads neither ``rope.dimension_count`` nor the LongRoPE tensors.
+Logits at every position of test_architectures' 64-token sequence with rejected slots, 3 and 2 stages, f32.
+Measured max |error| (the same for 3 and 2 stages): phi3 1.2e-5, phi4mini 1.5e-5 on logits |max| 6.4-6.7;
+``ATOL`` is ~7x the worst.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .test_architectures import SEQ, VOCAB, chained_logits, make_tiny_model
+from .test_gguf import build, demo_gguf, demo_vocabulary, transformers_logits  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+ATOL = 1e-4
+LAYERS = {3: "0:1,1:3,3:4", 2: "0:2,2:4"}
+KINDS = {"attn_qkv": "Q8_0", "attn_output": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0",
+         "output": "Q4_1"}  # per GGUF tensor role; norms F32
+TO_HF = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+         "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def write_phi3_gguf(hf: Path, path: Path, demo: Path) -> None:
+    """The f32 HF folder ``hf`` (a transformers Phi3 model) as llama.cpp's converter writes it (module docstring)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = __import__("json").loads((hf / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    tensors = load_file(str(hf / "model.safetensors"))
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    tokens, merges, types, template = demo_vocabulary(str(demo))
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    max_pos, original = config["max_position_embeddings"], config["original_max_position_embeddings"]
+    writer.add_context_length(max_pos)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(template)
+    if rope.get("long_factor"):
+        scale = max_pos / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+    def matrix(name: str, w: np.ndarray, kind: str) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+
+    matrix("token_embd.weight", tensors["model.embed_tokens.weight"], KINDS["token_embd"])
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].astype(np.float32))
+    if "lm_head.weight" in tensors:
+        matrix("output.weight", tensors["lm_head.weight"], KINDS["output"])
+    for i in range(config["num_hidden_layers"]):
+        for role, name in TO_HF.items():
+            w = tensors[f"model.layers.{i}.{name}.weight"]
+            if w.ndim == 1:
+                writer.add_tensor(f"blk.{i}.{role}.weight", w.astype(np.float32))
+            else:
+                matrix(f"blk.{i}.{role}.weight", w, KINDS[role])
+    if rope.get("long_factor"):
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
+    """transformers' model of ``hf``'s config in f32, its weights the GGUF's values as gguf-py dequantizes them."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for t in gguf.GGUFReader(str(path)).tensors:
+            if t.name.startswith("rope_factors"):
+                continue
+            parts = t.name.split(".")
+            name = names.get(t.name) or f"model.layers.{parts[1]}.{TO_HF[parts[2]]}.weight"
+            values = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+            params[name].copy_(torch.from_numpy(np.array(values, np.float32).reshape(params[name].shape)))
+            seen.add(name)
+    assert seen == set(params), set(params) - seen
+    return model
+
+
+class Zoo:
+    """The module's GGUF files and their references, each made once, on first use."""
+
+    def __init__(self, root: Path, demo_hf: Path, demo: Path) -> None:
+        self.root, self.demo_hf, self.demo = root, demo_hf, demo
+        rng = np.random.default_rng(7)
+        self.ids, self.garbage = rng.integers(3, VOCAB, SEQ), rng.integers(3, VOCAB, 8)
+
+    @cache  # noqa: B019 - one Zoo per module
+    def hf(self, arch: str) -> Path:
+        return make_tiny_model(arch, self.root / "hf", self.demo_hf)["f32"]
+
+    @cache  # noqa: B019
+    def gguf(self, arch: str) -> Path:
+        path = self.root / arch / f"{arch}.gguf"
+        path.parent.mkdir(parents=True)
+        write_phi3_gguf(self.hf(arch), path, self.demo)
+        return path
+
+    @cache  # noqa: B019
+    def reference_logits(self, arch: str) -> np.ndarray:
+        return transformers_logits(gguf_reference(self.hf(arch), self.gguf(arch)), self.ids)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory, demo_hf, demo_gguf) -> Zoo:  # noqa: F811 - demo_gguf is a fixture
+    return Zoo(tmp_path_factory.mktemp("gguf-phi3"), demo_hf, demo_gguf)
+
+
+def test_phi3_gguf_config_is_the_hf_config(zoo):
+    """The GGUF's config reads as the HF folder's: the same frequencies (LongRoPE's short factors from the file's
+    tensors), attention factor (the file's f32 value), rotary dims, context (original or window) and tied head."""
+    from compiler.arch import ModelConfig
+    from compiler.source import open_source
+
+    for arch in ("phi3", "phi4mini"):
+        hf = ModelConfig.from_folder(zoo.hf(arch))
+        source = open_source(zoo.gguf(arch), zoo.root / "work")
+        cfg = source.config
+        assert cfg.fused and cfg.model_type == "phi3"
+        assert (cfg.rotary_dim, cfg.max_context, cfg.tie_word_embeddings) == \
+            (hf.rotary_dim, hf.max_context, hf.tie_word_embeddings)
+        np.testing.assert_allclose(cfg.inv_freq, hf.inv_freq, rtol=1e-6)
+        assert cfg.rope_scale == pytest.approx(hf.rope_scale, rel=1e-6)
+        assert "model.layers.0.mlp.gate_proj.weight" in source.weights
+        assert "model.layers.0.self_attn.qkv_proj.weight" not in source.weights
+
+
+@pytest.mark.parametrize("stages", [3, 2])
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini"])
+def test_phi3_gguf_stages_match_transformers(arch, stages, zoo, tmp_path):
+    """The build keeps the file's blocks (the fused tensors' row ranges, nothing dequantized) and its chained stages
+    give transformers' f32 logits on the file's values within ``ATOL``, with the same argmax everywhere."""
+    manifest = build(zoo.gguf(arch), tmp_path / "build", "--layers", LAYERS[stages], "--exact-blocks")
+    assert len(manifest["stages"]) == stages and manifest["architecture"]["model_type"] == "phi3"
+    kinds: dict[str, int] = {}
+    for stage in manifest["stages"]:
+        assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
+        for kind, n in stage["compression"]["tensors"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    tied = arch == "phi4mini"
+    # per layer q, k, v Q8_0 (attn_qkv), o Q4_1, gate and up Q4_0 (ffn_up), down Q8_0; the embedding Q8_0 (twice
+    # when tied: the last stage's head), the head Q4_1 otherwise; 2 norms per layer and the final one F32
+    assert kinds == {"Q8_0": 4 * 4 + 1 + tied, "Q4_1": 4 + (not tied), "Q4_0": 2 * 4, "f32": 2 * 4 + 1}, kinds
+    got = chained_logits(tmp_path / "build", zoo.ids, zoo.garbage)
+    expected = zoo.reference_logits(arch)
+    err = np.abs(got - expected).max()
+    assert err < ATOL, f"{arch}, {stages} stages: max |error| {err:.3g} (logits |max| {np.abs(expected).max():.3g})"
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
