@@ -6,8 +6,8 @@ first, so a GGUF [cols, rows] tensor is HF's [rows, cols]. llama.cpp's converter
 llama-family Q and K weights for its interleaved RoPE (``LlamaModel.permute`` in convert_hf_to_gguf.py);
 they are put back in HF's order (qwen2/qwen3 files are not permuted).
 
-Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1 and Q4_K, a per-block offset
-(the block's minimum), in f32 so ``q * scale + offset`` gives the dequantized GGUF value to f32 rounding,
+Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, Q4_K, Q5_1 and Q5_K, a per-block
+offset (the block's minimum), in f32 so ``q * scale + offset`` gives the dequantized GGUF value to f32 rounding,
 never a second 4- or 8-bit rounding:
 
 =====  ===============================================  ======================================
@@ -18,6 +18,14 @@ Q4_0   32: f16 d, 16 B of nibbles: w = (q - 8) d        i4 (q - 8) x d
 Q4_1   32: f16 d, f16 m, 16 B of nibbles: w = q d + m   u4 q x d, offset m
 Q4_K   256: f16 d, dmin; 8 x 6-bit (sc, m); nibbles:    u4 q per 32 x d sc, offset -dmin m
        w = d sc q - dmin m
+Q5_0   32: f16 d, 4 B of fifth bits, 16 B of nibbles:   i8 (q - 16) x d
+       w = (q - 16) d
+Q5_1   32: f16 d, f16 m, 4 B fifth bits, 16 B nibbles:  u8 q x d, offset m
+       w = q d + m
+Q5_K   256: Q4_K's fields + 32 B of high bits:          u8 q per 32 x d sc, offset -dmin m
+       w = d sc q - dmin m
+Q3_K   256: 2 + 1 bits q, 16 x 6-bit sc, f16 d:         i8 -(sc - 32) q per 32 x -d (exact: -128..124)
+       w = d (sc - 32) q, q = -4..3, per 16
 Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc (exact); by default
        w = d sc (q - 32)                                re-quantized to i8 per 32 x max|w|/127 f32
 =====  ===============================================  ======================================
@@ -30,7 +38,7 @@ measured error).
 
 GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
-Every other type (F16, BF16, Q5_*, Q3_K, Q2_K, IQ*, ...) is dequantized by gguf-py (``gguf.quants``) and stored
+Every other type (F16, BF16, Q2_K, IQ*, TQ*, MXFP4, ...) is dequantized by gguf-py (``gguf.quants``) and stored
 as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, biases) stay f32.
 
 Split files (llama.cpp's ``gguf-split``: ``<prefix>-00001-of-0000N.gguf``, ..., the name pattern of llama.h's
@@ -65,11 +73,15 @@ GGUF_LAYER_TO_HF = {
     "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k, v fused; its ffn_up holds gate and up (source.split_fused)
 }
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # RoPE's, not weights
-KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K")
 NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
-GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32}  # weights per scale
-STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q6_K~i8g32": "i8"}  # OpenVINO types
-WITH_OFFSET = ("Q4_1", "Q4_K")  # w = q * scale + offset per group (export.py: a second, small product)
+GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32, "Q5_0": 32, "Q5_1": 32,
+         "Q5_K": 32, "Q3_K": 32}  # weights per scale
+STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q6_K~i8g32": "i8", "Q5_0": "i8",
+          "Q5_1": "u8", "Q5_K": "u8", "Q3_K": "i8"}  # OpenVINO types
+WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")  # w = q * scale + offset per group (export.py: a second, small product)
+CODED_OFFSET = ("Q4_K", "Q5_K")  # offsets = 6-bit codes (u8) x -dmin per super-block of 256 weights (export.py)
+QK_K = 256  # weights per K-quant super-block (ggml-common.h)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # GGUF arch -> model_type
 ROW_BLOCK_BYTES = 32 << 20
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
@@ -94,16 +106,17 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class QuantRows:
-    """Rows of a kept quantized weight: ``values`` [rows, groups, GROUP[kind]] (int8 for Q8_0 and Q6_K, i4
-    values -8..7 as int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1 and Q4_K), ``scale`` [rows, groups]
-    f32 and ``offset`` [rows, groups] f32 (Q4_1, Q4_K; else None): weight = values * scale + offset."""
+    """Rows of a kept quantized weight: ``values`` [rows, groups, GROUP[kind]] (int8 for Q8_0, Q6_K, Q5_0 and
+    Q3_K, i4 values -8..7 as int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1 and Q4_K, u5 values 0..31 as
+    uint8 for Q5_1 and Q5_K), ``scale`` [rows, groups] f32 and ``offset`` [rows, groups] f32 (``WITH_OFFSET``;
+    else None): weight = values * scale + offset."""
 
     kind: str
     values: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
-    offset_codes: np.ndarray | None = None  # Q4_K: offset = offset_codes * offset_step, u8 [rows, groups]
-    offset_step: np.ndarray | None = None  # Q4_K: -dmin per block of 8 groups, f32 [rows, groups / 8]
+    offset_codes: np.ndarray | None = None  # CODED_OFFSET: offset = offset_codes * offset_step, u8 [rows, groups]
+    offset_step: np.ndarray | None = None  # CODED_OFFSET: -dmin per super-block (8 groups), f32 [rows, groups / 8]
 
     def zero_point(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same weights as ``(values' - zero_point) * scale'`` (values', zero_point, scale', all per group;
@@ -211,48 +224,85 @@ class GGUFWeights:
         n = raw.shape[0]
         if t.qtype == "Q8_0":
             b = raw.reshape(n, -1, 34)
-            return QuantRows("Q8_0", b[..., 2:].view(np.int8), b[..., :2].copy().view(np.float16)[..., 0]
-                             .astype(np.float32), None)
+            return QuantRows("Q8_0", b[..., 2:].view(np.int8), _f16(b[..., :2]), None)
         if t.qtype == "Q4_0":
             b = raw.reshape(n, -1, 18)
-            q = np.concatenate([b[..., 2:] & 0x0F, b[..., 2:] >> 4], axis=-1).astype(np.int8) - 8
-            return QuantRows("Q4_0", q, b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32), None)
+            return QuantRows("Q4_0", _low_high(b[..., 2:]).astype(np.int8) - 8, _f16(b[..., :2]), None)
         if t.qtype == "Q4_1":
             b = raw.reshape(n, -1, 20)
-            d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            q = np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], axis=-1)
-            return QuantRows("Q4_1", q, d, m)
-        if t.qtype == "Q4_K":  # gguf-py's Q4_K.dequantize_blocks, kept apart
+            return QuantRows("Q4_1", _low_high(b[..., 4:]), _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+        if t.qtype == "Q5_0":
+            b = raw.reshape(n, -1, 22)
+            q = (_low_high(b[..., 6:]) | (_bits32(b[..., 2:6]) << 4)).astype(np.int8) - 16
+            return QuantRows("Q5_0", q, _f16(b[..., 0:2]), None)
+        if t.qtype == "Q5_1":
+            b = raw.reshape(n, -1, 24)
+            q = _low_high(b[..., 8:]) | (_bits32(b[..., 4:8]) << 4)
+            return QuantRows("Q5_1", q, _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+        if t.qtype in ("Q4_K", "Q5_K"):  # gguf-py's Q4_K/Q5_K.dequantize_blocks, kept apart
             import gguf
 
-            b = raw.reshape(n, -1, 144)
+            b = raw.reshape(n, -1, 144 if t.qtype == "Q4_K" else 176)
             blocks = b.shape[1]
-            d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
             sc, mins = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
             scale = d[..., None] * sc.reshape(n, blocks, 8).astype(np.float32)  # [n, blocks, 8]
             minimum = dmin[..., None] * mins.reshape(n, blocks, 8).astype(np.float32)
-            qs = b[..., 16:].reshape(n, blocks, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-            q = (qs & 0x0F).reshape(n, blocks * 8, 32)
-            return QuantRows("Q4_K", q, scale.reshape(n, -1), -minimum.reshape(n, -1),
+            if t.qtype == "Q4_K":
+                q = _planes(b[..., 16:], 4)
+            else:  # Q5_K: 32 B of fifth bits (bit g of byte i: element i of group g), then Q4_K's nibbles
+                q = _planes(b[..., 48:], 4) | (_planes(b[..., 16:48], 1) << 4)
+            return QuantRows(t.qtype, q.reshape(n, blocks * 8, 32), scale.reshape(n, -1), -minimum.reshape(n, -1),
                              mins.reshape(n, blocks * 8).astype(np.uint8), -dmin)
+        if t.qtype == "Q3_K":  # gguf-py's Q3_K.dequantize_blocks, kept apart
+            b = raw.reshape(n, -1, 110)
+            blocks = b.shape[1]
+            low = _planes(b[..., 32:96], 2).astype(np.int8)
+            q = low - ((_planes(b[..., :32], 1) ^ 1) << 2).astype(np.int8)  # -4..3: 4 less where the mask bit is 0
+            lo, hi = b[..., 96:104], b[..., 104:108]
+            sc = (np.concatenate([lo & 0x0F, lo >> 4], axis=-1)  # 16 6-bit scales - 32, per 16 weights
+                  | ((_planes(hi, 2, chunk=4) & 0x03) << 4)).astype(np.int8) - 32
+            # d sc q = (-d) (-sc q), -sc q in -128..124: int8 per 32 with scale -d, exact (Q6_K's sc q is not)
+            codes = (-(sc.reshape(n, blocks, 16, 1).astype(np.int16) * q.reshape(n, blocks, 16, 16))).astype(np.int8)
+            scale = np.repeat(-_f16(b[..., 108:110]), 8, axis=-1)
+            return QuantRows("Q3_K", codes.reshape(n, blocks * 8, 32), scale, None)
         if t.qtype == "Q6_K":  # gguf-py's Q6_K.dequantize_blocks, kept apart
             b = raw.reshape(n, -1, 210)
-            blocks = b.shape[1]
-            ql, qh = b[..., :128], b[..., 128:192]
-            sc = b[..., 192:208].view(np.int8).astype(np.float32)
-            d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
-            ql = ql.reshape(n, blocks, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-            ql = (ql & 0x0F).reshape(n, blocks, 8, 32)
-            qh = qh.reshape(n, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
-            qh = (qh & 0x03).reshape(n, blocks, 8, 32)
-            q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, blocks * 16, 16)
-            scale = (d[..., None] * sc).reshape(n, -1)
+            ql = _planes(b[..., :128], 4, chunk=64)
+            qh = _planes(b[..., 128:192], 2)
+            q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, -1, 16)
+            scale = (_f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(n, -1)
             if self.exact:
                 return QuantRows("Q6_K", q, scale, None)
             return requantize_i8(NEAR["Q6_K"], q.astype(np.float32) * scale[..., None], GROUP[NEAR["Q6_K"]])
         raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian f16 fields: bytes uint8 [..., 2] -> f32 [...]."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _low_high(qs: np.ndarray) -> np.ndarray:
+    """The low 4 bits of a 32-weight block (Q4_0/Q4_1/Q5_0/Q5_1): bytes uint8 [..., 16] -> [..., 32], element j
+    in the low nibble of byte j, j + 16 in its high nibble (ggml-quants.c ``dequantize_row_q4_0``)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's fifth bits: a little-endian u32 as bytes uint8 [..., 4] -> 0/1 uint8 [..., 32], bit j of
+    the u32 for element j (ggml-quants.c ``dequantize_row_q5_0``)."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _planes(data: np.ndarray, width: int, chunk: int = 32) -> np.ndarray:
+    """K-quant bit planes, as gguf-py's ``dequantize_blocks`` unpack them: bytes uint8 [..., k * chunk] ->
+    uint8 [..., k * 8 / width * chunk], each run of ``chunk`` bytes giving ``8 / width`` runs of ``chunk``
+    values, the lowest ``width`` bits first (Q4_K/Q5_K nibbles: width 4; Q6_K's high bits, Q3_K/Q2_K's
+    2-bit values: width 2; Q5_K's and Q3_K's single bits: width 1)."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8).reshape(-1, 1)
+    planes = data.reshape(*data.shape[:-1], -1, 1, chunk) >> shifts
+    return (planes & np.uint8((1 << width) - 1)).reshape(*data.shape[:-1], -1)
 
 
 def requantize_i8(kind: str, weights: np.ndarray, group: int) -> QuantRows:
