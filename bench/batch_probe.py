@@ -12,21 +12,15 @@ into one batch-2 request and back (what batching without persistent groups would
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import openvino as ov
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
-
-import openvino as ov  # noqa: E402
-
-from bench.models import ensure_build  # noqa: E402
-from fleet_common.runtime import compile_ir  # noqa: E402
+from bench import harness
+from fleet_common.runtime import compile_ir
 
 VOCAB = 49152
 
@@ -43,12 +37,14 @@ def feed(request: ov.InferRequest, batch: int, past: int, seq: int, rng: np.rand
 
 
 def prefill(request: ov.InferRequest, batch: int, context: int, rng: np.random.Generator) -> None:
+    """Fill ``request``'s KV with ``context`` random tokens per row (fresh state, chunks of 256)."""
     request.reset_state()
     for start in range(0, context, 256):
         feed(request, batch, start, min(256, context - start), rng)
 
 
 def step_ms(compiled: ov.CompiledModel, batch: int, context: int, seq: int, rng: np.random.Generator) -> float:
+    """Median ms of a ``seq``-token step at batch ``batch`` after ``context`` tokens (12 steps after 2 untimed)."""
     request = compiled.create_infer_request()
     prefill(request, batch, context, rng)
     times = [feed(request, batch, context + i * seq, seq, rng) for i in range(14)]
@@ -56,6 +52,7 @@ def step_ms(compiled: ov.CompiledModel, batch: int, context: int, seq: int, rng:
 
 
 def copy_ms(compiled: ov.CompiledModel, context: int, rng: np.random.Generator) -> float:
+    """Median ms of copying two sessions' KV (``context`` slots each) into a batch-2 request and back."""
     a, b, group = (compiled.create_infer_request() for _ in range(3))
     prefill(a, 1, context, rng)
     prefill(b, 1, context, rng)
@@ -74,37 +71,29 @@ def copy_ms(compiled: ov.CompiledModel, context: int, rng: np.random.Generator) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the probe (module docstring); prints the table, writes ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE)
     args = parser.parse_args(argv)
-    from compiler.source import fetch_demo
-
     cache = args.cache.resolve()
-    build = ensure_build(fetch_demo(cache / "SmolLM2-135M-Instruct"), cache, 2)
+    build = harness.ensure_build(harness.demo_hf(None, cache), cache, 2)
     os.sched_setaffinity(0, {0})
     compiled, _, _ = compile_ir(build / "stage_0" / "openvino_model.xml", "CPU", 1, "f32")
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'context':>7} | {'chunk':>5} | {'batch 1 ms':>10} | {'batch 2 / 1':>11} | {'batch 4 / 1':>11} | "
-          f"{'KV copy 2 ms':>12}")
-    print("-" * 72)
     for context in (128, 512, 1024):
         copy = copy_ms(compiled, context, rng)
         for seq in (1, 4):
             ms = {b: step_ms(compiled, b, context, seq, rng) for b in (1, 2, 4)}
-            row = {"context": context, "chunk": seq, "batch1_ms": ms[1], "batch2_ratio": ms[2] / ms[1],
-                   "batch4_ratio": ms[4] / ms[1], "kv_copy_2_sessions_ms": copy}
-            rows.append(row)
-            print(f"{context:>7} | {seq:>5} | {ms[1]:>10.2f} | {row['batch2_ratio']:>11.2f} | "
-                  f"{row['batch4_ratio']:>11.2f} | {copy:>12.2f}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "batch_probe", "stage": "2-stage build, stage 0",
-                                         "openvino": ov.get_version(), "rows": rows}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+            rows.append({"context": context, "chunk": seq, "batch1_ms": ms[1], "batch2_ratio": ms[2] / ms[1],
+                         "batch4_ratio": ms[4] / ms[1], "kv_copy_2_sessions_ms": copy})
+            print(f"  context {context}, chunk {seq}: batch 1 {ms[1]:.2f} ms", flush=True)
+    print(harness.table(["context", "chunk", "batch 1 ms", "batch 2 / 1", "batch 4 / 1", "KV copy 2 ms"],
+                        [[r["context"], r["chunk"], f"{r['batch1_ms']:.2f}", f"{r['batch2_ratio']:.2f}",
+                          f"{r['batch4_ratio']:.2f}", f"{r['kv_copy_2_sessions_ms']:.2f}"] for r in rows], pad=True))
+    harness.write_json(args.json, "batch_probe", {"stage": "2-stage build, stage 0", "rows": rows})
     return 0
 
-
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

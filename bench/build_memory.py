@@ -32,15 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import harness
 
-from bench.spec_bench import start, wait_line  # noqa: E402
+ROOT = harness.ROOT
 
 GIB = 1 << 30
 OLD_REF = "d507294"  # the last commit whose fleet-compiler built through torch
@@ -184,6 +182,7 @@ class PeakRSS:
             time.sleep(self.interval)
 
     def stop(self) -> int:
+        """Stop sampling; the peak RSS seen, bytes."""
         self._stop.set()
         self._thread.join()
         return self.peak
@@ -207,6 +206,7 @@ def timed_build(cmd: list[str], log: Path, cwd: Path, cap_bytes: int | None = No
 
 
 def stage_sizes(build: Path) -> list[int]:
+    """Each stage's ``.bin`` bytes in ``build``."""
     manifest = json.loads((build / "manifest.json").read_text())
     return [(build / s["bin"]).stat().st_size for s in manifest["stages"]]
 
@@ -216,29 +216,17 @@ def serve(build: Path, logs: Path, tokens: int) -> dict:
     import httpx
     import psutil
 
-    from coordinator.local import free_port
-
-    stages = len(json.loads((build / "manifest.json").read_text())["stages"])
-    with ExitStack() as stack:
-        workers, t0 = [], time.monotonic()
-        for stage in range(stages):
-            port, log = free_port(), logs / f"bm-worker{stage}.log"
-            proc = start([sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(build),
-                          "--port", str(port), "--no-announce", "--max-context", "512"], log, stack)
-            wait_line(log, "serving on", proc, timeout_s=900)
-            workers.append((proc, port))
+    t0 = time.monotonic()
+    with harness.Fleet(build, logs, worker_args=("--max-context", "512"), prefix="bm-", worker_timeout_s=900,
+                       coordinator=False) as fleet:
         ready_s = time.monotonic() - t0
-        port, log = free_port(), logs / "bm-coordinator.log"
-        peers = [a for _, p in workers for a in ("--peer", f"127.0.0.1:{p}")]
-        coord = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                       "--no-discover", "--no-announce", "--draft", "none", *peers], log, stack)
-        wait_line(log, "Uvicorn running", coord, timeout_s=300)
+        _, url = fleet.add_coordinator()
         body = {"messages": [{"role": "user", "content": "w5 w17 w400 w99"}], "max_tokens": tokens,
                 "temperature": 0, "ignore_eos": True}
         t1 = time.monotonic()
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=900)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
         answer_s = time.monotonic() - t1
-        rss = [psutil.Process(p.pid).memory_info().rss for p, _ in workers]
+        rss = [psutil.Process(p.pid).memory_info().rss for p, _ in fleet.workers]
         reply = r.json()
         return {"status": r.status_code, "workers_ready_s": round(ready_s, 1), "answer_s": round(answer_s, 2),
                 "completion_tokens": reply.get("usage", {}).get("completion_tokens"),
@@ -256,6 +244,7 @@ def old_worktree(ref: str, where: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Make the model, build it per format (and by the old path), serve the int8 build; prints the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=10, help="decoder layers of the synthetic model (default 10)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "models" / "build-memory")
@@ -314,9 +303,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{fleet['answer_s']} s ({fleet['decode_tokens_per_s']} tok/s decode), workers ready after "
               f"{fleet['workers_ready_s']} s, worker RSS GiB "
               + ", ".join(f"{b / GIB:.2f}" for b in fleet["worker_rss_bytes"]))
-    if args.json:
-        args.json.write_text(json.dumps({"model_bytes": model_bytes, "layers": args.layers, "dims": DIMS,
-                                         "builds": rows, "fleet": fleet}, indent=2))
+    harness.write_json(args.json, "build_memory", {"model_bytes": model_bytes, "layers": args.layers, "dims": DIMS,
+                                                   "builds": rows, "fleet": fleet})
     if not args.keep:
         for label in args.formats.split(","):
             shutil.rmtree(work / f"build-{label}", ignore_errors=True)

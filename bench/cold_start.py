@@ -15,30 +15,23 @@ blob was just written, the IR just read): this measures compile/import, not the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import grpc
 
-import grpc  # noqa: E402
-import openvino as ov  # noqa: E402
+from bench import harness
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.manifest import load_manifest
 
-from fleet_common import fleet_pb2 as pb  # noqa: E402
-from fleet_common import fleet_pb2_grpc as pb_grpc  # noqa: E402
-from fleet_common.manifest import load_manifest  # noqa: E402
-
-BIN = Path(sys.executable).parent
 MODES = {  # mode -> fleet-worker flags (the cache folder is appended for model-cache)
     "ir": ["--no-blobs", "--no-model-cache"],
     "model-cache": ["--no-blobs"],
@@ -46,20 +39,11 @@ MODES = {  # mode -> fleet-worker flags (the cache folder is appended for model-
 }
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The process's peak resident memory (VmHWM) in MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def start_once(build: Path, stage: int, flags: list[str], log: Path) -> dict:
     """Start one worker, time it to "serving on", ask its Info, stop it; one result row."""
-    cmd = [str(BIN / "fleet-worker"), "--shard", str(stage), "--model", str(build), "--no-announce", *flags]
+    cmd = [*harness.tool("fleet-worker"), "--shard", str(stage), "--model", str(build), "--no-announce", *flags]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=harness.repo_env())
     lines = []
     try:
         for line in proc.stdout:
@@ -69,7 +53,7 @@ def start_once(build: Path, stage: int, flags: list[str], log: Path) -> dict:
                 break
         else:
             raise RuntimeError(f"worker exited ({proc.wait()}):\n{''.join(lines)[-2000:]}")
-        rss = peak_rss_mb(proc.pid)
+        rss = harness.proc_status(proc.pid).get("VmHWM", float("nan")) / (1 << 20)
         with grpc.insecure_channel(m.group(1)) as channel:
             info = pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=10)
     finally:
@@ -84,6 +68,7 @@ def start_once(build: Path, stage: int, flags: list[str], log: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time every mode's cold starts per stage (module docstring); prints the medians, writes ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="a fleet-compiler build (not modified)")
     parser.add_argument("--runs", type=int, default=5, help="timed starts per mode and stage")
@@ -102,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         (build / "manifest.json").unlink()
         shutil.copy2(args.model / "manifest.json", build / "manifest.json")
         t0 = time.perf_counter()
-        subprocess.run([str(BIN / "fleet-compiler"), "precompile", str(build), *settings], check=True,
-                       capture_output=True)
+        subprocess.run([*harness.tool("fleet-compiler"), "precompile", str(build), *settings], check=True,
+                       capture_output=True, env=harness.repo_env())
         precompile_s = time.perf_counter() - t0
         cache = work / "cache"
         flags = {mode: [*f, *settings, *(["--cache-dir", str(cache)] if mode == "model-cache" else [])]
@@ -130,23 +115,17 @@ def main(argv: list[str] | None = None) -> int:
                           "ready_max_s": max(r["ready_s"] for r in rows)})
     print(f"\nworker cold start, {args.model.name}, --threads {args.threads} --inference-precision "
           f"{args.inference_precision}, median of {args.runs} runs (process start -> 'serving on')")
-    print(f"{'stage':>5}  {'mode':<11}  {'ready s':>7}  {'min-max s':>11}  {'load s':>6}  {'peak RSS MB':>11}")
-    for c in cells:
-        spread = f"{c['ready_min_s']:.2f}-{c['ready_max_s']:.2f}"
-        print(f"{c['stage']:>5}  {c['mode']:<11}  {c['ready_s']:>7.2f}  {spread:>11}  {c['load_s']:>6.2f}"
-              f"  {c['peak_rss_mb']:>11.0f}")
+    print(harness.table(["stage", "mode", "ready s", "min-max s", "load s", "peak RSS MB"],
+                        [[c["stage"], c["mode"], f"{c['ready_s']:.2f}",
+                          f"{c['ready_min_s']:.2f}-{c['ready_max_s']:.2f}", f"{c['load_s']:.2f}",
+                          f"{c['peak_rss_mb']:.0f}"] for c in cells], pad=True))
     print(f"(precompile of {len(stages)} stage(s): {precompile_s:.1f} s; first start writing the model cache: "
           + ", ".join(f"stage {s} {fill[s]['ready_s']:.2f} s (load {fill[s]['load_s']:.2f} s)" for s in stages) + ")")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "model": str(args.model), "threads": args.threads, "inference_precision": args.inference_precision,
-            "openvino": ov.get_version(), "machine": {"cpu": platform.processor() or platform.machine(),
-                                                      "nproc": os.cpu_count(), "load_avg": os.getloadavg()},
-            "precompile_s": precompile_s, "cache_fill": fill, "cells": cells, "runs": runs}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "cold_start", {
+        "model": str(args.model), "threads": args.threads, "inference_precision": args.inference_precision,
+        "precompile_s": precompile_s, "cache_fill": fill, "cells": cells, "runs": runs})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -5,7 +5,7 @@ precision and OpenVINO's default thread count everywhere), so their ratios are c
 
 * ``whole-model``: the 1-stage build's ``stage_0`` IR in this process, a numpy greedy loop fed as a
   worker feeds it. The reference row.
-* ``fleet N-stage``: ``python -m coordinator.cli serve --local-workers N`` (a ``fleet-worker`` process
+* ``fleet N-stage``: ``fleet-coordinator serve --local-workers N`` (a ``fleet-worker`` process
   per stage, gRPC on loopback), streamed chat completions; decode tok/s = (completion_tokens - 1) /
   (first streamed token -> last), timed by the client.
 * ``GenAI``: ``openvino_genai.LLMPipeline`` on the same weights (exported without ``logits_index``
@@ -27,13 +27,9 @@ out, with a note.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,25 +37,14 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import httpx
+import numpy as np
+import openvino as ov
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import openvino as ov  # noqa: E402
+from bench import clients, harness, models
+from coordinator.tokenizer import ChatTokenizer
 
-from bench import models  # noqa: E402
-from bench.models import build_dir  # noqa: E402
-from coordinator.local import free_port  # noqa: E402
-from coordinator.tokenizer import ChatTokenizer  # noqa: E402
-
-PROMPTS = (
-    "Explain how a rainbow forms, step by step.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What are the main differences between Python lists and tuples?",
-    "Describe the water cycle to a ten-year-old.",
-    "Give me a packing list for a weekend hiking trip in the mountains.",
-)
+PROMPTS = clients.PROMPTS[:5]
 SHARD_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}  # as worker/runner.py compiles shards
 SETTLE_S = 0.3  # pause before each timed run: the last one's session close and spinning threads settle
 GENAI_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
@@ -92,14 +77,17 @@ class Cell:
 
     @property
     def decode_tok_s(self) -> float | None:
+        """Median decode tok/s over the runs (None for a failed or empty cell)."""
         return statistics.median(r.decode_tok_s for r in self.runs) if self.runs and not self.error else None
 
     @property
     def ttft_ms(self) -> float | None:
+        """Median TTFT over the runs (None for a failed or empty cell)."""
         return statistics.median(r.ttft_ms for r in self.runs) if self.runs and not self.error else None
 
 
 def messages(prompt: str) -> list[dict]:
+    """One user message: the chat every row runs."""
     return [{"role": "user", "content": prompt}]
 
 
@@ -108,7 +96,7 @@ def messages(prompt: str) -> list[dict]:
 def ensure_genai_folder(hf: Path, cache: Path) -> Path:
     """Optimum-style folder for ``LLMPipeline`` of HF folder ``hf``: whole model with [B, S, V] logits + OV
     tokenizers, in ``cache`` once per compiler version and source (named as bench/models.py names builds)."""
-    out = cache / f"genai-{build_dir(hf, cache, 1).name}"
+    out = cache / f"genai-{harness.build_dir(hf, cache, 1).name}"
     if all((out / name).is_file() for name in GENAI_FILES):
         return out
     from openvino_tokenizers import convert_tokenizer
@@ -130,82 +118,25 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
 
 # ---------------------------------------------------------------- fleet over HTTP
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM the coordinator's process group (it and its workers); SIGKILL whatever outlives the grace."""
-    pgid = proc.pid  # start_new_session=True: the coordinator leads its own group
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader so the group can empty
-            os.killpg(pgid, 0)  # raises ProcessLookupError once no process of the group is left
-            time.sleep(0.2)
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"coordinator exited ({proc.returncode}); log tail:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url}/health not 200 after {timeout_s:.0f} s; see {log}")
-
-
 def stream_chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> Run:
-    """One streamed greedy chat completion, timed on the client."""
-    body = {"messages": messages(prompt), "temperature": 0, "ignore_eos": True, "max_tokens": tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = end = None
-    final: dict = {}
-    text = []
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                raise RuntimeError(f"stream failed: {event['error']}")
-            choice = (event.get("choices") or [{}])[0]  # the usage chunk has no choices; others say "usage": null
-            if event.get("usage"):
-                final = event
-            elif choice.get("finish_reason") is not None:
-                end = time.perf_counter()
-            elif content := choice.get("delta", {}).get("content"):
-                first = first or time.perf_counter()
-                text.append(content)
-    n = final.get("usage", {}).get("completion_tokens", 0)
-    if first is None or end is None or n < 2:
+    """One streamed greedy chat completion, timed on the client: decode tok/s = (completion_tokens - 1) /
+    (first content chunk -> the chunk with ``finish_reason``). Raises ``RuntimeError`` if it ends early."""
+    s = clients.stream_chat(client, url, messages(prompt), tokens, timeout=600)
+    n = s.usage.get("completion_tokens", 0)
+    if s.finish is None or n < 2:
         raise RuntimeError(f"stream ended early ({n} tokens)")
-    return Run(final["usage"]["prompt_tokens"], n, (first - start) * 1000, (n - 1) / (end - first), "".join(text),
-               extra={"coordinator": final.get("fleet", {})})
+    return Run(s.usage["prompt_tokens"], n, s.ttft_ms, (n - 1) / (s.finish - s.times[0]), s.text,
+               extra={"coordinator": s.fleet})
 
 
 def fleet_runner(stack: ExitStack, build: Path, stages: int, prompts: list[str], tokens: int,
                  logs: Path) -> tuple[dict, Runner]:
     """Start a coordinator with ``stages`` local workers; it is stopped when ``stack`` closes."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--local-workers", str(stages),
-           "--port", str(port), "--no-announce", "--no-discover", "--log-level", "WARNING"]
     log = logs / f"fleet-{stages}stage.log"
-    fh = stack.enter_context(open(log, "w"))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    stack.callback(stop_group, proc)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log)
+    proc, url = harness.start_coordinator(build, log, "--local-workers", str(stages), "--no-discover",
+                                          "--log-level", "WARNING", stack=stack, healthy=True)
     client = stack.enter_context(httpx.Client())
-    settings = {"command": " ".join(cmd[1:]), "workers": f"{stages} processes, gRPC on loopback",
+    settings = {"command": " ".join(proc.args[1:]), "workers": f"{stages} processes, gRPC on loopback",
                 "threads": "OpenVINO default", "log": str(log)}
     return settings, lambda i: stream_chat(client, url, prompts[i], tokens)
 
@@ -237,6 +168,7 @@ def greedy_whole(request: ov.InferRequest, prompt_ids: list[int], tokens: int, t
 
 
 def whole_runner(build: Path, prompt_ids: list[list[int]], tokens: int) -> tuple[dict, Runner]:
+    """The whole-model row: the 1-stage IR compiled here as a shard is, greedy-decoded from numpy."""
     tokenizer = ChatTokenizer(build)
     xml = build / "stage_0" / "openvino_model.xml"
     request = ov.Core().compile_model(str(xml), "CPU", SHARD_CONFIG).create_infer_request()
@@ -245,6 +177,7 @@ def whole_runner(build: Path, prompt_ids: list[list[int]], tokens: int) -> tuple
 
 
 def genai_runner(folder: Path, texts: list[str], prompt_ids: list[list[int]], tokens: int) -> tuple[dict, Runner]:
+    """The GenAI row: ``openvino_genai.LLMPipeline`` on ``folder`` (SDPA backend, greedy, the same prompts)."""
     import openvino_genai
 
     # GenAI's default CPU backend (PagedAttention) rewrites the graph with SDPAToPagedAttention, which
@@ -272,6 +205,7 @@ def genai_runner(folder: Path, texts: list[str], prompt_ids: list[list[int]], to
 # ---------------------------------------------------------------- driver
 
 def fail(cell: Cell, exc: Exception) -> None:
+    """Mark ``cell`` failed with ``exc`` and say so."""
     cell.error = f"{type(exc).__name__}: {exc}"
     print(f"  {cell.config} FAILED: {cell.error}", flush=True)
 
@@ -306,15 +240,12 @@ def measure(setups: list[tuple[Cell, Callable[[], tuple[dict, Runner]]]], n_prom
 
 
 def table(cells: list[Cell], reference: float | None) -> str:
-    lines = [f"{'config':<34} | stages | decode tok/s | TPOT ms | TTFT ms | ratio vs whole-model", "-" * 96]
-    for c in cells:
-        if (tok_s := c.decode_tok_s) is None:
-            lines.append(f"{c.config:<34} | {c.stages:>6} | {'failed':>12} | {'-':>7} | {'-':>7} | {'-':>20}")
-            continue
-        ratio = f"{tok_s / reference:.2f}" if reference else "-"
-        lines.append(f"{c.config:<34} | {c.stages:>6} | {tok_s:>12.1f} | {1000 / tok_s:>7.2f} | {c.ttft_ms:>7.0f} | "
-                     f"{ratio:>20}")
-    return "\n".join(lines)
+    """One row per configuration: decode tok/s, TPOT, TTFT and the ratio to the whole model."""
+    rows = [[c.config, c.stages, "failed", None, None, None] if (tok_s := c.decode_tok_s) is None else
+            [c.config, c.stages, f"{tok_s:.1f}", f"{1000 / tok_s:.2f}", f"{c.ttft_ms:.0f}",
+             f"{tok_s / reference:.2f}" if reference else None] for c in cells]
+    return harness.table(["config", "stages", "decode tok/s", "TPOT ms", "TTFT ms", "ratio vs whole-model"], rows,
+                         pad=True)
 
 
 def configs(model: models.Model, cache: Path, stages: list[int]) -> tuple[dict[int, Path], Path | None, list[str]]:
@@ -346,38 +277,31 @@ def setups(stack: ExitStack, builds: dict[int, Path], stages: list[int], genai: 
 
 def write_json(path: Path, model: models.Model, tokens: int, prompts: list[str], cells: list[Cell],
                reference: float | None, same: dict, loadavg: list[dict], notes: list[str]) -> None:
-    core = ov.Core()
-    report = {
-        "benchmark": "decode_bench", "model": model.name, "model_path": str(model.path), "model_kind": model.kind,
+    """The report: every cell with its settings and runs, its ratio to the whole model and whether its texts
+    equal the whole model's, the load average per round and the machine."""
+    harness.write_json(path, "decode_bench", {
+        "model": model.name, "model_path": str(model.path), "model_kind": model.kind,
         "tokens": tokens, "prompts": prompts, "notes": notes,
         "decode": "median over prompts of (completion_tokens - 1) / seconds after the first token",
-        "machine": {"nproc": os.cpu_count(), "cpu": core.get_property("CPU", "FULL_DEVICE_NAME"),
-                    "cpu_capabilities": core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
-                    "platform": platform.platform(), "openvino": ov.get_version()},
         "loadavg_per_round": loadavg,
         "cells": [{**asdict(c), "decode_tok_s": c.decode_tok_s, "ttft_ms": c.ttft_ms,
                    "same_text_as_whole_model": same.get(c.config),
                    "tpot_ms": 1000 / c.decode_tok_s if c.decode_tok_s else None,
                    "ratio_vs_whole_model": c.decode_tok_s / reference if c.decode_tok_s and reference else None}
-                  for c in cells],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {path}")
+                  for c in cells]})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.interleave_bench import counts
-
+    """The bench's options (``--quick``: 16 tokens, 1 prompt); argparse's usage error for a bad value."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     models.add_model_option(parser)
-    parser.add_argument("--stages", type=counts, help="fleet stage counts (default 1,2,3; a build: its own)")
+    parser.add_argument("--stages", type=models.counts, help="fleet stage counts (default 1,2,3; a build: its own)")
     parser.add_argument("--json", type=Path, help="write every cell with its config here")
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
     parser.add_argument("--prompts", type=int, default=3, help=f"prompts per cell (1..{len(PROMPTS)})")
     parser.add_argument("--quick", action="store_true", help="smoke test: 16 tokens, 1 prompt")
     parser.add_argument("--hf", type=Path, help="demo HF folder (default: fetched into CACHE/SmolLM2-135M-Instruct)")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench", help="builds are cached here")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE, help="builds are cached here")
     args = parser.parse_args(argv)
     args.tokens, args.prompts = (16, 1) if args.quick else (args.tokens, args.prompts)
     if args.tokens < 2 or not 1 <= args.prompts <= len(PROMPTS):
@@ -393,10 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run every row (module docstring); prints the table and notes, writes ``--json``. 1 if a row failed."""
     args = parse_args(argv)
     tokens, n_prompts = args.tokens, args.prompts
-    # SIGTERM (e.g. a timeout wrapper) must unwind like Ctrl-C so the coordinators get stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    harness.on_sigterm_exit()  # a timeout wrapper's SIGTERM unwinds like Ctrl-C: the coordinators get stopped
     cache = args.cache.resolve()
     (cache / "logs").mkdir(parents=True, exist_ok=True)
     model = models.from_args(args.model, cache, args.hf)
@@ -419,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     same = {c.config: [r.text == w.text for r, w in zip(c.runs, whole.runs)] for c in cells[1:]} if whole else {}
     if differ := [name for name, flags in same.items() if not all(flags)]:
         print(f"note: completions differ from the whole model's in: {', '.join(differ)}")
-    if args.json:
-        write_json(args.json, model, tokens, prompts, cells, reference, same, loadavg, notes)
+    write_json(args.json, model, tokens, prompts, cells, reference, same, loadavg, notes)
     return 0 if all(c.decode_tok_s for c in cells) else 1
 
 

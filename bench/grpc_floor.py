@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import grpc
+import psutil
 
-import grpc  # noqa: E402
-import psutil  # noqa: E402
-
-from coordinator.local import free_port  # noqa: E402
-from fleet_common import fleet_pb2 as pb  # noqa: E402
-from fleet_common import fleet_pb2_grpc as pb_grpc  # noqa: E402
-from fleet_common.wire import GRPC_OPTIONS  # noqa: E402
+from bench import harness
+from coordinator.local import free_port
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.wire import GRPC_OPTIONS
 
 
 class Sink(pb_grpc.StageServicer):
@@ -73,6 +69,7 @@ class Relay(pb_grpc.StageServicer):
 
 
 async def serve(role: str, port: int, down: int) -> None:
+    """Serve ``role`` (``sink``, or ``relay`` to the sink on port ``down``) on ``port`` until killed."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     if role == "sink":
         servicer = Sink()
@@ -86,6 +83,7 @@ async def serve(role: str, port: int, down: int) -> None:
 
 
 async def client(port: int, relay: psutil.Process, messages: int, hidden: int) -> dict:
+    """``messages`` round trips through the relay on ``port`` (after 200 of warm-up): CPU and wall per trip."""
     step = pb.ForwardRequest(session_id="s", input=pb.Tensor(data=bytes(4 * hidden), shape=[1, 1, hidden],
                                                                dtype="float32"))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
@@ -106,6 +104,7 @@ async def client(port: int, relay: psutil.Process, messages: int, hidden: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Start the sink and the relay, run the client; prints the table, writes ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--hidden", type=int, default=576, help="hidden size of the step carried (the demo's: 576)")
@@ -116,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         role, port, down = args.serve
         asyncio.run(serve(role, int(port), int(down)))
         return 0
-    ncpu = os.cpu_count() or 1
     sink_port, relay_port = free_port(), free_port()
     procs = []
     try:
         for core, (role, port, down) in enumerate((("sink", sink_port, 0), ("relay", relay_port, sink_port))):
-            proc = subprocess.Popen(["taskset", "-c", str((core + 1) % ncpu), sys.executable, __file__, "--serve",
-                                     role, str(port), str(down)], stdout=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(harness.pinned(core + 1, [sys.executable, "-m", "bench.grpc_floor", "--serve", role,
+                                                              str(port), str(down)]),
+                                    stdout=subprocess.PIPE, text=True, cwd=harness.ROOT, env=harness.repo_env())
             procs.append(proc)
             if proc.stdout.readline().strip() != "serving":
                 raise RuntimeError(f"the {role} did not start")
@@ -133,16 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=10)
     print(f"grpc.aio Link stream, {result['message_bytes']}-byte steps, {args.messages} round trips, one in flight")
-    print(f"{'process':<8} | {'CPU us / round trip':>19} | {'messages':>8} | {'CPU us / message':>16}")
-    print("-" * 62)
-    print(f"{'relay':<8} | {result['relay_cpu_us_per_round_trip']:>19.0f} | {4:>8} | {result['relay_cpu_us_per_message']:>16.0f}")
-    print(f"{'client':<8} | {result['client_cpu_us_per_round_trip']:>19.0f} | {2:>8} | {result['client_cpu_us_per_message']:>16.0f}")
+    print(harness.table(["process", "CPU us / round trip", "messages", "CPU us / message"],
+                        [["relay", f"{result['relay_cpu_us_per_round_trip']:.0f}", 4,
+                          f"{result['relay_cpu_us_per_message']:.0f}"],
+                         ["client", f"{result['client_cpu_us_per_round_trip']:.0f}", 2,
+                          f"{result['client_cpu_us_per_message']:.0f}"]], pad=True))
     print(f"wall per round trip: {result['wall_us_per_round_trip']:.0f} us")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "grpc_floor", **result, "machine": {
-            "nproc": ncpu, "platform": platform.platform(), "grpcio": grpc.__version__}}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "grpc_floor", result)
     return 0
 
 

@@ -28,31 +28,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import httpx
 
-import httpx  # noqa: E402
-import openvino as ov  # noqa: E402
-import psutil  # noqa: E402
-
-from bench import models  # noqa: E402
-from bench.decode_bench import wait_healthy  # noqa: E402
-from bench.interleave_bench import baseline, run_users  # noqa: E402
-from bench.models import counts, positive_int  # noqa: E402
-from bench.spec_bench import start, wait_line  # noqa: E402
-from coordinator.local import free_port  # noqa: E402
+from bench import clients, harness, models
+from bench.clients import run_users
+from bench.interleave_bench import baseline
+from bench.models import counts, positive_int
+from coordinator.local import free_port
 
 # (category, regex on one frame); the innermost frame of a sample that matches any decides it
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -150,31 +141,19 @@ def infer_seconds(metrics_url: str) -> dict[str, float]:
     return {"inference": float(m.group(1))}
 
 
-def start_fleet(build: Path, stages: int, logs: Path, stack: ExitStack) -> tuple[str, dict, list[str]]:
-    """Pinned workers (one inference thread each, metrics on) and a coordinator (batch groups, no
-    draft); returns (URL, processes by name, workers' metrics URLs)."""
-    ncpu = os.cpu_count() or 1
-    addresses, procs, metrics = [], {}, []
-    for stage in range(stages):
-        port, mport = free_port(), free_port()
-        log = logs / f"hop-{stages}stage-worker{stage}.log"
-        procs[f"worker {stage}"] = start(
-            ["taskset", "-c", str(stage % ncpu), sys.executable, "-m", "worker.cli", "--shard", str(stage),
-             "--model", str(build), "--port", str(port), "--threads", "1", "--no-announce",
-             "--metrics-port", str(mport)], log, stack)
-        wait_line(log, "serving on", procs[f"worker {stage}"])
-        addresses.append(f"127.0.0.1:{port}")
-        metrics.append(f"http://127.0.0.1:{mport}/metrics")
-    port = free_port()
-    log = logs / f"hop-{stages}stage-coordinator.log"
-    peers = [a for address in addresses for a in ("--peer", address)]
-    procs["coordinator"] = proc = start(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-         "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *peers], log, stack)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log)
-    run_users(url, 1, 8)  # warm-up
-    return url, {name: psutil.Process(p.pid) for name, p in procs.items()}, metrics
+def start_fleet(build: Path, stages: int, logs: Path) -> tuple[harness.Fleet, list[str]]:
+    """Pinned workers (one inference thread each, metrics on) and a coordinator (batch groups, no draft),
+    warmed up; returns the fleet and the workers' metrics URLs."""
+    mports = [free_port() for _ in range(stages)]
+    fleet = harness.Fleet(build, logs, "--log-level", "WARNING", shards=range(stages), pin=True,
+                          worker_args=lambda i: ("--threads", "1", "--metrics-port", str(mports[i])),
+                          prefix=f"hop-{stages}stage-")
+    try:
+        clients.warm_up(fleet.url)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet, [f"http://127.0.0.1:{p}/metrics" for p in mports]
 
 
 def measure(url: str, procs: dict, metrics: list[str], users: int, tokens: int) -> dict:
@@ -237,54 +216,54 @@ def print_baseline(base: dict | None) -> float | None:
     return ref
 
 
+def thread_table(c: dict) -> str:
+    """A 1-user cell's CPU ms per token by thread group and process, the chunk-running threads split into
+    ``run_chunk`` (the worker's own infer CPU) and the rest, and the overhead (all but ``run_chunk``)."""
+    names = [n for n in c["threads_ms_per_token"] if n != "client"]
+    split = {"event loop": "event_loop", "inference thread": "inference"}  # threads that run chunks
+    rows = []
+    for group in next(iter(c["threads_ms_per_token"].values())):
+        spent = [c["threads_ms_per_token"][n][group] for n in names]
+        if group in split:
+            infer = [c.get("infer_ms_per_token_by_thread", {}).get(n, {}).get(split[group], 0.0) for n in names]
+            rows += [[f"{group}: run_chunk", *(f"{v:.2f}" for v in infer)],
+                     [f"{group}: the rest", *(f"{v - i:.2f}" for v, i in zip(spent, infer))]]
+        else:
+            rows.append([group, *(f"{v:.2f}" for v in spent)])
+    rows.append(["overhead (all but run_chunk)", *(f"{c['overhead_ms_per_token'][n]:.2f}" for n in names)])
+    return harness.table(["thread", *names], rows, pad=True)
+
+
 def print_tables(base: dict | None, cells: list[dict], profiles: dict) -> None:
+    """The baseline, every cell's CPU per process, the 1-user cells by thread and the py-spy breakdowns."""
     ref = print_baseline(base)
-    print(f"{'fleet':<9} | {'users':>5} | {'tok/s':>6} | {'x whole':>7} | CPU ms per token (infer + overhead)")
-    print("-" * 100)
+    rows = []
     for c in cells:
-        parts = []
-        for name, ms in c["cpu_ms_per_token"].items():
-            infer = c["infer_ms_per_token"].get(name)
-            parts.append(f"{name} {ms:.1f}" + (f" ({infer:.1f} + {ms - infer:.1f})" if infer is not None else ""))
-        ratio = f"{c['aggregate_tok_s'] / ref:>7.2f}" if ref else f"{'-':>7}"
-        print(f"{c['stages']}-stage  | {c['users']:>5} | {c['aggregate_tok_s']:>6.1f} | {ratio} | " + ", ".join(parts))
+        parts = [f"{name} {ms:.1f}" + (f" ({infer:.1f} + {ms - infer:.1f})" if infer is not None else "")
+                 for name, ms in c["cpu_ms_per_token"].items() for infer in [c["infer_ms_per_token"].get(name)]]
+        rows.append([f"{c['stages']}-stage", c["users"], f"{c['aggregate_tok_s']:.1f}",
+                     f"{c['aggregate_tok_s'] / ref:.2f}" if ref else None, ", ".join(parts)])
+    print(harness.table(["fleet", "users", "tok/s", "x whole", "CPU ms per token (infer + overhead)"], rows, pad=True))
     for c in cells:
-        if c["users"] != 1:
-            continue
-        names = [n for n in c["threads_ms_per_token"] if n != "client"]
-        print(f"\n{c['stages']}-stage fleet, 1 user, CPU ms per token by thread (/proc, measured)")
-        print(f"{'thread':<34} | " + " | ".join(f"{n:>11}" for n in names))
-        print("-" * (37 + 14 * len(names)))
-        rows = list(next(iter(c["threads_ms_per_token"].values())))
-        split = {"event loop": "event_loop", "inference thread": "inference"}  # threads that run chunks
-        for row in rows:
-            cells_ = [c["threads_ms_per_token"][n][row] for n in names]
-            if row in split:
-                infer = [c.get("infer_ms_per_token_by_thread", {}).get(n, {}).get(split[row], 0.0) for n in names]
-                print(f"{row + ': run_chunk':<34} | " + " | ".join(f"{v:>11.2f}" for v in infer))
-                print(f"{row + ': the rest':<34} | " + " | ".join(f"{v - i:>11.2f}" for v, i in zip(cells_, infer)))
-                continue
-            print(f"{row:<34} | " + " | ".join(f"{v:>11.2f}" for v in cells_))
-        print(f"{'overhead (all but run_chunk)':<34} | "
-              + " | ".join(f"{c['overhead_ms_per_token'][n]:>11.2f}" for n in names))
+        if c["users"] == 1:
+            print(f"\n{c['stages']}-stage fleet, 1 user, CPU ms per token by thread (/proc, measured)")
+            print(thread_table(c))
     for stages, prof in profiles.items():
         names = list(prof)
-        cats = [c for c, _ in CATEGORIES] + ["other Python"]
         print(f"\n{stages}-stage fleet, 1 user, CPU ms per token by category (py-spy samples x measured CPU)")
-        print(f"{'category':<16} | " + " | ".join(f"{n:>11}" for n in names))
-        print("-" * (19 + 14 * len(names)))
-        for cat in cats:
-            print(f"{cat:<16} | " + " | ".join(f"{prof[n][cat]:>11.2f}" for n in names))
-        print(f"{'total':<16} | " + " | ".join(f"{sum(prof[n].values()):>11.2f}" for n in names))
+        rows = [[cat, *(f"{prof[n][cat]:.2f}" for n in names)] for cat in [c for c, _ in CATEGORIES] + ["other Python"]]
+        rows.append(["total", *(f"{sum(prof[n].values()):.2f}" for n in names)])
+        print(harness.table(["category", *names], rows, pad=True))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure every cell (module docstring); prints the tables, writes ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     models.add_model_option(parser)
     parser.add_argument("--stages", type=counts, help="fleet stage counts (default 2,3; a build: its own)")
     parser.add_argument("--users", type=counts, default=[1, 2, 4])
     parser.add_argument("--tokens", type=positive_int, default=128)
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE)
     parser.add_argument("--profile", dest="do_profile", action="store_true",
                         help="also sample each process with py-spy (Python frames) for a breakdown by category")
     parser.add_argument("--json", type=Path)
@@ -304,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     both = both_cores(builds[1], args.tokens) if 1 in builds else []
     cells, profiles = [], {}
     for stages in args.stages:
-        with ExitStack() as stack:
-            url, procs, metrics = start_fleet(builds[stages], stages, logs, stack)
+        fleet, metrics = start_fleet(builds[stages], stages, logs)
+        with fleet:
+            url, procs = fleet.url, fleet.processes()
             for users in args.users:
                 cell = {"stages": stages, **measure(url, procs, metrics, users, args.tokens)}
                 cells.append(cell)
@@ -319,15 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     base = {"decode_tok_s": (first["decode_tok_s"] + last["decode_tok_s"]) / 2, "before": first["decode_tok_s"],
             "after": last["decode_tok_s"], "both_cores_tok_s": both} if first and last else None
     print_tables(base, cells, profiles)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "benchmark": "hop_overhead", "model": model.name, "model_path": str(model.path),
-            "model_kind": model.kind, "tokens": args.tokens, "baseline": base, "cells": cells,
-            "profiles": {str(k): v for k, v in profiles.items()},
-            "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
-        }, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "hop_overhead", {
+        "model": model.name, "model_path": str(model.path), "model_kind": model.kind, "tokens": args.tokens,
+        "baseline": base, "cells": cells, "profiles": {str(k): v for k, v in profiles.items()}})
     return 0
 
 

@@ -35,38 +35,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import httpx
 
-import httpx  # noqa: E402
-import openvino as ov  # noqa: E402
-import psutil  # noqa: E402
-
-from bench import models  # noqa: E402
-from bench.decode_bench import wait_healthy  # noqa: E402
-from bench.models import counts, positive_int  # noqa: E402, F401 - argparse types, also hop_overhead's
-from bench.spec_bench import start, start_pinned_worker  # noqa: E402
-from coordinator.local import free_port  # noqa: E402
-
-PROMPTS = (
-    "Explain how a rainbow forms, step by step.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What are the main differences between Python lists and tuples?",
-    "Describe the water cycle to a ten-year-old.",
-    "Give me a packing list for a weekend hiking trip in the mountains.",
-    "Why do cats purr? Give three theories.",
-    "Write a limerick about a programmer who loves coffee.",
-    "How does a refrigerator keep food cold?",
-)
+from bench import clients, harness, models
+from bench.clients import PROMPTS, run_users, user
+from bench.models import counts, positive_int
 
 
 def baseline(build: Path, tokens: int, core: int = 0) -> dict:
@@ -74,7 +54,6 @@ def baseline(build: Path, tokens: int, core: int = 0) -> dict:
     code = f"""
 import os, sys, time, json
 import numpy as np, openvino as ov
-sys.path.insert(0, {str(ROOT)!r})
 from coordinator.tokenizer import ChatTokenizer
 os.sched_setaffinity(0, {{{core}}})
 build = {str(build)!r}
@@ -101,85 +80,9 @@ for prompt in {list(PROMPTS[:3])!r} * 2:
     ttfts.append((first - start) * 1000)
 print(json.dumps({{"decode_tok_s": sorted(rates)[len(rates) // 2], "ttft_ms": sorted(ttfts)[len(ttfts) // 2]}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=harness.ROOT,
+                         env=harness.repo_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def user(client: httpx.Client, url: str, prompt: str, tokens: int, result: dict, extra: dict | None = None) -> None:
-    """One greedy streamed completion of exactly ``tokens`` tokens into ``result``: token arrival
-    ``times`` (perf_counter seconds), ``ttft_ms``, ``decode_tok_s``, ``end``, the ``text``, the ``usage``
-    and, from fleet coordinators, the response's ``fleet`` statistics. ``extra``: more body fields (a
-    server's own, e.g. llama.cpp's ``cache_prompt``). Raises ``RuntimeError`` for an error answer."""
-    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
-            "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
-    start = time.perf_counter()
-    first = last = None
-    n = 0
-    times = result.setdefault("times", [])
-    text = []
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"{url}: {event['error']}")
-            if event.get("fleet"):
-                result["fleet"] = event["fleet"]
-            if event.get("usage"):
-                result["usage"] = event["usage"]
-            choices = event.get("choices") or [{}]
-            if choices[0].get("delta", {}).get("content"):
-                text.append(choices[0]["delta"]["content"])
-                first = first or time.perf_counter()
-                last = time.perf_counter()
-                times.append(last)
-                n += 1
-    if first is None:
-        raise RuntimeError(f"{url}: the stream carried no content")
-    result.update(ttft_ms=(first - start) * 1000, decode_tok_s=(tokens - 1) / max(last - first, 1e-9), end=last,
-                  chunks=n, text="".join(text))
-
-
-def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """CPU time (user + system, children excluded) of each named process, seconds."""
-    return {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
-
-
-def peak_rss_mib(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """Peak resident memory (Linux ``VmHWM``) of each named, still running process, MiB."""
-    peaks = {}
-    for name, proc in procs.items():
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-        peaks[name] = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
-    return peaks
-
-
-def run_users(url: str, users: int, tokens: int, procs: dict[str, psutil.Process] | None = None,
-              extra: dict | None = None) -> dict:
-    """``users`` concurrent streams of ``tokens`` each (body fields ``extra`` added, see :func:`user`);
-    with ``procs``, also their CPU ms per token. ``answers``: each user's text and usage, in user order."""
-    procs = {**(procs or {}), "client": psutil.Process()}
-    before = cpu_seconds(procs)
-    results = [dict() for _ in range(users)]
-    with httpx.Client(limits=httpx.Limits(max_connections=64)) as client:
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, results[i],
-                                                       extra)) for i in range(users)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    wall = max(r["end"] for r in results) - t0
-    after = cpu_seconds(procs)
-    cpu = {name: (after[name] - before[name]) * 1000 / (users * tokens) for name in procs}
-    return {"users": users, "aggregate_tok_s": users * tokens / wall,
-            "per_user_tok_s": statistics.median(r["decode_tok_s"] for r in results),
-            "ttft_ms": statistics.median(r["ttft_ms"] for r in results), "wall_s": wall,
-            "cpu_ms_per_token": cpu, "cpu_bound_tok_s": (os.cpu_count() or 1) * 1000 / sum(cpu.values()),
-            "answers": [{"text": r["text"], "usage": r.get("usage")} for r in results]}
 
 
 # without batching at a stage, with batch groups (default: one group per stage), and with one group
@@ -197,19 +100,9 @@ def fairness_cells(build: Path, logs: Path, chunks: tuple[int, ...] = (64, 256, 
     decoders' longest gap between tokens while it prefills, and its TTFT, per ``--prefill-chunk``."""
     cells = []
     for chunk in chunks:
-        with ExitStack() as stack:
-            addresses = []
-            for stage in range(2):
-                _, port = start_pinned_worker(build, stage, logs / f"fairness-worker{stage}.log", stack)
-                addresses.append(f"127.0.0.1:{port}")
-            port = free_port()
-            log = logs / f"fairness-chunk{chunk}-coordinator.log"
-            peers = [a for address in addresses for a in ("--peer", address)]
-            proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port",
-                          str(port), "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING",
-                          "--prefill-chunk", str(chunk), *peers], log, stack)
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, log)
+        with harness.Fleet(build, logs, "--log-level", "WARNING", "--prefill-chunk", str(chunk), shards=[0, 1],
+                           worker_args=("--threads", "1"), pin=True, prefix=f"fairness-chunk{chunk}-") as fleet:
+            url = fleet.url
             run_users(url, 1, 8)  # warm-up
             results = [dict() for _ in range(4)]
             with httpx.Client(limits=httpx.Limits(max_connections=16)) as client:
@@ -236,35 +129,27 @@ def fairness_cells(build: Path, logs: Path, chunks: tuple[int, ...] = (64, 256, 
     return cells
 
 
-def start_fleet(build: Path, stages: int, logs: Path, mode: str, stack: ExitStack, tag: str = "interleave",
-                extra_args: tuple[str, ...] = ()) -> tuple[str, dict[str, psutil.Process]]:
-    """A fleet of ``build``: one pinned worker per stage (:func:`start_pinned_worker`) and an unpinned
-    coordinator in ``mode`` (:data:`MODES`; more ``fleet-coordinator serve`` arguments in ``extra_args``),
-    no mDNS, no draft, stopped when ``stack`` closes, warmed up with one short request; returns (its URL, its processes by name: ``worker N``, ``coordinator``).
-    Raises ``RuntimeError``/``TimeoutError`` if a process exits or does not serve in time."""
-    addresses, procs = [], {}
-    for stage in range(stages):
-        procs[f"worker {stage}"], port = start_pinned_worker(
-            build, stage, logs / f"{tag}-{stages}stage-worker{stage}.log", stack)
-        addresses.append(f"127.0.0.1:{port}")
-    port = free_port()
-    log = logs / f"{tag}-{stages}stage-{mode.replace(' ', '-')}-coordinator.log"
-    peers = [a for address in addresses for a in ("--peer", address)]
-    procs["coordinator"] = proc = start(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-         "--no-announce", "--no-discover", "--draft", "none", "--log-level", "WARNING", *MODES[mode](stages),
-         *extra_args, *peers], log, stack)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log)
-    run_users(url, 1, 8)  # warm-up
-    return url, {name: psutil.Process(p.pid) for name, p in procs.items()}
+def start_fleet(build: Path, stages: int, logs: Path, mode: str, tag: str = "interleave") -> harness.Fleet:
+    """A fleet of ``build``: one pinned worker per stage (one inference thread, no mDNS) and an unpinned
+    coordinator in ``mode`` (:data:`MODES`), no draft, warmed up with one short request. Raises
+    ``RuntimeError``/``TimeoutError`` if a process exits or does not serve in time."""
+    fleet = harness.Fleet(build, logs, "--log-level", "WARNING", *MODES[mode](stages), shards=range(stages),
+                          worker_args=("--threads", "1"), pin=True,
+                          prefix=f"{tag}-{stages}stage-{mode.replace(' ', '-')}-")
+    try:
+        clients.warm_up(fleet.url)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
 
 
 def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, logs: Path, mode: str) -> list[dict]:
+    """One fleet in ``mode``, its cells for each user count (:func:`bench.clients.run_users`)."""
     ncpu = os.cpu_count() or 1
     cells = []
-    with ExitStack() as stack:
-        url, processes = start_fleet(build, stages, logs, mode, stack)
+    with start_fleet(build, stages, logs, mode) as fleet:
+        url, processes = fleet.url, fleet.processes()
         for users in users_list:
             cell = {"stages": stages, "mode": mode, "pinning": [f"stage {s} -> core {s % ncpu}" for s in range(stages)],
                     **run_users(url, users, tokens, processes)}
@@ -300,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--users", type=counts,
                         help="concurrent users per cell (default 1,2,4,8; with --llama-cpp 1,2,4)")
     parser.add_argument("--stages", type=counts, help="fleet stage counts (default 1,2,3; a build: its own)")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE)
     add_llama_cpp_options(parser)
     parser.add_argument("--modes", default=",".join(MODES), help="fleet modes to run")
     parser.add_argument("--no-fairness", action="store_true", help="skip the long-prompt fairness runs")
@@ -327,7 +212,7 @@ def run_fleets(model: models.Model, builds: dict[int, Path], args: argparse.Name
                 cells += fleet_cells(builds[stages], stages, args.users, args.tokens, logs, mode)
         if stages == 2 and not args.no_even and model.kind != "build":  # the split before the LM head counted
             layers = models.even_split(builds[2])
-            even = models.ensure_build(model.path, args.cache.resolve(), 2, layers)
+            even = harness.ensure_build(model.path, args.cache.resolve(), 2, layers)
             split = "+".join(str(int(b) - int(a)) for a, b in (r.split(":") for r in layers.split(",")))
             for cell in fleet_cells(even, 2, args.users, args.tokens, logs, "batch groups"):
                 cells.append({**cell, "mode": f"batch groups, even split {split}"})
@@ -337,24 +222,23 @@ def run_fleets(model: models.Model, builds: dict[int, Path], args: argparse.Name
 def print_tables(base: dict | None, cells: list[dict], fairness: list[dict]) -> None:
     """The cells beside the baseline (its ratios left out without one), the fairness runs and the targets."""
     ref = base["decode_tok_s"] if base else None
-    def times(x: float) -> str:
-        return f"{x / ref:>10.2f}" if ref else f"{'-':>10}"
-    lines = [f"{'config':<36} | {'users':>5} | {'aggregate tok/s':>15} | {'x baseline':>10} | {'per-user tok/s':>14} | "
-             f"{'TTFT ms':>8} | {'cpu bound x':>11}", "-" * 116]
-    if base:
-        lines.append(f"{'whole model, 1 core':<36} | {1:>5} | {ref:>15.1f} | {1.0:>10.2f} | {ref:>14.1f} | "
-                     f"{base['ttft_ms']:>8.0f} |")
-    for c in cells:
-        name = f"fleet {c['stages']}-stage, {c['mode']}"
-        lines.append(f"{name:<36} | {c['users']:>5} | {c['aggregate_tok_s']:>15.1f} | {times(c['aggregate_tok_s'])} | "
-                     f"{c['per_user_tok_s']:>14.1f} | {c['ttft_ms']:>8.0f} | {times(c['cpu_bound_tok_s']):>11}")
-    print("\n" + "\n".join(lines))
+
+    def times(x: float) -> str | None:
+        return f"{x / ref:.2f}" if ref else None
+
+    rows = [["whole model, 1 core", 1, f"{ref:.1f}", "1.00", f"{ref:.1f}", f"{base['ttft_ms']:.0f}", ""]] \
+        if base else []
+    rows += [[f"fleet {c['stages']}-stage, {c['mode']}", c["users"], f"{c['aggregate_tok_s']:.1f}",
+              times(c["aggregate_tok_s"]), f"{c['per_user_tok_s']:.1f}", f"{c['ttft_ms']:.0f}",
+              times(c["cpu_bound_tok_s"])] for c in cells]
+    print("\n" + harness.table(["config", "users", "aggregate tok/s", "x baseline", "per-user tok/s", "TTFT ms",
+                                 "cpu bound x"], rows, pad=True))
     if fairness:
-        print(f"\n{'2-stage, 3 decoding + 1 long prompt':<36} | {'newcomer TTFT ms':>16} | {'decoders median gap ms':>22} | "
-              f"{'longest gap during its prefill ms':>33}")
-        for f in fairness:
-            print(f"{'--prefill-chunk ' + str(f['prefill_chunk']):<36} | {f['newcomer_ttft_ms']:>16.0f} | "
-                  f"{f['decoder_gap_p50_ms']:>22.0f} | {f['decoder_max_gap_during_prefill_ms']:>33.0f}")
+        print("\n" + harness.table(
+            ["2-stage, 3 decoding + 1 long prompt", "newcomer TTFT ms", "decoders median gap ms",
+             "longest gap during its prefill ms"],
+            [[f"--prefill-chunk {f['prefill_chunk']}", f"{f['newcomer_ttft_ms']:.0f}", f"{f['decoder_gap_p50_ms']:.0f}",
+              f"{f['decoder_max_gap_during_prefill_ms']:.0f}"] for f in fairness], pad=True))
     for c in cells if ref else []:
         if c["stages"] == 2 and c["users"] in (2, 4):
             goal = 1.8 if c["users"] == 2 else 1.9
@@ -363,6 +247,7 @@ def print_tables(base: dict | None, cells: list[dict], fairness: list[dict]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the bench or, with ``--llama-cpp``, the comparison; prints the tables, writes ``--json``."""
     args = parse_args(argv)
     if args.llama_cpp:
         from bench.llama_cpp import DEFAULT_BIN, binaries
@@ -376,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if args.llama_cpp:
-        from bench.llama_cpp import compare, demo_gguf
+        from bench.llama_cpp import compare
 
-        gguf = args.model.path if args.model else demo_gguf(models.from_args(None, cache).path)
+        gguf = args.model.path if args.model else harness.demo_gguf(models.from_args(None, cache).path)
         return compare(gguf, cache, args.users, args.tokens, args)
     model = models.from_args(args.model, cache)
     builds = models.builds(model, cache, args.stages, optional=(1,) if args.no_fairness else (1, 2))
@@ -393,14 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_fleets(model, builds, args, logs)
     fairness = [] if args.no_fairness or 2 not in builds else fairness_cells(builds[2], logs)
     print_tables(base, cells, fairness)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "benchmark": "interleave_bench", "model": model.name, "model_path": str(model.path),
-            "model_kind": model.kind, "tokens": args.tokens, "baseline": base, "cells": cells, "fairness": fairness,
-            "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
-        }, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "interleave_bench", {
+        "model": model.name, "model_path": str(model.path), "model_kind": model.kind, "tokens": args.tokens,
+        "baseline": base, "cells": cells, "fairness": fairness})
     return 0
 
 

@@ -28,22 +28,15 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+from bench import harness
 
-from bench.decode_bench import stop_group, wait_healthy  # noqa: E402
-from coordinator.local import free_port  # noqa: E402
-
-BIN = Path(sys.executable).parent
 PROMPTS = [  # tests/integration/test_concurrency.py's
     "What is the capital of France?",
     "Explain how a bicycle works in simple terms.",
@@ -72,48 +65,18 @@ CONFIGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 def default_build() -> Path:
     """The newest 2-stage test build (tests/conftest.py makes it: ``pytest tests/integration/test_api.py``)."""
-    builds = sorted((ROOT / "models" / "test").glob("smollm2-2stage-" + "?" * 10), key=lambda p: p.stat().st_mtime)
+    builds = sorted(harness.TEST_MODELS.glob("smollm2-2stage-" + "?" * 10), key=lambda p: p.stat().st_mtime)
     if not builds:
         raise SystemExit("no models/test/smollm2-2stage-* build: run the tests once or pass --build")
     return builds[-1]
 
 
-def start_proc(cmd: list[str], log: Path, stack: ExitStack) -> subprocess.Popen:
-    fh = stack.enter_context(open(log, "w"))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    stack.callback(stop_group, proc)
-    return proc
-
-
-def start_worker(build: Path, shard: int, args: tuple[str, ...], log: Path,
-                 stack: ExitStack) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = start_proc([str(BIN / "fleet-worker"), "--shard", str(shard), "--model", str(build), "--port", str(port),
-                       "--no-announce", *args], log, stack)
-    deadline = time.monotonic() + 180
-    while "serving on" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"worker {shard} did not start; see {log}")
-        time.sleep(0.2)
-    return proc, f"127.0.0.1:{port}"
-
-
-def start_fleet(build: Path, config: str, logs: Path, stack: ExitStack, replicas: int = 1) -> tuple[str, list]:
-    """Workers (stage 0 once, stage 1 ``replicas`` times) and a coordinator of ``config``; returns (URL,
-    [(stage, process, address)])."""
+def start_fleet(build: Path, config: str, logs: Path, replicas: int = 1) -> harness.Fleet:
+    """Workers (stage 0 once, stage 1 ``replicas`` times) and a coordinator of ``config``; its URL once every
+    stage has a worker."""
     worker_args, coord_args = CONFIGS[config]
-    workers = []
-    for shard, name in [(0, "0"), *((1, f"1{chr(97 + r)}") for r in range(replicas))]:
-        proc, address = start_worker(build, shard, worker_args, logs / f"{config}-worker{name}.log", stack)
-        workers.append((shard, proc, address))
-    port = free_port()
-    log = logs / f"{config}-coordinator.log"
-    proc = start_proc([str(BIN / "fleet-coordinator"), "serve", "--model", str(build), "--port", str(port),
-                       "--no-announce", "--no-discover", *(a for _, _, addr in workers for a in ("--peer", addr)),
-                       *coord_args], log, stack)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log)  # 200 once every stage has a worker
-    return url, workers
+    return harness.Fleet(build, logs, *coord_args, shards=[0, *[1] * replicas], worker_args=worker_args, draft=None,
+                         prefix=f"{config}-")
 
 
 def complete(url: str, prompt: str, tokens: int, logprobs: bool = False) -> dict:
@@ -142,6 +105,7 @@ def compare(ref: dict, ids: list[int], tie: float) -> dict:
 
 
 def concurrency(url: str, tokens: int, tie: float) -> dict:
+    """The 8 prompts solo (with top-2 logprobs) then all at once: how many differ, where, near-ties."""
     solo = {p: complete(url, p, tokens, logprobs=True) for p in PROMPTS}
     together: dict = {}
 
@@ -169,8 +133,8 @@ def concurrency(url: str, tokens: int, tie: float) -> dict:
 def failover(build: Path, config: str, logs: Path, tokens: int, tie: float, after: int = 30) -> dict:
     """The failover prompt to the end, then again with the stage-1 worker serving it SIGKILLed after ``after``
     streamed tokens (by the coordinator's placement load)."""
-    with ExitStack() as stack:
-        url, workers = start_fleet(build, config, logs, stack, replicas=2)
+    with start_fleet(build, config, logs, replicas=2) as fleet:
+        url, workers = fleet.url, [(shard, proc, address) for shard, (proc, address) in zip([0, 1, 1], fleet.workers)]
         ref = complete(url, FAILOVER_PROMPT, tokens, logprobs=True)
         body = {"messages": [{"role": "user", "content": FAILOVER_PROMPT}], "temperature": 0, "max_tokens": tokens,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -197,18 +161,21 @@ def failover(build: Path, config: str, logs: Path, tokens: int, tie: float, afte
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | draft | streams differing | first differing token | near-ties (solo gap < tie) "
-             "| concurrent tok/s | failover: first differing token |", "|---|---|---|---|---|---|---|"]
+    """The markdown table: per configuration, streams differing from their solo runs, where, near-ties, the
+    concurrent rate and the failover's first differing token."""
+    out = []
     for row in rows:
         c, f = row["concurrency"], row.get("failover")
         firsts = ", ".join(str(x) for x in sorted(x for x in c["first"] if x is not None)) or "-"
         fo = "" if f is None else (f.get("error") or ("identical" if f["first"] is None else str(f["first"])))
-        lines.append(f"| {row['config']} | {c['draft']} | {c['differ']}/{c['of']} | {firsts} | {c['near_ties']} "
-                     f"| {c['concurrent_tokens_per_s']} | {fo} |")
-    return "\n".join(lines)
+        out.append([row["config"], c["draft"], f"{c['differ']}/{c['of']}", firsts, c["near_ties"],
+                    c["concurrent_tokens_per_s"], fo])
+    return harness.table(["configuration", "draft", "streams differing", "first differing token",
+                          "near-ties (solo gap < tie)", "concurrent tok/s", "failover: first differing token"], out)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Each configuration's fleet (module docstring); prints a JSON line per row and the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build", type=Path, default=None, help="2-stage build (default: the newest test build)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
@@ -222,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     rows = []
     for config in args.configs.split(","):
-        with ExitStack() as stack:
-            url, _ = start_fleet(build, config, args.logs, stack)
+        with start_fleet(build, config, args.logs) as fleet:
+            url = fleet.url
             row = {"config": config, "workers": CONFIGS[config][0], "coordinator": CONFIGS[config][1],
                    "concurrency": concurrency(url, args.tokens, args.tie)}
         if args.failover:
@@ -231,9 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps({"build": str(build), "tokens": args.tokens, "tie": args.tie,
-                                         "nproc": os.cpu_count(), "rows": rows}, indent=1))
+    harness.write_json(args.json, "invariance", {"build": str(build), "tokens": args.tokens, "tie": args.tie,
+                                                 "rows": rows}, indent=1)
     return 0
 
 

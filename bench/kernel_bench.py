@@ -27,64 +27,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
-
-from bench import real_gguf  # noqa: E402
+from bench import harness, real_gguf
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "int8", "int4")
 NNCF = {"int8": "int8", "int4": "int4"}  # built from the F16 file with --weights
-COMPILER_FILES = ("export.py", "gguf.py", "source.py", "compress.py", "build.py")
-BIN = Path(sys.executable).parent
 ROLES = {"/offset/": "offsets (Q4_K, Q4_1)", "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
          "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "lm_head": "head", "embed_tokens": "head"}
 # compiler/export.py name_products names each MatMul after its weight: model.layers.3.mlp.down_proj.weight/matmul
 
 
-def llama_cpp_bin(name: str) -> Path:
-    """A llama.cpp binary of bench/build_llama_cpp.sh's build (run when missing)."""
-    path = real_gguf.LLAMA_CPP / f"build-{real_gguf.LLAMA_CPP_VERSION}" / "bin" / name
-    if not path.is_file():
-        subprocess.run(["bash", str(ROOT / "bench" / "build_llama_cpp.sh")], cwd=ROOT, check=True)
-    return path
-
-
-def compiler_key() -> str:
-    """A short hash of the compiler sources a build depends on: a cached build is remade when they change."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in COMPILER_FILES:
-        h.update((ROOT / "compiler" / name).read_bytes())
-    return h.hexdigest()[:10]
-
-
 def ensure_build(gguf: Path, weights: str | None, cache: Path) -> Path:
-    """``fleet-compiler build GGUF --shards 1 [--weights W]`` into ``cache``, once per compiler version."""
-    out = cache / f"{gguf.stem}{'.' + weights if weights else ''}.{compiler_key()}"
-    if (out / "manifest.json").is_file():
-        return out
-    cmd = [str(BIN / "fleet-compiler"), "build", str(gguf), "--shards", "1", "-o", str(out)]
-    if weights:
-        cmd += ["--weights", weights]
-    print(f"building {out.name} ...", flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return out
+    """``fleet-compiler build GGUF --shards 1 [--weights W]`` into ``cache``, once per compiler version
+    (``harness.ensure_build``)."""
+    return harness.ensure_build(gguf, cache, 1, options=("--weights", weights) if weights else ())
 
 
 FLEET_RUN = r"""
 import json, os, sys, time
 import numpy as np, openvino as ov
 build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-precision, root = sys.argv[6], sys.argv[7]
-sys.path.insert(0, root)
+precision = sys.argv[6]
 from fleet_common.residency import resident_mib, settle
 from fleet_common.manifest import load_manifest
 from fleet_common.runtime import compile_config, runs_compressed
@@ -130,30 +98,30 @@ def fleet_cell(build: Path, threads: int, tokens: int, prompt: int, profile: boo
     """Decode tok/s, memory and (``profile``) per-op ms per step of ``build`` in its own process, loaded as a
     worker loads it (fleet_common/residency.py: the weights repacked at load, the mapped .bin given back)."""
     run = subprocess.run([sys.executable, "-c", FLEET_RUN, str(build), str(threads), str(tokens), str(prompt),
-                          "1" if profile else "0", precision, str(ROOT)], capture_output=True, text=True, cwd=ROOT)
+                          "1" if profile else "0", precision], capture_output=True, text=True, cwd=harness.ROOT,
+                         env=harness.repo_env())
     if run.returncode:
         raise RuntimeError(f"fleet run of {build} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _poll_peak(proc: subprocess.Popen, peak: list[float]) -> None:
+def poll_peak(proc: subprocess.Popen, peak: list[float]) -> None:
+    """Keep ``peak[0]`` at the largest VmHWM (MiB) seen of ``proc`` while it runs (every 50 ms)."""
     while proc.poll() is None:
-        try:
-            for line in open(f"/proc/{proc.pid}/status"):
-                if line.startswith("VmHWM:"):
-                    peak[0] = max(peak[0], int(line.split()[1]) / 1024)
-        except OSError:
+        status = harness.proc_status(proc.pid)
+        if not status:
             return
+        peak[0] = max(peak[0], status.get("VmHWM", 0) / (1 << 20))
         time.sleep(0.05)
 
 
 def llama_cell(gguf: Path, threads: int, tokens: int) -> dict:
     """llama-bench's decode tok/s (``tg`` of ``tokens`` from an empty context) and its peak RSS."""
-    cmd = ["taskset", "-c", ",".join(map(str, range(threads))), str(llama_cpp_bin("llama-bench")), "-m", str(gguf),
-           "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3", "-o", "json"]  # -d crashes this build
+    cmd = ["taskset", "-c", ",".join(map(str, range(threads))), str(harness.llama_cpp_tool("llama-bench")),
+           "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3", "-o", "json"]  # -d crashes this build
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0.0]
-    poller = threading.Thread(target=_poll_peak, args=(proc, peak), daemon=True)
+    poller = threading.Thread(target=poll_peak, args=(proc, peak), daemon=True)
     poller.start()
     out, err = proc.communicate()
     poller.join()
@@ -183,22 +151,22 @@ def profile_summary(ops: list) -> dict:
 
 def table(rows: list[dict]) -> str:
     """One line per type and thread count (and fleet's other precisions, ``fleet_<hint>``)."""
-    head = ("| type | threads | fleet | tok/s | llama.cpp tok/s | fleet ÷ llama.cpp | fleet peak RSS MiB (anon + file) | "
-            "llama.cpp peak RSS MiB | RSS ÷ | stage bin MB |")
-    lines = [head, "|" + "---|" * 10]
+    out = []
     for r in rows:
         l = r.get("llama_cpp") or {}
         for key in [k for k in r if k == "fleet" or k.startswith("fleet_")]:
             f = r[key]
-            ratio = f"{f['tok_s'] / l['tok_s']:.2f}" if l else "–"
-            mem = f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–"
-            lines.append(f"| {r['type']} | {r['threads']} | {key.partition('_')[2] or 'default'} | {f['tok_s']:.1f} | "
-                         f"{l.get('tok_s', float('nan')):.1f} | {ratio} | {f['peak_rss_mib']:.0f} ({f['anon_mib']:.0f} + "
-                         f"{f['file_mib']:.0f}) | {l.get('peak_rss_mib', float('nan')):.0f} | {mem} | {r['bin_mb']:.0f} |")
-    return "\n".join(lines)
+            out.append([r["type"], r["threads"], key.partition("_")[2] or "default", f"{f['tok_s']:.1f}",
+                        f"{l.get('tok_s', float('nan')):.1f}", f"{f['tok_s'] / l['tok_s']:.2f}" if l else "–",
+                        f"{f['peak_rss_mib']:.0f} ({f['anon_mib']:.0f} + {f['file_mib']:.0f})",
+                        f"{l.get('peak_rss_mib', float('nan')):.0f}",
+                        f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–", f"{r['bin_mb']:.0f}"])
+    return harness.table(["type", "threads", "fleet", "tok/s", "llama.cpp tok/s", "fleet ÷ llama.cpp",
+                          "fleet peak RSS MiB (anon + file)", "llama.cpp peak RSS MiB", "RSS ÷", "stage bin MB"], out)
 
 
 def profile_lines(rows: list[dict]) -> str:
+    """Each profiled row's ms per step by op type and by matrix role, and its FullyConnected kernels."""
     out = []
     for r in rows:
         p = r.get("profile")
@@ -212,6 +180,7 @@ def profile_lines(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every type and thread count, fleet beside llama.cpp (module docstring); prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.2-1b", help=f"a real_gguf shape ({', '.join(real_gguf.SHAPES)}) "
                         "or a GGUF file (then --types is that file's own type)")
@@ -259,12 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.profile:
         print("\nper-op profile, ms per decode step:\n" + profile_lines(rows))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "kernel_bench", "model": args.model, "tokens": args.tokens,
-                                         "prompt": args.prompt, "rows": rows, "machine": {
-                                             "nproc": os.cpu_count(), "platform": platform.platform()}}, indent=2))
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "kernel_bench", {"model": args.model, "tokens": args.tokens, "prompt": args.prompt,
+                                                   "rows": rows})
     return 0
 
 

@@ -18,7 +18,7 @@ and the fleet is built from the same file; an HF folder or a fleet build is refu
   prefix cache is off too, ``--no-prefix-cache``, where it has one), ``--fit off`` (no argument is
   changed behind our back).
 
-Same prompts (``interleave_bench.PROMPTS``), greedy, ``ignore_eos``, the same ``max_tokens``, streamed
+Same prompts (``bench.clients.PROMPTS``), greedy, ``ignore_eos``, the same ``max_tokens``, streamed
 through each server's ``/v1/chat/completions``; every answer must report exactly that many completion
 tokens. Both systems stay up together and take turns (order alternating per repeat) so that the
 machine's drifting load hits both alike; each cell is the median of ``--repeats`` runs and each
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import time
@@ -41,15 +40,12 @@ from pathlib import Path
 
 import psutil
 
-from bench import models
-from bench.decode_bench import wait_healthy
-from bench.interleave_bench import peak_rss_mib, run_users, start_fleet
-from bench.spec_bench import start
+from bench import harness, models
+from bench.clients import peak_rss_mib, run_users, warm_up
 from coordinator.local import free_port
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the sdist bench/build_llama_cpp.sh builds
-DEFAULT_BIN = (Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "fleet" / "llama.cpp"))
-               / f"build-{LLAMA_CPP_PYTHON}" / "bin")  # where the script puts them
+LLAMA_CPP_PYTHON = harness.LLAMA_CPP_PYTHON
+DEFAULT_BIN = harness.LLAMA_CPP_BIN  # where bench/build_llama_cpp.sh puts llama-server and rpc-server
 FLEET = "fleet"
 RPC = "llama.cpp RPC"
 SINGLE = "llama.cpp 1 process"
@@ -96,18 +92,18 @@ def tensor_split(stages: list[dict]) -> list[int]:
     return [s["end"] - s["start"] + (i == len(stages) - 1) for i, s in enumerate(stages)]
 
 
-def wait_port(port: int, proc, log: Path, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+def wait_port(port: int, proc: harness.Proc, timeout_s: float = 60.0) -> None:
     """Return once 127.0.0.1:``port`` accepts a connection; ``RuntimeError`` if ``proc`` exits first,
     ``TimeoutError`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited; log tail:\n{log.read_text(errors='replace')[-2000:]}")
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited; log tail:\n{proc.text()[-2000:]}")
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"port {port} not open after {timeout_s:.0f} s; see {log}")
+    raise TimeoutError(f"port {port} not open after {timeout_s:.0f} s; see {proc.log}")
 
 
 def server_command(server: Path, gguf: Path, port: int, slots: int, threads: int) -> list[str]:
@@ -123,23 +119,22 @@ def start_rpc_fleet(bins: tuple[Path, Path], gguf: Path, split: list[int], slots
     layers to them; stopped when ``stack`` closes. Raises ``RuntimeError``/``TimeoutError`` if one
     exits or does not serve in time."""
     server, rpc = bins
-    ncpu = os.cpu_count() or 1
     addresses, procs = [], {}
     for stage in range(len(split)):
         port = free_port()
         log = logs / f"llamacpp-rpc{stage}.log"
-        cmd = ["taskset", "-c", str(stage % ncpu), str(rpc), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
-        procs[f"rpc-server {stage}"] = proc = start(cmd, log, stack)
-        wait_port(port, proc, log)
+        cmd = harness.pinned(stage, [str(rpc), "-H", "127.0.0.1", "-p", str(port), "-t", "1"])
+        procs[f"rpc-server {stage}"] = proc = harness.spawn(cmd, log, stack)
+        wait_port(port, proc)
         addresses.append(f"127.0.0.1:{port}")
     port = free_port()
     log = logs / "llamacpp-rpc-llama-server.log"
     cmd = [*server_command(server, gguf, port, slots, 1), "--rpc", ",".join(addresses), "-ngl", "99",
            "--split-mode", "layer", "--tensor-split", ",".join(map(str, split))]
-    procs["llama-server"] = proc = start(cmd, log, stack)
+    procs["llama-server"] = proc = harness.spawn(cmd, log, stack)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log)
-    run_users(url, 1, 8, extra=NO_PROMPT_CACHE)  # warm-up
+    harness.wait_ready(url, 180.0, proc)
+    warm_up(url, NO_PROMPT_CACHE)
     return System(url, {name: psutil.Process(p.pid) for name, p in procs.items()}, NO_PROMPT_CACHE)
 
 
@@ -148,10 +143,10 @@ def start_single(server: Path, gguf: Path, slots: int, logs: Path, stack: ExitSt
     port = free_port()
     log = logs / "llamacpp-single-llama-server.log"
     cmd = server_command(server, gguf, port, slots, min(2, os.cpu_count() or 1))
-    proc = start(cmd, log, stack)
+    proc = harness.spawn(cmd, log, stack)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log)
-    run_users(url, 1, 8, extra=NO_PROMPT_CACHE)  # warm-up
+    harness.wait_ready(url, 180.0, proc)
+    warm_up(url, NO_PROMPT_CACHE)
     return System(url, {"llama-server": psutil.Process(proc.pid)}, NO_PROMPT_CACHE)
 
 
@@ -209,13 +204,10 @@ def comparison_table(ours: list[dict], theirs: list[dict], name: str = "llama.cp
     ``ValueError`` if those differ."""
     if [c["users"] for c in ours] != [c["users"] for c in theirs]:
         raise ValueError(f"user counts differ: {[c['users'] for c in ours]} vs {[c['users'] for c in theirs]}")
-    lines = ["| users | " + " | ".join(f"{label}: fleet / {name} / ÷" for _, label in METRICS) + " |",
-             "|---|" + "---|" * len(METRICS)]
-    for a, b in zip(ours, theirs):
-        digits = {k: 0 if k == "ttft_ms" else 1 for k, _ in METRICS}
-        cells = [f"{a[k]:.{digits[k]}f} / {b[k]:.{digits[k]}f} / {paired_ratio(a, b, k):.2f}" for k, _ in METRICS]
-        lines.append(f"| {a['users']} | " + " | ".join(cells) + " |")
-    return lines
+    digits = {k: 0 if k == "ttft_ms" else 1 for k, _ in METRICS}
+    rows = [[a["users"], *(f"{a[k]:.{digits[k]}f} / {b[k]:.{digits[k]}f} / {paired_ratio(a, b, k):.2f}"
+                           for k, _ in METRICS)] for a, b in zip(ours, theirs)]
+    return harness.table(["users", *(f"{label}: fleet / {name} / ÷" for _, label in METRICS)], rows).splitlines()
 
 
 def memory_rows(fleet: dict[str, float], other: dict[str, float], name: str = "llama.cpp") -> list[str]:
@@ -224,12 +216,12 @@ def memory_rows(fleet: dict[str, float], other: dict[str, float], name: str = "l
     def part(peaks: dict[str, float], front: bool | None) -> float:
         return sum(v for k, v in peaks.items() if front is None or k.startswith(("worker", "rpc-server")) != front)
 
-    lines = [f"| peak RSS MiB | fleet | {name} | ÷ |", "|---|---|---|---|"]
+    rows = []
     for label, front in (("stages (workers / rpc-servers)", False), ("coordinator / llama-server", True),
                          ("all", None)):
         a, b = part(fleet, front), part(other, front)
-        lines.append(f"| {label} | {a:.0f} | {b:.0f} | {a / b:.2f} |" if b else f"| {label} | {a:.0f} | {b:.0f} | |")
-    return lines
+        rows.append([label, f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}" if b else ""])
+    return harness.table(["peak RSS MiB", "fleet", name, "÷"], rows).splitlines()
 
 
 def agreement(ours: list[dict], theirs: list[dict]) -> dict:
@@ -248,14 +240,6 @@ def fleet_args() -> tuple[str, ...]:
     return ("--no-prefix-cache",) if "prefix_cache" in CoordinatorSettings.model_fields else ()
 
 
-def demo_gguf(hf: Path) -> Path:
-    """The demo's Q4_1 GGUF: the copy fetch_demo keeps in ``hf``, extracted again if missing."""
-    from compiler.source import DEMO_GGUF, extract_demo_gguf
-
-    path = hf / DEMO_GGUF
-    return path if path.is_file() else extract_demo_gguf(hf)
-
-
 def compare(gguf: Path, cache: Path, users_list: list[int], tokens: int, args: argparse.Namespace) -> int:
     """Run the comparison (module docstring) on GGUF file ``gguf``, print its tables and write ``args.json``;
     returns 0. Raises ``FileNotFoundError`` without the llama.cpp binaries, ``models.ModelError`` if ``gguf``
@@ -263,7 +247,7 @@ def compare(gguf: Path, cache: Path, users_list: list[int], tokens: int, args: a
     gguf = models.require_gguf(models.resolve(gguf), "the llama.cpp comparison")
     bins = binaries(args.llama_cpp_bin or DEFAULT_BIN)
     logs = cache / "logs"
-    build = models.ensure_build(gguf, cache, 2)
+    build = harness.ensure_build(gguf, cache, 2)
     split = tensor_split(json.loads((build / "manifest.json").read_text())["stages"])
     print(f"llama.cpp comparison: {gguf.name}, fleet build {build.name}, --tensor-split {split}, {tokens} tokens "
           f"per user, users {users_list}, {args.repeats} repeats, nproc {os.cpu_count()}, "
@@ -271,9 +255,10 @@ def compare(gguf: Path, cache: Path, users_list: list[int], tokens: int, args: a
     notes, systems = [], {}
     load = [os.getloadavg()[0]]
     with ExitStack() as stack:
-        url, procs = start_fleet(build, 2, logs, "batch groups", stack, tag="llamacpp-fleet",
-                                 extra_args=fleet_args())
-        systems[FLEET] = System(url, procs)
+        fleet = stack.enter_context(harness.Fleet(build, logs, "--log-level", "WARNING", *fleet_args(), shards=[0, 1],
+                                                  worker_args=("--threads", "1"), pin=True, prefix="llamacpp-fleet-"))
+        warm_up(fleet.url)
+        systems[FLEET] = System(fleet.url, fleet.processes())
         try:
             systems[RPC] = start_rpc_fleet(bins, gguf, split, max(users_list), logs, stack)
         except (RuntimeError, TimeoutError) as exc:
@@ -286,19 +271,14 @@ def compare(gguf: Path, cache: Path, users_list: list[int], tokens: int, args: a
         commands = {name: s.commands() for name, s in systems.items()}
     load.append(os.getloadavg()[0])
     report(cells, memory, notes)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "benchmark": "interleave_bench --llama-cpp", "gguf": str(gguf), "fleet_build": str(build),
-            "tokens": tokens, "repeats": args.repeats, "tensor_split": split, "cells": cells,
-            "peak_rss_mib": memory, "notes": notes, "load_average_1min": load,
-            "fleet_over": {name: [{"users": a["users"], **{k: paired_ratio(a, b, k) for k, _ in METRICS}}
-                                  for a, b in zip(cells[FLEET], c)] for name, c in cells.items() if name != FLEET},
-            "agreement": {name: agreement(cells[FLEET], c) for name, c in cells.items() if name != FLEET},
-            "commands": commands,
-            "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "llama_cpp_python": LLAMA_CPP_PYTHON},
-        }, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "interleave_bench --llama-cpp", {
+        "gguf": str(gguf), "fleet_build": str(build), "llama_cpp_python": LLAMA_CPP_PYTHON,
+        "tokens": tokens, "repeats": args.repeats, "tensor_split": split, "cells": cells,
+        "peak_rss_mib": memory, "notes": notes, "load_average_1min": load,
+        "fleet_over": {name: [{"users": a["users"], **{k: paired_ratio(a, b, k) for k, _ in METRICS}}
+                              for a, b in zip(cells[FLEET], c)] for name, c in cells.items() if name != FLEET},
+        "agreement": {name: agreement(cells[FLEET], c) for name, c in cells.items() if name != FLEET},
+        "commands": commands})
     return 0
 
 

@@ -8,23 +8,21 @@
 * a fleet build (a folder holding ``manifest.json``): used as it is. It has one stage count: a bench asking
   for another is refused (:class:`ModelError`), rows that need another (a 1-stage baseline) are left out.
 
-Without ``--model`` a bench runs the demo (SmolLM2-135M-Instruct, fetched into the cache as before). A cached
-build's folder name carries a hash of the compiler's sources, of the source (its resolved path, and each
-file's size and mtime) and of the build options, so a changed compiler or another source makes a new build.
-The builds carry their own tokenizer, so the benches' prompts work on any model.
+Without ``--model`` a bench runs the demo (SmolLM2-135M-Instruct: the tests' copy, else fetched into the cache).
+Builds are made and cached by ``bench.harness.ensure_build``: a folder name carries a hash of the code a build
+runs, of the source (its resolved path, and each file's size and mtime) and of the build options, so a changed
+compiler or another source makes a new build. The builds carry their own tokenizer, so the benches' prompts work on
+any model.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import harness
+
 MODEL_HELP = ("a GGUF file, a Hugging Face model folder (both built into --cache with fleet-compiler build) or a "
               "fleet build (a folder with manifest.json, used as it is); default: the demo, SmolLM2-135M-Instruct")
 
@@ -85,12 +83,11 @@ def add_model_option(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(model: Model | None, cache: Path, demo_folder: Path | None = None) -> Model:
-    """``model``, or the demo's HF folder (fetched into ``demo_folder``, default CACHE/SmolLM2-135M-Instruct)."""
+    """``model``, or the demo's HF folder (``harness.demo_hf``: ``demo_folder``, the tests' copy or one
+    fetched into ``cache``)."""
     if model is not None:
         return model
-    from compiler.source import fetch_demo
-
-    return Model("hf", fetch_demo(demo_folder or cache / "SmolLM2-135M-Instruct").resolve(), demo=True)
+    return Model("hf", harness.demo_hf(demo_folder, cache), demo=True)
 
 
 def require_gguf(model: Model, why: str) -> Path:
@@ -114,56 +111,6 @@ def architecture(build: Path):  # noqa: ANN201 - fleet_common.manifest.Architect
     from fleet_common.manifest import load_manifest
 
     return load_manifest(build).manifest.architecture
-
-
-def source_key(src: Path) -> str:
-    """A hash of the source ``src``: its resolved path and, for it or each file of its folder, name, size, mtime."""
-    src = Path(src).resolve()
-    files = sorted(p for p in src.iterdir() if p.is_file()) if src.is_dir() else [src]
-    h = hashlib.sha256(str(src).encode())
-    for p in files:
-        st = p.stat()
-        h.update(f"\0{p.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    return h.hexdigest()
-
-
-def compiler_key() -> str:
-    """A hash of the compiler's sources: a cached build is remade when they change."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted((ROOT / "compiler").glob("*.py")))).hexdigest()
-
-
-def build_dir(src: Path, cache: Path, shards: int, layers: str | None = None, drafts: tuple[str, ...] = ()) -> Path:
-    """Where :func:`ensure_build` puts ``src`` built so: NAME-Nstage[-LAYERS][-DRAFTS]-KEY in ``cache``."""
-    key = hashlib.sha256(f"{compiler_key()}\0{source_key(src)}\0{shards}\0{layers}\0{drafts}".encode())
-    src = Path(src)
-    name = f"{src.stem if src.is_file() else src.name}-{shards}stage"
-    name += f"-{layers.replace(':', '_').replace(',', '-')}" if layers else ""
-    name += "".join(f"-{d.replace('self-', '')}draft" for d in drafts)
-    return Path(cache) / f"{name}-{key.hexdigest()[:10]}"
-
-
-def compiler_command() -> list[str]:
-    """``fleet-compiler`` beside this interpreter, else the same CLI as ``python -m compiler.cli``."""
-    exe = Path(sys.executable).parent / "fleet-compiler"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "compiler.cli"]
-
-
-def ensure_build(src: Path, cache: Path, shards: int, layers: str | None = None,
-                 drafts: tuple[str, ...] = ()) -> Path:
-    """``fleet-compiler build SRC --shards N [--layers L] [--draft D ...] -o DIR`` (``src``: a GGUF file or an
-    HF folder) into ``cache``, once per compiler version, source and options (:func:`build_dir`); returns DIR.
-    Raises ``subprocess.CalledProcessError`` if the compiler fails (its output is on the console)."""
-    out = build_dir(src, cache, shards, layers, drafts)
-    if (out / "manifest.json").is_file():
-        return out
-    cmd = [*compiler_command(), "build", str(src), "--shards", str(shards), "-o", str(out)]
-    cmd += ["--layers", layers] if layers else []
-    cmd += [a for d in drafts for a in ("--draft", d)]
-    print(f"building {out.name}: {' '.join(cmd[len(compiler_command()):])} ...", flush=True)
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # this checkout's compiler
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
-    return out
 
 
 def check_build(build: Path, stages: int, drafts: tuple[str, ...] = ()) -> None:
@@ -192,11 +139,11 @@ def check_stages(model: Model, stages: list[int] | set[int], drafts: tuple[str, 
 def builds(model: Model, cache: Path, stages: list[int] | set[int], optional: tuple[int, ...] = (),
            drafts: tuple[str, ...] = ()) -> dict[int, Path]:
     """{stage count: build} for every count in ``stages`` and, where there is one, in ``optional``: built
-    from a source (:func:`ensure_build`), or the build folder itself (:func:`check_build` refuses a count
+    from a source (``harness.ensure_build``), or the build folder itself (:func:`check_build` refuses a count
     in ``stages`` it does not have; an ``optional`` count it does not have is left out)."""
     wanted = sorted({*stages, *optional})
     if model.kind != "build":
-        return {n: ensure_build(model.path, cache, n, drafts=drafts) for n in wanted}
+        return {n: harness.ensure_build(model.path, cache, n, drafts=drafts) for n in wanted}
     check_stages(model, stages, drafts)
     have = model.stages
     return {have: model.path} if have in wanted else {}

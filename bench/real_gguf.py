@@ -24,14 +24,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import numpy as np
 
-import numpy as np  # noqa: E402
+from bench import harness
 
 CACHE = Path(os.environ.get("FLEET_REAL_CACHE", Path.home() / ".cache" / "fleet" / "real"))
-LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "fleet" / "llama.cpp"))
-LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")  # as bench/build_llama_cpp.sh
 STD = 0.02
 SEED = 0
 # llama-quantize's type names (llama.cpp tools/quantize/quantize.cpp QUANT_OPTIONS) that the benches use
@@ -134,9 +131,7 @@ def write_f16(name: str, layers: int, out: Path) -> Path:
 def llama_quantize(f16: Path, out: Path, qtype: str) -> Path:
     """``llama-quantize F16 OUT TYPE`` (llama.cpp's mixture for ``qtype``), built by bench/build_llama_cpp.sh
     when missing; written beside ``out`` and renamed when complete. ``RuntimeError`` with its log on failure."""
-    binary = LLAMA_CPP / f"build-{LLAMA_CPP_VERSION}" / "bin" / "llama-quantize"
-    if not binary.is_file():
-        subprocess.run(["bash", str(ROOT / "bench" / "build_llama_cpp.sh")], cwd=ROOT, check=True)
+    binary = harness.llama_cpp_tool("llama-quantize")
     tmp = out.with_name(out.name + ".partial")
     run = subprocess.run([str(binary), str(f16), str(tmp), qtype, str(os.cpu_count() or 1)],
                          capture_output=True, text=True)
@@ -168,6 +163,7 @@ def ensure(name: str, qtype: str = "F16", layers: int | None = None, cache: Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Make (or find) the GGUF asked for and print its path; ``--list`` prints the shapes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", choices=sorted(SHAPES))
     parser.add_argument("--type", default="F16", choices=TYPES)

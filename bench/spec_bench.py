@@ -21,26 +21,16 @@ a cell is the median over categories of the coordinator's decode tokens/s (first
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import httpx
+import numpy as np
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import openvino as ov  # noqa: E402
-
-from bench.decode_bench import stop_group, wait_healthy  # noqa: E402
-from bench.wan import LinkProfile, WanLink  # noqa: E402
-from coordinator.local import free_port  # noqa: E402
+from bench import harness
+from bench.wan import LinkProfile
 
 CATEGORIES = {
     "short factual": "What is the capital of Australia, and when did it become the capital?",
@@ -62,6 +52,7 @@ CARRY_PROBE = 128  # hidden slots used to measure the per-slot attention cost of
 # ---------------------------------------------------------------- (a) mask vs trim
 
 def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
+    """Median ms of ``repeats`` calls of ``fn``."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -72,6 +63,8 @@ def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
 
 def rejection_costs(build: Path, repeats: int) -> list[dict]:
     """Per context: ms of mask-based rejection vs physical trim of REJECTED slots, summed over stages."""
+    import openvino as ov
+
     from fleet_common.manifest import load_manifest
     from fleet_common.runtime import KVSession, compact
     from worker.runner import ShardRunner
@@ -143,49 +136,14 @@ def rejection_costs(build: Path, repeats: int) -> list[dict]:
 # ---------------------------------------------------------------- (b), (c) fleet
 
 def ensure_build(hf: Path, cache: Path) -> Path:
-    from compiler.draft import early_exit_model
-
-    draft = cache / f"SmolLM2-early{EARLY_EXIT_LAYERS}"
-    if not (draft / "config.json").is_file():
-        early_exit_model(hf, EARLY_EXIT_LAYERS, draft)
-    out = cache / "smollm2-2stage-drafts2"
-    if not (out / "manifest.json").is_file():
-        from compiler.build import build
-
-        print(f"building the 2-stage model with drafts into {out} ...", flush=True)
-        build(hf, out, shards=2, drafts=("self-int8", "self-int4", str(draft)))
-    return out
-
-
-def start(cmd: list[str], log: Path, stack: ExitStack) -> subprocess.Popen:
-    fh = stack.enter_context(open(log, "w"))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    stack.callback(stop_group, proc)
-    return proc
-
-
-def wait_line(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.args[:4]} not ready; log tail:\n{log.read_text()[-2000:]}")
-        time.sleep(0.2)
-
-
-def start_pinned_worker(build: Path, stage: int, log: Path, stack: ExitStack) -> tuple[subprocess.Popen, int]:
-    """Start ``fleet-worker`` for ``stage`` of ``build`` on a free loopback port, pinned to core
-    ``stage mod nproc`` (``taskset``) with one inference thread and no mDNS, logging to ``log``, stopped
-    when ``stack`` closes; returns (process, port) once it serves. Raises ``RuntimeError`` if it exits
-    or is not serving within 120 s."""
-    port = free_port()
-    proc = start(["taskset", "-c", str(stage % (os.cpu_count() or 1)), sys.executable, "-m", "worker.cli",
-                  "--shard", str(stage), "--model", str(build), "--port", str(port), "--threads", "1",
-                  "--no-announce"], log, stack)
-    wait_line(log, "serving on", proc)
-    return proc, port
+    """The 2-stage build of ``hf`` with every draft source this bench compares (self-int8, self-int4 and the
+    8-layer early-exit model), made once per compiler version into ``cache``."""
+    draft = harness.early_exit_draft(hf, cache / f"SmolLM2-early{EARLY_EXIT_LAYERS}", EARLY_EXIT_LAYERS)
+    return harness.ensure_build(hf, cache, 2, drafts=("self-int8", "self-int4", str(draft)))
 
 
 def chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> dict:
+    """One greedy non-streamed completion of ``tokens``: its text and the response's ``fleet`` statistics."""
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True,
             "max_tokens": tokens}
     r = client.post(f"{url}/v1/chat/completions", json=body, timeout=900)
@@ -198,30 +156,12 @@ def chat(client: httpx.Client, url: str, prompt: str, tokens: int) -> dict:
 def fleet_runs(build: Path, logs: Path, delays: list[float], tokens: int, categories: dict[str, str]) -> list[dict]:
     """Every (delay, source, category) run; workers behind delaying proxies, one coordinator per source."""
     runs = []
-    with ExitStack() as stack:
-        proxies = []
-        for stage in range(2):
-            port = free_port()
-            log = logs / f"spec-worker{stage}.log"
-            proc = start([sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(build),
-                          "--port", str(port), "--no-announce"], log, stack)
-            wait_line(log, "serving on", proc)
-            proxy = WanLink(f"127.0.0.1:{port}", LinkProfile()).start()
-            stack.callback(proxy.stop)
-            proxies.append(proxy)
-        urls = {}
-        for source in SOURCES:
-            port = free_port()
-            log = logs / f"spec-coordinator-{source}.log"
-            peers = [a for p in proxies for a in ("--peer", p.address)]
-            proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                          "--no-announce", "--no-discover", "--draft", source, "--log-level", "WARNING", *peers],
-                         log, stack)
-            urls[source] = f"http://127.0.0.1:{port}"
-            wait_healthy(urls[source], proc, log)
-        client = stack.enter_context(httpx.Client())
+    with harness.Fleet(build, logs, shards=[0, 1], link=LinkProfile(), coordinator=False, prefix="spec-") as fleet, \
+            httpx.Client() as client:
+        urls = {source: fleet.add_coordinator("--log-level", "WARNING", draft=source, name=f"-{source}")[1]
+                for source in SOURCES}
         for delay in delays:
-            for proxy in proxies:
+            for proxy in fleet.links:
                 proxy.profile = LinkProfile(delay_ms=delay)
             for source in SOURCES:  # warm-up: compile paths, and adaptive K's step-cost estimates
                 chat(client, urls[source], "Say hello.", 16)
@@ -235,6 +175,8 @@ def fleet_runs(build: Path, logs: Path, delays: list[float], tokens: int, catego
 
 
 def summarize(runs: list[dict], delays: list[float]) -> list[dict]:
+    """Per delay and draft source: median decode tok/s over the categories, speed-up over plain decoding,
+    acceptance, mean K, the per-category numbers and whether every text equals plain decoding's."""
     rows = []
     for delay in delays:
         base = None
@@ -257,45 +199,39 @@ def summarize(runs: list[dict], delays: list[float]) -> list[dict]:
 
 
 def tables(costs: list[dict], rows: list[dict], categories: list[str]) -> str:
-    out = [f"(a) one rejection of {REJECTED} drafts, both stages of the 2-stage build",
-           f"{'context':>7} | {'trim ms':>8} | {'mask ms':>8} | {'(update':>8} | {'carry)':>7} | {'mask/trim':>9} "
-           f"| {'compaction ms/rejection':>23}"]
-    for c in costs:
-        out.append(f"{c['context']:>7} | {c['trim_ms']:>8.3f} | {c['mask_ms']:>8.4f} | {c['mask_update_ms']:>8.4f} | "
-                   f"{c['mask_carry_ms_per_step']:>7.3f} | {c['mask_over_trim']:>8.2%} | "
-                   f"{c['compaction_ms_amortized']:>23.3f}")
-    short = [c.split()[0][:6] for c in categories]
-    out += ["", "(b, c) decode tok/s, 2-stage fleet, adaptive K; acceptance rate per category in ()",
-            f"{'ms/hop':>6} | {'draft':<16} | {'tok/s':>6} | {'x plain':>7} | {'accept':>6} | {'K':>4} | " + " | ".join(
-                f"{s:>12}" for s in short)]
-    for r in rows:
-        cats = " | ".join(
-            f"{r['per_category'][c]['tok_s']:>5.1f} ({r['per_category'][c]['acceptance'] or 0:.2f})" for c in categories)
-        acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
-        out.append(f"{r['delay_ms']:>6.0f} | {r['source']:<16} | {r['decode_tok_s']:>6.1f} | {r['speedup']:>7.2f} | "
-                   f"{acc:>6} | {r['mean_k']:>4.1f} | {cats}")
-    return "\n".join(out)
+    """(a) the rejection costs per context and (b, c) decode tok/s per delay and draft source, as text."""
+    rejection = harness.table(
+        ["context", "trim ms", "mask ms", "(update", "carry)", "mask/trim", "compaction ms/rejection"],
+        [[c["context"], f"{c['trim_ms']:.3f}", f"{c['mask_ms']:.4f}", f"{c['mask_update_ms']:.4f}",
+          f"{c['mask_carry_ms_per_step']:.3f}", f"{c['mask_over_trim']:.2%}", f"{c['compaction_ms_amortized']:.3f}"]
+         for c in costs], pad=True)
+    speed = harness.table(
+        ["ms/hop", "draft", "tok/s", "x plain", "accept", "K", *(c.split()[0][:6] for c in categories)],
+        [[f"{r['delay_ms']:.0f}", r["source"], f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.2f}",
+          f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else None, f"{r['mean_k']:.1f}",
+          *(f"{r['per_category'][c]['tok_s']:.1f} ({r['per_category'][c]['acceptance'] or 0:.2f})" for c in categories)]
+         for r in rows], pad=True)
+    return (f"(a) one rejection of {REJECTED} drafts, both stages of the 2-stage build\n{rejection}\n\n"
+            f"(b, c) decode tok/s, 2-stage fleet, adaptive K; acceptance rate per category in ()\n{speed}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure (a), then (b, c) (module docstring); prints the tables and targets, writes ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every run and summary here")
     parser.add_argument("--tokens", type=int, default=96, help="tokens per prompt (ignore_eos)")
     parser.add_argument("--delays", default="0,10,50", help="one-way delay per hop, ms, comma-separated")
     parser.add_argument("--repeats", type=int, default=15, help="repetitions per (a) measurement")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 categories, 24 tokens, delays 0,50")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench", help="builds are cached here")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE, help="builds are cached here")
     args = parser.parse_args(argv)
     delays = [float(d) for d in ("0,50" if args.quick else args.delays).split(",")]
     tokens = 24 if args.quick else args.tokens
     categories = dict(list(CATEGORIES.items())[:3]) if args.quick else CATEGORIES
 
-    from compiler.source import fetch_demo
-
     cache = args.cache.resolve()
     (cache / "logs").mkdir(parents=True, exist_ok=True)
-    hf = fetch_demo(cache / "SmolLM2-135M-Instruct")
-    build = ensure_build(hf, cache)
+    build = ensure_build(harness.demo_hf(None, cache), cache)
     print(f"spec bench: (a) contexts {CONTEXTS}; (b, c) {tokens} tokens x {len(categories)} categories x "
           f"{len(SOURCES)} sources x delays {delays} ms; nproc {os.cpu_count()}", flush=True)
     costs = rejection_costs(build, 5 if args.quick else args.repeats)
@@ -307,17 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["delay_ms"] == 50 and r["source"] != "none":
             print(f"  50 ms/hop, {r['source']}: {r['speedup']:.2f}x plain (goal >= 2.5x)")
-    if args.json:
-        report = {"benchmark": "spec_bench", "model": "SmolLM2-135M-Instruct", "build": str(build), "tokens": tokens,
-                  "categories": categories, "sources": SOURCES, "delays_ms": delays,
-                  "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version(),
-                              "loadavg": os.getloadavg()},
-                  "rejection_cost": costs, "summary": rows, "runs": runs}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "spec_bench", {
+        "model": "SmolLM2-135M-Instruct", "build": str(build), "tokens": tokens, "categories": categories,
+        "sources": SOURCES, "delays_ms": delays, "rejection_cost": costs, "summary": rows, "runs": runs})
     return 0
 
-
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -38,32 +38,17 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
-import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+import numpy as np
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import openvino as ov  # noqa: E402
+from bench import clients, fleet_calibrate, fleet_model, harness, models
+from bench.wan import PROFILES, LinkProfile
 
-from bench import fleet_calibrate, fleet_model, models  # noqa: E402
-from bench.decode_bench import wait_healthy  # noqa: E402
-from bench.interleave_bench import user  # noqa: E402
-from bench.spec_bench import start, start_pinned_worker  # noqa: E402
-from bench.wan import PROFILES, LinkProfile, WanLink  # noqa: E402
-from coordinator.local import free_port  # noqa: E402
-
-PROMPTS = (
-    "Explain how a rainbow forms, step by step.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-)
+PROMPTS = clients.PROMPTS[:2]
 MODES = {"naive": (1, False), "+spec": (1, True), "+interleave": (2, False), "full stack": (2, True)}
 RATES_MBIT = (1000.0, 20.0)
 DRAFTS = ("self-int8",)  # the +spec modes' draft
@@ -74,14 +59,7 @@ def run_cell(url: str, users: int, tokens: int) -> dict:
     anyone - first token of anyone), plus TTFT, the speculation statistics and their counts (decode
     steps that verified drafts, and plain steps: adaptive K decodes one token when drafting does not
     pay; the last verify step's bonus token may be cut, hence the floor at 0)."""
-    outs = [dict() for _ in range(users)]
-    with httpx.Client() as client:
-        threads = [threading.Thread(target=user, args=(client, url, PROMPTS[i % len(PROMPTS)], tokens, outs[i]))
-                   for i in range(users)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    _, outs = clients.concurrent_users(url, [PROMPTS[i % len(PROMPTS)] for i in range(users)], tokens)
     first = min(o["times"][0] for o in outs)
     last = max(o["times"][-1] for o in outs)
     decoded = users * (tokens - 1)
@@ -121,23 +99,12 @@ def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs
     coordinator sharing them; each cell runs up to ``repeats`` times while its runs took less than
     ``cell_budget_s`` (see ``pool_runs``)."""
     cells = []
-    with ExitStack() as stack:
-        links = []
-        for stage in range(stages):
-            _, port = start_pinned_worker(build, stage, logs / f"wan-{stages}stage-worker{stage}.log", stack)
-            link = WanLink(f"127.0.0.1:{port}", LinkProfile()).start()
-            stack.callback(link.stop)
-            links.append(link)
-        peers = [a for link in links for a in ("--peer", link.address)]
-        urls = {}
-        for spec in (False, True):
-            port = free_port()
-            log = logs / f"wan-{stages}stage-coordinator-{'spec' if spec else 'plain'}.log"
-            proc = start([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(build), "--port", str(port),
-                          "--no-announce", "--no-discover", "--draft", "self-int8" if spec else "none",
-                          "--draft-threads", "1", "--log-level", "WARNING", *peers], log, stack)
-            urls[spec] = f"http://127.0.0.1:{port}"
-            wait_healthy(urls[spec], proc, log)
+    with harness.Fleet(build, logs, shards=range(stages), worker_args=("--threads", "1"), pin=True, link=LinkProfile(),
+                       coordinator=False, prefix=f"wan-{stages}stage-") as fleet:
+        links = fleet.links
+        urls = {spec: fleet.add_coordinator("--draft", "self-int8" if spec else "none", "--draft-threads", "1",
+                                            "--log-level", "WARNING", name="-spec" if spec else "-plain")[1]
+                for spec in (False, True)}
         for delay in delays:  # both rates of a delay back to back (the machine's load drifts over minutes)
             for rate in RATES_MBIT:
                 for link in links:
@@ -166,7 +133,7 @@ def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs
     return cells
 
 
-async def _logits_return(addresses: list[str], build: Path, tokens: int, top_k: int) -> dict:
+async def logits_return(addresses: list[str], build: Path, tokens: int, top_k: int) -> dict:
     """Greedy decode through the pipeline client, the last stage returning ``top_k`` candidates per
     token (the vocabulary size = full logits): decode tok/s and bytes per result."""
     from coordinator.pipeline import Channels, Pipeline
@@ -199,16 +166,10 @@ def relay_cells(build: Path, tokens: int, logs: Path) -> list[dict]:
     (the vocabulary size of its manifest)."""
     vocab = models.architecture(build).vocab_size
     cells = []
-    with ExitStack() as stack:
-        links = []
-        for stage in range(models.num_stages(build)):
-            _, port = start_pinned_worker(build, stage, logs / f"wan-relay-worker{stage}.log", stack)
-            link = WanLink(f"127.0.0.1:{port}", PROFILES["relay"]).start()
-            stack.callback(link.stop)
-            links.append(link)
+    with harness.Fleet(build, logs, worker_args=("--threads", "1"), pin=True, link=PROFILES["relay"],
+                       coordinator=False, prefix="wan-relay-") as fleet:
         for top_k in (1, vocab):
-            cell = {"profile": "relay", **asyncio.run(_logits_return([link.address for link in links], build,
-                                                                     tokens, top_k))}
+            cell = {"profile": "relay", **asyncio.run(logits_return(fleet.peers, build, tokens, top_k))}
             cells.append(cell)
             print(f"  relay, {'top-1' if top_k == 1 else 'full logits'} return: {cell['tok_s']:.2f} tok/s, "
                   f"{cell['result_bytes']:,} bytes per result", flush=True)
@@ -217,28 +178,28 @@ def relay_cells(build: Path, tokens: int, logs: Path) -> list[dict]:
 
 def table(cells: list[dict], delays: list[float]) -> str:
     """The sweep's cells as text: tok/s per mode and the full-stack/naive ratio per fleet, link and delay."""
-    lines = [f"{'fleet':<8} | {'link':>10} | {'ms/hop':>6} | " + " | ".join(f"{m:>11}" for m in MODES)
-             + f" | {'full/naive':>10}", "-" * 96]
+    rows = []
     for stages in sorted({c["stages"] for c in cells}):
         for rate in RATES_MBIT:
             for delay in delays:
                 row = {c["mode"]: c for c in cells if c["stages"] == stages and c["rate_mbit"] == rate
                        and c["delay_ms"] == delay}
-                if not row:
-                    continue
-                lines.append(f"{stages}-stage  | {rate:>5.0f} Mbit | {delay:>6.0f} | " + " | ".join(
-                    f"{row[m]['tok_s']:>11.1f}" for m in MODES) + f" | {row['full stack']['tok_s'] / row['naive']['tok_s']:>9.2f}x")
-    return "\n".join(lines)
+                if row:
+                    rows.append([f"{stages}-stage", f"{rate:.0f} Mbit", f"{delay:.0f}",
+                                 *(f"{row[m]['tok_s']:.1f}" for m in MODES),
+                                 f"{row['full stack']['tok_s'] / row['naive']['tok_s']:.2f}x"])
+    return harness.table(["fleet", "link", "ms/hop", *MODES, "full/naive"], rows, pad=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The sweep's options; argparse's usage error for a bad value or a build without a self-int8 draft."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     models.add_model_option(parser)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tokens", type=int, default=24, help="completion tokens per user per cell")
     parser.add_argument("--delays", default="0,10,25,50,100")
     parser.add_argument("--stages", type=models.counts, help="fleet stage counts (default 2,3; a build: its own)")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE)
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell at most (the median is kept)")
     parser.add_argument("--cell-budget-s", type=float, default=4.0,
                         help="no further repeat of a cell once its runs took this long (keeps the sweep under 15 min)")
@@ -269,7 +230,7 @@ def relay_build(model: models.Model, builds: dict[int, Path], cache: Path) -> Pa
     """The relay cells' fleet: the 2-stage build (made from a source if the sweep has none), or the build folder."""
     if model.kind == "build":
         return model.path
-    return builds.get(2) or models.ensure_build(model.path, cache, 2, drafts=DRAFTS)
+    return builds.get(2) or harness.ensure_build(model.path, cache, 2, drafts=DRAFTS)
 
 
 def print_summary(cells: list[dict], relay: list[dict], delays: list[float]) -> None:
@@ -303,6 +264,7 @@ def print_summary(cells: list[dict], relay: list[dict], delays: list[float]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Profile, sweep every fleet, run the relay cells, validate the fleet model; writes ``--json``."""
     args = parse_args(argv)
     delays = [float(d) for d in args.delays.split(",")]
     cache = args.cache.resolve()
@@ -322,27 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(next(iter(builds.values())))
-    result = {
-        "benchmark": "wan_sweep", "model": model.name, "model_path": str(model.path), "model_kind": model.kind,
+    result = harness.write_json(None, "wan_sweep", {
+        "model": model.name, "model_path": str(model.path), "model_kind": model.kind,
         "tokens": args.tokens, "delays_ms": delays, "rates_mbit": RATES_MBIT,
         "repeats": args.repeats, "cell_budget_s": args.cell_budget_s,
         "prompt_tokens": [len(tokenizer.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS],
         "cells": cells, "relay": relay, "profiles": {k: v.__dict__ for k, v in PROFILES.items()},
         "stage_profiles": {str(n): p for n, p in profiles.items()},
-        "hidden_size": models.architecture(next(iter(builds.values()))).hidden_size,
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "openvino": ov.get_version()},
-    }
+        "hidden_size": models.architecture(next(iter(builds.values()))).hidden_size})
     checked = fleet_model.validate(result)
     worst = max(abs(c["error"]) for c in checked)
     print(f"fleet model (bench/fleet_model.py): within 15% on {sum(abs(c['error']) <= 0.15 for c in checked)} of "
           f"{len(checked)} cells, worst {worst:.1%}")
     print(f"sweep took {time.monotonic() - t0:.0f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    harness.write_json(args.json, "wan_sweep", result)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

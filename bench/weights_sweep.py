@@ -13,12 +13,9 @@ under ``--cache``).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a plain script: make the repo's packages importable
+from bench import harness
 
 # format[:sym|asym[:group[:ratio]]]; the int4 ones without options take the demo's size-class default
 RECIPES = ("int8:asym", "int8:sym",
@@ -27,57 +24,55 @@ RECIPES = ("int8:asym", "int8:sym",
            "int4:sym:32:1.0", "int4:sym:64:1.0", "int4:sym:128:1.0")
 
 
+def recipe_options(recipe: str) -> tuple[str, ...]:
+    """``fleet-compiler build`` options of ``recipe`` (``format[:sym|asym[:group[:ratio]]]``)."""
+    fmt, *opts = recipe.split(":")
+    out = () if fmt == "fp16" else ("--weights", fmt)
+    out += ({"sym": ("--symmetric",), "asym": ("--asymmetric",)}[opts[0]] if opts else ())
+    out += ("--group-size", opts[1]) if len(opts) > 1 else ()
+    return out + (("--ratio", opts[2]) if len(opts) > 2 else ())
+
+
 def build_recipe(hf: Path, cache: Path, recipe: str) -> Path:
-    """The 1-stage build of ``recipe`` in ``cache`` (built once per compiler version)."""
-    import hashlib
-
-    key = hashlib.sha256(b"".join((ROOT / "compiler" / n).read_bytes()
-                                  for n in ("export.py", "build.py", "compress.py"))).hexdigest()[:8]
-    out = cache / f"smollm2-1stage-{recipe.replace(':', '-')}-{key}"
-    if not (out / "manifest.json").is_file():
-        from compiler.build import build
-
-        fmt, *opts = recipe.split(":")
-        symmetric = {"sym": True, "asym": False}[opts[0]] if opts else None
-        group = int(opts[1]) if len(opts) > 1 else None
-        ratio = float(opts[2]) if len(opts) > 2 else None
-        print(f"building {recipe} into {out} ...", flush=True)
-        build(hf, out, shards=1, weights=fmt, symmetric=symmetric, group_size=group, ratio=ratio)
-    return out
+    """The 1-stage build of ``recipe`` in ``cache`` (``harness.ensure_build``: once per compiler version)."""
+    return harness.ensure_build(hf, cache, 1, options=recipe_options(recipe))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Build and measure every recipe against fp16; prints the table, writes ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--recipes", help=f"comma-separated (default: {','.join(RECIPES)})")
     parser.add_argument("--hf", type=Path, help="demo HF folder (default: fetched into CACHE/SmolLM2-135M-Instruct)")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / "bench", help="builds are cached here")
+    parser.add_argument("--cache", type=Path, default=harness.CACHE, help="builds are cached here")
     args = parser.parse_args(argv)
 
     from compiler.quality import compare, measure
-    from compiler.source import fetch_demo
     from fleet_common.manifest import load_manifest
 
-    hf = fetch_demo(args.hf or args.cache / "SmolLM2-135M-Instruct")
+    hf = harness.demo_hf(args.hf, args.cache)
     reference = build_recipe(hf, args.cache, "fp16")
     ref = measure(reference)
     ref_bytes = (reference / load_manifest(reference).manifest.stages[0].bin).stat().st_size
     rows = [{"recipe": "fp16", "weights": ref.weights[0], "mbytes": ref_bytes / 1e6, "perplexity": ref.perplexity,
              "ppl_increase": 0.0, "agreement": 1.0, "identical": len(ref.greedy)}]
-    print(f"{'weights':<22} {'MB':>6} {'perplexity':>10} {'vs fp16':>8} {'agreement':>9} {'identical':>9}")
-    print(f"{rows[0]['weights']:<22} {rows[0]['mbytes']:>6.1f} {ref.perplexity:>10.3f}")
     for recipe in (args.recipes.split(",") if args.recipes else RECIPES):
         build = build_recipe(hf, args.cache, recipe)
         mine, c = compare(build, reference)
         size = (build / load_manifest(build).manifest.stages[0].bin).stat().st_size / 1e6
         rows.append({"recipe": recipe, "weights": mine.weights[0], "mbytes": size, "perplexity": mine.perplexity,
-                     "ppl_increase": c.ppl_increase, "agreement": c.agreement, "identical": c.identical})
-        print(f"{mine.weights[0]:<22} {size:>6.1f} {mine.perplexity:>10.3f} {c.ppl_increase:>+8.2%} "
-              f"{c.agreement:>9.3f} {f'{c.identical}/{c.prompts}':>9}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"tokens": ref.tokens, "rows": rows}, indent=1) + "\n")
+                     "ppl_increase": c.ppl_increase, "agreement": c.agreement, "identical": c.identical,
+                     "prompts": c.prompts})
+        print(f"  {mine.weights[0]}: perplexity {mine.perplexity:.3f} ({c.ppl_increase:+.2%})", flush=True)
+    print(harness.table(["weights", "MB", "perplexity", "vs fp16", "agreement", "identical"],
+                        [[r["weights"], f"{r['mbytes']:.1f}", f"{r['perplexity']:.3f}",
+                          f"{r['ppl_increase']:+.2%}" if r["recipe"] != "fp16" else None,
+                          f"{r['agreement']:.3f}" if r["recipe"] != "fp16" else None,
+                          f"{r['identical']}/{r['prompts']}" if r["recipe"] != "fp16" else None] for r in rows],
+                        pad=True))
+    harness.write_json(args.json, "weights_sweep", {"tokens": ref.tokens, "rows": rows}, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

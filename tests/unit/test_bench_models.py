@@ -1,5 +1,5 @@
 """bench/models.py: what a bench's --model PATH names (GGUF, HF folder, fleet build, or a clear error), the
-cache key of the builds it makes, and one real tiny build through fleet-compiler."""
+cache key of the builds it makes (bench/harness.py), and one real tiny build through fleet-compiler."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import models
+from bench import harness, models
 from bench.interleave_bench import parse_args
 from fleet_common.manifest import Architecture, Manifest, StageEntry
 
@@ -90,19 +90,20 @@ def test_the_cache_key_follows_the_source_and_the_options(tmp_path: Path) -> Non
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     for p in (a, b):
         p.write_bytes(b"GGUF" + b"\0" * 12)
-    one = models.build_dir(a, tmp_path, 2)
-    assert one == models.build_dir(a, tmp_path, 2) and one.name.startswith("a-2stage-")
-    assert len({one, models.build_dir(b, tmp_path, 2), models.build_dir(a, tmp_path, 1),
-                models.build_dir(a, tmp_path, 2, "0:1,1:2"), models.build_dir(a, tmp_path, 2, drafts=("self-int8",))}) == 5
+    one = harness.build_dir(a, tmp_path, 2)
+    assert one == harness.build_dir(a, tmp_path, 2) and one.name.startswith("a-2stage-")
+    assert len({one, harness.build_dir(b, tmp_path, 2), harness.build_dir(a, tmp_path, 1),
+                harness.build_dir(a, tmp_path, 2, "0:1,1:2"),
+                harness.build_dir(a, tmp_path, 2, drafts=("self-int8",))}) == 5
     a.write_bytes(b"GGUF" + b"\1" * 20)  # the file changed
-    assert models.build_dir(a, tmp_path, 2) != one
+    assert harness.build_dir(a, tmp_path, 2) != one
 
 
 def test_a_real_tiny_build_is_made_once_and_then_used_as_a_build(tmp_path: Path) -> None:
     src = models.resolve(tiny_llama(tmp_path / "tiny"))
     cache = tmp_path / "cache"
     built = models.builds(src, cache, [1])
-    assert list(built) == [1] and built[1] == models.build_dir(src.path, cache, 1)
+    assert list(built) == [1] and built[1] == harness.build_dir(src.path, cache, 1)
     manifest = built[1] / "manifest.json"
     stamp = manifest.stat().st_mtime_ns
     assert models.builds(src, cache, [1]) == built and manifest.stat().st_mtime_ns == stamp  # cached
