@@ -99,6 +99,19 @@ def test_bad_group_arguments_are_refused_untouched(model):
     assert (group.rows, group.length) == (2, 3)
 
 
+async def solo_greedy(pipeline, sid: str, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of ``prompt`` decoded alone on ``pipeline``, one step at a time."""
+    await pipeline.open_session(sid, 64, 10)
+    out = await pipeline.step(sid, prompt, 0, 0, 1, 1, 30)
+    tokens = [int(out.top_ids[-1, 0])]
+    for i in range(n - 1):
+        pos = len(prompt) + i
+        out = await pipeline.step(sid, tokens[-1:], pos, pos, 1, 1, 30)
+        tokens.append(int(out.top_ids[-1, 0]))
+    await pipeline.close_session(sid, 10)
+    return tokens
+
+
 def test_step_loop_over_real_workers_equals_solo_and_a_slow_reader_stalls_nobody(build_2, tmp_path):
     """Two requests in one batch group of a step loop over a real 2-stage fleet: greedy tokens equal solo
     decoding; while one request's client reads nothing (its deltas queue up), the other's steps go on;
@@ -127,22 +140,11 @@ def test_step_loop_over_real_workers_equals_solo_and_a_slow_reader_stalls_nobody
     prompts = {"a": [1, 504, 3060, 282, 4649, 314], "b": [1, 9690, 198, 2683, 359, 253, 5356, 30]}
     lengths = {"a": 6, "b": 14}
 
-    async def solo(pipeline: Pipeline, sid: str, n: int) -> list[int]:
-        await pipeline.open_session(sid, 64, 10)
-        out = await pipeline.step(sid, prompts[sid], 0, 0, 1, 1, 30)
-        tokens = [int(out.top_ids[-1, 0])]
-        for i in range(n - 1):
-            pos = len(prompts[sid]) + i
-            out = await pipeline.step(sid, tokens[-1:], pos, pos, 1, 1, 30)
-            tokens.append(int(out.top_ids[-1, 0]))
-        await pipeline.close_session(sid, 10)
-        return tokens
-
     async def main() -> None:
         channels = Channels()
         pipeline = await Pipeline.connect(addresses, channels, sha)
         try:
-            ref = {sid: await solo(pipeline, sid, lengths[sid]) for sid in prompts}
+            ref = {sid: await solo_greedy(pipeline, sid, prompts[sid], lengths[sid]) for sid in prompts}
             costs = StepCostsByLoad(lambda: 2)
             ctx = LoopContext(lambda n: 30.0, CoordinatorMetrics(), costs, None, "none", None, lambda: None, 10.0)
             loop = StepLoop(pipeline, Scheduler(1, 4, 64, 9, 0.5, 8), ctx)
