@@ -104,6 +104,15 @@ async def drain(seq: Seq, bound_s: float = 2.0) -> list:
             return items
 
 
+async def close_when_idle(loop: StepLoop) -> None:
+    """Wait (up to 1 s) until ``loop`` holds nothing at the stages, then stop it."""
+    for _ in range(100):
+        if loop.idle:
+            break
+        await asyncio.sleep(0.01)
+    loop.close()
+
+
 def expected(prompt: list[int], n: int) -> list[int]:
     out, t = [], prompt[-1]
     for _ in range(n):
@@ -122,11 +131,7 @@ def test_requests_in_one_group_each_get_their_own_rows():
         items = {name: await drain(seq) for name, seq in seqs.items()}
         for seq in seqs.values():
             await asyncio.wait_for(loop.end(seq, retain=False), 2.0)
-        for _ in range(100):
-            if loop.idle:
-                break
-            await asyncio.sleep(0.01)
-        loop.close()
+        await close_when_idle(loop)
         return {n: (s.request.output_ids, items[n][-1].finish_reason) for n, s in seqs.items()}, pipeline.calls
 
     got, calls = asyncio.run(scenario())
@@ -193,11 +198,7 @@ def test_the_loop_reports_each_kv_free():
         await asyncio.wait_for(loop.end(a, retain=False), 2.0)
         await drain(b)
         await asyncio.wait_for(loop.end(b, retain=False), 2.0)
-        for _ in range(100):
-            if loop.idle:
-                break
-            await asyncio.sleep(0.01)
-        loop.close()
+        await close_when_idle(loop)
         return frees
 
     assert asyncio.run(scenario()) == ["step", "close"]
