@@ -219,7 +219,8 @@ def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> 
     """RoPE of ``config`` (an HF ``config.json`` dict): (inverse frequencies [rotary_dim / 2] float64,
     cos/sin scale, the largest context these are exact for).
 
-    Reads transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``. rotary_dim is
+    Reads transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling`` (which wins when
+    both are given, as ``PreTrainedConfig.convert_rope_params_to_dict`` has it). rotary_dim is
     ``int(head_dim * partial_rotary_factor)`` (phi3 only; Phi-4-mini 0.75). Scalings: none (``default``),
     ``linear`` (positions / factor), ``llama3`` (Llama 3.1's: low frequencies / factor, high kept, a smooth
     ramp between; transformers ``_compute_llama3_parameters``) and ``longrope`` (Ding et al. 2024, "LongRoPE:
@@ -230,9 +231,8 @@ def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> 
     why not the long factors). phi3's legacy ``su``/``yarn`` types are longrope (transformers'
     ``Phi3Config``). Others (yarn, dynamic, ...) raise ``UnsupportedModel`` naming the type.
     """
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(config.get("rope_scaling") or {})
-    params = {**scaling, **params}
+    scaling = dict(config.get("rope_scaling") or {})  # replaces rope_parameters when given, as in transformers 5
+    params = scaling or dict(config.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     model_type = config.get("model_type")

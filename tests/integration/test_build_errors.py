@@ -334,6 +334,22 @@ def test_config_only_gpt_neox_is_refused(tmp_path):
     assert_refused(build(src, out), out, q(src / "config.json"), "'gpt_neox'", "not supported", re.escape(SUPPORTED))
 
 
+@pytest.mark.parametrize(("changes", "patterns"), [
+    ({"vision_config": {"hidden_size": 32, "num_hidden_layers": 2}}, ("a vision tower", "'vision_config'")),
+    ({"layer_types": ["linear_attention", "full_attention"]}, ("'linear_attention'", "gated delta net")),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+     ("rope scaling 'yarn' is not supported", "longrope")),
+], ids=["vision-tower", "gated-delta-net", "yarn-rope"])
+def test_part_the_builder_does_not_make_is_refused_by_name(changes, patterns, models, tmp_path):
+    """The tiny llama with a vision tower, Qwen3.5's linear-attention layers or a rope type fleet does not model
+    in its config: one error line naming the file and what is missing, before any weight is read."""
+    src = _edit_config(_copy(models.llama, tmp_path / "src"), **changes)
+    (src / "model.safetensors").write_bytes(b"\xff" * 1000)
+    out = tmp_path / "out"
+    line = assert_refused(build(src, out), out, q(src / "config.json"), *patterns)
+    assert "safetensors" not in line
+
+
 # ---------------------------------------------------------------------------------- bf16 out of range
 
 

@@ -39,8 +39,9 @@ TO_HF = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn
          "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def write_phi3_gguf(hf: Path, path: Path, demo: Path) -> None:
-    """The f32 HF folder ``hf`` (a transformers Phi3 model) as llama.cpp's converter writes it (module docstring)."""
+def write_phi3_gguf(hf: Path, path: Path, demo: Path, drop: str = "") -> None:
+    """The f32 HF folder ``hf`` (a transformers Phi3 model) as llama.cpp's converter writes it (module docstring);
+    without tensor ``drop`` when given (a broken file)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -90,8 +91,9 @@ def write_phi3_gguf(hf: Path, path: Path, demo: Path) -> None:
             else:
                 matrix(f"blk.{i}.{role}.weight", w, KINDS[role])
     if rope.get("long_factor"):
-        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+        for name in ("long", "short"):
+            if drop != f"rope_factors_{name}.weight":
+                writer.add_tensor(f"rope_factors_{name}.weight", np.asarray(rope[f"{name}_factor"], np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -191,3 +193,13 @@ def test_phi3_gguf_stages_match_transformers(arch, stages, zoo, tmp_path):
     err = np.abs(got - expected).max()
     assert err < ATOL, f"{arch}, {stages} stages: max |error| {err:.3g} (logits |max| {np.abs(expected).max():.3g})"
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_phi3_gguf_with_one_longrope_factor_tensor_is_refused(zoo, tmp_path):
+    """A LongRoPE file missing one of its two factor tensors is one error naming the file and the tensor it has."""
+    from compiler.source import open_source
+
+    path = tmp_path / "broken.gguf"
+    write_phi3_gguf(zoo.hf("phi4mini"), path, zoo.demo, drop="rope_factors_long.weight")
+    with pytest.raises(ValueError, match=f"^{path}: LongRoPE needs both .* only rope_factors_short.weight"):
+        open_source(path, tmp_path / "work")

@@ -191,3 +191,11 @@ def test_qwen3_5_is_refused_for_its_gated_delta_net_and_its_vision_tower():
 def test_attention_layer_types_are_not_refused():
     cfg = ModelConfig.from_hf(llama(layer_types=["full_attention"] * 4), WHERE)
     assert cfg.num_layers == 4
+
+
+def test_rope_scaling_replaces_rope_parameters_as_in_transformers():
+    """A config saved by transformers 5 has ``rope_parameters`` (default); a ``rope_scaling`` added beside it is what
+    transformers loads (``convert_rope_params_to_dict``), so a yarn one is refused, not read as default."""
+    with pytest.raises(UnsupportedModel, match="rope scaling 'yarn'"):
+        ModelConfig.from_hf(llama(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                  rope_scaling={"rope_type": "yarn", "factor": 4.0}), WHERE)
