@@ -50,9 +50,10 @@ log = logging.getLogger(__name__)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
-# offset-type (Q4_1/Q4_K/Q5_1/Q5_K) matrices smaller than this keep a float zero point instead of the offset
-# product (``_kept``): the second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves on small matrices
-# (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster: kernel_bench.py)
+# offset-type (Q4_1/Q4_K/Q5_1/Q5_K/Q2_K) matrices smaller than this keep a float zero point instead of the offset
+# product (``_kept``): the second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves
+# on small matrices (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster:
+# kernel_bench.py)
 OFFSET_FORM_MIN_WEIGHTS = 1 << 21
 
 
@@ -79,8 +80,9 @@ class StageSpec:
 @dataclass(frozen=True)
 class OffsetWeight:
     """A linear weight [rows, cols] kept as ``codes * scale + offset`` per group of ``group`` columns (GGUF's
-    Q4_1, Q4_K, Q5_1, Q5_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed
-    pattern), ``offset`` [rows, cols / group] f32 the groups' offsets. ``linear`` multiplies both."""
+    Q4_1, Q4_K, Q5_1, Q5_K, Q2_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed
+    pattern), ``offset`` [rows, cols / group] f32 the groups' offsets (``group``: the offsets', Q2_K's 16 finer
+    than its scales' 32). ``linear`` multiplies both."""
 
     weight: ov.Output
     offset: ov.Output
@@ -182,27 +184,28 @@ class _Weights:
         (16 for exact Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
         weights, with int8 activations: "dynamic quantization").
 
-        The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, w = q * scale + offset) come back as an
-        ``OffsetWeight`` whose offsets ``linear`` adds as a second, small product: a float zero point, the other exact form, turns the
-        plugin's int8-activation path off and ran 1.25-2x slower (bench/kernel_bench.py). With
-        ``zero_point`` (the embedding's Gather, and matrices under ``OFFSET_FORM_MIN_WEIGHTS``) they are
-        ``(q - zero point) * scale``, zero point f32: the form OpenVINO's compressed Gather takes."""
-        from .gguf import CODED_OFFSET, GROUP, QK_K, STORED, WITH_OFFSET, pack_nibbles
+        The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K; w = q * scale + offset) come back as
+        an ``OffsetWeight`` whose offsets (per ``gguf.offset_group``: g, or Q2_K's 16) ``linear`` adds as a
+        second, small product: a float zero point, the other exact form, turns the plugin's int8-activation path
+        off and ran 1.25-2x slower (bench/kernel_bench.py). With ``zero_point`` (the embedding's Gather, and
+        matrices under ``OFFSET_FORM_MIN_WEIGHTS``) they are ``(q - zero point) * scale`` per offset group, zero
+        point f32: the form OpenVINO's compressed Gather takes."""
+        from .gguf import CODED_OFFSET, GROUP, QK_K, STORED, WITH_OFFSET, offset_group, pack_nibbles
 
         kind = self.source.kind(name)
         rows, cols = shape
-        g = GROUP[kind]
-        groups = [rows, cols // g, 1]
+        offset = kind in WITH_OFFSET
+        og = offset_group(kind) if offset else GROUP[kind]  # weights per offset
+        g = og if zero_point else GROUP[kind]  # the zero-point form: codes, scale and zero point per offset group
+        groups, per_offset = [rows, cols // g, 1], [rows, cols // og, 1]
         wtype = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
         nibbles = STORED[kind] in ("i4", "u4")
-        per_step = QK_K // g  # groups per super-block: the CODED_OFFSET types' offset steps
-        offset = kind in WITH_OFFSET
         part = "zero_point" if zero_point else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
-            scale, extra = np.empty(groups, np.float32), np.empty(groups, np.float32)
-            codes, dmin = np.empty((rows, cols // g), np.uint8), np.empty((rows, cols // QK_K), np.float32)
+            scale, extra = np.empty(groups, np.float32), np.empty(per_offset, np.float32)
+            codes, dmin = np.empty((rows, cols // og), np.uint8), np.empty((rows, cols // QK_K), np.float32)
             raw = weights.data.view(np.int8 if wtype == ov.Type.i8 else np.uint8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
@@ -220,8 +223,8 @@ class _Weights:
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
             if zero_point:
                 return parts | ({part: ov.Tensor(extra)} if offset else {})
-            if kind in CODED_OFFSET:  # the offsets as 6-bit integers times -dmin per 256: exact, a quarter the bytes
-                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, per_step)),
+            if kind in CODED_OFFSET:  # the offsets as their integers times -dmin per 256: exact, a quarter the bytes
+                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, QK_K // og)),
                                 "offset_step": ov.Tensor(dmin[..., None])}
             return parts | ({"offset": ov.Tensor(extra[..., 0].astype(np.float16))} if offset else {})  # f16 exact
 
@@ -236,17 +239,17 @@ class _Weights:
         weight = op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
         if not offset or zero_point:
             return weight
-        return OffsetWeight(weight, self._offsets(name, kind, rows, cols // g, compute), g)
+        return OffsetWeight(weight, self._offsets(name, kind, rows, cols // og, compute), og)
 
     def _offsets(self, name: str, kind: str, rows: int, groups: int, compute: Callable[[str], ov.Tensor]) -> ov.Output:
-        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's and Q5_K's (``CODED_OFFSET``) as
-        their 6-bit minima (u8 [rows, groups / k, k]) times -dmin per super-block of k groups (f32 [rows,
-        groups / k, 1]), the compressed pattern (a quarter of f32's bytes); Q4_1's and Q5_1's as f16 (their own
-        type)."""
-        from .gguf import CODED_OFFSET, GROUP, QK_K
+        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's, Q5_K's and Q2_K's
+        (``CODED_OFFSET``) as their 6- or 4-bit minima (u8 [rows, groups / k, k]) times -dmin per super-block of k
+        groups (f32 [rows, groups / k, 1]), the compressed pattern (a quarter of f32's bytes); Q4_1's and Q5_1's
+        as f16 (their own type)."""
+        from .gguf import CODED_OFFSET, QK_K, offset_group
 
         if kind in CODED_OFFSET:
-            k = QK_K // GROUP[kind]
+            k = QK_K // offset_group(kind)
             codes = self._postponed(ov.Type.u8, [rows, groups // k, k], lambda: compute("offset_codes"),
                                     f"{name}/offset")
             step = self._postponed(ov.Type.f32, [rows, groups // k, 1], lambda: compute("offset_step"),

@@ -26,6 +26,8 @@ Q5_K   256: Q4_K's fields + 32 B of high bits:          u8 q per 32 x d sc, offs
        w = d sc q - dmin m
 Q3_K   256: 2 + 1 bits q, 16 x 6-bit sc, f16 d:         i8 -(sc - 32) q per 32 x -d (exact: -128..124)
        w = d (sc - 32) q, q = -4..3, per 16
+Q2_K   256: 16 x 4-bit (sc, m), 2-bit q, f16 d, dmin:   u8 sc q (0..45) per 32 x d, offset -dmin m per 16
+       w = d sc q - dmin m, per 16
 Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc (exact); by default
        w = d sc (q - 32)                                re-quantized to i8 per 32 x max|w|/127 f32
 =====  ===============================================  ======================================
@@ -38,7 +40,7 @@ measured error).
 
 GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
-Every other type (F16, BF16, Q2_K, IQ*, TQ*, MXFP4, ...) is dequantized by gguf-py (``gguf.quants``) and stored
+Every other type (F16, BF16, IQ*, TQ*, MXFP4, ...) is dequantized by gguf-py (``gguf.quants``) and stored
 as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, biases) stay f32.
 
 Split files (llama.cpp's ``gguf-split``: ``<prefix>-00001-of-0000N.gguf``, ..., the name pattern of llama.h's
@@ -73,14 +75,15 @@ GGUF_LAYER_TO_HF = {
     "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k, v fused; its ffn_up holds gate and up (source.split_fused)
 }
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # RoPE's, not weights
-KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K")
+KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")
 NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
 GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32, "Q5_0": 32, "Q5_1": 32,
-         "Q5_K": 32, "Q3_K": 32}  # weights per scale
+         "Q5_K": 32, "Q3_K": 32, "Q2_K": 32}  # weights per scale
+OFFSET_GROUP = {"Q2_K": 16}  # weights per offset where finer than per scale (``offset_group``)
 STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q6_K~i8g32": "i8", "Q5_0": "i8",
-          "Q5_1": "u8", "Q5_K": "u8", "Q3_K": "i8"}  # OpenVINO types
-WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")  # w = q * scale + offset per group (export.py: a second, small product)
-CODED_OFFSET = ("Q4_K", "Q5_K")  # offsets = 6-bit codes (u8) x -dmin per super-block of 256 weights (export.py)
+          "Q5_1": "u8", "Q5_K": "u8", "Q3_K": "i8", "Q2_K": "u8"}  # OpenVINO types
+WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a second product)
+CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # GGUF arch -> model_type
 ROW_BLOCK_BYTES = 32 << 20
@@ -108,24 +111,28 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 class QuantRows:
     """Rows of a kept quantized weight: ``values`` [rows, groups, GROUP[kind]] (int8 for Q8_0, Q6_K, Q5_0 and
     Q3_K, i4 values -8..7 as int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1 and Q4_K, u5 values 0..31 as
-    uint8 for Q5_1 and Q5_K), ``scale`` [rows, groups] f32 and ``offset`` [rows, groups] f32 (``WITH_OFFSET``;
-    else None): weight = values * scale + offset."""
+    uint8 for Q5_1 and Q5_K, sc q 0..45 as uint8 for Q2_K), ``scale`` [rows, groups] f32 and ``offset`` [rows,
+    cols / offset_group(kind)] f32 (``WITH_OFFSET``; else None; per group but Q2_K's, per 16): weight = values *
+    scale + offset."""
 
     kind: str
     values: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
-    offset_codes: np.ndarray | None = None  # CODED_OFFSET: offset = offset_codes * offset_step, u8 [rows, groups]
-    offset_step: np.ndarray | None = None  # CODED_OFFSET: -dmin per super-block (8 groups), f32 [rows, groups / 8]
+    offset_codes: np.ndarray | None = None  # CODED_OFFSET: offset = offset_codes * offset_step, u8 like offset
+    offset_step: np.ndarray | None = None  # CODED_OFFSET: -dmin per super-block of 256, f32 [rows, cols / 256]
 
     def zero_point(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The same weights as ``(values' - zero_point) * scale'`` (values', zero_point, scale', all per group;
-        zero_point = -offset / scale in f32, exact to f32 rounding): the one form OpenVINO's compressed Gather
-        takes. A group of scale 0 (every weight = offset) becomes values 0, scale 1, zero point -offset."""
-        flat = self.scale == 0
-        q = self.values.copy()
+        """The same weights as ``(values' - zero_point) * scale'`` (values', zero_point, scale', all per group of
+        ``offset_group(kind)``: values' [rows, cols / og, og], the others [rows, cols / og]; zero_point = -offset /
+        scale in f32, exact to f32 rounding): the one form OpenVINO's compressed Gather takes. A group of scale 0
+        (every weight = offset) becomes values 0, scale 1, zero point -offset."""
+        rows, k = self.values.shape[0], self.offset.shape[-1] // self.scale.shape[-1]  # k offsets per scale
+        q = self.values.reshape(rows, self.offset.shape[-1], -1).copy()
+        scale = np.repeat(self.scale, k, axis=-1)
+        flat = scale == 0
         q[flat] = 0
-        scale = np.where(flat, np.float32(1), self.scale).astype(np.float32)
+        scale = np.where(flat, np.float32(1), scale).astype(np.float32)
         return q, (-self.offset / scale).astype(np.float32), scale
 
 
@@ -266,6 +273,16 @@ class GGUFWeights:
             codes = (-(sc.reshape(n, blocks, 16, 1).astype(np.int16) * q.reshape(n, blocks, 16, 16))).astype(np.int8)
             scale = np.repeat(-_f16(b[..., 108:110]), 8, axis=-1)
             return QuantRows("Q3_K", codes.reshape(n, blocks * 8, 32), scale, None)
+        if t.qtype == "Q2_K":  # gguf-py's Q2_K.dequantize_blocks, kept apart
+            b = raw.reshape(n, -1, 84)
+            blocks = b.shape[1]
+            sc, mins = b[..., :16] & 0x0F, b[..., :16] >> 4  # per 16 weights
+            # d sc q: sc q (0..45) times d, the super-block's one scale, so per 32 (the fast kernels) stays exact
+            codes = sc[..., None] * _planes(b[..., 16:80], 2).reshape(n, blocks, 16, 16)
+            d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+            offset = -(dmin[..., None] * mins.astype(np.float32)).reshape(n, -1)
+            return QuantRows("Q2_K", codes.reshape(n, blocks * 8, 32), np.repeat(d, 8, axis=-1), offset,
+                             mins.reshape(n, -1), -dmin)
         if t.qtype == "Q6_K":  # gguf-py's Q6_K.dequantize_blocks, kept apart
             b = raw.reshape(n, -1, 210)
             ql = _planes(b[..., :128], 4, chunk=64)
@@ -276,6 +293,11 @@ class GGUFWeights:
                 return QuantRows("Q6_K", q, scale, None)
             return requantize_i8(NEAR["Q6_K"], q.astype(np.float32) * scale[..., None], GROUP[NEAR["Q6_K"]])
         raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
+
+
+def offset_group(kind: str) -> int:
+    """Weights per offset of an offset type (``WITH_OFFSET``): its scales' group but Q2_K's 16 (``OFFSET_GROUP``)."""
+    return OFFSET_GROUP.get(kind, GROUP[kind])
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

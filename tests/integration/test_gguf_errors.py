@@ -29,11 +29,12 @@ def assert_refused(result, out, *words: str) -> None:  # noqa: ANN001
     assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
 
 
-def _rewrite(src, dst, arch: str = "llama", pre: str = "smollm", q5: bool = False) -> None:  # noqa: ANN001
-    """The tiny GGUF with another architecture, pre-tokenizer or a Q5_0 matrix."""
+def _rewrite(src, dst, arch: str = "llama", pre: str = "smollm", ternary: bool = False) -> None:  # noqa: ANN001
+    """The tiny GGUF with another architecture, pre-tokenizer or TQ2_0 ``ffn_down`` matrices (layers 0 and 1; a
+    type the builder dequantizes, as it does every IQ and TQ type)."""
     from .test_gguf import KINDS
 
-    write_tiny_gguf(dst, src, arch=arch, pre=pre, kinds={**KINDS, "ffn_gate": "Q5_0"} if q5 else None)
+    write_tiny_gguf(dst, src, arch=arch, pre=pre, kinds={**KINDS, "ffn_down": "TQ2_0"} if ternary else None)
 
 
 def test_truncated_gguf_is_refused(demo_gguf, tmp_path):  # noqa: F811
@@ -58,8 +59,8 @@ def test_unknown_architecture_and_pre_tokenizer_are_refused_by_name(demo_gguf, t
 
 
 def test_a_type_not_kept_is_dequantized_with_a_warning(demo_gguf, tmp_path):  # noqa: F811
-    path = tmp_path / "q5.gguf"
-    _rewrite(demo_gguf, path, q5=True)
+    path = tmp_path / "tq2.gguf"
+    _rewrite(demo_gguf, path, ternary=True)
     result = build(path, tmp_path / "out")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "Q5_0 tensor(s)" in result.stderr and "dequantized and stored as fp16" in result.stderr, result.stderr
+    assert "TQ2_0 tensor(s)" in result.stderr and "dequantized and stored as fp16" in result.stderr, result.stderr

@@ -9,12 +9,13 @@ import gguf
 import numpy as np
 import pytest
 
-from compiler.gguf import CODED_OFFSET, GROUP, KEPT, STORED, WITH_OFFSET, GGUFWeights, _Tensor
+from compiler.gguf import CODED_OFFSET, GROUP, KEPT, STORED, WITH_OFFSET, GGUFWeights, _Tensor, offset_group
 
 Q = gguf.GGMLQuantizationType
-K_FIELDS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,))}
+K_FIELDS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,)),
+            "Q2_K": (84, (80, 82))}  # block bytes, where its f16 d (and dmin) are
 RANGE = {"i8": (-128, 127), "u8": (0, 255), "i4": (-8, 7), "u4": (0, 15)}
-BITS = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q3_K": (-128, 124)}  # the types' own code ranges
+BITS = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q3_K": (-128, 124), "Q2_K": (0, 45)}  # own code ranges
 
 
 def raw_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -50,11 +51,14 @@ def test_kept_blocks_are_gguf_py_dequantization_exactly(kind):
     if kind in BITS:
         assert (q.values.min(), q.values.max()) == BITS[kind]  # random blocks reach both ends
     assert (q.offset is not None) == (kind in WITH_OFFSET)
-    offset = 0 if q.offset is None else q.offset[..., None]
-    ours = (q.values.astype(np.float32) * q.scale[..., None] + offset).reshape(rows, cols)
+    ours = (q.values.astype(np.float32) * q.scale[..., None]).reshape(rows, cols)
+    if q.offset is not None:  # one offset per offset_group(kind) weights of a row
+        assert q.offset.shape == (rows, cols // offset_group(kind))
+        ours = ours + np.repeat(q.offset, offset_group(kind), axis=-1)
     assert np.array_equal(ours, theirs), np.abs(ours - theirs).max()
     if kind in WITH_OFFSET:
         values, zero, scale = q.zero_point()
+        assert values.shape == (rows, cols // offset_group(kind), offset_group(kind)) == (*zero.shape, values.shape[-1])
         ours = ((values.astype(np.float32) - zero[..., None]) * scale[..., None]).reshape(rows, cols)
         assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max())
     if kind in CODED_OFFSET:
@@ -63,7 +67,7 @@ def test_kept_blocks_are_gguf_py_dequantization_exactly(kind):
         assert np.array_equal(q.offset_codes * step, q.offset)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_K", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_K", "Q3_K", "Q2_K"])
 def test_kept_blocks_of_a_row_range(kind):
     """Rows [a, b) unpack as those rows of the whole."""
     raw = raw_blocks(kind, 8, 512, np.random.default_rng(7))
