@@ -12,7 +12,8 @@ the tokenizer is the demo's (the HF models' vocabulary).
 The reference is transformers' model of the same config with every weight replaced by the file's values as
 gguf-py dequantizes them (the fused tensors are HF's fused parameters, so the split is the builder's alone).
 transformers' own GGUF loader is not used: it reads neither ``rope.dimension_count`` nor the LongRoPE tensors.
-Logits at every position of test_architectures' 64-token sequence with rejected slots, 3 and 2 stages, f32.
+Logits at every position of test_architectures' 64-token sequence with rejected slots, 3 and 2 stages, f32; the
+2-stage build answers through a real fleet with transformers' greedy tokens on the chat prompt.
 Measured max |error| (the same for 3 and 2 stages): phi3 1.2e-5, phi4mini 1.5e-5 on logits |max| 6.4-6.7;
 ``ATOL`` is ~7x the worst.
 """
@@ -26,7 +27,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .test_architectures import SEQ, VOCAB, chained_logits, make_tiny_model
+from tests.conftest import Fleet, chat
+
+from .test_architectures import (
+    MAX_POSITIONS,
+    NEW_TOKENS,
+    PROMPT,
+    SEQ,
+    VOCAB,
+    chained_logits,
+    hf_greedy,
+    make_tiny_model,
+)
 from .test_gguf import build, demo_gguf, demo_vocabulary, transformers_logits  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -144,8 +156,12 @@ class Zoo:
         return path
 
     @cache  # noqa: B019
+    def reference(self, arch: str):  # noqa: ANN201 - a transformers model
+        return gguf_reference(self.hf(arch), self.gguf(arch))
+
+    @cache  # noqa: B019
     def reference_logits(self, arch: str) -> np.ndarray:
-        return transformers_logits(gguf_reference(self.hf(arch), self.gguf(arch)), self.ids)
+        return transformers_logits(self.reference(arch), self.ids)
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +219,25 @@ def test_phi3_gguf_with_one_longrope_factor_tensor_is_refused(zoo, tmp_path):
     write_phi3_gguf(zoo.hf("phi4mini"), path, zoo.demo, drop="rope_factors_long.weight")
     with pytest.raises(ValueError, match=f"^{path}: LongRoPE needs both .* only rope_factors_short.weight"):
         open_source(path, tmp_path / "work")
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini"])
+def test_phi3_gguf_fleet_greedy_matches_transformers(arch, zoo, tmp_path):
+    """A real 2-stage fleet (worker processes in f32, coordinator) of the GGUF's build answers the chat prompt with
+    transformers' greedy tokens on the file's values, id for id (the tokenizer and template from the file)."""
+    from coordinator.tokenizer import ChatTokenizer
+
+    out = tmp_path / "build"
+    build(zoo.gguf(arch), out, "--layers", LAYERS[2])
+    prompt = ChatTokenizer(out).encode_chat([{"role": "user", "content": PROMPT}])
+    assert len(prompt) + NEW_TOKENS <= MAX_POSITIONS
+    expected = hf_greedy(zoo.reference(arch), prompt, NEW_TOKENS)
+    fleet = Fleet(out, tmp_path, peers=True)
+    try:
+        r = chat(fleet.url, PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        body = r.json()
+    finally:
+        fleet.stop()
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["fleet"]["completion_token_ids"] == expected
