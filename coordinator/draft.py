@@ -95,9 +95,11 @@ class DraftSession:
         none) when the draft's context would overflow.
         """
         self._reconcile(context)
+        if self.n and self.n >= len(context):  # the same context again (a proposal whose step never ran: the
+            self._unsee_last()                 # request failed over meanwhile): its newest token is fed again
         new = context[self.n:]
         if not new:
-            raise ValueError("propose needs at least one context token the draft has not seen (the newest)")
+            raise ValueError("propose needs at least one context token (the newest)")
         room = self.kv.max_context - self.kv.length
         if len(new) + k - 1 > room:  # compact once, then give up drafting if still full
             compact(self.kv, self.kv.length, [])
@@ -131,6 +133,12 @@ class DraftSession:
         else:
             self.seconds_per_token = None
         return tokens, dists
+
+    def _unsee_last(self) -> None:
+        """Hide the newest visible token (context[n - 1]), so that the next feed gives its logits again."""
+        visible = np.flatnonzero(self.kv.visible[0, : self.kv.length])
+        self.kv.visible[0, visible[-1]] = 0
+        self.n -= 1
 
     def _feed_draft(self, token: int, position: int) -> np.ndarray:
         x = np.asarray([[token]], dtype=np.int64)

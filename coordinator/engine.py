@@ -410,7 +410,8 @@ class Engine:
             raise
         seq.pipeline, seq.session, seq.prefill, seq.start = new, session, visible, 0
         seq.logits = not request.output_ids
-        seq.decided, seq.draft, seq.group, seq.member = request.output_ids[-1:], None, None, None
+        # drafts proposed for the step that failed stay valid: that step runs again there
+        seq.decided, seq.group, seq.member = request.output_ids[-1:], None, None
         self._loop(new).submit(seq)
 
     async def _generate(self, request: Request) -> AsyncIterator[TextDelta]:

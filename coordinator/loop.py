@@ -272,7 +272,8 @@ class StepLoop:
                     self.pipeline.forget(member.session_id)
                     continue
                 seq.phase, seq.joined_compactions = Phase.DECODE, group.compactions
-                self._next_chunk(seq)
+                if seq.draft is None:  # else a failover kept the drafts of the step that failed
+                    self._next_chunk(seq)
             return
         lost = group.merge_failed()
         for member in plan.new:
