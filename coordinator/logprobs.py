@@ -82,7 +82,7 @@ class LogprobLog:
         del self.records[self._first_from(at):]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet (byte -> the printable character standing for it in the vocabulary),
     as HF tokenizers' ``ByteLevel`` pre-tokenizer and decoder use (openai/gpt-2 ``encoder.py``)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -110,7 +110,7 @@ class TokenBytes:
         self._tok = tokenizer
         kinds = _component_types(json.loads(tokenizer.to_str()))
         self.byte_level = "ByteLevel" in kinds
-        self._unbyte = {c: b for b, c in _bytes_to_unicode().items()}
+        self._unbyte = {c: b for b, c in bytes_to_unicode().items()}
         self._added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
 
     @lru_cache(maxsize=65536)  # noqa: B019 - one instance per engine, lives as long as it

@@ -164,7 +164,7 @@ class WorkerFuzz:
 
     def __post_init__(self) -> None:
         self.channel = grpc.insecure_channel(self.address, options=BIG_CHANNEL)
-        self._unary = {name: self.channel.unary_unary(SERVICE + name) for name in UNARY}
+        self.unary = {name: self.channel.unary_unary(SERVICE + name) for name in UNARY}
         self._subscribe = self.channel.unary_stream(SERVICE + "Subscribe")
 
     @property
@@ -197,7 +197,7 @@ class WorkerFuzz:
         name = path.removeprefix(SERVICE)
         if name == "Subscribe":
             return self.subscribe(payload, what)
-        method = self._unary.get(name) if path.startswith(SERVICE) else None
+        method = self.unary.get(name) if path.startswith(SERVICE) else None
         method = method or self.channel.unary_unary(path)
         try:
             reply = method(payload, timeout=DEADLINE_S)
@@ -265,14 +265,14 @@ class WorkerFuzz:
         self.call(path, payload)
 
     def info(self) -> pb.InfoReply:
-        return pb.InfoReply.FromString(self._unary["Info"](b"", timeout=DEADLINE_S))
+        return pb.InfoReply.FromString(self.unary["Info"](b"", timeout=DEADLINE_S))
 
     def close_all(self, *others: WorkerFuzz) -> None:
         """Close every session any message may have created, here and on ``others`` (where a stage
         0 forward may have gone); the model forgets them."""
         for fuzz in (self, *others):
             for sid in self.touched | set(self.sessions):
-                fuzz._unary["CloseSession"](pb.CloseSessionRequest(session_id=sid).SerializeToString(),
+                fuzz.unary["CloseSession"](pb.CloseSessionRequest(session_id=sid).SerializeToString(),
                                             timeout=DEADLINE_S)
         self.touched.clear()
         self.sessions.clear()

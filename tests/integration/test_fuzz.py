@@ -140,7 +140,7 @@ def test_worker_refuses_each_kind_clearly(build_2, stages):
                 path, message, caught.value.code(), caught.value.details())
         for sid in ("x" * 20_000, "🦀" * 5_000):  # the answer echoed it: too large to send (RESOURCE_EXHAUSTED)
             with pytest.raises(grpc.RpcError) as caught:
-                fuzz1._unary["Forward"](pb.ForwardRequest(session_id=sid, stage=1, input=x1).SerializeToString(),
+                fuzz1.unary["Forward"](pb.ForwardRequest(session_id=sid, stage=1, input=x1).SerializeToString(),
                                         timeout=DEADLINE_S)
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND and len(caught.value.details()) < 300, (
                 caught.value.code(), caught.value.details()[:300])
@@ -148,12 +148,12 @@ def test_worker_refuses_each_kind_clearly(build_2, stages):
         for route in ["", "a" * 10_000, "dns:///x:1", "127.0.0.1:99999"]:  # UNKNOWN, or an answer too long to send
             with pytest.raises(grpc.RpcError) as caught:
                 x0 = to_tensor(np.ones((1, 1), np.int64))
-                fuzz0._unary["Forward"](pb.ForwardRequest(session_id="fz", stage=0, input=x0, route=[route])
+                fuzz0.unary["Forward"](pb.ForwardRequest(session_id="fz", stage=0, input=x0, route=[route])
                                         .SerializeToString(), timeout=DEADLINE_S)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
             assert "is not host:port" in caught.value.details() and len(caught.value.details()) < 200
         with pytest.raises(grpc.RpcError) as caught:  # well-formed, nothing listening: the next hop named
-            fuzz0._unary["Forward"](pb.ForwardRequest(session_id="fz", stage=0, input=x0, route=[UNREACHABLE])
+            fuzz0.unary["Forward"](pb.ForwardRequest(session_id="fz", stage=0, input=x0, route=[UNREACHABLE])
                                     .SerializeToString(), timeout=DEADLINE_S)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
         assert caught.value.details().startswith(f"stage 1 at {UNREACHABLE}: "), caught.value.details()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from coordinator.logprobs import (UNKNOWN_LOGPROB, LogprobLog, TokenBytes, _bytes_to_unicode, chat_logprobs,
+from coordinator.logprobs import (UNKNOWN_LOGPROB, LogprobLog, TokenBytes, bytes_to_unicode, chat_logprobs,
                                   completion_logprobs)
 from tests.conftest import MODELS
 
@@ -67,7 +67,7 @@ def test_byte_level_tokens_spell_the_text(demo_vocab, text):
 
 
 def test_byte_alphabet_is_the_tokenizers_librarys():
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     assert sorted(alphabet) == list(range(256))
     assert sorted(alphabet.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
 
