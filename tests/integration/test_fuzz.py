@@ -78,11 +78,14 @@ def stages(build_2, tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("stage, examples, at_least", [(1, 200, 10_000), (0, 30, 1_500)])
+@pytest.mark.parametrize("stage, examples, at_least", [(1, 100, 10_000), (0, 30, 3_000)])
 def test_worker_survives_malformed_messages(build_2, stages, stage, examples, at_least):
     """10,000+ malformed messages at the last stage, and a few thousand at stage 0 (whose valid
     chunks go on to stage 1): clean statuses, no hang, the worker alive and giving the same answer
-    as before, holding nothing, its RSS back near the baseline."""
+    as before, holding nothing, and no leak: the same messages twice (the runs are deterministic),
+    the RSS after the second pass back near the first's. The first pass sets the high-water mark a
+    large valid step leaves: the CPU plugin keeps scratch memory for the largest shape it ran (a
+    [3, 1000] chunk of a merged group the fuzzer made at stage 0: +517 MiB, measured), which is no leak."""
     fuzz0, fuzz1 = fuzzers(build_2, stages)
     fuzz, others = (fuzz1, ()) if stage == 1 else (fuzz0, (fuzz1,))
     proc, results = stages[stage][0], stages[2]
@@ -90,9 +93,8 @@ def test_worker_survives_malformed_messages(build_2, stages, stage, examples, at
         expected = reference_step(fuzz, results, *others)
         t0 = time.monotonic()
         warm_up(fuzz, others)
-        run_fuzz(fuzz, others, examples=10, per_example=50)  # and the allocator's arenas, gRPC's buffers
+        run_fuzz(fuzz, others, examples=examples, per_example=60)  # and the allocator's arenas, gRPC's buffers
         baseline = rss_mib(proc)
-        fuzz.codes.clear()
         run_fuzz(fuzz, others, examples=examples, per_example=60)
         elapsed = time.monotonic() - t0
         after = rss_mib(proc)
