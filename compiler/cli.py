@@ -22,7 +22,7 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weights", "NNCF weight compression (compiler/compress.py); int4 defaults depend on the "
                                         "model's size: asymmetric, group 32, ratio 0.8 under 1B parameters")
     g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's; a "
-                                                     ".gguf keeps its Q8_0/Q4_0/Q4_1/Q4_K blocks as they are)")
+                                                     ".gguf keeps its Q8_0/Q4_*/Q5_*/Q2_K-Q6_K blocks exactly, README 'GGUF files')")
     g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
     g.add_argument("--exact-blocks", action="store_true",
                    help="a .gguf's Q6_K blocks kept exactly (int8 per 16: ~1.3x slower per weight) instead of "

@@ -137,7 +137,7 @@ class QuantRows:
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class GGUFTensor:
     data: np.ndarray  # the reader's memory-mapped view: quantized [rows, bytes per row] uint8, or the values
     qtype: str
     shape: tuple[int, ...]  # HF order
@@ -155,7 +155,7 @@ class GGUFWeights:
         self.folder = Path(path)
         self.exact = exact  # every kept type as the file has it; else NEAR's types re-quantized (near-exact)
         permuted = config["model_type"] == "llama"
-        self.tensors: dict[str, _Tensor] = {}
+        self.tensors: dict[str, GGUFTensor] = {}
         skipped = {}
         for t in reader.tensors:
             if t.name in ROPE_TENSORS:
@@ -167,7 +167,7 @@ class GGUFWeights:
                 heads = config["num_attention_heads"]
             elif permuted and name.endswith("k_proj.weight"):
                 heads = config["num_key_value_heads"]
-            self.tensors[name] = _Tensor(t.data, qtype, tuple(int(d) for d in reversed(t.shape)), heads)
+            self.tensors[name] = GGUFTensor(t.data, qtype, tuple(int(d) for d in reversed(t.shape)), heads)
             if qtype not in (*KEPT, "F32", "F16", "BF16"):
                 skipped.setdefault(qtype, []).append(name)
         for qtype, names in skipped.items():
@@ -193,7 +193,7 @@ class GGUFWeights:
         """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
         check_shapes(self.tensors, expected, self.folder, where)
 
-    def _rows(self, t: _Tensor, rows: tuple[int, int] | None) -> np.ndarray:
+    def _rows(self, t: GGUFTensor, rows: tuple[int, int] | None) -> np.ndarray:
         """The raw rows [start, stop) in HF order (the permutation undone by picking source rows)."""
         start, stop = rows if rows is not None else (0, t.shape[0])
         if not t.heads:

@@ -80,6 +80,36 @@ def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
                  for k in ("ggml.tokens", "ggml.merges", "ggml.token_type", "chat_template"))
 
 
+def _write_metadata(writer, arch: str, pre: str, vocabulary: tuple, model_name: str | None,  # noqa: ANN001
+                    head_dim: int | None) -> None:
+    """The tiny model's hyperparameters and the demo's tokenizer (``vocabulary``: tokens, merges, token
+    types, chat template; ``pre``: its pre-tokenizer) as llama.cpp's converter writes them for ``arch``."""
+    tokens, merges, types, template = vocabulary
+    if model_name:
+        writer.add_name(model_name)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        if arch == "llama":
+            writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(template)
+
+
 def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  # noqa: ANN001
                     kinds: dict[str, str] | None = None, *, head_dim: int | None = None, tied: bool = False,
                     model_name: str | None = None, rope_freqs: np.ndarray | None = None,
@@ -107,29 +137,7 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
         merges = [m for m in merges if (pair := m.split(" "))[0] in kept and pair[1] in kept and "".join(pair) in kept]
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
-    if model_name:
-        writer.add_name(model_name)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    if head_dim is not None:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        if arch == "llama":
-            writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(template)
+    _write_metadata(writer, arch, pre, (tokens, merges, types, template), model_name, head_dim)
 
     def matrix(name: str, rows: int, cols: int, kind: str, heads: int = 0) -> None:
         w = (rng.standard_normal((rows, cols)) * 0.15).astype(np.float32)

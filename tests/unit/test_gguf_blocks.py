@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from compiler.gguf import CODED_OFFSET, GROUP, KEPT, STORED, WITH_OFFSET, GGUFWeights, _Tensor, offset_group
+from compiler.gguf import CODED_OFFSET, GROUP, KEPT, STORED, WITH_OFFSET, GGUFWeights, GGUFTensor, offset_group
 
 Q = gguf.GGMLQuantizationType
 K_FIELDS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,)),
@@ -33,7 +33,7 @@ def raw_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.
 def weights_of(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFWeights:
     w = GGUFWeights.__new__(GGUFWeights)  # no file: one tensor as a reader's memory map would give it
     w.exact, w.folder = True, None
-    w.tensors = {"w": _Tensor(raw, kind, shape, 0)}
+    w.tensors = {"w": GGUFTensor(raw, kind, shape, 0)}
     return w
 
 
