@@ -102,7 +102,7 @@ def ensure_genai_folder(hf: Path, cache: Path) -> Path:
     from openvino_tokenizers import convert_tokenizer
     from transformers import AutoTokenizer
 
-    from compiler.build import save_whole_model
+    from bench.reference_models import save_whole_model
 
     print(f"exporting the GenAI folder into {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -357,11 +357,11 @@ def demo_hf(folder: Path | None = None, cache: Path = CACHE) -> Path:
 
 def early_exit_draft(hf: Path, out: Path, layers: int = 8) -> Path:
     """A separate same-tokenizer draft model in ``out``: the first ``layers`` layers of HF folder ``hf``
-    (``compiler.draft.early_exit_model``), made again when :func:`compiler_key` changed (kept in a stamp
+    (``reference_models.early_exit_model``), made again when :func:`compiler_key` changed (kept in a stamp
     file beside it)."""
     key, stamp = compiler_key(), out / "fleet-test-key"
     if not (out / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != key:
-        from compiler.draft import early_exit_model
+        from bench.reference_models import early_exit_model
 
         early_exit_model(hf, layers, out)
         stamp.write_text(key)

@@ -43,19 +43,6 @@ def eos_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def save_whole_model(src: Path, xml: Path, kv_cache_precision: str = "f16", logits_index_input: bool = True) -> Path:
-    """Build HF folder ``src`` whole (every layer, embedding and head) as one fp16 stage at ``xml``:
-    the single-device model of benchmarks and tests. ``logits_index_input=False`` gives logits at every
-    position (OpenVINO GenAI's ``LLMPipeline`` contract). Returns ``xml``; raises as ``open_source``."""
-    source = open_source(Path(src), Path(xml).parent)
-    layers = source.config.num_layers
-    Path(xml).parent.mkdir(parents=True, exist_ok=True)
-    with Progress(False) as bar:
-        save_stage(source.config, source.weights, StageSpec(0, 0, layers, layers), Path(xml), WeightSpec("fp16"),
-                   kv_cache_precision, bar, "model", logits_index_input=logits_index_input)
-    return Path(xml)
-
-
 def estimated_bytes(cfg: ModelConfig, ranges: list[tuple[int, int]], drafts: int) -> int:
     """Bytes a build writes at most: every stage in fp16 (compressed stages pass through fp16 one at a
     time), plus each draft as a whole model."""

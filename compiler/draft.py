@@ -30,7 +30,7 @@ from .arch import ModelConfig
 from .compress import SELF_DRAFT_SPECS, resolve
 from .export import StageSpec
 from .save import save_stage
-from .source import TOKENIZER_FILES, Source, open_source
+from .source import Source, open_source
 
 log = logging.getLogger(__name__)
 
@@ -117,40 +117,3 @@ def export_draft(spec: str, target: Source, out: Path, kv_cache_precision: str, 
     return DraftEntry(name=name, xml=f"{rel}.xml", bin=f"{rel}.bin", num_layers=layers, weights=wspec.format,
                       vocab_size=source.config.vocab_size, max_context=source.config.max_context,
                       compression=wspec.parameters())
-
-
-def early_exit_model(src: Path, layers: int, out: Path) -> Path:
-    """Save the first ``layers`` decoder layers of HF model ``src`` (with its final norm, LM head and
-    tokenizer) as a separate HF model in ``out``: a small same-tokenizer draft where no smaller
-    sibling model is at hand (the early-exit draft of LayerSkip, Elhoushi et al. 2024, without its
-    fine-tuning, so acceptance is modest). Tensors are copied as stored (safetensors, one file).
-    Returns ``out``; raises ``ValueError`` for a bad ``layers``.
-    """
-    import shutil
-
-    from safetensors.numpy import save_file
-
-    from .weights import SafetensorsWeights
-
-    src, out = Path(src), Path(out)
-    config = json.loads((src / "config.json").read_text())
-    total = int(config["num_hidden_layers"])
-    if not 0 < layers < total:
-        raise ValueError(f"an early-exit draft needs 1..{total - 1} layers, got {layers}")
-    weights = SafetensorsWeights(src)
-    keep = {}
-    for name in weights.tensors:
-        parts = name.split(".")
-        if name.startswith("model.layers.") and int(parts[2]) >= layers:
-            continue
-        keep[name] = weights.raw(name)
-    config["num_hidden_layers"] = layers
-    if config.get("layer_types"):
-        config["layer_types"] = config["layer_types"][:layers]
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file() and name != "config.json":
-            shutil.copy2(src / name, out / name)
-    return out

@@ -24,7 +24,7 @@ def tiny_shard(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from compiler.build import save_whole_model
+    from bench.reference_models import save_whole_model
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
