@@ -203,7 +203,7 @@ async def serve(settings: CoordinatorSettings) -> None:
             local = await _start_local_workers(settings, loaded, registry)
         for peer in settings.peer:
             registry.add_peer(peer)
-        await registry.start(discover=settings.discover)
+        await registry.start(discover=settings.discover, report_silence=not settings.local_workers)
         engine.metrics.watch(lambda: _state(engine, registry))
         app = create_app(engine, lambda: _health(engine, registry, loaded))
         # the server stops once drained (every stream ended): this bounds only a client that never reads

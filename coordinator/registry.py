@@ -139,8 +139,8 @@ class Registry:
         elif info.stage >= self.num_stages:
             refused = f"refusing worker {address}: stage {info.stage} outside 0..{self.num_stages - 1}"
         if refused != state.refused:
-            if refused:
-                log.error("%s", refused)
+            if refused:  # a worker of another fleet on the LAN is no error; a --peer named by hand is
+                log.log(logging.ERROR if state.source == "peer" else logging.WARNING, "%s", refused)
             state.refused = refused
         was_healthy = state.healthy
         state.healthy = refused is None
@@ -244,8 +244,10 @@ class Registry:
         if not task.cancelled() and task.exception() is not None:
             log.error("registry task failed", exc_info=task.exception())
 
-    async def start(self, discover: bool) -> None:
-        """Begin health checks (and zeroconf browsing when ``discover``)."""
+    async def start(self, discover: bool, report_silence: bool = True) -> None:
+        """Begin health checks (and zeroconf browsing when ``discover``; ``report_silence``: warn when no
+        worker is heard for a while, which says multicast does not pass, unless the fleet runs its own
+        local workers, which are never announced)."""
         self._spawn(self._health_loop())
         if discover:
             from zeroconf import IPVersion, ServiceStateChange
@@ -262,7 +264,8 @@ class Registry:
 
             self._browser = AsyncServiceBrowser(self._zc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
             log.info("browsing zeroconf for workers (%s, mDNS on UDP 5353) on %s", SERVICE_TYPE, _interfaces())
-            self._spawn(self._report_silence())
+            if report_silence:
+                self._spawn(self._report_silence())
 
     async def _report_silence(self) -> None:
         await asyncio.sleep(NOTHING_HEARD_S)
