@@ -25,6 +25,15 @@ serves no more than ``original_max_position_embeddings``: exact against transfor
 serves (llama.cpp makes the same choice for a context within the original one). Phi-3-mini-128k, Phi-3.5-mini
 and Phi-4-mini so build with a 4096-token context.
 
+Gemma 3 (``gemma3_text``, ``GEMMA``; transformers ``modeling_gemma3.py``) is the same decoder with: embeddings
+times sqrt(hidden) (f32: the graph's dtype), RMSNorm as x (1 + w) (``norm_offset``: HF stores w; llama.cpp's
+GGUF converter stores 1 + w), four norms a layer (the attention's output and the MLP's input and output have
+their own), q/k RMSNorm per head, GeGLU with tanh GELU, softmax scale ``query_pre_attn_scalar ** -0.5``, and
+local (``sliding_attention``) layers interleaved with global ones: a local layer sees keys fewer than
+``sliding_window`` logical positions back (from the visibility mask, compiler/export.py) and has its own RoPE
+base (``rope_local_base_freq``), the global ones ``rope_theta`` and ``rope_scaling``. Logit softcapping (Gemma 2)
+is refused.
+
 Refused, naming what is missing (``UnsupportedModel``): a vision or audio tower (``vision_config``, ...),
 layers that are not attention (``layer_types`` with ``linear_attention``: Qwen3-Next/Qwen3.5's gated delta
 net; recurrent or state-space blocks), a rope type not in ``ROPE_TYPES``, partial rotary outside phi3.
@@ -55,6 +64,9 @@ PARTIAL_ROTARY = {"phi3"}  # partial_rotary_factor < 1: RoPE on the first dims o
 SLIDING = {"mistral", "phi3"}  # sliding_window applies without use_sliding_window
 ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # layer_types the Llama decoder's attention covers
+GEMMA = {"gemma3_text"}  # Gemma 3's text decoder (module docstring; ModelConfig.from_hf: _gemma3)
+SUPPORTED_ARCHITECTURES += tuple(sorted(GEMMA))
+QK_NORM |= GEMMA
 NOT_BUILT = {  # config keys of parts the builder does not make -> what they are
     "vision_config": "a vision tower", "vision_tower": "a vision tower", "mm_vision_tower": "a vision tower",
     "audio_config": "an audio tower", "speech_config": "an audio tower",
@@ -116,6 +128,15 @@ class ModelConfig:
     rope_scale: float = 1.0  # cos and sin times this (LongRoPE's attention_factor)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 (module docstring; the defaults leave every other graph as it was)
+    norm_offset: float = 0.0  # RMSNorm x (w + norm_offset): 1 for Gemma's HF weights (llama.cpp's GGUF adds it)
+    embed_scale: float = 1.0  # embeddings x this (Gemma: sqrt(hidden), f32)
+    mlp_act: str = "silu"  # "gelu_tanh": GeGLU
+    sandwich_norms: bool = False  # post-attention, pre- and post-feedforward norms (four a layer)
+    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5); Gemma query_pre_attn_scalar ** -0.5
+    sliding_window: int = 0  # local layers see keys fewer than this many logical positions back (0: none)
+    sliding_layers: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
+    local_inv_freq: tuple[float, ...] = ()  # the local layers' RoPE frequencies (their own base, no scaling)
 
     @property
     def rotary_dim(self) -> int:
@@ -163,7 +184,8 @@ class ModelConfig:
             raise ValueError(f"{where}: {heads} attention heads do not split into {kv_heads} KV heads")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"{where}: head_dim {head_dim} must be even (rotary embeddings rotate pairs)")
-        act = config.get("hidden_act", "silu")
+        gemma = _gemma3(config, head_dim, where) if model_type in GEMMA else {}
+        act = "silu" if gemma else config.get("hidden_act", "silu")  # _gemma3 checks Gemma's GELU
         if act != "silu":
             raise UnsupportedModel(f"{where}: MLP activation {act!r} is not supported (silu only)")
         if config.get("mlp_bias"):
@@ -176,7 +198,8 @@ class ModelConfig:
         if window and (model_type in SLIDING or config.get("use_sliding_window")) and window < max_context:
             # exact only while the context fits the window: serve no more than that
             max_context = int(window)
-        inv_freq, rope_scale, rope_context = rope_parameters(config, head_dim, where)
+        inv_freq, rope_scale, rope_context = rope_parameters(gemma.pop("global_rope", config), head_dim, where)
+        dims |= gemma
         if rope_context < max_context:  # LongRoPE: exact up to the original context (module docstring)
             log.warning("%s: LongRoPE built with its short factors: context %d tokens (original_max_position_"
                         "embeddings), not %d", where, rope_context, max_context)
@@ -207,6 +230,51 @@ class ModelConfig:
         layer = self.hidden_size * (self.num_heads * d * 2 + kv * 2) + 3 * self.hidden_size * self.intermediate_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.vocab_size * self.hidden_size + self.num_layers * layer + head
+
+
+def _gemma3(config: dict, head_dim: int, where: str) -> dict:
+    """Gemma 3's ``ModelConfig`` fields (transformers ``modeling_gemma3.py``), plus ``global_rope``: a config
+    dict whose ``rope_parameters`` are the global layers' RoPE.
+
+    Local (``sliding_attention``) layers from ``layer_types``, or all but every ``sliding_window_pattern``-th
+    (transformers' default 6); the global layers' RoPE is ``rope_parameters["full_attention"]`` or
+    ``rope_theta`` with ``rope_scaling`` (as ``Gemma3TextConfig.convert_rope_params_to_dict``), the local
+    layers' ``rope_parameters["sliding_attention"]`` or ``rope_local_base_freq``, unscaled. Refused:
+    softcapping (Gemma 2's; None in Gemma 3), bidirectional attention, an activation other than tanh GELU."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise UnsupportedModel(f"{where}: {key} {config[key]!r} is not supported (Gemma 3 sets it None)")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModel(f"{where}: use_bidirectional_attention is not supported (causal decoders only)")
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModel(f"{where}: MLP activation {act!r} is not supported for gemma3 (gelu_pytorch_tanh)")
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if not types:
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ValueError(f"{where}: {len(types)} layer_types for {layers} layers")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    window = config.get("sliding_window")
+    if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where}: sliding_attention layers need a positive sliding_window, not {window!r}")
+    params = dict(config.get("rope_parameters") or {})
+    full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    full |= dict(config.get("rope_scaling") or {})
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+    base = {"model_type": config.get("model_type"), "max_position_embeddings": config.get("max_position_embeddings")}
+    local_inv, local_scale, _ = rope_parameters(base | {"rope_parameters": local}, head_dim, where)
+    if local_scale != 1.0:
+        raise UnsupportedModel(f"{where}: the sliding layers' rope {local!r} is not supported")
+    # transformers multiplies in the embedding's dtype at run time: f32 here (the graph's), as llama.cpp does
+    embed_scale = float(np.float32(math.sqrt(int(config["hidden_size"]))))
+    return dict(global_rope=base | {"rope_parameters": full}, norm_offset=1.0, embed_scale=embed_scale,
+                mlp_act="gelu_tanh", sandwich_norms=True, attn_scale=float(config.get("query_pre_attn_scalar", 256))
+                ** -0.5, sliding_window=int(window) if any(sliding) else 0, sliding_layers=sliding,
+                local_inv_freq=tuple(local_inv))
 
 
 def rope_inv_freq(config: dict, head_dim: int, where: str = "config.json") -> np.ndarray:
@@ -305,6 +373,9 @@ def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
                   "v_bias": p + "self_attn.v_proj.bias"}
     if cfg.qk_norm:
         names |= {"q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight"}
+    if cfg.sandwich_norms:  # Gemma: post_norm is the attention output's; the MLP's input and output have theirs
+        names |= {"pre_ff_norm": p + "pre_feedforward_layernorm.weight",
+                  "post_ff_norm": p + "post_feedforward_layernorm.weight"}
     return names
 
 
@@ -314,7 +385,7 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         cfg.intermediate_size
     shapes = {"input_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "post_norm": (h,),
               "gate": (i, h), "up": (i, h), "down": (h, i), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
-              "q_norm": (d,), "k_norm": (d,)}
+              "q_norm": (d,), "k_norm": (d,), "pre_ff_norm": (h,), "post_ff_norm": (h,)}
     return {name: shapes[role] for role, name in hf_weight_names(cfg, layer).items()}
 
 

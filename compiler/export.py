@@ -19,7 +19,9 @@ The shard graph:
 * ``rt_info["runtime_options"]["KV_CACHE_PRECISION"]``: the KV precision the stage is compiled with.
 
 The 4-D causal + visibility mask is built inside the graph from ``attention_mask``: query ``i`` of
-the chunk (physical slot ``P + i``) sees slot ``j`` iff ``j <= P + i`` and ``attention_mask[j] == 1``.
+the chunk (physical slot ``P + i``) sees slot ``j`` iff ``j <= P + i`` and ``attention_mask[j] == 1``;
+a local (sliding-window) layer of Gemma 3 also hides the keys ``sliding_window`` or more logical positions
+back (``window_mask``).
 
 Weights are float16 ``Constant -> Convert(f32)`` (the layout ``save_model(compress_to_fp16=True)``
 writes), or NNCF's per-channel int8 decompression, or a GGUF's own blocks (``_Weights``). Each is a
@@ -330,7 +332,8 @@ def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:
     return op.multiply(op.multiply(x, inv), weight).output(0)
 
 
-def rope_tables(position_ids: ov.Output, cfg: ModelConfig) -> tuple[ov.Output, ov.Output]:
+def rope_tables(position_ids: ov.Output, cfg: ModelConfig,
+                inv_freq: tuple[float, ...] | None = None) -> tuple[ov.Output, ov.Output]:
     """cos and sin [B, 1, S, rotary_dim] f32 of RoPE (Su et al. 2021, half-split "NeoX" layout as in
     transformers) at logical ``position_ids`` [B, S] i64, computed once per stage; both times
     ``cfg.rope_scale`` when it is not 1 (LongRoPE's attention factor, Ding et al. 2024: transformers'
@@ -339,11 +342,13 @@ def rope_tables(position_ids: ov.Output, cfg: ModelConfig) -> tuple[ov.Output, o
     The angles are ``inv_freq [B, D/2, 1] @ positions [B, 1, S]`` as transformers' rotary embedding
     writes them: the CPU plugin keeps that MatMul and Cos/Sin in f32 when it runs the rest in bf16
     (an elementwise product instead ran in bf16 and cost the demo its answers: angles of ~40 rad
-    rounded to 8 bits of mantissa)."""
-    inv_freq = op.constant(np.asarray(cfg.inv_freq, dtype=np.float32).reshape(1, -1, 1))  # [1, D/2, 1]
+    rounded to 8 bits of mantissa). ``inv_freq`` (default ``cfg.inv_freq``): other frequencies (Gemma 3's local
+    layers)."""
+    freqs = cfg.inv_freq if inv_freq is None else inv_freq
+    inv_freq = op.constant(np.asarray(freqs, dtype=np.float32).reshape(1, -1, 1))  # [1, D/2, 1]
     pos = op.unsqueeze(op.convert(position_ids, ov.Type.f32), _i64([1]))  # [B, 1, S]
     batch = op.gather(op.shape_of(position_ids, output_type="i64"), _i64([0]), _i64(0))
-    inv = op.broadcast(inv_freq, op.concat([batch, _i64([len(cfg.inv_freq), 1])], axis=0))  # [B, D/2, 1]
+    inv = op.broadcast(inv_freq, op.concat([batch, _i64([len(freqs), 1])], axis=0))  # [B, D/2, 1]
     freqs = op.transpose(op.matmul(inv, pos, transpose_a=False, transpose_b=False), _i64([0, 2, 1]))  # [B, S, D/2]
     emb = op.unsqueeze(op.concat([freqs, freqs], axis=-1), _i64([1]))  # [B, 1, S, D]
     cos, sin = op.cos(emb).output(0), op.sin(emb).output(0)
@@ -422,7 +427,8 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
     out = op.scaled_dot_product_attention(q, repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d),
                                           repeat_kv(values, cfg.kv_groups, cfg.num_heads, d),
-                                          mask, _f32(d ** -0.5), causal=False)  # [B, heads, S, D]
+                                          mask, _f32(d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale),
+                                          causal=False)  # [B, heads, S, D]
     out = op.reshape(op.transpose(out, _i64([0, 2, 1, 3])), _i64([0, 0, cfg.num_heads * d]), special_zero=True)
     return linear(out.output(0), w["o"]), [k_sink, v_sink]
 
@@ -443,6 +449,44 @@ def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:
     visible = op.logical_and(op.unsqueeze(causal, _i64([0, 1])),
                              op.greater(op.unsqueeze(attention_mask, _i64([1, 2])), _i64(0)))  # [B, 1, S, T]
     return op.select(visible, _f32(0.0), _f32(MASK_MIN)).output(0)
+
+
+def window_mask(attention_mask: ov.Output, seq: ov.Output, mask: ov.Output, window: int) -> ov.Output:
+    """``mask`` [B, 1, S, T] (``visibility_mask``) with the keys ``window`` or more logical positions before each
+    query hidden too (a sliding-window layer: transformers' ``sliding_window_overlay``, kv > q - window).
+
+    A key's logical distance from a query is the number of visible slots after it up to the query's slot,
+    ``cumsum(attention_mask)`` at the query minus at the key: hidden slots (rejected drafts) hold no position,
+    so they neither count nor become visible."""
+    seen = op.cumsum(attention_mask, _i64(1))  # [B, T]
+    at_query = op.slice(seen, op.negative(op.unsqueeze(seq, _i64([0]))), _i64([np.iinfo(np.int64).max]), _i64([1]),
+                        _i64([1]))  # [B, S]: the chunk's slots are the last S
+    distance = op.subtract(op.unsqueeze(at_query, _i64([2])), op.unsqueeze(seen, _i64([1])))  # [B, S, T]
+    far = op.unsqueeze(op.greater_equal(distance, _i64(window)), _i64([1]))  # [B, 1, S, T]
+    return op.select(far, _f32(MASK_MIN), mask).output(0)
+
+
+def geglu(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
+    """GeGLU MLP (Shazeer 2020; Gemma's ``gelu_pytorch_tanh``): ``down(gelu_tanh(gate(x)) * up(x))``."""
+    gate, up = linears(x, [w["gate"], w["up"]])
+    return linear(op.multiply(op.gelu(gate, approximation_mode="tanh"), up).output(0), w["down"])
+
+
+def norm_weight(weight: ov.Output, cfg: ModelConfig) -> ov.Output:
+    """An RMSNorm's multiplier: ``weight + cfg.norm_offset`` (Gemma's HF ``1 + w``), or ``weight`` itself."""
+    return weight if not cfg.norm_offset else op.add(weight, _f32(cfg.norm_offset)).output(0)
+
+
+def gemma_layer(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
+                mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
+    """One Gemma 3 decoder layer (transformers' ``Gemma3DecoderLayer``): ``x + post_norm(attention(input_norm(x)))``,
+    then ``+ post_ff_norm(geglu(pre_ff_norm(x)))``; every norm (q/k's too) times ``1 + w`` as ``norm_weight``."""
+    w = dict(w) | {role: norm_weight(w[role], cfg) for role in w if role.endswith("norm")}
+    eps = cfg.rms_norm_eps
+    h, sinks = attention(rms_norm(x, w["input_norm"], eps), w, cfg, rope, mask, beam_idx, batch, layer)
+    x = op.add(x, rms_norm(h, w["post_norm"], eps)).output(0)
+    h = geglu(rms_norm(x, w["pre_ff_norm"], eps), w)
+    return op.add(x, rms_norm(h, w["post_ff_norm"], eps)).output(0), sinks
 
 
 def name_products(model: ov.Model) -> None:
@@ -489,6 +533,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
         x = op.gather(weights(EMBEDDING, table=True), first, _i64(0)).output(0)  # [B, S, H]
+        if cfg.embed_scale != 1.0:  # Gemma: x sqrt(hidden)
+            x = op.multiply(x, _f32(cfg.embed_scale)).output(0)
     else:
         first = _parameter("hidden_states", [-1, -1, cfg.hidden_size], ov.Type.f32)
         x = first.output(0)
@@ -501,9 +547,17 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     seq = op.gather(first_shape, _i64(1), _i64(0)).output(0)
     mask = visibility_mask(attention_mask.output(0), seq)
     rope = rope_tables(position_ids.output(0), cfg)
+    if any(cfg.sliding_layers[stage.start:stage.end]):  # Gemma 3's local layers: their RoPE base and window
+        local = (rope_tables(position_ids.output(0), cfg, cfg.local_inv_freq),
+                 window_mask(attention_mask.output(0), seq, mask, cfg.sliding_window))
     sinks: list[ov.Node] = []
     for layer in range(stage.start, stage.end):
         w = {role: weights(name, matrix=role in MATRICES) for role, name in hf_weight_names(cfg, layer).items()}
+        if cfg.sandwich_norms:  # Gemma 3
+            here = local if cfg.sliding_layers[layer] else (rope, mask)
+            x, layer_sinks = gemma_layer(x, w, cfg, *here, beam_idx.output(0), batch, layer)
+            sinks += layer_sinks
+            continue
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, rope, mask,
                                    beam_idx.output(0), batch, layer)
         x = op.add(x, h).output(0)
@@ -514,7 +568,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
             logits_index = _parameter("logits_index", [-1], ov.Type.i64)
             params.append(logits_index)
             x = op.gather(x, logits_index, _i64(1)).output(0)  # [B, K, H]
-        x = rms_norm(x, weights(FINAL_NORM), cfg.rms_norm_eps)
+        x = rms_norm(x, norm_weight(weights(FINAL_NORM), cfg), cfg.rms_norm_eps)
         x = linear(x, weights(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD, matrix=True))  # [B, K, V]
     result = op.result(x)
     result.output(0).get_tensor().set_names({"logits" if stage.last else "hidden_states"})
