@@ -14,6 +14,9 @@ qwen3      no          yes             per-head RMSNorm on q and k before RoPE; 
 phi3       no          no              Phi-3/3.5, Phi-4-mini: fused ``qkv_proj`` and ``gate_up_proj`` (split at
                                        build: compiler/source.py), partial rotary, LongRoPE; ``sliding_window``
                                        as mistral
+qwen3_moe  no          yes             Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): qwen3's attention; the MLP of
+                                       each sparse layer (``decoder_sparse_step``, ``mlp_only_layers``) a
+                                       router and ``num_experts`` SwiGLU experts, top-k per token
 =========  ==========  ==============  =======================================================
 
 LongRoPE (Ding et al. 2024, arXiv 2402.13753; transformers ``_compute_longrope_parameters``): each rotary
@@ -56,9 +59,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe")
 QKV_BIAS = {"qwen2"}
-QK_NORM = {"qwen3"}
+QK_NORM = {"qwen3", "qwen3_moe"}
+MOE = {"qwen3_moe"}  # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
 FUSED = {"phi3"}  # one qkv_proj [q + 2 kv, H] and one gate_up_proj [2 I, H] per layer (source.py splits them)
 PARTIAL_ROTARY = {"phi3"}  # partial_rotary_factor < 1: RoPE on the first dims of each head only
 SLIDING = {"mistral", "phi3"}  # sliding_window applies without use_sliding_window
@@ -126,6 +130,14 @@ class ModelConfig:
     qk_norm: bool = False
     fused: bool = False  # phi3: qkv_proj and gate_up_proj in the source, split into q/k/v, gate/up at build
     rope_scale: float = 1.0  # cos and sin times this (LongRoPE's attention_factor)
+    # Mixture-of-Experts (qwen3_moe): the sparse layers, their experts (each SwiGLU of moe_intermediate_size),
+    # experts_per_token chosen per token by softmax + top-k of the router, their weights renormalised to sum 1
+    # when norm_topk_prob (transformers' Qwen3MoeTopKRouter)
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Gemma 3 (module docstring; the defaults leave every other graph as it was)
@@ -205,6 +217,8 @@ class ModelConfig:
                         "embeddings), not %d", where, rope_context, max_context)
             max_context = rope_context
         eos = config.get("eos_token_id")
+        if model_type in MOE:
+            dims |= moe_dims(config, dims["num_layers"], where)
         return cls(model_type=model_type, **dims, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                    max_context=max_context, inv_freq=tuple(inv_freq), rope_scale=rope_scale,
                    qkv_bias=model_type in QKV_BIAS, qk_norm=model_type in QK_NORM, fused=model_type in FUSED,
@@ -225,11 +239,33 @@ class ModelConfig:
         return cls.from_hf(config, str(path))
 
     def parameters(self) -> int:
-        """Weights in the model (embedding, layers, norms, untied head): its size class (compress.py)."""
+        """Weights in the model (embedding, layers, norms, untied head): its size class (compress.py); a
+        Mixture-of-Experts counts every expert and router."""
         d, kv = self.head_dim, self.num_kv_heads * self.head_dim
         layer = self.hidden_size * (self.num_heads * d * 2 + kv * 2) + 3 * self.hidden_size * self.intermediate_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return self.vocab_size * self.hidden_size + self.num_layers * layer + head
+        moe = len(self.moe_layers) * (self.hidden_size * self.num_experts * (3 * self.moe_intermediate_size + 1)
+                                      - 3 * self.hidden_size * self.intermediate_size)
+        return self.vocab_size * self.hidden_size + self.num_layers * layer + head + moe
+
+
+def moe_dims(config: dict, num_layers: int, where: str = "config.json") -> dict:
+    """The Mixture-of-Experts fields of ``ModelConfig`` from a qwen3_moe ``config.json``: layer ``i`` is sparse
+    unless in ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0`` (transformers'
+    ``Qwen3MoeDecoderLayer``); ``num_experts`` (saved as ``num_local_experts`` by transformers 5)."""
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    top_k, inter = config.get("num_experts_per_tok"), config.get("moe_intermediate_size")
+    step = config.get("decoder_sparse_step", 1)
+    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k), ("moe_intermediate_size", inter),
+                        ("decoder_sparse_step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: field {name!r} must be a positive integer, not {value!r}")
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts")
+    dense = set(config.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(moe_layers=layers, num_experts=experts, experts_per_token=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)))
 
 
 def _gemma3(config: dict, head_dim: int, where: str) -> dict:
@@ -368,6 +404,11 @@ def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
         "post_norm": p + "post_attention_layernorm.weight",
         "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
     }
+    if layer in cfg.moe_layers:  # a router and experts instead of the MLP: roles "router", "expert.{e}.{gate,up,down}"
+        del names["gate"], names["up"], names["down"]
+        names["router"] = p + "mlp.gate.weight"
+        for e in range(cfg.num_experts):
+            names |= {f"expert.{e}.{part}": p + f"mlp.experts.{e}.{part}_proj.weight" for part in ("gate", "up", "down")}
     if cfg.qkv_bias:
         names |= {"q_bias": p + "self_attn.q_proj.bias", "k_bias": p + "self_attn.k_proj.bias",
                   "v_bias": p + "self_attn.v_proj.bias"}
@@ -385,8 +426,11 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         cfg.intermediate_size
     shapes = {"input_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "post_norm": (h,),
               "gate": (i, h), "up": (i, h), "down": (h, i), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
-              "q_norm": (d,), "k_norm": (d,), "pre_ff_norm": (h,), "post_ff_norm": (h,)}
-    return {name: shapes[role] for role, name in hf_weight_names(cfg, layer).items()}
+              "q_norm": (d,), "k_norm": (d,), "pre_ff_norm": (h,), "post_ff_norm": (h,), "router": (cfg.num_experts, h)}
+    e = cfg.moe_intermediate_size
+    expert = {"gate": (e, h), "up": (e, h), "down": (h, e)}
+    return {name: shapes[role] if role in shapes else expert[role.rsplit(".", 1)[1]]
+            for role, name in hf_weight_names(cfg, layer).items()}
 
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"

@@ -57,6 +57,7 @@ MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (tra
 # on small matrices (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster:
 # kernel_bench.py)
 OFFSET_FORM_MIN_WEIGHTS = 1 << 21
+ROUTER_SOFTMAX = "/router_softmax"  # the name's end of a Mixture-of-Experts router's Softmax (``moe``)
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,61 @@ class _Weights:
         offsets = self._postponed(ov.Type.f16, [rows, groups], lambda: compute("offset"), f"{name}/offset")
         return op.convert(offsets, ov.Type.f32).output(0)
 
+    def stacked(self, names: list[str]) -> Callable[[ov.Output], ov.Output]:
+        """The weights ``names`` (a Mixture-of-Experts layer's experts' same matrix, [rows, cols] each) as one
+        constant [E, rows, cols]; returns ``take(indices)``: the f32 slices [..., rows, cols] of the experts
+        ``indices`` (i64, any shape) chose, Gathered before the decompression so that a token reads only its
+        experts' weights. f16, or with ``int8`` NNCF's per-channel int8 (codes, scale and zero point gathered
+        alike); read one expert at a time into the stacked constant when the serializer writes it."""
+        from .compress import int8_rows
+
+        rows, cols = self.source.shape(names[0])
+        shape, per_row = [len(names), rows, cols], [len(names), rows, 1]
+        base = names[0].replace(".experts.0.", ".experts.")  # model.layers.3.mlp.experts.gate_proj.weight
+
+        def gather(node: ov.Node) -> Callable[[ov.Output], ov.Output]:
+            return lambda indices: op.gather(node, indices, _i64(0)).output(0)
+
+        if self.int8 is None:
+            def maker() -> ov.Tensor:
+                tensor = ov.Tensor(ov.Type.f16, ov.Shape(shape))
+                for e, name in enumerate(names):
+                    self.source.tensor(name, out=tensor.data[e])
+                    self._read(name, tensor)
+                return tensor
+
+            const = gather(self._postponed(ov.Type.f16, shape, maker, base))
+            return lambda indices: op.convert(const(indices), ov.Type.f32).output(0)
+        symmetric = self.int8.symmetric
+        wtype = ov.Type.i8 if symmetric else ov.Type.u8
+
+        def make() -> dict[str, ov.Tensor]:
+            weights = ov.Tensor(wtype, ov.Shape(shape))
+            scale, zero_point = np.empty(per_row, np.float16), np.empty(per_row, np.uint8)
+            for e, name in enumerate(names):
+                s, z = int8_rows(lambda a, b, name=name: self.source.tensor(name, rows=(a, b)), (rows, cols),
+                                 symmetric, weights.data[e])
+                scale[e] = s
+                if z is not None:
+                    zero_point[e] = z
+                self._read(name, weights)
+            parts = {"weights": weights, "scale": ov.Tensor(scale)}
+            return parts | ({} if symmetric else {"zero_point": ov.Tensor(zero_point)})
+
+        compute = self._once(make)
+        q = gather(self._postponed(wtype, shape, lambda: compute("weights"), base))
+        zp = None if symmetric else gather(self._postponed(ov.Type.u8, per_row, lambda: compute("zero_point"),
+                                                           f"{base}/zero_point"))
+        scale = gather(self._postponed(ov.Type.f16, per_row, lambda: compute("scale"), f"{base}/scale"))
+
+        def take(indices: ov.Output) -> ov.Output:
+            x = op.convert(q(indices), ov.Type.f16)
+            if zp is not None:
+                x = op.subtract(x, op.convert(zp(indices), ov.Type.f16))
+            return op.convert(op.multiply(x, scale(indices)), ov.Type.f32).output(0)
+
+        return take
+
     def _int8(self, name: str, shape: list[int]) -> ov.Output:
         """The three constants of one int8 weight, computed together when the serializer asks for the first
         and each handed out once (so the stage is never held compressed whole)."""
@@ -439,6 +495,32 @@ def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
     return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
 
 
+def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.Output], ov.Output]],
+        cfg: ModelConfig, layer: int) -> ov.Output:
+    """A sparse Mixture-of-Experts MLP (Qwen3-MoE; transformers' ``Qwen3MoeSparseMoeBlock``), x [B, S, H] ->
+    [B, S, H]: the router's softmax over the experts, its top ``experts_per_token`` (TopK) weights
+    renormalised to sum 1 when ``norm_topk_prob``, and the weighted sum of the chosen experts' SwiGLU outputs.
+    Each token Gathers only its chosen experts' slices of the stacked weights (``experts``: ``_Weights.stacked``
+    of gate, up [E, I, H] and down [E, H, I]) and multiplies them in one batched MatMul per matrix. The router's Softmax is named
+    ``model.layers.{layer}.mlp.gate/router_softmax`` (``ROUTER_SOFTMAX``: compiler/inspect.py counts Softmax
+    nodes left by unfused attention, not this one)."""
+    hidden, k = cfg.hidden_size, cfg.experts_per_token
+    flat = op.reshape(x, _i64([-1, hidden]), special_zero=False)  # [N, H]
+    probs = op.softmax(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), -1,
+                       name=f"model.layers.{layer}.mlp.gate{ROUTER_SOFTMAX}")  # [N, E]
+    top = op.topk(probs, _i64(k), axis=-1, mode="max", sort="value", index_element_type=ov.Type.i64)
+    weights, chosen = top.output(0), top.output(1)  # [N, k] each
+    if cfg.norm_topk_prob:
+        weights = op.divide(weights, op.reduce_sum(weights, _i64([-1]), keep_dims=True)).output(0)
+    tokens = op.unsqueeze(flat, _i64([1, 2]))  # [N, 1, 1, H]
+    gate = op.matmul(tokens, experts["gate"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, I]
+    up = op.matmul(tokens, experts["up"](chosen), transpose_a=False, transpose_b=True)
+    act = op.multiply(op.swish(gate), up)
+    out = op.matmul(act, experts["down"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, H]
+    out = op.reduce_sum(op.multiply(out, op.unsqueeze(weights, _i64([2, 3]))), _i64([1, 2]), keep_dims=False)
+    return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
+
+
 def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:
     """Additive mask [B, 1, S, T] f32: 0 where query ``i`` (physical slot ``T - S + i``) may see slot ``j``
     (``j <= T - S + i`` and ``attention_mask[b, j] == 1``), float32's minimum elsewhere."""
@@ -552,7 +634,9 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
                  window_mask(attention_mask.output(0), seq, mask, cfg.sliding_window))
     sinks: list[ov.Node] = []
     for layer in range(stage.start, stage.end):
-        w = {role: weights(name, matrix=role in MATRICES) for role, name in hf_weight_names(cfg, layer).items()}
+        names = hf_weight_names(cfg, layer)
+        w = {role: weights(name, matrix=role in MATRICES) for role, name in names.items()
+             if not role.startswith("expert.")}
         if cfg.sandwich_norms:  # Gemma 3
             here = local if cfg.sliding_layers[layer] else (rope, mask)
             x, layer_sinks = gemma_layer(x, w, cfg, *here, beam_idx.output(0), batch, layer)
@@ -561,7 +645,12 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, rope, mask,
                                    beam_idx.output(0), batch, layer)
         x = op.add(x, h).output(0)
-        x = op.add(x, mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w)).output(0)
+        if layer in cfg.moe_layers:  # the router f16 (its picks as exact as can be), the experts stacked
+            experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
+                       for part in ("gate", "up", "down")}
+            x = op.add(x, moe(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, experts, cfg, layer)).output(0)
+        else:
+            x = op.add(x, mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w)).output(0)
         sinks += layer_sinks
     if stage.last:
         if logits_index_input:

@@ -27,6 +27,7 @@ from pathlib import Path
 from fleet_common.manifest import DEVICES_FORMAT, MANIFEST_NAME, load_manifest
 from fleet_common.runtime import KV_VALUE_BYTES
 
+from .arch import MOE, moe_dims
 from .compress import FORMATS, WeightSpec, resolve
 from .nodes import Node
 from .plan import balanced_split, decode_weights, parse_layers
@@ -71,19 +72,32 @@ class ModelDims:
     vocab_size: int
     max_context: int  # max_position_embeddings
     tied_embeddings: bool  # a 1-stage build stores the shared embedding/head once
+    # weights a layer stores beyond the ones a token reads (layer_params): a Mixture-of-Experts' unchosen experts
+    # and router, per layer on average; counted for memory, not for speed
+    idle_params: int = 0
 
     @classmethod
     def from_config(cls, config: dict, model_id: str) -> ModelDims:
-        """From a config.json dict; raises ``ValueError`` naming a missing field."""
+        """From a config.json dict; raises ``ValueError`` naming a missing field. A Mixture-of-Experts
+        (qwen3_moe) has as ``intermediate_size`` the layers' mean MLP width a token reads (its chosen experts'),
+        and every other expert's and the router's weights in ``idle_params``."""
         try:
             heads = int(config["num_attention_heads"])
-            return cls(model_id, int(config["num_hidden_layers"]), int(config["hidden_size"]), heads,
+            dims = cls(model_id, int(config["num_hidden_layers"]), int(config["hidden_size"]), heads,
                        int(config.get("num_key_value_heads") or heads),
                        int(config.get("head_dim") or int(config["hidden_size"]) // heads),
                        int(config["intermediate_size"]), int(config["vocab_size"]),
                        int(config["max_position_embeddings"]), bool(config.get("tie_word_embeddings", False)))
         except KeyError as exc:
             raise ValueError(f"config.json of {model_id} has no {exc.args[0]}") from None
+        if config.get("model_type") not in MOE:
+            return dims
+        moe = moe_dims(config, dims.num_layers, f"config.json of {model_id}")
+        sparse, k, e = len(moe["moe_layers"]), moe["experts_per_token"], moe["num_experts"]
+        inter = moe["moe_intermediate_size"]
+        active = (sparse * k * inter + (dims.num_layers - sparse) * dims.intermediate_size) // dims.num_layers
+        idle = sparse * dims.hidden_size * ((e - k) * 3 * inter + e) // dims.num_layers
+        return replace(dims, intermediate_size=active, idle_params=idle)
 
     @property
     def layer_params(self) -> int:
@@ -105,7 +119,7 @@ class ModelDims:
     def parameters(self) -> int:
         """All parameters: embedding, LM head unless tied, decoder layers with their norms, final norm."""
         return (self.head_params * (1 if self.tied_embeddings else 2)
-                + self.num_layers * (self.layer_params + 2 * self.hidden_size) + self.hidden_size)
+                + self.num_layers * (self.layer_params + self.idle_params + 2 * self.hidden_size) + self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -149,7 +163,7 @@ def weight_bytes(dims: ModelDims, spec: WeightSpec, layers: int, embedding: bool
         four = 0.5 + (2 + (0 if spec.symmetric else 0.5)) / group
         table = _int8_bytes(False, fan_in)  # NNCF's backup mode, int8 asymmetric
         linear = spec.ratio * four + (1 - spec.ratio) * table
-    total = layers * (dims.layer_params * linear + 2 * dims.hidden_size * 2)
+    total = layers * ((dims.layer_params + dims.idle_params) * linear + 2 * dims.hidden_size * 2)
     tables = int(embedding) + int(head) - int(embedding and head and dims.tied_embeddings)
     total += tables * dims.head_params * table + (2 * dims.hidden_size if head else 0)
     return int(math.ceil(total))

@@ -2,7 +2,9 @@
 computes: tiny random llama (``rope_scaling`` ``llama3``), mistral, qwen2 (q/k/v biases, tied head),
 qwen3 (q/k RMSNorm, ``head_dim`` != hidden / heads), phi3 (fused ``qkv_proj``/``gate_up_proj``, sliding
 window) and phi4mini (a ``Phi3Config`` shaped as Phi-4-mini: LongRoPE at 4x the original context, partial
-rotary 0.75, tied head) models, 4 layers with grouped KV heads (4 query heads, 2 KV heads), made by transformers here and saved as safetensors in bf16 and in f32, then built
+rotary 0.75, tied head), qwen3moe (Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense by
+``mlp_only_layers``) and qwen3moe_raw (top-2 weights as the softmax gives them, ``decoder_sparse_step`` 2: layers 1
+and 3 sparse) models, 4 layers with grouped KV heads (4 query heads, 2 KV heads), made by transformers here and saved as safetensors in bf16 and in f32, then built
 by ``compiler.build.build`` into 1, 2 and 3 stages.
 
 * Logits: the stages chained in this process (OpenVINO CPU, f32 inference and f32 KV, one thread)
@@ -13,6 +15,7 @@ by ``compiler.build.build`` into 1, 2 and 3 stages.
 * Greedy: 32 tokens through a real 2-stage fleet (worker processes and coordinator) against
   transformers' greedy loop on the same prompt ids.
 * ``fleet-compiler inspect``: every stage of each 2-stage build fuses stateful SDPA.
+* Router: the experts each MoE layer's TopK picks for every token of the 64 are transformers' router's.
 
 The reference sees exactly the weights a build stores: builds store fp16, so transformers loads the
 saved folder in f32 and rounds every parameter to fp16 and back (``p.copy_(p.half().float())``). For
@@ -55,8 +58,14 @@ ARCHS = {  # name -> (transformers config class name, options on top of COMMON)
     # Phi-4-mini's shape: LongRoPE (4x the original context: attention factor 1.13), partial rotary 0.75, tied head
     "phi4mini": ("Phi3Config", dict(rope_parameters=LONGROPE, max_position_embeddings=4 * MAX_POSITIONS,
                                     original_max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True)),
+    # Qwen3-MoE: qwen3's attention; 8 experts of 32, top-2; layer 1 dense (the MLP of intermediate_size)
+    "qwen3moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen3moe_raw": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, decoder_sparse_step=2, norm_topk_prob=False)),
 }
-MODEL_TYPE = {"phi4mini": "phi3"}  # names that are not their model_type
+MODEL_TYPE = {"phi4mini": "phi3", "qwen3moe": "qwen3_moe", "qwen3moe_raw": "qwen3_moe"}
+MOE = {"qwen3moe": (0, 2, 3), "qwen3moe_raw": (1, 3)}  # -> its sparse layers  # names that are not their model_type
 TIED = ("qwen2", "phi4mini")
 DTYPES = ("bf16", "f32")
 WEIGHT_STD = 0.15  # ~8x transformers' 0.02: logits of std ~1.2 and |max| ~6.5, not all near zero
@@ -224,7 +233,8 @@ def test_tiny_models_exercise_each_switch(zoo):
             assert split.shape("model.layers.3.self_attn.k_proj.weight") == (2 * cfg.head_dim, cfg.hidden_size)
             assert split.shape("model.layers.3.mlp.up_proj.weight") == (cfg.intermediate_size, cfg.hidden_size)
         assert cfg.qkv_bias == (arch == "qwen2") and ("model.layers.0.self_attn.q_proj.bias" in names) == cfg.qkv_bias
-        assert cfg.qk_norm == (arch == "qwen3") and ("model.layers.0.self_attn.q_norm.weight" in names) == cfg.qk_norm
+        assert cfg.moe_layers == MOE.get(arch, ())
+        assert cfg.qk_norm == arch.startswith("qwen3") and ("model.layers.0.self_attn.q_norm.weight" in names) == cfg.qk_norm
     llama = ModelConfig.from_folder(zoo.sources("llama")["bf16"])
     default = rope_inv_freq({"rope_theta": 10000.0}, llama.head_dim)
     assert (np.abs(np.asarray(llama.inv_freq) / default - 1) > 0.1).sum() >= 4  # most frequencies scaled
@@ -244,7 +254,8 @@ def test_stage_logits_match_transformers(arch, dtype, stages, zoo):
 
     Measured max |error| (bf16 / f32 source; the same for 1, 2 and 3 stages, as chaining f32 hidden
     states adds nothing): llama 1.3e-5 / 1.2e-5, mistral 1.2e-5 / 1.4e-5, qwen2 7.1e-6 / 7.9e-6, qwen3
-    8.5e-6 / 8.8e-6, phi3 1.5e-5 / 1.1e-5, phi4mini 1.3e-5 / 1.3e-5. That is f32 rounding (eps 6e-8) accumulated over 4 layers of sums taken in another
+    8.5e-6 / 8.8e-6, phi3 1.5e-5 / 1.1e-5, phi4mini 1.3e-5 / 1.3e-5, qwen3moe 4.8e-6 / 4.7e-6, qwen3moe_raw
+    9.5e-6 / 7.9e-6 (2 stages; their smallest top-2 gap 2.1e-3). That is f32 rounding (eps 6e-8) accumulated over 4 layers of sums taken in another
     order (oneDNN's GEMMs and fused SDPA against PyTorch's eager ops); ``ATOL`` is ~7x the worst. Real
     faults are far above it: dropping the llama3 scaling moves the logits by 8.9, zeroing qwen2's q bias
     by 5.5, qwen3's k-norm weights set to 1 by 2.1, phi4mini without LongRoPE's attention factor by 7.4, leaving the rejected slots visible by 4-8, and a
@@ -295,3 +306,37 @@ def test_inspect_reports_fused_attention(arch, zoo):
     rows = [line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(row.endswith("ok") for row in rows), out.stdout
     assert "inspect: OK" in out.stdout
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_moe_router_picks_match_transformers(arch, zoo):
+    """The experts each sparse layer's TopK picks (the graph's own TopK outputs, exposed as extra outputs of
+    the whole model as one stage, bf16 source, f32 inference) are, for every one of the 64 tokens, the top-k
+    of transformers' router probabilities (``output_router_logits``); each layer picks 7 or 8 of its 8."""
+    import openvino as ov
+    import torch
+
+    from compiler.arch import ModelConfig
+    from compiler.export import StageSpec, export_stage
+    from compiler.weights import SafetensorsWeights
+
+    src = zoo.sources(arch)["bf16"]
+    cfg = ModelConfig.from_folder(src)
+    model = export_stage(cfg, SafetensorsWeights(src), StageSpec(0, 0, cfg.num_layers, cfg.num_layers))
+    topks = [node for node in model.get_ordered_ops() if node.get_type_name() == "TopK"]
+    assert len(topks) == len(cfg.moe_layers)
+    model.add_outputs([node.output(1) for node in topks])
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
+    ids = zoo.ids[None].astype(np.int64)
+    out = compiled.create_infer_request().infer({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                                 "position_ids": np.arange(SEQ)[None], "beam_idx": np.zeros(1, np.int32),
+                                                 "logits_index": np.arange(SEQ)})
+    got = [np.sort(out[compiled.outputs[1 + i]], axis=-1) for i in range(len(topks))]  # [SEQ, k] per layer
+    with torch.no_grad():
+        router = zoo.reference(arch, "bf16")(torch.from_numpy(zoo.ids)[None], output_router_logits=True).router_logits
+    assert len(router) == len(cfg.moe_layers)
+    for layer, picked, probs in zip(cfg.moe_layers, got, router):
+        expected = np.sort(torch.topk(probs.float(), cfg.experts_per_token, dim=-1).indices.numpy(), axis=-1)
+        wrong = np.flatnonzero((picked != expected).any(-1))
+        assert not wrong.size, f"{arch} layer {layer}: other experts at positions {wrong.tolist()}"
+        assert len(np.unique(picked)) >= cfg.num_experts - 1  # (qwen3moe's layer 0 never picks expert 3)

@@ -199,3 +199,35 @@ def test_rope_scaling_replaces_rope_parameters_as_in_transformers():
     with pytest.raises(UnsupportedModel, match="rope scaling 'yarn'"):
         ModelConfig.from_hf(llama(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                   rope_scaling={"rope_type": "yarn", "factor": 4.0}), WHERE)
+
+
+def qwen3_moe(**changes) -> dict:
+    return llama(**{"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 32,
+                    "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **changes})
+
+
+def test_qwen3_moe_sparse_layers_experts_and_names():
+    """Layer i is sparse unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; transformers 5
+    saves num_experts as num_local_experts; a sparse layer's weights are its router and every expert's three
+    matrices (all counted in the size), a dense one's the MLP."""
+    from compiler.arch import expected_shapes
+
+    cfg = ModelConfig.from_hf(qwen3_moe(mlp_only_layers=[1], norm_topk_prob=True), WHERE)
+    assert (cfg.moe_layers, cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob) == ((0, 2, 3), 8, 2, True)
+    assert cfg.qk_norm and not cfg.fused
+    assert ModelConfig.from_hf(qwen3_moe(decoder_sparse_step=2), WHERE).moe_layers == (1, 3)
+    sparse, dense = expected_shapes(cfg, 0), expected_shapes(cfg, 1)
+    assert sparse["model.layers.0.mlp.gate.weight"] == (8, 64)
+    assert sparse["model.layers.0.mlp.experts.7.down_proj.weight"] == (64, 32)
+    assert sparse["model.layers.0.mlp.experts.0.up_proj.weight"] == (32, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" not in sparse and len(sparse) == 6 + 2 + 1 + 3 * 8
+    assert dense["model.layers.1.mlp.gate_proj.weight"] == (128, 64)
+    plain = ModelConfig.from_hf(llama(model_type="qwen3", head_dim=32), WHERE)
+    assert cfg.parameters() - plain.parameters() == 3 * (64 * 8 * (3 * 32 + 1) - 3 * 64 * 128)  # 3 sparse layers
+
+
+@pytest.mark.parametrize(("changes", "match"), [(dict(num_experts_per_tok=9), "more than the 8 experts"),
+                                                (dict(moe_intermediate_size=None), "moe_intermediate_size")])
+def test_qwen3_moe_bad_fields_are_named(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(qwen3_moe(**changes), WHERE)

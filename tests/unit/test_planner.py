@@ -227,3 +227,17 @@ def test_plan_cli(tmp_path, capsys):
     assert compiler_main(["build", str(tmp_path / "hf"), "--plan", str(out), "--weights", "int4", "-o",
                           str(tmp_path / "b")]) == 2
     assert "--weights int4 differs from the plan's fp16" in capsys.readouterr().err
+
+
+def test_moe_dims_count_every_expert_for_memory_and_the_chosen_for_speed():
+    """Qwen3-30B-A3B's config: the fp16 weights counted are every expert's (30.5B parameters, as published),
+    the per-token layer reads only its 8 chosen experts'."""
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+              "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False}
+    dims = ModelDims.from_config(config, "Qwen3-30B-A3B")
+    assert dims.intermediate_size == 8 * 768
+    assert dims.parameters == pytest.approx(30.53e9, rel=0.002)
+    assert weight_bytes(dims, resolve("fp16", 0), 48, True, True) == pytest.approx(2 * dims.parameters, rel=1e-4)
+    assert dims.num_layers * dims.layer_params + 2 * dims.head_params == pytest.approx(3.3e9, rel=0.03)  # active
