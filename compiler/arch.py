@@ -35,7 +35,7 @@ their own), q/k RMSNorm per head, GeGLU with tanh GELU, softmax scale ``query_pr
 local (``sliding_attention``) layers interleaved with global ones: a local layer sees keys fewer than
 ``sliding_window`` logical positions back (from the visibility mask, compiler/export.py) and has its own RoPE
 base (``rope_local_base_freq``), the global ones ``rope_theta`` and ``rope_scaling``. Logit softcapping (Gemma 2)
-is refused.
+is refused. A GGUF's norms are 1 + w already (compiler/gguf.py ``gemma3_config``).
 
 Refused, naming what is missing (``UnsupportedModel``): a vision or audio tower (``vision_config``, ...),
 layers that are not attention (``layer_types`` with ``linear_attention``: Qwen3-Next/Qwen3.5's gated delta
@@ -307,7 +307,9 @@ def _gemma3(config: dict, head_dim: int, where: str) -> dict:
         raise UnsupportedModel(f"{where}: the sliding layers' rope {local!r} is not supported")
     # transformers multiplies in the embedding's dtype at run time: f32 here (the graph's), as llama.cpp does
     embed_scale = float(np.float32(math.sqrt(int(config["hidden_size"]))))
-    return dict(global_rope=base | {"rope_parameters": full}, norm_offset=1.0, embed_scale=embed_scale,
+    # a GGUF's norms are 1 + w already (llama.cpp's converter adds the 1: compiler/gguf.py gemma3_config)
+    offset = 0.0 if config.get("gguf_norms_plus_one") else 1.0
+    return dict(global_rope=base | {"rope_parameters": full}, norm_offset=offset, embed_scale=embed_scale,
                 mlp_act="gelu_tanh", sandwich_norms=True, attn_scale=float(config.get("query_pre_attn_scalar", 256))
                 ** -0.5, sliding_window=int(window) if any(sliding) else 0, sliding_layers=sliding,
                 local_inv_freq=tuple(local_inv))

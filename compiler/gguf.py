@@ -4,7 +4,8 @@ tensor, quantized blocks kept as they are where the CPU plugin runs them compres
 Names and order: llama.cpp's tensor names map to HF's (``GGUF_TO_HF``); ggml lists dimensions innermost
 first, so a GGUF [cols, rows] tensor is HF's [rows, cols]. llama.cpp's converter permutes the rows of
 llama-family Q and K weights for its interleaved RoPE (``LlamaModel.permute`` in convert_hf_to_gguf.py);
-they are put back in HF's order (qwen2/qwen3 files are not permuted).
+they are put back in HF's order (qwen2/qwen3/phi3/gemma3 files are not permuted). gemma3 files name their four norms
+a layer otherwise (``GEMMA3_LAYER_TO_HF``) and store them as 1 + w (``gemma3_config``).
 
 Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, Q4_K, Q5_1 and Q5_K, a per-block
 offset (the block's minimum), in f32 so ``q * scale + offset`` gives the dequantized GGUF value to f32 rounding,
@@ -74,6 +75,11 @@ GGUF_LAYER_TO_HF = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k, v fused; its ffn_up holds gate and up (source.split_fused)
 }
+GEMMA3_LAYER_TO_HF = {  # gemma3's four norms a layer (llama.cpp's Gemma3Model): its ffn_norm is the MLP's input norm
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA3_SWA_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0  # what llama.cpp's llama-model.cpp fixes for gemma3 files
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # RoPE's, not weights
 KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")
 NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
@@ -85,18 +91,20 @@ STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", 
 WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a second product)
 CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # GGUF arch -> model_type
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}  # GGUF arch -> model_type
 ROW_BLOCK_BYTES = 32 << 20
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
 
 
-def hf_name(name: str) -> str:
-    """The HF name of GGUF tensor ``name``; ``WeightsError`` for one the builder does not know."""
+def hf_name(name: str, model_type: str | None = None) -> str:
+    """The HF name of GGUF tensor ``name`` (of a ``model_type`` file: gemma3's norms are named otherwise);
+    ``WeightsError`` for one the builder does not know."""
     if name in GGUF_TO_HF:
         return GGUF_TO_HF[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_TO_HF:
-        return f"model.layers.{parts[1]}.{GGUF_LAYER_TO_HF[parts[2]]}.{parts[3]}"
+    layer_names = GGUF_LAYER_TO_HF | (GEMMA3_LAYER_TO_HF if model_type == "gemma3_text" else {})
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     raise WeightsError(f"GGUF tensor {name!r} has no Hugging Face counterpart the builder knows")
 
 
@@ -161,7 +169,7 @@ class GGUFWeights:
             if t.name in ROPE_TENSORS:
                 continue
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
-            name = hf_name(t.name)
+            name = hf_name(t.name, config["model_type"])
             heads = 0
             if permuted and name.endswith("q_proj.weight"):
                 heads = config["num_attention_heads"]
@@ -460,10 +468,13 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     hidden = int(key("embedding_length"))
     names = {t.name for t in reader.tensors}
     scaling = field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    linear = arch == "gemma3" and scaling == "linear"  # Gemma 3 4B/12B/27B: the global layers' factor 8
+    if scaling not in (None, "none") and not linear:
         raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported")
     head_dim = int(key("attention.key_length", hidden // heads))  # llama.cpp's n_embd_head_k
     rope = {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default"}
+    if linear:
+        rope |= {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     if arch == "phi3":  # partial rotary (Phi-4-mini) and LongRoPE's factors (convert_hf_to_gguf Phi3MiniModel)
         rope |= phi3_rope(reader, arch, head_dim, where)
     for other in ("attention.value_length", "rope.dimension_count")[:1 if arch == "phi3" else 2]:  # default head_dim
@@ -487,9 +498,33 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
         "has_rope_freqs": "rope_freqs.weight" in names,
     }
     window = field(reader, f"{arch}.attention.sliding_window")
+    if arch == "gemma3":
+        return config | gemma3_config(reader, config, rope, window)
     if window:  # exact while the context fits the window: arch.py serves no more than that
         config |= {"sliding_window": int(window), "use_sliding_window": True}
     return config
+
+
+def gemma3_config(reader, config: dict, rope: dict, window: int | None) -> dict:  # noqa: ANN001
+    """The Gemma 3 part of a gemma3 GGUF's HF config, as llama.cpp reads the file (llama-model.cpp): local layers
+    ``GEMMA3_SWA_PATTERN`` (every 6th global) unless ``gemma3.attention.sliding_window_pattern`` says otherwise, the
+    window ``gemma3.attention.sliding_window``, the local RoPE base ``GEMMA3_LOCAL_THETA`` unscaled, the global one
+    the file's ``rope.freq_base`` and linear scaling; the softmax scale head_dim ** -0.5 (hidden / heads for the
+    27B's 62 layers: llama.cpp's ``f_attention_scale``, the file has no query_pre_attn_scalar); tanh GELU; the norms
+    stored as 1 + w (the converter adds the 1), so arch.py adds none (``gguf_norms_plus_one``)."""
+    layers = config["num_hidden_layers"]
+    pattern = field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, (list, tuple)):  # per layer: true for a local layer
+        local = [bool(v) for v in pattern]
+    else:
+        local = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": int(window or 0) or None,
+            "layer_types": ["sliding_attention" if v else "full_attention" for v in local],
+            "rope_parameters": {"full_attention": rope,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}},
+            "query_pre_attn_scalar": scalar, "gguf_norms_plus_one": True,
+            "architectures": ["Gemma3ForCausalLM"]}
 
 
 def phi3_rope(reader, arch: str, head_dim: int, where: str) -> dict:  # noqa: ANN001
