@@ -42,22 +42,33 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 from openvino import opset13 as op
-from openvino import opset6
-from openvino.op.util import Variable, VariableInfo
 from openvino.utils.postponed_constant import make_postponed_constant
 
 from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
+from .layers import (
+    OffsetWeight,
+    attention,
+    f32,
+    gemma_layer,
+    i64,
+    linear,
+    mlp,
+    moe,
+    norm_weight,
+    rms_norm,
+    rope_tables,
+    visibility_mask,
+    window_mask,
+)
 
 log = logging.getLogger(__name__)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
-MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
 # offset-type (Q4_1/Q4_K/Q5_1/Q5_K/Q2_K) matrices smaller than this keep a float zero point instead of the offset
 # product (``_kept``): the second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves
 # on small matrices (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster:
 # kernel_bench.py)
 OFFSET_FORM_MIN_WEIGHTS = 1 << 21
-ROUTER_SOFTMAX = "/router_softmax"  # the name's end of a Mixture-of-Experts router's Softmax (``moe``)
 
 
 @dataclass(frozen=True)
@@ -78,18 +89,6 @@ class StageSpec:
     def last(self) -> bool:
         """Whether the stage ends at the last layer (it holds the final norm and LM head)."""
         return self.end == self.num_layers
-
-
-@dataclass(frozen=True)
-class OffsetWeight:
-    """A linear weight [rows, cols] kept as ``codes * scale + offset`` per group of ``group`` columns (GGUF's
-    Q4_1, Q4_K, Q5_1, Q5_K, Q2_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed
-    pattern), ``offset`` [rows, cols / group] f32 the groups' offsets (``group``: the offsets', Q2_K's 16 finer
-    than its scales' 32). ``linear`` multiplies both."""
-
-    weight: ov.Output
-    offset: ov.Output
-    group: int
 
 
 class WeightSource:
@@ -239,7 +238,7 @@ class _Weights:
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
         scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
         x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
-        weight = op.reshape(x, _i64([rows, cols]), special_zero=False).output(0)
+        weight = op.reshape(x, i64([rows, cols]), special_zero=False).output(0)
         if not offset or zero_point:
             return weight
         return OffsetWeight(weight, self._offsets(name, kind, rows, cols // og, compute), og)
@@ -258,7 +257,7 @@ class _Weights:
             step = self._postponed(ov.Type.f32, [rows, groups // k, 1], lambda: compute("offset_step"),
                                    f"{name}/offset/scale")
             x = op.multiply(op.convert(codes, ov.Type.f32), step, name=f"{name}/offset/fq_weights_1")
-            return op.reshape(x, _i64([rows, groups]), special_zero=False).output(0)
+            return op.reshape(x, i64([rows, groups]), special_zero=False).output(0)
         offsets = self._postponed(ov.Type.f16, [rows, groups], lambda: compute("offset"), f"{name}/offset")
         return op.convert(offsets, ov.Type.f32).output(0)
 
@@ -275,7 +274,7 @@ class _Weights:
         base = names[0].replace(".experts.0.", ".experts.")  # model.layers.3.mlp.experts.gate_proj.weight
 
         def gather(node: ov.Node) -> Callable[[ov.Output], ov.Output]:
-            return lambda indices: op.gather(node, indices, _i64(0)).output(0)
+            return lambda indices: op.gather(node, indices, i64(0)).output(0)
 
         if self.int8 is None:
             def maker() -> ov.Tensor:
@@ -342,235 +341,6 @@ class _Weights:
         return op.convert(op.multiply(x, scale, name=f"{name}/fq_weights_1"), ov.Type.f32).output(0)
 
 
-def _i64(values) -> ov.Output:  # noqa: ANN001
-    return op.constant(np.asarray(values, dtype=np.int64)).output(0)
-
-
-def _f32(value: float) -> ov.Output:
-    return op.constant(np.float32(value)).output(0)
-
-
-def linear(x: ov.Output, weight: ov.Output | OffsetWeight, bias: ov.Output | None = None) -> ov.Output:
-    """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear); an
-    ``OffsetWeight`` as ``linears`` computes it."""
-    return linears(x, [weight], [bias])[0]
-
-
-def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight],
-            biases: list[ov.Output | None] | None = None) -> list[ov.Output]:
-    """``x @ w.T (+ b)`` for each weight [out_i, in] of one input x [B, S, in] f32 -> [B, S, out_i] each.
-
-    An ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
-    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group (computed once per
-    input and group size): exact, and the large product keeps the CPU plugin's int8-activation kernel (a float
-    zero point turns it off)."""
-    biases = biases or [None] * len(weights)
-    sums: dict[int, ov.Output] = {}
-    out = []
-    for w, bias in zip(weights, biases):
-        if isinstance(w, OffsetWeight):
-            if w.group not in sums:
-                sums[w.group] = op.reduce_sum(op.reshape(x, _i64([0, 0, -1, w.group]), special_zero=True),
-                                              _i64([-1]), keep_dims=False).output(0)
-            y = op.add(op.matmul(x, w.weight, transpose_a=False, transpose_b=True),
-                       op.matmul(sums[w.group], w.offset, transpose_a=False, transpose_b=True))
-        else:
-            y = op.matmul(x, w, transpose_a=False, transpose_b=True)
-        out.append((y if bias is None else op.add(y, bias)).output(0))
-    return out
-
-
-def rms_norm(x: ov.Output, weight: ov.Output, eps: float) -> ov.Output:
-    """RMSNorm over the last axis (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``, the
-    op chain the CPU plugin fuses into one RMS node."""
-    mean = op.reduce_mean(op.power(x, _f32(2.0)), _i64([-1]), keep_dims=True)
-    inv = op.divide(_f32(1.0), op.sqrt(op.add(mean, _f32(eps))))
-    return op.multiply(op.multiply(x, inv), weight).output(0)
-
-
-def rope_tables(position_ids: ov.Output, cfg: ModelConfig,
-                inv_freq: tuple[float, ...] | None = None) -> tuple[ov.Output, ov.Output]:
-    """cos and sin [B, 1, S, rotary_dim] f32 of RoPE (Su et al. 2021, half-split "NeoX" layout as in
-    transformers) at logical ``position_ids`` [B, S] i64, computed once per stage; both times
-    ``cfg.rope_scale`` when it is not 1 (LongRoPE's attention factor, Ding et al. 2024: transformers'
-    ``attention_scaling``).
-
-    The angles are ``inv_freq [B, D/2, 1] @ positions [B, 1, S]`` as transformers' rotary embedding
-    writes them: the CPU plugin keeps that MatMul and Cos/Sin in f32 when it runs the rest in bf16
-    (an elementwise product instead ran in bf16 and cost the demo its answers: angles of ~40 rad
-    rounded to 8 bits of mantissa). ``inv_freq`` (default ``cfg.inv_freq``): other frequencies (Gemma 3's local
-    layers)."""
-    freqs = cfg.inv_freq if inv_freq is None else inv_freq
-    inv_freq = op.constant(np.asarray(freqs, dtype=np.float32).reshape(1, -1, 1))  # [1, D/2, 1]
-    pos = op.unsqueeze(op.convert(position_ids, ov.Type.f32), _i64([1]))  # [B, 1, S]
-    batch = op.gather(op.shape_of(position_ids, output_type="i64"), _i64([0]), _i64(0))
-    inv = op.broadcast(inv_freq, op.concat([batch, _i64([len(freqs), 1])], axis=0))  # [B, D/2, 1]
-    freqs = op.transpose(op.matmul(inv, pos, transpose_a=False, transpose_b=False), _i64([0, 2, 1]))  # [B, S, D/2]
-    emb = op.unsqueeze(op.concat([freqs, freqs], axis=-1), _i64([1]))  # [B, 1, S, D]
-    cos, sin = op.cos(emb).output(0), op.sin(emb).output(0)
-    if cfg.rope_scale != 1.0:
-        cos, sin = op.multiply(cos, _f32(cfg.rope_scale)).output(0), op.multiply(sin, _f32(cfg.rope_scale)).output(0)
-    return cos, sin
-
-
-def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int,
-               rotary_dim: int | None = None) -> ov.Output:
-    """``x * cos + rotate_half(x) * sin`` for x [B, heads, S, D] (transformers' ``apply_rotary_pos_emb``); with
-    ``rotary_dim`` < D (partial rotary, Phi-4-mini's 0.75) only the first ``rotary_dim`` dims of each head turn,
-    the rest pass as they are (cos and sin [B, 1, S, rotary_dim])."""
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if rotary_dim < head_dim:
-        turned = op.slice(x, _i64([0]), _i64([rotary_dim]), _i64([1]), _i64([3])).output(0)
-        kept = op.slice(x, _i64([rotary_dim]), _i64([head_dim]), _i64([1]), _i64([3]))
-        return op.concat([apply_rope(turned, cos, sin, rotary_dim), kept], axis=-1).output(0)
-    half = head_dim // 2
-    x1 = op.slice(x, _i64([0]), _i64([half]), _i64([1]), _i64([3]))
-    x2 = op.slice(x, _i64([half]), _i64([head_dim]), _i64([1]), _i64([3]))
-    rotated = op.concat([op.negative(x2), x1], axis=-1)
-    return op.add(op.multiply(x, cos), op.multiply(rotated, sin)).output(0)
-
-
-def _heads(x: ov.Output, heads: int, head_dim: int, norm: ov.Output | None, eps: float) -> ov.Output:
-    """[B, S, heads * D] -> [B, heads, S, D], with the per-head RMSNorm of Qwen3 when ``norm`` is given."""
-    x = op.reshape(x, _i64([0, 0, heads, head_dim]), special_zero=True).output(0)
-    if norm is not None:
-        x = rms_norm(x, norm, eps)
-    return op.transpose(x, _i64([0, 2, 1, 3])).output(0)
-
-
-def kv_cache(new: ov.Output, beam_idx: ov.Output, cfg: ModelConfig, variable_id: str,
-             batch: ov.Output) -> tuple[ov.Output, ov.Node]:
-    """Append ``new`` [B, KVH, S, D] to a KV state; return ([B, KVH, P+S, D], its Assign sink).
-
-    ``ReadValue -> Gather(beam_idx) -> Concat``: the chain the stateful SDPA fusion matches. The state
-    starts as zeros [B, KVH, 0, D] (B from the stage's first input)."""
-    info = VariableInfo()
-    info.data_shape = ov.PartialShape([-1, cfg.num_kv_heads, -1, cfg.head_dim])
-    info.data_type = ov.Type.f32
-    info.variable_id = variable_id
-    variable = Variable(info)
-    init_shape = op.concat([batch, _i64([cfg.num_kv_heads, 0, cfg.head_dim])], axis=0)
-    init = op.broadcast(_f32(0.0), init_shape)
-    past = opset6.read_value(init, variable)
-    reordered = op.gather(past, beam_idx, _i64(0))
-    present = op.concat([reordered, new], axis=2)
-    return present.output(0), opset6.assign(present, variable)
-
-
-def repeat_kv(x: ov.Output, groups: int, heads: int, head_dim: int) -> ov.Output:
-    """[B, KVH, T, D] -> [B, KVH * groups, T, D], each KV head shared by ``groups`` query heads (GQA,
-    Ainslie et al. 2023; transformers' ``repeat_kv``)."""
-    if groups == 1:
-        return x
-    shape = op.shape_of(x, output_type="i64")
-    target = op.concat([op.slice(shape, _i64([0]), _i64([2]), _i64([1])), _i64([groups]),
-                        op.slice(shape, _i64([2]), _i64([4]), _i64([1]))], axis=0)
-    expanded = op.broadcast(op.unsqueeze(x, _i64([2])), target, broadcast_spec="BIDIRECTIONAL")
-    return op.reshape(expanded, _i64([0, heads, -1, head_dim]), special_zero=True).output(0)
-
-
-def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
-              mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
-    """Self-attention of one layer over its KV state: x [B, S, H] -> [B, S, H], plus the two Assign sinks."""
-    d = cfg.head_dim
-    q, k, v = linears(x, [w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])
-    q = _heads(q, cfg.num_heads, d, w.get("q_norm"), cfg.rms_norm_eps)
-    k = _heads(k, cfg.num_kv_heads, d, w.get("k_norm"), cfg.rms_norm_eps)
-    v = _heads(v, cfg.num_kv_heads, d, None, cfg.rms_norm_eps)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin, d, cfg.rotary_dim), apply_rope(k, cos, sin, d, cfg.rotary_dim)
-    keys, k_sink = kv_cache(k, beam_idx, cfg, f"past_key_values.{layer}.keypresent.{layer}.key", batch)
-    values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
-    out = op.scaled_dot_product_attention(q, repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d),
-                                          repeat_kv(values, cfg.kv_groups, cfg.num_heads, d),
-                                          mask, _f32(d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale),
-                                          causal=False)  # [B, heads, S, D]
-    out = op.reshape(op.transpose(out, _i64([0, 2, 1, 3])), _i64([0, 0, cfg.num_heads * d]), special_zero=True)
-    return linear(out.output(0), w["o"]), [k_sink, v_sink]
-
-
-def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
-    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, x [B, S, H] -> [B, S, H]."""
-    gate, up = linears(x, [w["gate"], w["up"]])
-    return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
-
-
-def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.Output], ov.Output]],
-        cfg: ModelConfig, layer: int) -> ov.Output:
-    """A sparse Mixture-of-Experts MLP (Qwen3-MoE; transformers' ``Qwen3MoeSparseMoeBlock``), x [B, S, H] ->
-    [B, S, H]: the router's softmax over the experts, its top ``experts_per_token`` (TopK) weights
-    renormalised to sum 1 when ``norm_topk_prob``, and the weighted sum of the chosen experts' SwiGLU outputs.
-    Each token Gathers only its chosen experts' slices of the stacked weights (``experts``: ``_Weights.stacked``
-    of gate, up [E, I, H] and down [E, H, I]) and multiplies them in one batched MatMul per matrix. The router's Softmax is named
-    ``model.layers.{layer}.mlp.gate/router_softmax`` (``ROUTER_SOFTMAX``: compiler/inspect.py counts Softmax
-    nodes left by unfused attention, not this one)."""
-    hidden, k = cfg.hidden_size, cfg.experts_per_token
-    flat = op.reshape(x, _i64([-1, hidden]), special_zero=False)  # [N, H]
-    probs = op.softmax(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), -1,
-                       name=f"model.layers.{layer}.mlp.gate{ROUTER_SOFTMAX}")  # [N, E]
-    top = op.topk(probs, _i64(k), axis=-1, mode="max", sort="value", index_element_type=ov.Type.i64)
-    weights, chosen = top.output(0), top.output(1)  # [N, k] each
-    if cfg.norm_topk_prob:
-        weights = op.divide(weights, op.reduce_sum(weights, _i64([-1]), keep_dims=True)).output(0)
-    tokens = op.unsqueeze(flat, _i64([1, 2]))  # [N, 1, 1, H]
-    gate = op.matmul(tokens, experts["gate"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, I]
-    up = op.matmul(tokens, experts["up"](chosen), transpose_a=False, transpose_b=True)
-    act = op.multiply(op.swish(gate), up)
-    out = op.matmul(act, experts["down"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, H]
-    out = op.reduce_sum(op.multiply(out, op.unsqueeze(weights, _i64([2, 3]))), _i64([1, 2]), keep_dims=False)
-    return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
-
-
-def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:
-    """Additive mask [B, 1, S, T] f32: 0 where query ``i`` (physical slot ``T - S + i``) may see slot ``j``
-    (``j <= T - S + i`` and ``attention_mask[b, j] == 1``), float32's minimum elsewhere."""
-    total = op.gather(op.shape_of(attention_mask, output_type="i64"), _i64(1), _i64(0))  # T
-    slots = op.range(_i64(0), total, _i64(1), output_type="i64")  # [T]
-    queries = op.add(op.range(_i64(0), seq, _i64(1), output_type="i64"), op.subtract(total, seq))  # [S]
-    causal = op.less_equal(op.unsqueeze(slots, _i64([0])), op.unsqueeze(queries, _i64([1])))  # [S, T]
-    visible = op.logical_and(op.unsqueeze(causal, _i64([0, 1])),
-                             op.greater(op.unsqueeze(attention_mask, _i64([1, 2])), _i64(0)))  # [B, 1, S, T]
-    return op.select(visible, _f32(0.0), _f32(MASK_MIN)).output(0)
-
-
-def window_mask(attention_mask: ov.Output, seq: ov.Output, mask: ov.Output, window: int) -> ov.Output:
-    """``mask`` [B, 1, S, T] (``visibility_mask``) with the keys ``window`` or more logical positions before each
-    query hidden too (a sliding-window layer: transformers' ``sliding_window_overlay``, kv > q - window).
-
-    A key's logical distance from a query is the number of visible slots after it up to the query's slot,
-    ``cumsum(attention_mask)`` at the query minus at the key: hidden slots (rejected drafts) hold no position,
-    so they neither count nor become visible."""
-    seen = op.cumsum(attention_mask, _i64(1))  # [B, T]
-    at_query = op.slice(seen, op.negative(op.unsqueeze(seq, _i64([0]))), _i64([np.iinfo(np.int64).max]), _i64([1]),
-                        _i64([1]))  # [B, S]: the chunk's slots are the last S
-    distance = op.subtract(op.unsqueeze(at_query, _i64([2])), op.unsqueeze(seen, _i64([1])))  # [B, S, T]
-    far = op.unsqueeze(op.greater_equal(distance, _i64(window)), _i64([1]))  # [B, 1, S, T]
-    return op.select(far, _f32(MASK_MIN), mask).output(0)
-
-
-def geglu(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
-    """GeGLU MLP (Shazeer 2020; Gemma's ``gelu_pytorch_tanh``): ``down(gelu_tanh(gate(x)) * up(x))``."""
-    gate, up = linears(x, [w["gate"], w["up"]])
-    return linear(op.multiply(op.gelu(gate, approximation_mode="tanh"), up).output(0), w["down"])
-
-
-def norm_weight(weight: ov.Output, cfg: ModelConfig) -> ov.Output:
-    """An RMSNorm's multiplier: ``weight + cfg.norm_offset`` (Gemma's HF ``1 + w``), or ``weight`` itself."""
-    return weight if not cfg.norm_offset else op.add(weight, _f32(cfg.norm_offset)).output(0)
-
-
-def gemma_layer(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
-                mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
-    """One Gemma 3 decoder layer (transformers' ``Gemma3DecoderLayer``): ``x + post_norm(attention(input_norm(x)))``,
-    then ``+ post_ff_norm(geglu(pre_ff_norm(x)))``; every norm (q/k's too) times ``1 + w`` as ``norm_weight``."""
-    w = dict(w) | {role: norm_weight(w[role], cfg) for role in w if role.endswith("norm")}
-    eps = cfg.rms_norm_eps
-    h, sinks = attention(rms_norm(x, w["input_norm"], eps), w, cfg, rope, mask, beam_idx, batch, layer)
-    x = op.add(x, rms_norm(h, w["post_norm"], eps)).output(0)
-    h = geglu(rms_norm(x, w["pre_ff_norm"], eps), w)
-    return op.add(x, rms_norm(h, w["post_ff_norm"], eps)).output(0), sinks
-
-
 def name_products(model: ov.Model) -> None:
     """Name every MatMul whose weight comes from a named constant after that weight (``model.layers.3.mlp.
     down_proj.weight/matmul``; its offset product ``.../offset/matmul``), so a per-op profile (``PERF_COUNT``)
@@ -614,9 +384,9 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     weights = _Weights(source, on_read, int8, keep_blocks)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
-        x = op.gather(weights(EMBEDDING, table=True), first, _i64(0)).output(0)  # [B, S, H]
+        x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]
         if cfg.embed_scale != 1.0:  # Gemma: x sqrt(hidden)
-            x = op.multiply(x, _f32(cfg.embed_scale)).output(0)
+            x = op.multiply(x, f32(cfg.embed_scale)).output(0)
     else:
         first = _parameter("hidden_states", [-1, -1, cfg.hidden_size], ov.Type.f32)
         x = first.output(0)
@@ -625,8 +395,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     beam_idx = _parameter("beam_idx", [-1], ov.Type.i32)
     params = [first, attention_mask, position_ids, beam_idx]
     first_shape = op.shape_of(first, output_type="i64")
-    batch = op.gather(first_shape, _i64([0]), _i64(0)).output(0)
-    seq = op.gather(first_shape, _i64(1), _i64(0)).output(0)
+    batch = op.gather(first_shape, i64([0]), i64(0)).output(0)
+    seq = op.gather(first_shape, i64(1), i64(0)).output(0)
     mask = visibility_mask(attention_mask.output(0), seq)
     rope = rope_tables(position_ids.output(0), cfg)
     if any(cfg.sliding_layers[stage.start:stage.end]):  # Gemma 3's local layers: their RoPE base and window
@@ -656,7 +426,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         if logits_index_input:
             logits_index = _parameter("logits_index", [-1], ov.Type.i64)
             params.append(logits_index)
-            x = op.gather(x, logits_index, _i64(1)).output(0)  # [B, K, H]
+            x = op.gather(x, logits_index, i64(1)).output(0)  # [B, K, H]
         x = rms_norm(x, norm_weight(weights(FINAL_NORM), cfg), cfg.rms_norm_eps)
         x = linear(x, weights(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD, matrix=True))  # [B, K, V]
     result = op.result(x)

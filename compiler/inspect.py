@@ -10,7 +10,7 @@ import openvino as ov
 
 from fleet_common.manifest import load_manifest, verify_files
 
-from .export import ROUTER_SOFTMAX
+from .layers import ROUTER_SOFTMAX
 
 
 @dataclass(frozen=True)
