@@ -271,8 +271,11 @@ class Fleet:
         return {**procs, "coordinator": psutil.Process(self.coordinator.pid)} if self.coordinator else procs
 
     def stop(self) -> None:
-        """Stop the coordinators, then the links and the workers."""
+        """Stop the coordinators, then the links and the workers, including any a caller put in
+        ``workers`` in place of one it killed (a restarted worker must not outlive the fleet)."""
         self._stack.close()
+        for proc, _ in self.workers:
+            proc.stop()
 
     def __enter__(self) -> Fleet:
         return self

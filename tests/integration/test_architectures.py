@@ -276,6 +276,19 @@ def test_stage_logits_match_transformers(arch, dtype, stages, zoo):
                            f"{(top2[:, 1] - top2[:, 0]).tolist()}"
 
 
+def fleet_greedy(build: Path, tmp_path: Path, prompt: str, tokens: int) -> tuple[int, list[int]]:
+    """A real 2-stage fleet of ``build`` (worker processes in f32, a coordinator): its prompt tokens and its
+    ``tokens`` greedy token ids for the chat ``prompt``."""
+    fleet = Fleet(build, tmp_path, peers=True)
+    try:
+        r = chat(fleet.url, prompt, max_tokens=tokens, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        body = r.json()
+    finally:
+        fleet.stop()
+    return body["usage"]["prompt_tokens"], body["fleet"]["completion_token_ids"]
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_fleet_greedy_matches_transformers(arch, zoo, tmp_path):
     """A real 2-stage fleet (worker processes in f32, coordinator) of the bf16 build answers the chat
@@ -286,15 +299,7 @@ def test_fleet_greedy_matches_transformers(arch, zoo, tmp_path):
     prompt = ChatTokenizer(build).encode_chat([{"role": "user", "content": PROMPT}])
     assert len(prompt) + NEW_TOKENS <= MAX_POSITIONS
     expected = hf_greedy(zoo.reference(arch, "bf16"), prompt, NEW_TOKENS)
-    fleet = Fleet(build, tmp_path, peers=True)
-    try:
-        r = chat(fleet.url, PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
-        assert r.status_code == 200, r.text
-        body = r.json()
-    finally:
-        fleet.stop()
-    assert body["usage"]["prompt_tokens"] == len(prompt)
-    assert body["fleet"]["completion_token_ids"] == expected
+    assert fleet_greedy(build, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -23,8 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Fleet, chat
-
 from .test_architectures import (
     ATOL,
     COMMON,
@@ -38,6 +36,7 @@ from .test_architectures import (
     VOCAB,
     WEIGHT_STD,
     chained_logits,
+    fleet_greedy,
     hf_greedy,
     reference_model,
 )
@@ -170,15 +169,7 @@ def test_gemma3_fleet_greedy_matches_transformers(zoo, tmp_path):
     prompt = ChatTokenizer(build).encode_chat([{"role": "user", "content": PROMPT}])
     assert WINDOW < len(prompt) and len(prompt) + NEW_TOKENS <= MAX_POSITIONS
     expected = hf_greedy(zoo.reference("bf16"), prompt, NEW_TOKENS)
-    fleet = Fleet(build, tmp_path, peers=True)
-    try:
-        r = chat(fleet.url, PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
-        assert r.status_code == 200, r.text
-        body = r.json()
-    finally:
-        fleet.stop()
-    assert body["usage"]["prompt_tokens"] == len(prompt)
-    assert body["fleet"]["completion_token_ids"] == expected
+    assert fleet_greedy(build, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
 
 
 def test_gemma3_inspect_reports_fused_attention(zoo):

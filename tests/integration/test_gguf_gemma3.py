@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Fleet, chat
-
 from .test_architectures import (
     COMMON,
     MAX_POSITIONS,
@@ -33,6 +31,7 @@ from .test_architectures import (
     VOCAB,
     WEIGHT_STD,
     chained_logits,
+    fleet_greedy,
     hf_greedy,
 )
 from .test_gguf import build, demo_gguf, demo_vocabulary, transformers_logits  # noqa: F401
@@ -206,12 +205,4 @@ def test_gemma3_gguf_fleet_greedy_matches_transformers(zoo, tmp_path):
     prompt = ChatTokenizer(out).encode_chat([{"role": "user", "content": PROMPT}])
     assert WINDOW < len(prompt) and len(prompt) + NEW_TOKENS <= MAX_POSITIONS
     expected = hf_greedy(zoo.reference(), prompt, NEW_TOKENS)
-    fleet = Fleet(out, tmp_path, peers=True)
-    try:
-        r = chat(fleet.url, PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
-        assert r.status_code == 200, r.text
-        body = r.json()
-    finally:
-        fleet.stop()
-    assert body["usage"]["prompt_tokens"] == len(prompt)
-    assert body["fleet"]["completion_token_ids"] == expected
+    assert fleet_greedy(out, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)

@@ -27,8 +27,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Fleet, chat
-
 from .test_architectures import (
     MAX_POSITIONS,
     NEW_TOKENS,
@@ -36,6 +34,7 @@ from .test_architectures import (
     SEQ,
     VOCAB,
     chained_logits,
+    fleet_greedy,
     hf_greedy,
     make_tiny_model,
 )
@@ -232,12 +231,4 @@ def test_phi3_gguf_fleet_greedy_matches_transformers(arch, zoo, tmp_path):
     prompt = ChatTokenizer(out).encode_chat([{"role": "user", "content": PROMPT}])
     assert len(prompt) + NEW_TOKENS <= MAX_POSITIONS
     expected = hf_greedy(zoo.reference(arch), prompt, NEW_TOKENS)
-    fleet = Fleet(out, tmp_path, peers=True)
-    try:
-        r = chat(fleet.url, PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
-        assert r.status_code == 200, r.text
-        body = r.json()
-    finally:
-        fleet.stop()
-    assert body["usage"]["prompt_tokens"] == len(prompt)
-    assert body["fleet"]["completion_token_ids"] == expected
+    assert fleet_greedy(out, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
