@@ -154,6 +154,8 @@ def fleet_stats(engine: Engine, request: Request, sampling: dict) -> dict:
     return {"ttft_ms": request.ttft_ms, "decode_tokens_per_s": request.decode_tokens_per_s,
             "draft": engine.draft_source, **request.speculation_stats(), "cached_tokens": request.cached_tokens,
             "sampling": {**sampling, "max_tokens": request.params.max_tokens},
+            **({} if request.grammar is None else  # grammar-constrained: the masks' cost on the critical path
+               {"grammar": {"masks": request.grammar.masks_computed, "mask_ms": round(request.grammar.mask_ms, 3)}}),
             # the exact ids behind the text (tests compare them with a reference model's)
             "completion_token_ids": list(request.output_ids)}
 

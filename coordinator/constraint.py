@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,3 +66,118 @@ class Constraint:
             raise InvalidRequest(f"{self.field}: the {self.kind.replace('_', ' ')} does not compile: {exc}",
                                  param=self.field) from None
         raise ValueError(f"unknown constraint kind {self.kind!r}")
+
+
+def mask_words(vocab_size: int) -> int:
+    """Int32 words of one position's allowed-token bitmask for ``vocab_size`` logits."""
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The bitmask ``mask`` [..., ceil(V / 32)] int32 unpacked to booleans [..., V]."""
+    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
+class Matcher:
+    """One request's grammar state, following its output tokens (llguidance's ``LLMatcher``).
+
+    Not thread-safe: the step loop and the draft model's thread take turns (a request is either being
+    drafted or stepped, never both)."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:  # noqa: ANN001 - llguidance.LLMatcher
+        self._m = matcher
+        self.vocab_size = vocab_size
+        self.words = mask_words(vocab_size)
+        self.mask_ms = 0.0  # time spent computing masks, for the bench and the response's report
+        self.masks_computed = 0
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            raise RuntimeError(f"grammar state broke: {self._m.get_error()}")
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the current position's bitmask into ``out`` [ceil(V / 32)] int32 (C-contiguous)."""
+        t0 = time.perf_counter()
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        self.mask_ms += (time.perf_counter() - t0) * 1000
+        self.masks_computed += 1
+        self._check()
+
+    def masks(self, draft: list[int]) -> np.ndarray:
+        """The bitmasks of a step that feeds ``[newest, *draft]``: [len(draft) + 1, ceil(V / 32)] int32,
+        row i the grammar's state after ``draft[:i]``. Raises ``ValueError`` when a draft token is not
+        allowed (drafts are drawn under the masks, or cut with ``valid_prefix``); the state is unchanged."""
+        out = np.empty((len(draft) + 1, self.words), dtype=np.int32)
+        consumed = 0
+        try:
+            for i in range(len(draft) + 1):
+                self.fill(out[i])
+                if i < len(draft):
+                    token = int(draft[i])
+                    if not (0 <= token < self.vocab_size and (int(out[i, token >> 5]) >> (token & 31)) & 1):
+                        # checked first: consuming a token the grammar refuses breaks the state for good
+                        raise ValueError(f"draft token {token} at position {i} is not allowed by the grammar")
+                    self._m.consume_token(token)
+                    consumed += 1
+        finally:
+            if consumed:
+                self._m.rollback(consumed)
+        return out
+
+    def consume(self, token: int) -> None:
+        """Advance past a decided output token. Raises ``RuntimeError`` if the grammar does not allow it
+        (the last stage masked it out, so this is a bug)."""
+        if not self._m.consume_token(int(token)):
+            raise RuntimeError(f"the grammar does not allow token {token}: {self._m.get_error()}")
+
+    def rollback(self, count: int) -> None:
+        """Undo the last ``count`` consumed tokens (a draft model's proposal)."""
+        if count:
+            self._m.rollback(count)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar allows from here (prompt-lookup drafts are cut there)."""
+        return self._m.validate_tokens([int(t) for t in tokens]) if tokens else 0
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the grammar is complete and allows nothing but the end of sequence."""
+        return self._m.is_stopped()
+
+
+class Grammars:
+    """Compiles a model's constraints: llguidance's view of its tokenizer (built once, on first use: ~0.5 s
+    for a 49,152-token vocabulary) and a ``Matcher`` per request.
+
+    ``tokenizer_json()``: the build's tokenizer.json text (asked for once); ``vocab_size``: the model's
+    logits width (V); ``eos_ids``: the tokens that end a sequence (allowed where the grammar is complete)."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: set[int]) -> None:
+        self._json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self):  # noqa: ANN201 - llguidance.LLTokenizer
+        """llguidance's tokenizer (made on first call; thread-safe)."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+
+                self._tokenizer = llguidance.LLTokenizer(self._json(), n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_ids[0] if len(self.eos_ids) == 1 else self.eos_ids)
+            return self._tokenizer
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh grammar state for ``constraint`` (blocking: ~1 ms for a small schema, up to ~1 s for a
+        huge one; call it off the event loop). Raises ``InvalidRequest`` naming the constraint's field
+        when it does not compile."""
+        import llguidance
+
+        grammar = constraint.grammar()
+        tokenizer = self.tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} does not compile: "
+                                 f"{matcher.get_error().strip()}", param=constraint.field)
+        return Matcher(matcher, self.vocab_size)

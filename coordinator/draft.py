@@ -17,8 +17,10 @@ import numpy as np
 
 from fleet_common.manifest import DraftEntry, LoadedManifest
 from fleet_common.residency import settle
-from fleet_common.runtime import KVSession, compact, compile_ir, run_chunk, runs_compressed, top_candidates
+from fleet_common.runtime import (KVSession, compact, compile_ir, run_chunk, runs_compressed, top_candidates,
+                                  unpack_token_mask)
 
+from .constraint import Matcher
 from .sampling import SparseDist, target_distribution
 
 log = logging.getLogger(__name__)
@@ -86,13 +88,16 @@ class DraftSession:
         compact(self.kv, self.kv.length, [])
 
     def propose(self, context: list[int], k: int, temperature: float, top_p: float,
-                rng_at: Callable[[int], np.random.Generator]) -> tuple[list[int], list[SparseDist]]:
+                rng_at: Callable[[int], np.random.Generator], grammar: Matcher | None = None,
+                ) -> tuple[list[int], list[SparseDist]]:
         """Draft up to ``k`` tokens continuing ``context`` (prompt + output so far).
 
         Returns (tokens [<=k], their draft distributions q [<=k]): point masses at temperature 0,
         else the draft's top-k after the same temperature/top-p as the target. ``rng_at(position)``
         gives the generator for the draft token at that logical position. Fewer than ``k`` (maybe
-        none) when the draft's context would overflow.
+        none) when the draft's context would overflow, or when ``grammar`` (the request's, left as it
+        was) is complete. Under ``grammar`` each draft token is drawn from the draft's distribution
+        over the allowed tokens, as the target's is (so verification stays lossless).
         """
         self._reconcile(context)
         if self.n and self.n >= len(context):  # the same context again (a proposal whose step never ran: the
@@ -114,16 +119,30 @@ class DraftSession:
         tokens: list[int] = []
         dists: list[SparseDist] = []
         t0 = time.perf_counter()
-        for i in range(k):
-            ids, logprobs = top_candidates(logits[None, :], 1 if temperature <= 0 else self.top_k)
-            q = target_distribution(ids[0], logprobs[0], temperature, top_p)
-            token = q.sample(rng_at(self.n + i))
-            tokens.append(token)
-            dists.append(q)
-            if i + 1 < k:
-                slot = self.kv.length
-                logits = self._feed_draft(token, self.n + i)
-                self.pending.append((token, slot))
+        mask = None if grammar is None else np.empty(grammar.words, dtype=np.int32)
+        try:
+            for i in range(k):
+                allowed = None
+                if grammar is not None:
+                    if grammar.stopped:
+                        break
+                    grammar.fill(mask)
+                    allowed = unpack_token_mask(mask[None, :], logits.shape[-1])
+                ids, logprobs = top_candidates(logits[None, :], 1 if temperature <= 0 else self.top_k, allowed)
+                keep = np.isfinite(logprobs[0])
+                q = target_distribution(ids[0][keep], logprobs[0][keep], temperature, top_p)
+                token = q.sample(rng_at(self.n + i))
+                tokens.append(token)
+                dists.append(q)
+                if grammar is not None:
+                    grammar.consume(token)
+                if i + 1 < k:
+                    slot = self.kv.length
+                    logits = self._feed_draft(token, self.n + i)
+                    self.pending.append((token, slot))
+        finally:
+            if grammar is not None:
+                grammar.rollback(len(tokens))
         # what a draft token costs: the single-token forwards; the first forward also fed the tokens the
         # draft had not seen (many after a stretch of plain decoding), so it counts only when short
         if k > 1:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from fleet_common.manifest import LoadedManifest
 
+from .constraint import Grammars
 from .draft import DraftModel
 from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown, StageFailure
 from .loop import LoopContext, Moved, StepLoop
@@ -47,6 +48,7 @@ class Engine:
         model_context = self.manifest.architecture.max_context
         self.max_context = min(settings.max_context or model_context, model_context)
         self.eos_ids = set(self.manifest.eos_token_ids)
+        self.grammars = Grammars(tokenizer.tokenizer.to_str, self.manifest.architecture.vocab_size, self.eos_ids)
         self.generation_defaults = generation_defaults(loaded.directory)  # the model's, for silent requests
         log.info("model sampling defaults (generation_config.json): %s", self.generation_defaults or "none")
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
@@ -212,6 +214,8 @@ class Engine:
         """
         s = self.settings
         self._refuse_if_stopping()
+        if request.params.constraint is not None and request.grammar is None:  # before it takes a slot
+            request.grammar = await asyncio.to_thread(self.grammars.matcher, request.params.constraint)
         if self.prefix_cache is not None and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
         if not self._slots.locked():

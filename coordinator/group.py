@@ -51,6 +51,7 @@ class Chunk:
     start: int
     logits: int
     top_k: int
+    masks: np.ndarray | None = None  # [logits, ceil(V / 32)] int32: its grammar's allowed tokens (constraint.py)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class StepPlan:
     keep_rows: list[int]
     hide_rows: list[int]
     hide_slots: list[int]
+    token_mask: np.ndarray | None = None  # [rows * logits, ceil(V / 32)] int32 when a member has a grammar
 
 
 @dataclass
@@ -198,8 +200,9 @@ class BatchGroup:
         filler = chunks[0].tokens[0]
         pads = [seq - len(c.tokens) for c in chunks]
         tokens = np.array([[filler] * pad + c.tokens for c, pad in zip(chunks, pads)], dtype=np.int64)
-        return StepPlan(members, chunks, tokens, self.length, [c.start for c in chunks],
-                        max(c.logits for c in chunks), max(c.top_k for c in chunks), pads, keep, hide_rows, hide_slots)
+        logits = max(c.logits for c in chunks)
+        return StepPlan(members, chunks, tokens, self.length, [c.start for c in chunks], logits,
+                        max(c.top_k for c in chunks), pads, keep, hide_rows, hide_slots, _token_mask(chunks, logits))
 
     def step_done(self, plan: StepPlan, out: StepOutput) -> tuple[list[StepOutput], bool]:
         """Apply a finished step; each member's candidates (in ``plan.members`` order) and whether the
@@ -233,3 +236,17 @@ class BatchGroup:
 def _hides(rows: list[Member]) -> tuple[list[int], list[int]]:
     """(row index, slot) pairs of every row's pending hides, as the two parallel lists the RPCs take."""
     return [r for r, m in enumerate(rows) for _ in m.hide], [s for m in rows for s in m.hide]
+
+
+def _token_mask(chunks: list[Chunk], logits: int) -> np.ndarray | None:
+    """The step's allowed-token bitmasks, [rows * logits, words] int32 row-major (every token allowed where a
+    row has no grammar, or for a shorter chunk's leading positions, whose candidates are not used); None when
+    no member has a grammar."""
+    masked = [c.masks for c in chunks if c.masks is not None]
+    if not masked:
+        return None
+    out = np.full((len(chunks), logits, masked[0].shape[1]), -1, dtype=np.int32)
+    for r, c in enumerate(chunks):
+        if c.masks is not None:
+            out[r, logits - c.logits:] = c.masks
+    return out.reshape(len(chunks) * logits, -1)

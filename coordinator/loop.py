@@ -149,13 +149,14 @@ class StepLoop:
     async def _io(self, action: Action):
         pipeline, timeout_s = self.pipeline, self.ctx.timeout_s
         match action:
-            case Prefill(seq, tokens, position, logits):
+            case Prefill(seq, tokens, position, logits, token_mask):
                 return await pipeline.step(seq.session, tokens, position, position, logits, seq.top_k,
-                                           timeout_s(len(tokens)))
+                                           timeout_s(len(tokens)), token_mask=token_mask)
             case Step(group, _, plan):
                 return await pipeline.step(group.group_id, plan.tokens, plan.past_length, plan.starts, plan.logits,
                                            plan.top_k, timeout_s(plan.tokens.size), hide_slots=plan.hide_slots,
-                                           hide_rows=plan.hide_rows, pads=plan.pads, keep_rows=plan.keep_rows)
+                                           hide_rows=plan.hide_rows, pads=plan.pads, keep_rows=plan.keep_rows,
+                                           token_mask=plan.token_mask)
             case Merge(group, plan):
                 return await pipeline.merge(group.group_id, plan.sources, plan.max_context, timeout_s(0))
             case Compact(group, hide_rows, hide_slots):
@@ -178,7 +179,8 @@ class StepLoop:
             case Propose(seq):
                 request, params = seq.request, seq.request.params
                 return await self.ctx.draft_model.run(seq.drafter.propose, request.prompt_ids + request.output_ids,
-                                                      seq.k, params.temperature, params.top_p, seq.output.draft_rng_at)
+                                                      seq.k, params.temperature, params.top_p, seq.output.draft_rng_at,
+                                                      request.grammar)
         raise TypeError(f"unknown action {action!r}")
 
     def _finished(self, action: Action, result, seconds: float) -> None:
@@ -341,7 +343,7 @@ class StepLoop:
             seq.draft = None  # the scheduler starts the draft's prefill, then the proposal
         elif k and self.ctx.draft_source == "ngram":
             t0 = time.perf_counter()
-            draft = ngram_draft(seq.request.prompt_ids + seq.request.output_ids, k)
+            draft = seq.output.allowed_draft(ngram_draft(seq.request.prompt_ids + seq.request.output_ids, k))
             self._set_draft(seq, draft, [SparseDist.point(t) for t in draft],
                             draft_ms=(time.perf_counter() - t0) * 1000)
         else:
@@ -350,6 +352,7 @@ class StepLoop:
     @staticmethod
     def _set_draft(seq: Seq, draft: list[int], qs: list[SparseDist], draft_ms: float = 0.0) -> None:
         seq.draft, seq.qs, seq.draft_ms = draft, qs, draft_ms
+        seq.masks = seq.output.masks(draft)
 
     # -- ends, failures, retention -----------------------------------------------------------------
     def _ended(self, seq: Seq, retain: bool, done: asyncio.Future) -> None:

@@ -7,7 +7,7 @@ Fields fleet accepts and ignores, harmless no-ops: ``user``, ``metadata``, ``sto
 ``stream_options.include_obfuscation``, ``top_logprobs: 0`` without ``logprobs``, ``modalities: ["text"]``,
 ``tool_choice: "none"``/``"auto"`` without tools, and fields OpenAI does not define (clients add vendor
 fields: ``chat_template_kwargs``, ``return_progress``). Every other OpenAI field that would change the
-answer (``tools``, ``functions``, ``response_format`` other than text, ``logit_bias``, ``n`` > 1,
+answer (``tools``, ``functions``, a ``response_format`` other than text and JSON, ``logit_bias``, ``n`` > 1,
 ``echo``, ``suffix``, ``best_of`` > 1, ``audio``, ``prediction``, ``reasoning_effort``, ``verbosity``,
 ``web_search_options``) is refused with a 400 naming the field.
 """
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .constraint import Constraint
 from .errors import InvalidRequest
 from .limits import count_messages
 from .request import SamplingParams
@@ -150,8 +151,30 @@ class ChatCompletionRequest(SamplingRequest):
             _refuse("top_logprobs", "top_logprobs needs logprobs: true", plain=True)
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def output_constraint(self) -> Constraint | None:
+        """What ``response_format`` asks the answer to be (OpenAI's structured outputs): None for ``text``,
+        any JSON object for ``json_object``, a value valid under ``json_schema.schema`` for ``json_schema``
+        (enforced by grammar-constrained decoding whether or not ``strict`` is set). Raises ``InvalidRequest``
+        naming the field for another type or a missing or malformed schema."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        match rf.get("type"):
+            case "json_object":
+                return Constraint.json_schema({"type": "object"})
+            case "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    _refuse("response_format", "json_schema needs an object with a name (and a schema)", plain=True)
+                schema = spec.get("schema", {})
+                if not isinstance(schema, (dict, bool)):
+                    _refuse("response_format", "json_schema.schema must be a JSON schema object", plain=True)
+                return Constraint.json_schema(schema)
+        _refuse("response_format", f"type {rf.get('type')!r}: fleet takes 'text', 'json_object' and 'json_schema'")
+        return None
+
     def refuse_unsupported(self) -> None:
-        """Also tools and functions, a response format other than text, audio, and the fields of features
+        """Also tools and functions, a response format other than text and JSON, audio, and the fields of features
         fleet does not have (``prediction``, ``reasoning_effort``, ...); ``store: true``."""
         super().refuse_unsupported()
         tools = "fleet does not implement tool calling (tools, tool_choice, functions); send the request without them"
@@ -163,11 +186,7 @@ class ChatCompletionRequest(SamplingRequest):
             _refuse("tool_choice", tools)
         if self.function_call not in (None, "none", "auto"):
             _refuse("function_call", tools)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            kind = self.response_format.get("type")
-            _refuse("response_format", f"only {{'type': 'text'}} is supported, not {kind!r}: fleet has no JSON mode "
-                    "or structured output (constrained decoding), and a JSON request answered in prose would "
-                    "look like success")
+        self.output_constraint()  # a response_format it cannot honour is refused by name
         if self.modalities not in (None, ["text"]) or self.audio is not None:
             _refuse("audio" if self.audio is not None else "modalities", "fleet generates text only")
         for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options"):
@@ -257,5 +276,6 @@ def resolve_sampling(body: SamplingRequest, engine: Engine, max_tokens_default: 
     params = SamplingParams(
         max_tokens=used["max_tokens"], temperature=used["temperature"], top_p=used["top_p"], seed=body.seed,
         stop=tuple(stop), ignore_eos=body.ignore_eos, top_k=used["top_k"], logprobs=logprobs,
-        penalties=Penalties(used["frequency_penalty"], used["presence_penalty"], used["repetition_penalty"]))
+        penalties=Penalties(used["frequency_penalty"], used["presence_penalty"], used["repetition_penalty"]),
+        constraint=body.output_constraint() if isinstance(body, ChatCompletionRequest) else None)
     return params, {**used, "from_model": from_model}

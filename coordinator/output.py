@@ -38,6 +38,17 @@ class OutputProcessor:
     def finished(self) -> bool:
         return self.request.finish_reason is not None
 
+    def masks(self, draft: list[int]):  # noqa: ANN201 - np.ndarray | None
+        """The allowed-token bitmasks of a step feeding ``[newest, *draft]`` under the request's grammar
+        ([len(draft) + 1, ceil(V / 32)] int32, ``constraint.Matcher.masks``), or None without one."""
+        grammar = self.request.grammar
+        return None if grammar is None else grammar.masks(draft)
+
+    def allowed_draft(self, draft: list[int]) -> list[int]:
+        """``draft`` cut before its first token the grammar does not allow (prompt-lookup drafts)."""
+        grammar = self.request.grammar
+        return draft if grammar is None or not draft else draft[:grammar.valid_prefix(draft)]
+
     def first(self, out: StepOutput) -> list[int]:
         """The first output token, sampled from the prefill's candidates for the prompt's last position."""
         request = self.request
@@ -78,6 +89,8 @@ class OutputProcessor:
                 break
             request.append(token, len(text))
             text += self.detok.push(token)
+            if request.grammar is not None:
+                request.grammar.consume(token)
             if params.stop:
                 cut = min((i for i in (text.find(x, max(0, self.sent - self.hold)) for x in params.stop) if i >= 0),
                           default=-1)
@@ -87,6 +100,9 @@ class OutputProcessor:
                         request.logprobs.cut(cut)
                     text = text[:cut]
                     break
+            if request.grammar is not None and request.grammar.stopped:
+                request.finish(FinishReason.STOP)  # only the end of sequence may follow: no step for it
+                break
             if len(request.output_ids) >= params.max_tokens:
                 request.finish(FinishReason.LENGTH)
                 break

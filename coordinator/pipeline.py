@@ -263,11 +263,12 @@ class Pipeline:
     async def step(self, session_id: str, tokens: list[int] | np.ndarray, past_length: int,
                    start_position: int | list[int], logits_count: int, top_k: int, timeout_s: float,
                    hide_slots: list[int] = (), hide_rows: list[int] = (), pads: list[int] = (),
-                   keep_rows: list[int] = ()) -> StepOutput | None:
+                   keep_rows: list[int] = (), token_mask: np.ndarray | None = None) -> StepOutput | None:
         """Run ``tokens`` (one chunk: [S] for a session, [B, S] int64 for a batch group) through every stage.
 
         A group gives per-row ``start_position`` and ``pads`` and may drop rows (``keep_rows``); see
-        the ``ForwardRequest`` fields. Returns candidates for the chunk's last ``logits_count``
+        the ``ForwardRequest`` fields; ``token_mask`` [B * logits_count, ceil(V / 32)] int32, the allowed tokens
+        of each returned position (grammar-constrained decoding). Returns candidates for the chunk's last ``logits_count``
         positions ([B * N, k], row-major), or None when ``logits_count`` is 0. Raises ``StageFailure``
         naming the stage when any stage fails or the step misses its deadline (``timeout_s``).
         """
@@ -283,6 +284,8 @@ class Pipeline:
             route=self.addresses[1:], logits_count=logits_count, top_k=top_k,
             reply_to=self.subscriber_id, manifest_sha256=self.manifest_sha256, timeout_ms=timeout_s * 1000,
         )
+        if token_mask is not None:
+            request.token_mask.CopyFrom(to_tensor(token_mask))
         if isinstance(start_position, int):
             request.start_position = start_position
         else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .constraint import Constraint, Matcher
 from .logprobs import LogprobLog, TokenLogprob
 from .sampling import Penalties, SparseDist, penalized_distribution
 
@@ -42,6 +43,7 @@ class SamplingParams:
     top_k: int = 0  # sample among this many best candidates (0 = all the last stage returns)
     penalties: Penalties = field(default_factory=Penalties)
     logprobs: int | None = None  # None: none; N: each token's logprob and its N best candidates' (logprobs.py)
+    constraint: Constraint | None = None  # what the output must match (grammar-constrained decoding, constraint.py)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose KV a retained session gave (prefix cache), not prefilled
     cache_scope: str = ""  # whose retained KV it may reuse: its API key's digest ("" without keys)
     logprobs: LogprobLog | None = None  # one record per output token, when params.logprobs asks for them
+    grammar: Matcher | None = None  # the state of params.constraint, following the output (the engine compiles it)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
@@ -81,6 +84,9 @@ class Request:
         With logprobs asked for, the candidates are kept for the token decided here: the ``len(ahead)``-th
         of its step, which ``append`` takes them for."""
         p, counts = self.params, self.output_counts
+        if self.grammar is not None and not np.isfinite(logprobs[-1]):  # fewer allowed tokens than candidates
+            keep = np.isfinite(logprobs)
+            ids, logprobs = ids[keep], logprobs[keep]
         if self.logprobs is not None:
             self.logprobs.offer(ids, logprobs, len(ahead))
         if p.penalties.active and ahead:

@@ -62,6 +62,7 @@ class Seq:
     draft: list[int] | None = None  # the next step's drafts, once proposed ([] for a plain step)
     qs: list[SparseDist] = field(default_factory=list)  # the distributions the drafts were drawn from
     draft_ms: float = 0.0  # what proposing them took
+    masks: object = None  # np.ndarray [len(draft) + 1, words] int32: the next step's grammar masks, if any
     drafter: object = None  # its DraftSession in the draft model, if any
     draft_prefill: str = ""  # "", "wanted" (beside the stages' prefill), "running", "done" or "failed"
     group: BatchGroup | None = None
@@ -78,7 +79,7 @@ class Seq:
 
     def chunk(self) -> Chunk:
         tokens = [self.decided[-1], *self.draft]
-        return Chunk(tokens, self.logical, len(tokens), self.top_k)
+        return Chunk(tokens, self.logical, len(tokens), self.top_k, self.masks)
 
 
 # -- what a round starts (the loop runs each and reports its outcome) ------------------------------
@@ -88,6 +89,7 @@ class Prefill:
     tokens: list[int]
     position: int
     logits: int
+    token_mask: object = None  # np.ndarray [1, words] int32: the first token's grammar mask, if any
 
 
 @dataclass
@@ -171,7 +173,9 @@ class Scheduler:
         tokens = seq.prefill[seq.done:seq.done + self.prefill_chunk]
         last = seq.done + len(tokens) == len(seq.prefill)
         seq.busy = True
-        return Prefill(seq, tokens, seq.start + seq.done, 1 if last and seq.logits else 0)
+        logits = 1 if last and seq.logits else 0
+        grammar = seq.request.grammar
+        return Prefill(seq, tokens, seq.start + seq.done, logits, grammar.masks([]) if logits and grammar else None)
 
     def _place(self, pipeline, seq: Seq, groups: list[BatchGroup]) -> None:
         """Put a prefilled ``seq`` in a group of its pipeline: the least loaded open one, or a new one while

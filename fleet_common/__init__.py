@@ -3,7 +3,7 @@
 The three roles import this package and never each other's internals.
 """
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: ForwardRequest.token_mask (grammar-constrained decoding)
 """Wire protocol version; a worker and a coordinator talk only when theirs are equal."""
 
 SERVICE_TYPE = "_fleet._tcp.local."

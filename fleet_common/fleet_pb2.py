@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x66leet.proto\x12\x08\x66leet.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"u\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x03 \x01(\t\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\r\n\x05owner\x18\x05 \x01(\t\"!\n\x10OpenSessionReply\x12\r\n\x05stage\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x11\x43loseSessionReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\x16\n\x0e\x66reed_kv_bytes\x18\x02 \x01(\x04\"\x81\x03\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x1f\n\x05input\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x13\n\x0bpast_length\x18\x05 \x01(\r\x12\x16\n\x0estart_position\x18\x06 \x01(\r\x12\x12\n\nhide_slots\x18\x07 \x03(\r\x12\r\n\x05route\x18\x08 \x03(\t\x12\x14\n\x0clogits_count\x18\t \x01(\r\x12\r\n\x05top_k\x18\n \x01(\r\x12\x10\n\x08reply_to\x18\x0b \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x0c \x01(\t\x12\x1b\n\x13row_start_positions\x18\r \x03(\r\x12\x10\n\x08row_pads\x18\x0e \x03(\r\x12\x11\n\thide_rows\x18\x0f \x03(\r\x12\x11\n\tkeep_rows\x18\x10 \x03(\r\x12\x11\n\thandle_ms\x18\x12 \x03(\x01\x12\x12\n\ntimeout_ms\x18\x11 \x01(\x01\"5\n\x0c\x46orwardReply\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x11\n\thandle_ms\x18\x02 \x01(\x01\"M\n\x07LinkAck\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"y\n\x0e\x43ompactRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bpast_length\x18\x02 \x01(\r\x12\x12\n\nhide_slots\x18\x03 \x03(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\x11\n\thide_rows\x18\x05 \x03(\r\"2\n\x0c\x43ompactReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\"p\n\x0cMergeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\r\n\x05owner\x18\x05 \x01(\t\"*\n\nMergeReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\x9b\x01\n\x0b\x43opyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0b\n\x03row\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tach\x18\x07 \x01(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\"/\n\tCopyReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"\x8f\x01\n\nStepResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12!\n\x07top_ids\x18\x03 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12&\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x11\n\thandle_ms\x18\x05 \x03(\x01\"\x1c\n\x0bInfoRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\xb6\x03\n\tInfoReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\r\x12\x10\n\x08kv_bytes\x18\x0c \x01(\x04\x12\x0c\n\x04\x62usy\x18\r \x01(\r\x12\x18\n\x10openvino_version\x18\x0e \x01(\t\x12\x13\n\x0b\x63ompactions\x18\x0f \x01(\x04\x12\x19\n\x11kv_reserved_bytes\x18\x10 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x11 \x01(\x04\x12\x11\n\tsequences\x18\x12 \x01(\r\x12\x13\n\x0bload_source\x18\x13 \x01(\t\x12\x0e\n\x06load_s\x18\x14 \x01(\x01\x12\x13\n\x0bload_detail\x18\x15 \x01(\t2\xaf\x04\n\x05Stage\x12G\n\x0bOpenSession\x12\x1c.fleet.v1.OpenSessionRequest\x1a\x1a.fleet.v1.OpenSessionReply\x12J\n\x0c\x43loseSession\x12\x1d.fleet.v1.CloseSessionRequest\x1a\x1b.fleet.v1.CloseSessionReply\x12;\n\x07\x46orward\x12\x18.fleet.v1.ForwardRequest\x1a\x16.fleet.v1.ForwardReply\x12\x37\n\x04Link\x12\x18.fleet.v1.ForwardRequest\x1a\x11.fleet.v1.LinkAck(\x01\x30\x01\x12;\n\x07\x43ompact\x12\x18.fleet.v1.CompactRequest\x1a\x16.fleet.v1.CompactReply\x12\x35\n\x05Merge\x12\x16.fleet.v1.MergeRequest\x1a\x14.fleet.v1.MergeReply\x12\x32\n\x04\x43opy\x12\x15.fleet.v1.CopyRequest\x1a\x13.fleet.v1.CopyReply\x12?\n\tSubscribe\x12\x1a.fleet.v1.SubscribeRequest\x1a\x14.fleet.v1.StepResult0\x01\x12\x32\n\x04Info\x12\x15.fleet.v1.InfoRequest\x1a\x13.fleet.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x66leet.proto\x12\x08\x66leet.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"u\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x03 \x01(\t\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\r\n\x05owner\x18\x05 \x01(\t\"!\n\x10OpenSessionReply\x12\r\n\x05stage\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x11\x43loseSessionReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\x16\n\x0e\x66reed_kv_bytes\x18\x02 \x01(\x04\"\xa7\x03\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x1f\n\x05input\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x13\n\x0bpast_length\x18\x05 \x01(\r\x12\x16\n\x0estart_position\x18\x06 \x01(\r\x12\x12\n\nhide_slots\x18\x07 \x03(\r\x12\r\n\x05route\x18\x08 \x03(\t\x12\x14\n\x0clogits_count\x18\t \x01(\r\x12\r\n\x05top_k\x18\n \x01(\r\x12\x10\n\x08reply_to\x18\x0b \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x0c \x01(\t\x12\x1b\n\x13row_start_positions\x18\r \x03(\r\x12\x10\n\x08row_pads\x18\x0e \x03(\r\x12\x11\n\thide_rows\x18\x0f \x03(\r\x12\x11\n\tkeep_rows\x18\x10 \x03(\r\x12\x11\n\thandle_ms\x18\x12 \x03(\x01\x12\x12\n\ntimeout_ms\x18\x11 \x01(\x01\x12$\n\ntoken_mask\x18\x13 \x01(\x0b\x32\x10.fleet.v1.Tensor\"5\n\x0c\x46orwardReply\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x11\n\thandle_ms\x18\x02 \x01(\x01\"M\n\x07LinkAck\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"y\n\x0e\x43ompactRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bpast_length\x18\x02 \x01(\r\x12\x12\n\nhide_slots\x18\x03 \x03(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\x11\n\thide_rows\x18\x05 \x03(\r\"2\n\x0c\x43ompactReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\"p\n\x0cMergeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\r\n\x05owner\x18\x05 \x01(\t\"*\n\nMergeReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\x9b\x01\n\x0b\x43opyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0b\n\x03row\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tach\x18\x07 \x01(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\"/\n\tCopyReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"\x8f\x01\n\nStepResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12!\n\x07top_ids\x18\x03 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12&\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\x11\n\thandle_ms\x18\x05 \x03(\x01\"\x1c\n\x0bInfoRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\xb6\x03\n\tInfoReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0fmanifest_sha256\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\r\x12\x10\n\x08kv_bytes\x18\x0c \x01(\x04\x12\x0c\n\x04\x62usy\x18\r \x01(\r\x12\x18\n\x10openvino_version\x18\x0e \x01(\t\x12\x13\n\x0b\x63ompactions\x18\x0f \x01(\x04\x12\x19\n\x11kv_reserved_bytes\x18\x10 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x11 \x01(\x04\x12\x11\n\tsequences\x18\x12 \x01(\r\x12\x13\n\x0bload_source\x18\x13 \x01(\t\x12\x0e\n\x06load_s\x18\x14 \x01(\x01\x12\x13\n\x0bload_detail\x18\x15 \x01(\t2\xaf\x04\n\x05Stage\x12G\n\x0bOpenSession\x12\x1c.fleet.v1.OpenSessionRequest\x1a\x1a.fleet.v1.OpenSessionReply\x12J\n\x0c\x43loseSession\x12\x1d.fleet.v1.CloseSessionRequest\x1a\x1b.fleet.v1.CloseSessionReply\x12;\n\x07\x46orward\x12\x18.fleet.v1.ForwardRequest\x1a\x16.fleet.v1.ForwardReply\x12\x37\n\x04Link\x12\x18.fleet.v1.ForwardRequest\x1a\x11.fleet.v1.LinkAck(\x01\x30\x01\x12;\n\x07\x43ompact\x12\x18.fleet.v1.CompactRequest\x1a\x16.fleet.v1.CompactReply\x12\x35\n\x05Merge\x12\x16.fleet.v1.MergeRequest\x1a\x14.fleet.v1.MergeReply\x12\x32\n\x04\x43opy\x12\x15.fleet.v1.CopyRequest\x1a\x13.fleet.v1.CopyReply\x12?\n\tSubscribe\x12\x1a.fleet.v1.SubscribeRequest\x1a\x14.fleet.v1.StepResult0\x01\x12\x32\n\x04Info\x12\x15.fleet.v1.InfoRequest\x1a\x13.fleet.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSESESSIONREPLY']._serialized_start=276
   _globals['_CLOSESESSIONREPLY']._serialized_end=336
   _globals['_FORWARDREQUEST']._serialized_start=339
-  _globals['_FORWARDREQUEST']._serialized_end=724
-  _globals['_FORWARDREPLY']._serialized_start=726
-  _globals['_FORWARDREPLY']._serialized_end=779
-  _globals['_LINKACK']._serialized_start=781
-  _globals['_LINKACK']._serialized_end=858
-  _globals['_COMPACTREQUEST']._serialized_start=860
-  _globals['_COMPACTREQUEST']._serialized_end=981
-  _globals['_COMPACTREPLY']._serialized_start=983
-  _globals['_COMPACTREPLY']._serialized_end=1033
-  _globals['_MERGEREQUEST']._serialized_start=1035
-  _globals['_MERGEREQUEST']._serialized_end=1147
-  _globals['_MERGEREPLY']._serialized_start=1149
-  _globals['_MERGEREPLY']._serialized_end=1191
-  _globals['_COPYREQUEST']._serialized_start=1194
-  _globals['_COPYREQUEST']._serialized_end=1349
-  _globals['_COPYREPLY']._serialized_start=1351
-  _globals['_COPYREPLY']._serialized_end=1398
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1400
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1441
-  _globals['_STEPRESULT']._serialized_start=1444
-  _globals['_STEPRESULT']._serialized_end=1587
-  _globals['_INFOREQUEST']._serialized_start=1589
-  _globals['_INFOREQUEST']._serialized_end=1617
-  _globals['_INFOREPLY']._serialized_start=1620
-  _globals['_INFOREPLY']._serialized_end=2058
-  _globals['_STAGE']._serialized_start=2061
-  _globals['_STAGE']._serialized_end=2620
+  _globals['_FORWARDREQUEST']._serialized_end=762
+  _globals['_FORWARDREPLY']._serialized_start=764
+  _globals['_FORWARDREPLY']._serialized_end=817
+  _globals['_LINKACK']._serialized_start=819
+  _globals['_LINKACK']._serialized_end=896
+  _globals['_COMPACTREQUEST']._serialized_start=898
+  _globals['_COMPACTREQUEST']._serialized_end=1019
+  _globals['_COMPACTREPLY']._serialized_start=1021
+  _globals['_COMPACTREPLY']._serialized_end=1071
+  _globals['_MERGEREQUEST']._serialized_start=1073
+  _globals['_MERGEREQUEST']._serialized_end=1185
+  _globals['_MERGEREPLY']._serialized_start=1187
+  _globals['_MERGEREPLY']._serialized_end=1229
+  _globals['_COPYREQUEST']._serialized_start=1232
+  _globals['_COPYREQUEST']._serialized_end=1387
+  _globals['_COPYREPLY']._serialized_start=1389
+  _globals['_COPYREPLY']._serialized_end=1436
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1438
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1479
+  _globals['_STEPRESULT']._serialized_start=1482
+  _globals['_STEPRESULT']._serialized_end=1625
+  _globals['_INFOREQUEST']._serialized_start=1627
+  _globals['_INFOREQUEST']._serialized_end=1655
+  _globals['_INFOREPLY']._serialized_start=1658
+  _globals['_INFOREPLY']._serialized_end=2096
+  _globals['_STAGE']._serialized_start=2099
+  _globals['_STAGE']._serialized_end=2658
 # @@protoc_insertion_point(module_scope)

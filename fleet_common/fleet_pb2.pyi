@@ -51,7 +51,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., freed_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256", "row_start_positions", "row_pads", "hide_rows", "keep_rows", "handle_ms", "timeout_ms")
+    __slots__ = ("session_id", "step_id", "stage", "input", "past_length", "start_position", "hide_slots", "route", "logits_count", "top_k", "reply_to", "manifest_sha256", "row_start_positions", "row_pads", "hide_rows", "keep_rows", "handle_ms", "timeout_ms", "token_mask")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class ForwardRequest(_message.Message):
     KEEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step_id: int
     stage: int
@@ -88,7 +89,8 @@ class ForwardRequest(_message.Message):
     keep_rows: _containers.RepeatedScalarFieldContainer[int]
     handle_ms: _containers.RepeatedScalarFieldContainer[float]
     timeout_ms: float
-    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., row_start_positions: _Optional[_Iterable[int]] = ..., row_pads: _Optional[_Iterable[int]] = ..., hide_rows: _Optional[_Iterable[int]] = ..., keep_rows: _Optional[_Iterable[int]] = ..., handle_ms: _Optional[_Iterable[float]] = ..., timeout_ms: _Optional[float] = ...) -> None: ...
+    token_mask: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., past_length: _Optional[int] = ..., start_position: _Optional[int] = ..., hide_slots: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[str]] = ..., logits_count: _Optional[int] = ..., top_k: _Optional[int] = ..., reply_to: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., row_start_positions: _Optional[_Iterable[int]] = ..., row_pads: _Optional[_Iterable[int]] = ..., hide_rows: _Optional[_Iterable[int]] = ..., keep_rows: _Optional[_Iterable[int]] = ..., handle_ms: _Optional[_Iterable[float]] = ..., timeout_ms: _Optional[float] = ..., token_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("compute_ms", "handle_ms")

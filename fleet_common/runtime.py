@@ -364,13 +364,25 @@ def copy_prefix(session_id: str, source: KVSession, row: int, tokens: int, reque
     return copy
 
 
-def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def unpack_token_mask(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """An allowed-token bitmask [N, ceil(V / 32)] int32 (bit j of word i: token 32 i + j; llguidance's and
+    xgrammar's layout) unpacked to booleans [N, V]."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype=np.int32).view(np.uint8), axis=-1, bitorder="little")
+    return bits[:, :vocab_size].astype(bool)
+
+
+def top_candidates(logits: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-``k`` token ids and their log-softmax (over the full vocabulary) per position.
 
-    ``logits``: [N, V] float32. Returns (ids [N, k] int32 best first, logprobs [N, k] float32).
+    ``logits``: [N, V] float32. ``allowed``: [N, V] bool (grammar-constrained decoding): the other tokens'
+    logits are -inf first, so the candidates are allowed ones and the log-softmax is over the allowed tokens
+    (a position with fewer than ``k`` allowed tokens returns the rest at -inf). Returns (ids [N, k] int32
+    best first, logprobs [N, k] float32).
     """
     k = max(1, min(k, logits.shape[-1]))
     logits = logits.astype(np.float32, copy=False)
+    if allowed is not None:
+        logits = np.where(allowed, logits, np.float32(-np.inf))
     peak = logits.max(axis=-1, keepdims=True)
     lse = peak + np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))  # [N, 1]
     if k == 1:

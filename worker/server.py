@@ -18,7 +18,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.channels import ChannelCache
 from fleet_common.security import Security, open_server
-from fleet_common.runtime import ChunkError, KVSession, top_candidates
+from fleet_common.runtime import ChunkError, KVSession, top_candidates, unpack_token_mask
 from fleet_common.wire import Malformed, WireError, add_servicer, address_problem, from_tensor, to_tensor
 
 from .links import Downlink, LinkBroken, Upstream
@@ -203,6 +203,30 @@ class StageService(pb_grpc.StageServicer):
         except SessionError as exc:
             raise StepError(_code(exc.code), str(exc)) from None
 
+    def _token_mask(self, request: pb.ForwardRequest, rows: int) -> np.ndarray | None:
+        """The step's allowed tokens [rows * logits_count, V] bool at the last stage (None elsewhere, or
+        without a mask), after checking its shape at every stage and, at the last, that each position
+        allows some token: a bad mask is refused before the chunk runs. Raises ``StepError``."""
+        if not request.HasField("token_mask"):
+            return None
+        runner = self.runner
+        want = [rows * request.logits_count, (runner.vocab_size + 31) // 32]
+        try:
+            mask = from_tensor(request.token_mask, dtype="int32", ndim=2)
+        except WireError as exc:
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"bad token_mask: {exc}") from None
+        if list(mask.shape) != want or not request.logits_count:
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"token_mask has shape {list(mask.shape)}; this step needs {want} (rows x logits_count "
+                            f"positions, ceil(vocabulary {runner.vocab_size} / 32) int32 words)")
+        if not runner.last:
+            return None
+        allowed = unpack_token_mask(mask, runner.vocab_size)
+        if not (empty := ~allowed.any(axis=1)).any():
+            return allowed
+        raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"token_mask allows no token at position {int(np.flatnonzero(empty)[0])}")
+
     async def _step(self, request: pb.ForwardRequest, arrived: float, timeout_s: float,
                     upstream: Upstream | None = None) -> ChunkResult:
         """Run one step here and pass it on: to the next stage's link, or (last stage) the result to
@@ -213,6 +237,7 @@ class StageService(pb_grpc.StageServicer):
         runs here only when that thread is idle), so steps of one link run in the order they arrived."""
         runner = self.runner
         x, session = self._check_step(request)
+        allowed = self._token_mask(request, x.shape[0])
         if upstream is not None:
             self._upstream[request.session_id] = upstream
         self._busy += 1
@@ -266,7 +291,7 @@ class StageService(pb_grpc.StageServicer):
                                  handle_ms=[*request.handle_ms, elapsed * 1000])
             if request.logits_count:
                 logits = result.output[:, -request.logits_count:]  # [B, N, V]
-                ids, logprobs = top_candidates(logits.reshape(-1, logits.shape[-1]), request.top_k or 1)
+                ids, logprobs = top_candidates(logits.reshape(-1, logits.shape[-1]), request.top_k or 1, allowed)
                 step.top_ids.CopyFrom(to_tensor(ids))
                 step.top_logprobs.CopyFrom(to_tensor(logprobs))
             queue.put_nowait(step)
