@@ -17,6 +17,13 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators: tuple | None = None,
+            sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter: plain ``json.dumps`` in the given key order (Jinja's own escapes
+    HTML characters and sorts keys, which changes the tool definitions and calls a template renders)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class ChatTokenizer:
     """``tokenizer.json`` (HF tokenizers) + the chat template from ``tokenizer_config.json``.
 
@@ -32,6 +39,7 @@ class ChatTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(self.chat_template) if self.chat_template else None
 
     def encode(self, text: str) -> list[int]:
@@ -41,13 +49,15 @@ class ChatTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Prompt text for OpenAI-style ``messages``; raises ``InvalidRequest`` if the template rejects them."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **variables: object) -> str:
+        """Prompt text for OpenAI-style ``messages``; ``variables``: more for the template (``tools=``, as
+        transformers' ``apply_chat_template`` passes them). Raises ``InvalidRequest`` if the template
+        rejects them."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **variables)
         except TemplateError as exc:
             raise InvalidRequest(f"chat template rejected the messages: {exc}", param="messages") from exc
 
