@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request as HttpRequest
@@ -24,6 +24,7 @@ from .logprobs import TokenBytes, TokenLogprob, chat_logprobs, completion_logpro
 from .openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, resolve_sampling
 from .prompts import PromptPreparer
 from .request import Request, RequestStatus, TextDelta
+from .tool_chat import ToolAnswer, engine_tool_format, uses_tools
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -237,11 +238,18 @@ class Responder:
     def __init__(self, engine: Engine, prompts: PromptPreparer) -> None:
         self.engine, self.prompts = engine, prompts
         self.vocab = TokenBytes(engine.tokenizer.tokenizer)
+        self.tool_format = engine_tool_format(engine)
 
     async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> dict | StreamingResponse:
-        """The answer to a chat completion request: its messages through the chat template."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return await self.respond(CHAT, body, http, lambda: self.prompts.chat(messages))
+        """The answer to a chat completion request: its messages through the chat template; with tools
+        (or earlier calls and results), rendered and answered by ``tool_chat.ToolAnswer``."""
+        messages = [m.as_dict() for m in body.messages]
+        tools, choice = body.tool_request()
+        if not uses_tools(messages, tools):
+            return await self.respond(CHAT, body, http, lambda: self.prompts.chat(messages))
+        answer = ToolAnswer(self.tool_format, tools, choice, body.parallel_tool_calls)
+        rendered, variables, extra = answer.prompt(messages)
+        return await self.respond(CHAT, body, http, lambda: self.prompts.chat(rendered, variables, extra), answer)
 
     async def completion(self, body: CompletionRequest, http: HttpRequest) -> dict | StreamingResponse:
         """The answer to a legacy completion request: its raw prompt (a string or token ids), no template."""
@@ -250,15 +258,21 @@ class Responder:
                                   lambda: self.prompts.completion(body.single_prompt(), vocab_size))
 
     async def respond(self, dialect: Dialect, body: SamplingRequest, http: HttpRequest,
-                      prompt: Callable[[], Awaitable[list[int]]]) -> dict | StreamingResponse:
+                      prompt: Callable[[], Awaitable[list[int]]],
+                      tools: ToolAnswer | None = None) -> dict | StreamingResponse:
         """The answer to ``body`` in ``dialect``, whole or (``stream``) as an SSE stream; ``prompt()`` gives
-        its prompt's token ids, asked for once the model and sampling fields passed their checks.
+        its prompt's token ids, asked for once the model and sampling fields passed their checks. ``tools``
+        (a chat with tools) spells the message or delta, the finish reason, and constrains a forced call.
 
         Generation starts before the 200 goes out, so errors of the queue, admission and the pipeline keep
         their status codes; a client gone before its answer is complete ends it (``Generation``)."""
         engine = self.engine
         check_model(body.model, engine)
         params, sampling = resolve_sampling(body, engine, dialect.max_tokens_default)
+        if tools is not None and tools.constraint is not None:
+            params = replace(params, constraint=tools.constraint)
+        whole = dialect.whole if tools is None else tools.whole
+        reason = (lambda r: r) if tools is None else tools.finish_reason
         request = engine.request_for(await prompt(), params, dialect.param, dialect.kind)
         request.cache_scope = cache_scope(http.headers.get("authorization"))
         head = {"id": request.request_id, "object": dialect.chunk_object, "created": int(time.time()),
@@ -275,19 +289,23 @@ class Responder:
         await gen.start()
         if not body.stream:
             deltas = await gen.deltas()
-            choice = {"index": 0, **dialect.whole("".join(d.text for d in deltas)),
+            choice = {"index": 0, **whole("".join(d.text for d in deltas)),
                       "logprobs": logprobs(tuple(r for d in deltas for r in d.logprobs)),
-                      "finish_reason": request.finish_reason.value}
+                      "finish_reason": reason(request.finish_reason.value)}
             return {**head, "object": dialect.whole_object, "choices": [choice], **report()}
 
         def piece(delta: TextDelta) -> dict | None:
-            if not delta.text and not delta.logprobs:
+            if tools is None:
+                fields = dialect.piece(delta.text) if delta.text or delta.logprobs else None
+            else:
+                fields = tools.piece(delta.text, delta.finish_reason is not None)
+                fields = fields if fields is not None or not delta.logprobs else dialect.finish
+            if fields is None:
                 return None
-            return {"index": 0, **dialect.piece(delta.text), "logprobs": logprobs(delta.logprobs),
-                    "finish_reason": None}
+            return {"index": 0, **fields, "logprobs": logprobs(delta.logprobs), "finish_reason": None}
 
         def finish(delta: TextDelta) -> dict:
-            return {"index": 0, **dialect.finish, "logprobs": None, "finish_reason": delta.finish_reason.value}
+            return {"index": 0, **dialect.finish, "logprobs": None, "finish_reason": reason(delta.finish_reason.value)}
 
         opening = None if dialect.opening is None else {"index": 0, **dialect.opening, "logprobs": None,
                                                         "finish_reason": None}

@@ -7,7 +7,8 @@ Fields fleet accepts and ignores, harmless no-ops: ``user``, ``metadata``, ``sto
 ``stream_options.include_obfuscation``, ``top_logprobs: 0`` without ``logprobs``, ``modalities: ["text"]``,
 ``tool_choice: "none"``/``"auto"`` without tools, and fields OpenAI does not define (clients add vendor
 fields: ``chat_template_kwargs``, ``return_progress``). Every other OpenAI field that would change the
-answer (``tools``, ``functions``, a ``response_format`` other than text and JSON, ``logit_bias``, ``n`` > 1,
+answer (``functions`` and ``function_call``, deprecated for ``tools``; a ``response_format`` other than text
+and JSON, or one with tools; ``logit_bias``, ``n`` > 1,
 ``echo``, ``suffix``, ``best_of`` > 1, ``audio``, ``prediction``, ``reasoning_effort``, ``verbosity``,
 ``web_search_options``) is refused with a 400 naming the field.
 """
@@ -24,9 +25,25 @@ from .errors import InvalidRequest
 from .limits import count_messages
 from .request import SamplingParams
 from .sampling import Penalties
+from .tools import Tool, ToolCall, ToolChoice, parse_tool_choice, parse_tools
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+class FunctionCall(BaseModel):
+    """The function of an assistant's earlier tool call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """One call of an assistant message's ``tool_calls`` (OpenAI's shape)."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ContentPart(BaseModel):
@@ -41,6 +58,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = ""
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # accepted: a participant's name (templates do not show it)
 
     def text(self) -> str:
         """The content as one string (text parts joined, null as "")."""
@@ -56,7 +76,21 @@ class ChatMessage(BaseModel):
             self.text().encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(f"content is not valid Unicode: a lone surrogate at character {exc.start}") from None
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
         return self
+
+    def as_dict(self) -> dict:
+        """The message as ``tools.render_messages`` takes it: role, content (a string), and the calls
+        (``ToolCall``s) or the id of the call answered."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -117,7 +151,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted: without tools it says nothing
+    parallel_tool_calls: bool | None = None  # with tool_choice required: whether the answer may hold several calls
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -151,6 +185,12 @@ class ChatCompletionRequest(SamplingRequest):
             _refuse("top_logprobs", "top_logprobs needs logprobs: true", plain=True)
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_request(self) -> tuple[tuple[Tool, ...], ToolChoice]:
+        """The tools offered and the ``tool_choice`` (``coordinator.tools``). Raises ``InvalidRequest``
+        naming ``tools`` or ``tool_choice`` for a tool or a choice fleet cannot take."""
+        tools = parse_tools(self.tools)
+        return tools, parse_tool_choice(self.tool_choice, tools)
+
     def output_constraint(self) -> Constraint | None:
         """What ``response_format`` asks the answer to be (OpenAI's structured outputs): None for ``text``,
         any JSON object for ``json_object``, a value valid under ``json_schema.schema`` for ``json_schema``
@@ -177,15 +217,16 @@ class ChatCompletionRequest(SamplingRequest):
         """Also tools and functions, a response format other than text and JSON, audio, and the fields of features
         fleet does not have (``prediction``, ``reasoning_effort``, ...); ``store: true``."""
         super().refuse_unsupported()
-        tools = "fleet does not implement tool calling (tools, tool_choice, functions); send the request without them"
-        if self.tools:
-            _refuse("tools", tools)
+        deprecated = "it is OpenAI's deprecated form of tool calling; send tools (and tool_choice) instead"
         if self.functions:
-            _refuse("functions", tools)
-        if self.tool_choice not in (None, "none", "auto"):
-            _refuse("tool_choice", tools)
+            _refuse("functions", deprecated)
         if self.function_call not in (None, "none", "auto"):
-            _refuse("function_call", tools)
+            _refuse("function_call", deprecated)
+        tools, choice = self.tool_request()
+        if self.response_format is not None and self.response_format.get("type") != "text" and tools \
+                and choice.mode != "none":
+            _refuse("response_format", "a JSON response_format with tools: the answer could be neither a call nor "
+                    "free to call; send one of them (or tool_choice: none)")
         self.output_constraint()  # a response_format it cannot honour is refused by name
         if self.modalities not in (None, ["text"]) or self.audio is not None:
             _refuse("audio" if self.audio is not None else "modalities", "fleet generates text only")

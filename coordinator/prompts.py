@@ -78,21 +78,25 @@ class PromptPreparer:
                 f"bytes long, more than {self.max_context} tokens can hold ({self.byte_limit} bytes). Please "
                 f"reduce the length of the {param}.", param=param)
 
-    def check_chat(self, messages: list[dict]) -> None:
+    def check_chat(self, messages: list[dict], extra: int = 0) -> None:
         """``check_bytes`` for ``messages`` (``content`` strings): their UTF-8 bytes plus the template's
-        ``message_overhead`` per message."""
-        size = sum(len(m["content"].encode("utf-8")) for m in messages) + self.message_overhead * len(messages)
+        ``message_overhead`` per message, plus ``extra`` (tools and calls outside the contents)."""
+        size = sum(len(m["content"].encode("utf-8")) for m in messages) + self.message_overhead * len(messages) \
+            + extra
         each = self.message_overhead
         overhead = f" (with the chat template's {each} bytes per message)" if each else ""
         self.check_bytes(size, f"{len(messages)} messages are{overhead}", "messages")
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` through the chat template (``check_chat`` first). Raises
+    async def chat(self, messages: list[dict], variables: dict | None = None, extra: int = 0) -> list[int]:
+        """Token ids of ``messages`` through the chat template (``check_chat`` first, with ``extra`` bytes);
+        ``variables``: more for the template (``tools=``: ``tools.render_messages``). Raises
         ``ContextLengthExceeded``, ``InvalidRequest`` (the template refused them), ``Overloaded`` (too
         many prompts in preparation) or ``PromptTimeout``."""
-        self.check_chat(messages)
-        size = sum(len(m["content"]) for m in messages)
-        return await self._run(lambda: self._ids(self.tokenizer.render_chat(messages), special=False), size)
+        self.check_chat(messages, extra)
+        size = sum(len(m["content"]) for m in messages) + extra
+        variables = variables or {}
+        return await self._run(lambda: self._ids(self.tokenizer.render_chat(messages, **variables), special=False),
+                               size)
 
     async def text(self, prompt: str) -> list[int]:
         """Token ids of a raw prompt (legacy completions: no template; special tokens the tokenizer's
