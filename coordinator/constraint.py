@@ -104,26 +104,27 @@ class Matcher:
         self.masks_computed += 1
         self._check()
 
-    def masks(self, draft: list[int]) -> np.ndarray:
-        """The bitmasks of a step that feeds ``[newest, *draft]``: [len(draft) + 1, ceil(V / 32)] int32,
-        row i the grammar's state after ``draft[:i]``. Raises ``ValueError`` when a draft token is not
-        allowed (drafts are drawn under the masks, or cut with ``valid_prefix``); the state is unchanged."""
+    def masks(self, draft: list[int]) -> tuple[int, np.ndarray]:
+        """The bitmasks of a step that feeds ``[newest, *draft[:n]]``: (n, masks [n + 1, ceil(V / 32)] int32),
+        row i the grammar's state after ``draft[:i]``, ``n`` the drafts it allows (all of a draft drawn
+        under the masks; a prompt-lookup draft is cut before its first refused token). The state is left
+        as it was."""
         out = np.empty((len(draft) + 1, self.words), dtype=np.int32)
         consumed = 0
         try:
             for i in range(len(draft) + 1):
                 self.fill(out[i])
-                if i < len(draft):
-                    token = int(draft[i])
-                    if not (0 <= token < self.vocab_size and (int(out[i, token >> 5]) >> (token & 31)) & 1):
-                        # checked first: consuming a token the grammar refuses breaks the state for good
-                        raise ValueError(f"draft token {token} at position {i} is not allowed by the grammar")
-                    self._m.consume_token(token)
-                    consumed += 1
+                if i == len(draft):
+                    break
+                token = int(draft[i])
+                if not (0 <= token < self.vocab_size and (int(out[i, token >> 5]) >> (token & 31)) & 1):
+                    break  # checked first: consuming a token the grammar refuses breaks the state for good
+                self._m.consume_token(token)
+                consumed += 1
         finally:
             if consumed:
                 self._m.rollback(consumed)
-        return out
+        return consumed, out[:consumed + 1]
 
     def consume(self, token: int) -> None:
         """Advance past a decided output token. Raises ``RuntimeError`` if the grammar does not allow it
@@ -135,10 +136,6 @@ class Matcher:
         """Undo the last ``count`` consumed tokens (a draft model's proposal)."""
         if count:
             self._m.rollback(count)
-
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many leading ``tokens`` the grammar allows from here (prompt-lookup drafts are cut there)."""
-        return self._m.validate_tokens([int(t) for t in tokens]) if tokens else 0
 
     @property
     def stopped(self) -> bool:

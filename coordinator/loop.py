@@ -343,7 +343,7 @@ class StepLoop:
             seq.draft = None  # the scheduler starts the draft's prefill, then the proposal
         elif k and self.ctx.draft_source == "ngram":
             t0 = time.perf_counter()
-            draft = seq.output.allowed_draft(ngram_draft(seq.request.prompt_ids + seq.request.output_ids, k))
+            draft = ngram_draft(seq.request.prompt_ids + seq.request.output_ids, k)
             self._set_draft(seq, draft, [SparseDist.point(t) for t in draft],
                             draft_ms=(time.perf_counter() - t0) * 1000)
         else:
@@ -351,8 +351,12 @@ class StepLoop:
 
     @staticmethod
     def _set_draft(seq: Seq, draft: list[int], qs: list[SparseDist], draft_ms: float = 0.0) -> None:
+        """The next step's drafts (drawn from ``qs``); under a grammar, with its masks, cut before the first
+        draft the grammar refuses (prompt lookup's; the draft model's are drawn under the masks)."""
+        if (grammar := seq.request.grammar) is not None:
+            allowed, seq.masks = grammar.masks(draft)
+            draft, qs = draft[:allowed], qs[:allowed]
         seq.draft, seq.qs, seq.draft_ms = draft, qs, draft_ms
-        seq.masks = seq.output.masks(draft)
 
     # -- ends, failures, retention -----------------------------------------------------------------
     def _ended(self, seq: Seq, retain: bool, done: asyncio.Future) -> None:

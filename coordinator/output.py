@@ -38,17 +38,6 @@ class OutputProcessor:
     def finished(self) -> bool:
         return self.request.finish_reason is not None
 
-    def masks(self, draft: list[int]):  # noqa: ANN201 - np.ndarray | None
-        """The allowed-token bitmasks of a step feeding ``[newest, *draft]`` under the request's grammar
-        ([len(draft) + 1, ceil(V / 32)] int32, ``constraint.Matcher.masks``), or None without one."""
-        grammar = self.request.grammar
-        return None if grammar is None else grammar.masks(draft)
-
-    def allowed_draft(self, draft: list[int]) -> list[int]:
-        """``draft`` cut before its first token the grammar does not allow (prompt-lookup drafts)."""
-        grammar = self.request.grammar
-        return draft if grammar is None or not draft else draft[:grammar.valid_prefix(draft)]
-
     def first(self, out: StepOutput) -> list[int]:
         """The first output token, sampled from the prefill's candidates for the prompt's last position."""
         request = self.request

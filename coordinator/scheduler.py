@@ -175,7 +175,7 @@ class Scheduler:
         seq.busy = True
         logits = 1 if last and seq.logits else 0
         grammar = seq.request.grammar
-        return Prefill(seq, tokens, seq.start + seq.done, logits, grammar.masks([]) if logits and grammar else None)
+        return Prefill(seq, tokens, seq.start + seq.done, logits, grammar.masks([])[1] if logits and grammar else None)
 
     def _place(self, pipeline, seq: Seq, groups: list[BatchGroup]) -> None:
         """Put a prefilled ``seq`` in a group of its pipeline: the least loaded open one, or a new one while

@@ -205,8 +205,8 @@ class StageService(pb_grpc.StageServicer):
 
     def _token_mask(self, request: pb.ForwardRequest, rows: int) -> np.ndarray | None:
         """The step's allowed tokens [rows * logits_count, V] bool at the last stage (None elsewhere, or
-        without a mask), after checking its shape at every stage and, at the last, that each position
-        allows some token: a bad mask is refused before the chunk runs. Raises ``StepError``."""
+        without a mask), after checking at every stage its shape and that each position allows some token:
+        a bad mask is refused before any stage runs the chunk. Raises ``StepError``."""
         if not request.HasField("token_mask"):
             return None
         runner = self.runner
@@ -219,13 +219,12 @@ class StageService(pb_grpc.StageServicer):
             raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"token_mask has shape {list(mask.shape)}; this step needs {want} (rows x logits_count "
                             f"positions, ceil(vocabulary {runner.vocab_size} / 32) int32 words)")
-        if not runner.last:
-            return None
-        allowed = unpack_token_mask(mask, runner.vocab_size)
-        if not (empty := ~allowed.any(axis=1)).any():
-            return allowed
-        raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"token_mask allows no token at position {int(np.flatnonzero(empty)[0])}")
+        tail = runner.vocab_size % 32  # the last word's bits past the vocabulary do not count
+        words = mask if not tail else np.concatenate([mask[:, :-1], mask[:, -1:] & np.int32((1 << tail) - 1)], axis=1)
+        if (empty := ~words.any(axis=1)).any():
+            raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"token_mask allows no token at position {int(np.flatnonzero(empty)[0])}")
+        return unpack_token_mask(mask, runner.vocab_size) if runner.last else None
 
     async def _step(self, request: pb.ForwardRequest, arrived: float, timeout_s: float,
                     upstream: Upstream | None = None) -> ChunkResult:

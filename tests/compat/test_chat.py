@@ -120,10 +120,11 @@ def test_fields_clients_send_are_accepted(http, model):
 
 
 REFUSED = [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
      "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tools": [{"type": "custom", "custom": {"name": "grep"}}]}, "tools"),  # only function tools
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"n": 2}, "n"),

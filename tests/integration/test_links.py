@@ -119,3 +119,42 @@ def test_garbage_on_a_link_is_refused_and_the_worker_serves_on(workers):
             assert info.manifest_sha256 == sha
 
     asyncio.run(run())
+
+
+def test_a_bad_token_mask_is_refused_before_any_stage_runs_the_step(workers, build_2):
+    """Grammar-constrained steps carry an allowed-token bitmask for the last stage: one of the wrong shape,
+    or allowing no token at some position, is refused (INVALID_ARGUMENT, at stage 0) and no stage's KV moved;
+    a good one makes every candidate an allowed token, with logprobs over the allowed ones."""
+    (_, a0), (_, a1) = workers[0]
+    sha = workers[1]
+    words = (load_manifest(build_2).manifest.architecture.vocab_size + 31) // 32
+
+    async def run() -> None:
+        for address in (a0, a1):
+            await _open(address, "m", sha)
+        async with grpc.aio.insecure_channel(a1) as c1, grpc.aio.insecure_channel(a0) as c0:
+            results = pb_grpc.StageStub(c1).Subscribe(pb.SubscribeRequest(subscriber_id="sub"))
+            assert not (await results.read()).session_id
+            link = pb_grpc.StageStub(c0).Link()
+            none = np.zeros((1, words), np.int32)
+            for step_id, mask, problem in [(1, np.full((2, words), -1, np.int32), "shape"),
+                                           (2, np.full((1, words - 1), -1, np.int32), "shape"), (3, none, "no token")]:
+                await link.write(step("m", step_id, [a1], sha, token_mask=to_tensor(mask)))
+                ack = await asyncio.wait_for(link.read(), TIMEOUT_S)
+                assert ack.step_id == step_id and ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], ack
+                assert problem in ack.details and not ack.details.startswith("stage 1")
+            allowed = [5, 77, 1000, 40000]
+            mask = none.copy()
+            for t in allowed:
+                mask[0, t >> 5] |= np.int32(1 << (t & 31)) if t & 31 != 31 else np.int32(-(1 << 31))
+            await link.write(step("m", 4, [a1], sha, token_mask=to_tensor(mask), top_k=6))  # past_length 0: nothing moved
+            got = await asyncio.wait_for(results.read(), TIMEOUT_S)
+            assert got.step_id == 4
+            ids = np.frombuffer(got.top_ids.data, np.int32)
+            logprobs = np.frombuffer(got.top_logprobs.data, np.float32)
+            assert sorted(ids[:4].tolist()) == allowed and np.all(np.isneginf(logprobs[4:]))
+            assert np.exp(logprobs[:4]).sum() == pytest.approx(1.0, abs=1e-5)  # a distribution over the allowed
+            link.cancel()
+            results.cancel()
+
+    asyncio.run(run())

@@ -91,21 +91,24 @@ def test_a_verify_steps_masks_follow_the_drafts_and_leave_the_state(grammars, ch
     matcher = grammars.matcher(Constraint.json_schema(SCHEMA))
     text = '{"name":"ab","n":42}'
     ids = chat_tokenizer.encode(text)
-    masks = matcher.masks(ids[:4])
-    assert masks.shape == (5, mask_words(49152))
+    allowed, masks = matcher.masks(ids[:4])
+    assert allowed == 4 and masks.shape == (5, mask_words(49152))
     for i in range(4):
         assert allowed_tokens(masks[i:i + 1], 49152)[0, ids[i]]  # each draft allowed where it stands
     again = matcher.masks([])  # the state did not move
-    np.testing.assert_array_equal(again[0], masks[0])
+    assert again[0] == 0
+    np.testing.assert_array_equal(again[1][0], masks[0])
     assert not allowed_tokens(masks[:1], 49152)[0, chat_tokenizer.encode("hello")[0]]
-    assert matcher.valid_prefix(ids + chat_tokenizer.encode("x")) == len(ids)
-    with pytest.raises(ValueError, match="not allowed"):
-        matcher.masks(chat_tokenizer.encode("[1]"))
-    np.testing.assert_array_equal(matcher.masks([])[0], masks[0])  # a refused draft left the state too
+    # a prompt-lookup draft is cut before its first refused token, the state left as it was
+    allowed, cut = matcher.masks(ids[:2] + chat_tokenizer.encode("[1]"))  # '{"' 'name' then no key goes on with '['
+    assert allowed == 2 and cut.shape[0] == 3
+    np.testing.assert_array_equal(cut, masks[:3])
+    assert matcher.masks(chat_tokenizer.encode("[1]"))[0] == 0
+    np.testing.assert_array_equal(matcher.masks([])[1][0], masks[0])
     for t in ids:
         matcher.consume(t)
     assert matcher.stopped  # the object is complete: only the end of sequence may follow
-    end = allowed_tokens(matcher.masks([]), 49152)[0]
+    end = allowed_tokens(matcher.masks([])[1], 49152)[0]
     assert end[2] and end.sum() == 1
 
 
