@@ -36,33 +36,50 @@ def call_rules(tools: Sequence[Tool], fmt: ToolFormat) -> list[str]:
     return rules
 
 
-def tool_grammar(tools: Sequence[Tool], fmt: ToolFormat, many: bool) -> str:
-    """The Lark grammar of an answer that is one call (``many``: one or more) of ``tools`` in ``fmt``."""
+# prose that holds no call: Hermes' has no <tool_call> tag; Llama 3's and Mistral's does not open with
+# the object or the list a call starts with
+PROSE = {"hermes": r"/(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/", "llama3": r"/\s*|\s*[^\s{](.|\n)*/",
+         "mistral": r"/\s*|\s*[^\s\[](.|\n)*/"}
+
+
+def calls_rule(fmt: ToolFormat, many: bool) -> str:
+    """The Lark rule ``calls``: one call (``many``: one or more) in ``fmt``'s syntax."""
     match fmt.syntax:
         case "hermes":
             block = f"{_literal('<tool_call>' + chr(10))} call {_literal(chr(10) + '</tool_call>')}"
-            start = f"start: {block}" + (f" ({_literal(chr(10))} {block})*" if many else "")
+            return f"calls: {block}" + (f" ({_literal(chr(10))} {block})*" if many else "")
         case "llama3":  # Llama 3.1's template takes one call per turn
-            start = "start: call"
+            return "calls: call"
         case "mistral":
             opener = f"<[{fmt.call_token}]> " if fmt.call_token is not None else ""
-            start = f"start: {opener}{_literal('[')} call" + (f" ({_literal(', ')} call)*" if many else "") \
+            return f"calls: {opener}{_literal('[')} call" + (f" ({_literal(', ')} call)*" if many else "") \
                 + f" {_literal(']')}"
-        case _:
-            raise ValueError(f"no grammar for the tool-call syntax {fmt.syntax!r}")
-    return "\n".join([start, *call_rules(tools, fmt)]) + "\n"
+    raise ValueError(f"no grammar for the tool-call syntax {fmt.syntax!r}")
+
+
+def tool_grammar(tools: Sequence[Tool], fmt: ToolFormat, many: bool, prose: bool = False) -> str:
+    """The Lark grammar of an answer that is one call (``many``: one or more) of ``tools`` in ``fmt``;
+    ``prose``: or else text with no call (Hermes: text, then optionally the calls)."""
+    rules = [calls_rule(fmt, many), *call_rules(tools, fmt)]
+    if not prose:
+        start = "start: calls"
+    elif fmt.syntax == "hermes":  # text up to a <tool_call> tag (lazily: the tag ends it), then the calls
+        start = f"start: PROSE | text calls\ntext[suffix={_literal('<tool_call>')}]: /(.|\\n)*/"
+        rules[0] = rules[0].replace(f"calls: {_literal('<tool_call>' + chr(10))}", f"calls: {_literal(chr(10))}", 1)
+    else:
+        start = "start: PROSE | calls"
+    return "\n".join([start, *rules, f"PROSE: {PROSE[fmt.syntax]}"]) + "\n"
 
 
 def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel_tool_calls: bool | None,
                     fmt: ToolFormat, field_name: str = "tool_choice") -> Constraint | None:
     """What the answer must match under ``choice``: for "required", one or more calls of any of ``tools``
     (exactly one when ``parallel_tool_calls`` is False); for a named function, one call of it; for "auto"
-    and "none", None (free text, parsed afterwards). Errors name ``field_name`` (``Constraint.field``)."""
-    if not choice.forced:
+    with a ``strict`` tool, prose or such calls; otherwise (``auto``, ``none``) None: free text, parsed
+    afterwards. Errors name ``field_name`` (``Constraint.field``)."""
+    if choice.mode == "none" or not tools or (choice.mode == "auto" and not any(t.strict for t in tools)):
         return None
     if choice.mode == "function":
         tools = [t for t in tools if t.name == choice.name]
-        many = False
-    else:
-        many = parallel_tool_calls is not False
-    return Constraint("lark", tool_grammar(tools, fmt, many), field_name)
+    many = choice.mode != "function" and parallel_tool_calls is not False
+    return Constraint("lark", tool_grammar(tools, fmt, many, prose=choice.mode == "auto"), field_name)

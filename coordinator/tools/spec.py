@@ -23,12 +23,15 @@ MAX_TOOLS = 128  # OpenAI's limit of tools per request
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call: ``name`` (``NAME_PATTERN``), ``description`` ("" if none) and
-    ``parameters``, the JSON schema its arguments (a JSON object) must match."""
+    """A function the model may call: ``name`` (``NAME_PATTERN``), ``description`` ("" if none),
+    ``parameters``, the JSON schema its arguments (a JSON object) must match, and ``strict`` (OpenAI's
+    ``function.strict``: the arguments must follow the schema even when the model may answer in prose,
+    so ``tool_choice: auto`` is decoded under a grammar too)."""
 
     name: str
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}}, hash=False)
+    strict: bool = False
 
     def openai(self) -> dict:
         """The tool in OpenAI's shape, as chat templates take it (transformers' ``tools=``)."""
@@ -88,10 +91,13 @@ AUTO = ToolChoice("auto")
 NONE = ToolChoice("none")
 
 
-def make_tool(name: Any, description: Any, parameters: Any, field_name: str = "tools") -> Tool:
+def make_tool(name: Any, description: Any, parameters: Any, field_name: str = "tools", strict: Any = None) -> Tool:
     """A ``Tool`` from its parts, checked: ``name`` a string matching ``NAME_PATTERN``, ``description``
     a string or None, ``parameters`` None (no arguments) or a JSON schema object whose ``type``, if given,
-    is "object" (arguments are a JSON object). Raises ``InvalidRequest`` naming ``field_name``."""
+    is "object" (arguments are a JSON object), ``strict`` a boolean or None. Raises ``InvalidRequest``
+    naming ``field_name``."""
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest(f"{field_name}: strict must be true or false, not {strict!r}", param=field_name)
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise InvalidRequest(f"{field_name}: a function name must be 1 to 64 letters, digits, underscores or "
                              f"dashes, not {name!r}", param=field_name)
@@ -107,7 +113,7 @@ def make_tool(name: Any, description: Any, parameters: Any, field_name: str = "t
         raise InvalidRequest(f"{field_name}: the parameters of {name!r} must be a JSON schema of type 'object' "
                              f"(arguments are a JSON object), not {kind!r}", param=field_name)
     check_schema(parameters, f"{field_name}: the parameters of {name!r}", field_name)
-    return Tool(name, description or "", parameters)
+    return Tool(name, description or "", parameters, bool(strict))
 
 
 def check_schema(schema: dict, what: str, field_name: str) -> None:
@@ -156,7 +162,7 @@ def parse_tools(value: Any, field_name: str = "tools") -> tuple[Tool, ...]:
         if not isinstance(function, dict):
             raise InvalidRequest(f"{field_name}[{i}].function must be an object with a name", param=field_name)
         tools.append(make_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                               field_name))
+                               field_name, function.get("strict")))
     return check_unique(tools, field_name)
 
 

@@ -96,14 +96,19 @@ def test_a_named_function_is_the_call(client, model):
     jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
 
 
-def test_auto_answers_in_prose_or_calls_consistently(client, model):
-    """``auto`` is free text parsed afterwards: whatever the model writes, content and calls agree with
-    the finish reason."""
-    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=24)
+@pytest.mark.parametrize("strict", [True, False])
+def test_auto_answers_in_prose_or_calls_consistently(client, model, strict):
+    """``auto`` lets the model answer in prose; with a ``strict`` tool it is decoded under a grammar (prose
+    or calls valid under the schema), without one parsed afterwards. Either way content and calls agree
+    with the finish reason."""
+    tool = {**WEATHER, "function": {**WEATHER["function"], "strict": strict}}
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[tool], temperature=0, max_tokens=16)
     (choice,) = r.choices
     if choice.message.tool_calls:
         assert choice.finish_reason in ("tool_calls", "length")
         assert all(c.function.name == "get_weather" for c in choice.message.tool_calls)
+        if strict and choice.finish_reason == "tool_calls":
+            jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), WEATHER_SCHEMA)
     else:
         assert choice.message.content and "<tool_call>" not in choice.message.content
         assert choice.finish_reason in ("stop", "length")

@@ -223,3 +223,28 @@ def test_a_schema_llguidance_refuses_names_the_field():
         parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}])
     assert caught.value.param == "tools"
+
+
+def accepts(lltokenizer, grammar: str, text: str, prefix: tuple[int, ...] = ()) -> bool:
+    tokenizer, lltok = lltokenizer
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    return matcher.consume_tokens([*prefix, *tokenizer.encode(text)]) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", [DEFAULT, LLAMA3, MISTRAL])
+def test_auto_with_a_strict_tool_allows_prose_or_calls_under_the_schema(lltokenizer, fmt):
+    """OpenAI's ``strict``: under ``auto`` the model may answer in prose, but a call it makes follows the
+    schema (prose holds no call: Hermes' has no tag, Llama 3's and Mistral's does not open like a call)."""
+    strict = parse_tools([{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, CLOCK])
+    assert strict[0].strict and not strict[1].strict
+    assert tool_constraint(TOOLS, ToolChoice("auto"), None, fmt) is None  # no strict tool: free text
+    grammar = tool_constraint(strict, ToolChoice("auto"), None, fmt).grammar()
+    lead = "Let me look. " if fmt.syntax == "hermes" else ""
+    for text in ("Paris is sunny today.", "", "  ", lead + fmt.calls_text(CALLS[:1]).removeprefix("[TOOL_CALLS]")):
+        assert accepts(lltokenizer, grammar, text), text
+        assert [c.name for c in parse_tool_calls(text, fmt)[1]] == (["get_weather"] if "get_weather" in text else [])
+    bad = fmt.calls_text([ToolCall("a", "get_weather", '{"town": "Paris"}')]).removeprefix("[TOOL_CALLS]")
+    assert not accepts(lltokenizer, grammar, bad)
+    assert not accepts(lltokenizer, grammar, lead + fmt.calls_text([ToolCall("a", "fly", "{}")]).removeprefix("[TOOL_CALLS]"))
+    with pytest.raises(InvalidRequest, match="strict must be"):
+        parse_tools([{**CLOCK, "function": {**CLOCK["function"], "strict": "yes"}}])
