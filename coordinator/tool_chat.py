@@ -44,7 +44,9 @@ class ToolAnswer:
     """One chat request's tools: its prompt messages, its constraint, and its answer's choice fields.
 
     ``fmt``: the model's format; ``tools`` and ``choice``: the request's (``tool_choice: none`` offers no
-    tool and parses no call); ``parallel``: ``parallel_tool_calls``."""
+    tool and parses no call); ``parallel``: ``parallel_tool_calls``. A forced answer (``required``, a named
+    function) is calls alone by its grammar: text left over is the start of a call cut off by
+    ``max_tokens``, which is no content."""
 
     def __init__(self, fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, parallel: bool | None) -> None:
         self.fmt, self.tools, self.choice = fmt, tuple(tools), choice
@@ -65,7 +67,7 @@ class ToolAnswer:
             return {"message": {"role": "assistant", "content": text}}
         self.parser.feed(text)
         self.parser.finish()
-        calls, content = self.parser.calls, self.parser.content
+        calls, content = self.parser.calls, "" if self.choice.forced else self.parser.content
         message = {"role": "assistant", "content": content if content.strip() or not calls else None}
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
@@ -81,7 +83,7 @@ class ToolAnswer:
             rest = self.parser.finish()
             decided = StreamDelta(decided.content + rest.content, decided.calls + rest.calls)
         delta: dict = {}
-        if decided.content:
+        if decided.content and not self.choice.forced:
             delta["content"] = decided.content
         if decided.calls:
             delta["tool_calls"] = [c.openai() for c in merged(decided.calls)]

@@ -12,6 +12,7 @@ import pytest
 
 from coordinator.errors import InvalidRequest
 from coordinator.tokenizer import ChatTokenizer
+from coordinator.tool_chat import ToolAnswer
 from coordinator.tools import (
     DEFAULT,
     ToolCall,
@@ -248,3 +249,27 @@ def test_auto_with_a_strict_tool_allows_prose_or_calls_under_the_schema(lltokeni
     assert not accepts(lltokenizer, grammar, lead + fmt.calls_text([ToolCall("a", "fly", "{}")]).removeprefix("[TOOL_CALLS]"))
     with pytest.raises(InvalidRequest, match="strict must be"):
         parse_tools([{**CLOCK, "function": {**CLOCK["function"], "strict": "yes"}}])
+
+
+def test_the_openai_answer_spells_calls_as_openai_does():
+    """tool_chat.ToolAnswer: the whole message (content null beside calls), the streamed deltas (the
+    call's first item with id, type and name, then argument pieces), finish_reason "tool_calls"; a forced
+    answer cut off mid-call has no content."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    whole = ToolAnswer(DEFAULT, TOOLS, ToolChoice("auto"), None)
+    message = whole.whole(text)["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
+    streamed = ToolAnswer(DEFAULT, TOOLS, ToolChoice("auto"), None)
+    deltas = [streamed.piece(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    items = [item for d in deltas if d for item in d["delta"].get("tool_calls", ())]
+    assert items[0]["id"] == streamed.parser.calls[0].id and items[0]["type"] == "function"
+    assert items[0]["function"]["name"] == "get_weather" and all("id" not in i for i in items[1:])
+    assert "".join(i["function"]["arguments"] for i in items) == '{"city": "Paris"}'
+    assert not any("content" in d["delta"] for d in deltas if d)
+    forced = ToolAnswer(DEFAULT, TOOLS, ToolChoice("required"), None)
+    assert forced.constraint is not None and forced.whole(text + "\n<tool_")["message"]["content"] is None
+    prose = ToolAnswer(DEFAULT, TOOLS, ToolChoice("none"), None)
+    assert prose.constraint is None and prose.whole(text)["message"] == {"role": "assistant", "content": text}
+    assert prose.finish_reason("stop") == "stop"
