@@ -121,6 +121,8 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = Field(False, description="fleet extension (as in vLLM): do not stop at end-of-sequence")
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted, unused
+    # structured output; on the legacy completions a fleet extension, as in vLLM
+    response_format: dict[str, Any] | None = None
 
     def max_tokens_asked(self) -> int | None:
         """The most tokens the request asks for, None when it says nothing."""
@@ -137,6 +139,29 @@ class SamplingRequest(BaseModel):
         if self.logit_bias:
             _refuse("logit_bias", "the last stage returns only its best candidates, so a bias over the whole "
                     "vocabulary cannot be applied")
+        self.output_constraint()  # a response_format it cannot honour is refused by name
+
+    def output_constraint(self) -> Constraint | None:
+        """What ``response_format`` asks the answer to be (OpenAI's structured outputs): None for ``text``,
+        any JSON object for ``json_object``, a value valid under ``json_schema.schema`` for ``json_schema``
+        (enforced by grammar-constrained decoding whether or not ``strict`` is set). Raises ``InvalidRequest``
+        naming the field for another type or a missing or malformed schema."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        match rf.get("type"):
+            case "json_object":
+                return Constraint.json_schema({"type": "object"})
+            case "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    _refuse("response_format", "json_schema needs an object with a name (and a schema)", plain=True)
+                schema = spec.get("schema", {})
+                if not isinstance(schema, (dict, bool)):
+                    _refuse("response_format", "json_schema.schema must be a JSON schema object", plain=True)
+                return Constraint.json_schema(schema)
+        _refuse("response_format", f"type {rf.get('type')!r}: fleet takes 'text', 'json_object' and 'json_schema'")
+        return None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -146,7 +171,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -191,28 +215,6 @@ class ChatCompletionRequest(SamplingRequest):
         tools = parse_tools(self.tools)
         return tools, parse_tool_choice(self.tool_choice, tools)
 
-    def output_constraint(self) -> Constraint | None:
-        """What ``response_format`` asks the answer to be (OpenAI's structured outputs): None for ``text``,
-        any JSON object for ``json_object``, a value valid under ``json_schema.schema`` for ``json_schema``
-        (enforced by grammar-constrained decoding whether or not ``strict`` is set). Raises ``InvalidRequest``
-        naming the field for another type or a missing or malformed schema."""
-        rf = self.response_format
-        if rf is None or rf.get("type") == "text":
-            return None
-        match rf.get("type"):
-            case "json_object":
-                return Constraint.json_schema({"type": "object"})
-            case "json_schema":
-                spec = rf.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                    _refuse("response_format", "json_schema needs an object with a name (and a schema)", plain=True)
-                schema = spec.get("schema", {})
-                if not isinstance(schema, (dict, bool)):
-                    _refuse("response_format", "json_schema.schema must be a JSON schema object", plain=True)
-                return Constraint.json_schema(schema)
-        _refuse("response_format", f"type {rf.get('type')!r}: fleet takes 'text', 'json_object' and 'json_schema'")
-        return None
-
     def refuse_unsupported(self) -> None:
         """Also tools and functions, a response format other than text and JSON, audio, and the fields of features
         fleet does not have (``prediction``, ``reasoning_effort``, ...); ``store: true``."""
@@ -227,7 +229,6 @@ class ChatCompletionRequest(SamplingRequest):
                 and choice.mode != "none":
             _refuse("response_format", "a JSON response_format with tools: the answer could be neither a call nor "
                     "free to call; send one of them (or tool_choice: none)")
-        self.output_constraint()  # a response_format it cannot honour is refused by name
         if self.modalities not in (None, ["text"]) or self.audio is not None:
             _refuse("audio" if self.audio is not None else "modalities", "fleet generates text only")
         for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options"):
@@ -318,5 +319,5 @@ def resolve_sampling(body: SamplingRequest, engine: Engine, max_tokens_default: 
         max_tokens=used["max_tokens"], temperature=used["temperature"], top_p=used["top_p"], seed=body.seed,
         stop=tuple(stop), ignore_eos=body.ignore_eos, top_k=used["top_k"], logprobs=logprobs,
         penalties=Penalties(used["frequency_penalty"], used["presence_penalty"], used["repetition_penalty"]),
-        constraint=body.output_constraint() if isinstance(body, ChatCompletionRequest) else None)
+        constraint=body.output_constraint())
     return params, {**used, "from_model": from_model}

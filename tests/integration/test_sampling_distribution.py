@@ -53,7 +53,7 @@ NEW_TOKENS = 4  # t1 (prefill), t2 t3 (drafts or residuals), t4 (the bonus after
 # 400 the broken control's expected noncentrality at t2 alone is ~0.17 x 400 ~ 70, so about 1 in 50 seed
 # schemes (a change to how the engine seeds its draws) would leave it above ALPHA: then raise SAMPLES. A
 # correct fleet fails with probability ~4 x ALPHA per seed scheme.
-SAMPLES = {"lossless": 400, "broken": 400}
+SAMPLES = {"lossless": 400, "broken": 400, "grammar": 400}
 CLIENTS = 16  # concurrent requests: batch groups of up to 8 rows (--max-batch), drafting in turn
 HEAD_SCALE = 20.0  # LM head x20: after most contexts the nucleus holds 20-40 tokens at T = 0.7
 DRAFT_NOISE = 0.2  # draft = target + N(0, (0.2 std(w))^2) per weight
@@ -111,11 +111,36 @@ def tiny_models(folder: Path, demo_hf: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-class ExactTarget:
-    """The target's sampling distribution, by transformers in f32 on the weights the build stores (fp16)."""
+# The grammar case: a JSON string of 80-400 lowercase letters. Its first token opens the string ('"' and maybe
+# letters); every later token of the first four is letters only (four tokens cannot reach 80 letters, so the
+# closing quote is never allowed), so the allowed set depends only on the position: the reference computes it
+# from the vocabulary's own bytes, not from the grammar library the fleet uses.
+GRAMMAR = {"type": "string", "pattern": "^[a-z]{80,400}$"}
 
-    def __init__(self, src: Path) -> None:
-        self.model = reference_model(src)
+
+def grammar_allowed(tokenizer_json: Path) -> list[np.ndarray]:
+    """The tokens GRAMMAR allows [2][V] bool: at the first position, then at the second to fourth."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in range(VOCAB)]
+    special = {t for t in range(VOCAB) if tokenizer.id_to_token(t) in tokenizer.get_added_tokens_decoder().values()
+               or t in tokenizer.get_added_tokens_decoder()}
+    first = np.array([t not in special and re.fullmatch(r'"[a-z]*', x) is not None for t, x in enumerate(texts)])
+    later = np.array([t not in special and re.fullmatch(r"[a-z]+", x) is not None for t, x in enumerate(texts)])
+    return [first, later]
+
+
+class ExactTarget:
+    """The target's sampling distribution, by transformers in f32 on the weights the build stores (fp16);
+    with ``allowed`` ([first position's, later positions'] allowed tokens [V] bool), under a grammar: the
+    other tokens' logits -inf before the log-softmax and top-k, as the last stage masks them."""
+
+    def __init__(self, src: Path, allowed: list[np.ndarray] | None = None) -> None:
+        self.model, self.source = reference_model(src), src
+        self.allowed = allowed
 
     def dists(self, contexts: np.ndarray, chunk: int = 512) -> list[tuple[np.ndarray, np.ndarray]]:
         """For each row of ``contexts`` [B, L] int64: (ids [n], probs [n] float64) of the next token."""
@@ -126,6 +151,9 @@ class ExactTarget:
             for start in range(0, len(contexts), chunk):
                 x = torch.from_numpy(contexts[start:start + chunk])
                 logits = self.model(x, logits_to_keep=1).logits[:, -1]  # [b, V] f32
+                if self.allowed is not None:
+                    mask = self.allowed[min(contexts.shape[1] - len(PROMPT), 1)]
+                    logits = logits.masked_fill(~torch.from_numpy(mask), float("-inf"))
                 top = torch.topk(torch.log_softmax(logits, -1), TOP_K)  # the last stage's candidates
                 probs = torch.softmax(top.values.double() / TEMPERATURE, -1)  # [b, TOP_K]
                 keep = (torch.cumsum(probs, -1) < TOP_P).sum(-1) + 1  # smallest prefix of mass >= top_p
@@ -184,11 +212,14 @@ def rank_test(tokens: np.ndarray, dists: list[tuple[np.ndarray, np.ndarray]]) ->
     return chi_square(counts, expected)
 
 
-def sample_fleet(url: str, samples: int) -> tuple[np.ndarray, np.ndarray, float]:
-    """The fleet's tokens [samples, NEW_TOKENS] for seeds 0..samples-1, whether t4 was the bonus token of
-    the first verify step (both drafts accepted) [samples] bool, and the acceptance rate over all."""
+def sample_fleet(url: str, samples: int, grammar: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+    """The fleet's tokens [samples, NEW_TOKENS] for seeds 0..samples-1 (under GRAMMAR with ``grammar``),
+    whether t4 was the bonus token of the first verify step (both drafts accepted) [samples] bool, and the
+    acceptance rate over all."""
     body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": TEMPERATURE,
             "top_p": TOP_P}
+    if grammar:  # on the legacy completions a fleet extension, as in vLLM
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "letters", "schema": GRAMMAR}}
 
     def one(seed: int) -> dict:
         with httpx.Client(timeout=60) as client:
@@ -244,22 +275,33 @@ def serve(build: Path, addresses: list[str], log_dir: Path, broken: bool) -> tup
     return proc, f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("case", ["lossless", "broken"], ids=["lossless", "broken-residual-caught"])
+@pytest.mark.parametrize("case", ["lossless", "broken", "grammar"],
+                         ids=["lossless", "broken-residual-caught", "lossless-under-a-grammar"])
 def test_speculative_sampling_through_the_fleet_matches_transformers(tiny_fleet, case):
+    """Under a grammar the target is the masked distribution (transformers' logits with the refused tokens at
+    -inf): the drafts are drawn and verified under the same masks, so speculation stays lossless there too."""
     build, addresses, target, marginals, log_dir = tiny_fleet
-    broken, samples = case == "broken", SAMPLES[case]
+    broken, samples, grammar = case == "broken", SAMPLES[case], case == "grammar"
+    if grammar:
+        target = ExactTarget(target.source, grammar_allowed(build / "tokenizer.json"))
+        marginals, lost = target.marginals(NEW_TOKENS)
+        assert lost < 1e-4, lost
     coordinator, url = serve(build, addresses, log_dir, broken)
     try:
         wait_ready(url)
         t0 = time.monotonic()
-        tokens, bonus, acceptance = sample_fleet(url, samples)
+        tokens, bonus, acceptance = sample_fleet(url, samples, grammar)
         elapsed = time.monotonic() - t0
     finally:
         coordinator.stop()
     first = int(marginals[0].argmax())
-    assert marginals[0][first] == 1.0 and (tokens[:, 0] == first).all(), np.unique(tokens[:, 0])  # the 1-token nucleus
+    if grammar:  # the string opens and goes on in letters, as the reference's own allowed sets say
+        allowed = grammar_allowed(build / "tokenizer.json")
+        assert allowed[0][tokens[:, 0]].all() and allowed[1][tokens[:, 1:]].all()
+    else:
+        assert marginals[0][first] == 1.0 and (tokens[:, 0] == first).all(), np.unique(tokens[:, 0])  # 1-token nucleus
     results = {f"t{i + 1}": chi_square(np.bincount(tokens[:, i], minlength=VOCAB).astype(float), samples * m)
-               for i, m in enumerate(marginals) if i > 0}
+               for i, m in enumerate(marginals) if i > 0 or grammar}
     # the bonus token, given its context (t1-t3), is drawn from the target's next distribution there
     results["bonus"] = rank_test(tokens[bonus, 3], target.dists(
         np.array([[*PROMPT, *row[:3]] for row in tokens[bonus]], dtype=np.int64)))
