@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/health``) and Prometheus ``/metrics``. The request bodies and the fields fleet refuses are in
-``openai_schema``; the answers to both completion endpoints come from ``completions.Responder``."""
+``/health``), the Anthropic Messages API (``/v1/messages``: ``anthropic_api``) and Prometheus ``/metrics``.
+The OpenAI request bodies and the fields fleet refuses are in ``openai_schema``; the answers to both
+completion endpoints come from ``completions.Responder``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from .access import ApiKeys, key_given, public_health
+from .anthropic_api import MessagesResponder, add_anthropic_routes
+from .anthropic_errors import anthropic_path, anthropic_response, error_body
 from .completions import Responder, check_model
 from .errors import FleetError, InvalidRequest
 from .http_guard import HostCheck, served_host_names
@@ -46,6 +49,7 @@ def create_app(engine: Engine, health: Callable[[], dict]) -> FastAPI:
     add_status_routes(app, engine, health)
     add_model_routes(app, engine)
     add_completion_routes(app, Responder(engine, prompts))
+    add_anthropic_routes(app, MessagesResponder(engine, prompts))
     add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
     return app
 
@@ -60,32 +64,39 @@ def add_guards(app: FastAPI, settings: CoordinatorSettings, body_limit: int) -> 
     app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
 
 
-def _error_response(exc: FleetError) -> JSONResponse:
+def _error_response(exc: FleetError, http: HttpRequest | None = None) -> JSONResponse:
+    if http is not None and anthropic_path(http.url.path):
+        return anthropic_response(exc)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error body: fleet's own (``FleetError``), a body that does not validate
-    (400 naming the field), and Starlette's (404, 405, a chunked body over the cap: 413)."""
+    """Every error as an OpenAI error body (on the Anthropic API's paths, as Anthropic's:
+    ``anthropic_errors``): fleet's own (``FleetError``), a body that does not validate (400 naming the
+    field), and Starlette's (404, 405, a chunked body over the cap: 413)."""
 
     @app.exception_handler(FleetError)
-    async def fleet_error(_: HttpRequest, exc: FleetError) -> JSONResponse:
+    async def fleet_error(http: HttpRequest, exc: FleetError) -> JSONResponse:
         if exc.status >= 500:
             log.warning("request refused: %s%s", exc.message, f" ({exc.detail})" if exc.detail else "")
-        return _error_response(exc)
+        return _error_response(exc, http)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(http: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return _error_response(InvalidRequest("request body is not valid JSON"))
+            return _error_response(InvalidRequest("request body is not valid JSON"), http)
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         if param is None:
-            return _error_response(InvalidRequest(f"request body must be a JSON object: {first.get('msg', '')}"))
-        return _error_response(InvalidRequest(f"invalid {param}: {first.get('msg', 'bad value')}", param=param))
+            return _error_response(InvalidRequest(f"request body must be a JSON object: {first.get('msg', '')}"),
+                                   http)
+        return _error_response(InvalidRequest(f"invalid {param}: {first.get('msg', 'bad value')}", param=param),
+                               http)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:
+    async def http_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
+        if anthropic_path(http.url.path):
+            return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "request_too_large" if exc.status_code == 413 else None  # limits.BodyLimit, a chunked body
         return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
