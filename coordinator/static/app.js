@@ -3,12 +3,15 @@
 // aborts the fetch, which the coordinator sees as a disconnect and answers by ending the generation and
 // freeing the session's KV on every stage; messages.js shows them (markdown.js renders the answers), and
 // fleet.js polls GET /health for the fleet panel. The model and its sampling come from GET /v1/models
-// (request.js).
+// (request.js). Tool calls an answer makes show as blocks; while calls wait, what the user sends is the
+// next call's result (a tool message), and the last result asks the model's next turn (tools.js).
 import { $, banner, el } from "./dom.js";
 import { ConversationStore } from "./conversation.js";
-import { copyCode, renderConversationList, renderMessages, scheduleUpdate, updateMessage } from "./messages.js";
+import { copyCode, renderConversationList, renderMessages, scheduleUpdate, showCall, updateMessage }
+  from "./messages.js";
 import { refreshFleet, startFleetPanel } from "./fleet.js";
-import { modelInfo, requestBody, samplingHint } from "./request.js";
+import { modelInfo, requestBody, samplingHint, toolFields } from "./request.js";
+import { parseTools, pendingCalls } from "./tools.js";
 import { applyChunk, endAnswer, finishStats, newTiming, sseData } from "./sse.js";
 import { renderMarkdown } from "./markdown.js";
 
@@ -16,7 +19,7 @@ const store = new ConversationStore(localStorage, (e) =>
   banner(`This browser would not save the chat (${e.name}): export it, then delete old conversations.`));
 const state = {
   apiKey: "", model: modelInfo(null),
-  settings: { system: "", temperature: "", maxTokens: "" },
+  settings: { system: "", temperature: "", maxTokens: "", tools: "", toolChoice: "" },
   streaming: null,  // {controller, answer, conversation} while an answer streams
   pendingSend: null,  // text refused for want of a key: sent again once a key is accepted
 };
@@ -25,6 +28,16 @@ const state = {
 function renderAll() {
   renderConversationList(store, { onOpen: openConversation, onDelete: deleteConversation });
   renderMessages(store.current());
+  showComposerHint();
+}
+
+// While the open conversation's last answer has calls without results, the message box takes the next
+// call's result.
+function showComposerHint() {
+  const [call] = pendingCalls(store.current());
+  $("input").placeholder = call ? `Result of ${call.function.name} (${call.id}), sent as the tool's answer`
+    : "Message the fleet";
+  $("input").classList.toggle("awaiting-result", Boolean(call));
 }
 
 function openConversation(c) {
@@ -65,9 +78,17 @@ async function readAnswer(response, answer, timing) {
 async function send(text) {
   text = (text !== undefined ? text : $("input").value).trim();
   if (!text || state.streaming) return;
+  try {
+    toolFields(state.settings);
+  } catch (e) {
+    banner(`Not sent: ${e.message} (Settings → Tools).`);
+    return;
+  }
   $("input").value = "";
-  const { conversation, question, answer } = store.startTurn(text, state.model.id);
+  const { conversation, question, answer } = pendingCalls(store.current()).length
+    ? store.startToolResult(text, state.model.id) : store.startTurn(text, state.model.id);
   renderAll();
+  if (!answer) return;  // more calls wait for their results
   const controller = new AbortController();
   state.streaming = { controller, answer, conversation };
   setStreaming(true);
@@ -98,6 +119,7 @@ async function send(text) {
     store.save();
     if (conversation.messages.includes(answer)) updateMessage(answer);
     else renderMessages(store.current());
+    showComposerHint();
     renderConversationList(store, { onOpen: openConversation, onDelete: deleteConversation });
     setTimeout(refreshFleet, 1200);  // the stages' KV after the answer (workers report once a second)
   }
@@ -111,9 +133,15 @@ function setStreaming(on) {
 
 // ---- settings and the API key --------------------------------------------------------------------
 const SETTING_INPUTS = { system: "settings-system", temperature: "settings-temperature",
-  maxTokens: "settings-max-tokens" };
+  maxTokens: "settings-max-tokens", tools: "settings-tools", toolChoice: "settings-tool-choice" };
 
-const showSamplingHint = () => { $("sampling-hint").textContent = samplingHint(state.settings, state.model); };
+const showSamplingHint = () => {
+  $("sampling-hint").textContent = samplingHint(state.settings, state.model);
+  const { tools, problem } = parseTools(state.settings.tools);
+  $("tools-hint").textContent = problem || (tools ? `Sends ${tools.length} tool(s): ` +
+    tools.map((t) => t.function.name).join(", ") : "No tools sent.");
+  $("tools-hint").classList.toggle("error", Boolean(problem));
+};
 
 function bindSettings() {
   for (const [name, id] of Object.entries(SETTING_INPUTS)) {
@@ -237,7 +265,10 @@ function bindControls() {
     if (e.target.files[0]) importFile(e.target.files[0]);
     e.target.value = "";
   });
-  $("messages").addEventListener("click", (e) => { if (e.target.classList.contains("copy")) copyCode(e.target); });
+  $("messages").addEventListener("click", (e) => {
+    if (e.target.classList.contains("copy")) copyCode(e.target);
+    if (e.target.classList.contains("call-link")) { e.preventDefault(); showCall(e.target); }
+  });
   $("key-form").addEventListener("submit", onKeySubmit);
   $("key-cancel").addEventListener("click", onKeyCancel);
   $("key-dialog").addEventListener("cancel", onKeyCancel);  // Escape

@@ -2,7 +2,10 @@
 // checks of a conversation that comes from outside the page's own code (an imported file, or localStorage
 // written by an older page): every field the page reads must have the type the page expects, so a file
 // with "tokens_per_s": "x" is refused with its place named instead of breaking the page on every load.
-// And the numbers line under an answer. Pure (no DOM; the storage is passed in): node's tests import it.
+// Messages are questions (user), answers (assistant: text, and the tool calls it made, in OpenAI's shape)
+// and tool results (tool, with the tool_call_id of their call). And the numbers line under an answer. Pure (no DOM; the storage is passed in): node's tests import it.
+
+import { pendingCalls, toolCallsProblem, toolMessageProblem } from "./tools.js";
 
 const isNumber = (v) => typeof v === "number" && Number.isFinite(v);
 const STATES = ["done", "stopped", "error", "streaming"];
@@ -13,6 +16,7 @@ const MAX_TEXT = 10 * (1 << 20);  // characters of one message: localStorage hol
 export const KEYS = { conversations: "fleet.conversations", current: "fleet.current", settings: "fleet.settings",
   apiKey: "fleet.apiKey" };
 const NEW_TITLE = "New chat";
+const ROLES = ["user", "assistant", "tool"];
 
 const shown = (v) => { const s = JSON.stringify(v); return s === undefined ? String(v) : s.slice(0, 40); };
 const optional = (v, check) => v === undefined || v === null || check(v);
@@ -36,9 +40,18 @@ function statsProblem(stats) {
 
 function messageProblem(m) {
   if (!m || typeof m !== "object") return `is ${shown(m)}, not a message`;
-  if (m.role !== "user" && m.role !== "assistant") return `role must be "user" or "assistant", not ${shown(m.role)}`;
-  if (!isString(m.content)) return `content must be text, not ${shown(m.content)}`;
-  if (m.content.length > MAX_TEXT) return `content is ${m.content.length} characters long (at most ${MAX_TEXT})`;
+  if (!ROLES.includes(m.role)) return `role must be "user", "assistant" or "tool", not ${shown(m.role)}`;
+  const calls = m.role === "assistant" ? toolCallsProblem(m.tool_calls) : null;
+  if (calls) return calls;
+  if (m.role !== "assistant" && m.tool_calls !== undefined) return `a ${m.role} message has no tool_calls`;
+  if (m.role === "tool") {
+    const problem = toolMessageProblem(m);
+    if (problem) return problem;
+  }
+  // OpenAI's answer of calls alone has content null: the page keeps "" (settle)
+  const nullOk = m.role === "assistant" && Array.isArray(m.tool_calls) && m.tool_calls.length;
+  if (!isString(m.content) && !(nullOk && m.content === null)) return `content must be text, not ${shown(m.content)}`;
+  if (m.content && m.content.length > MAX_TEXT) return `content is ${m.content.length} characters long (at most ${MAX_TEXT})`;
   if (!optional(m.id, isString)) return `id must be text, not ${shown(m.id)}`;
   if (!optional(m.at, isNumber)) return `at must be a time in ms, not ${shown(m.at)}`;
   if (!optional(m.state, (v) => STATES.includes(v))) return `state must be one of ${STATES.join(", ")}`;
@@ -79,9 +92,13 @@ export function statsLine(m) {
 /** A new id: time and randomness in base 36. */
 export const uid = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
 
-// A message left streaming (the page went away mid-answer, or another browser exported it) is stopped.
+// A message left streaming (the page went away mid-answer, or another browser exported it) is stopped;
+// an answer of calls alone with content null (OpenAI's spelling) gets "".
 function settle(c) {
-  for (const m of c.messages) if (m.state === "streaming") m.state = "stopped";
+  for (const m of c.messages) {
+    if (m.state === "streaming") m.state = "stopped";
+    if (m.content === null) m.content = "";
+  }
 }
 
 /** The conversations, the open one, the settings and the API key, kept in `storage` (localStorage, or
@@ -179,7 +196,28 @@ export class ConversationStore {
     return { conversation, question, answer };
   }
 
-  /** Take a turn back (its question and answer), as if it had not been sent. */
+  /** Give the open conversation's first call still waiting (tools.js pendingCalls) its result `text`: a
+   * tool message with the call's tool_call_id and name; when no call waits any longer, an empty streaming
+   * answer by `model` after it (the model's turn that reads the results), else none. Saved. Returns
+   * {conversation, question: the tool message, answer (or null)}; null when no call waits. */
+  startToolResult(text, model) {
+    const conversation = this.current();
+    const [call, ...others] = pendingCalls(conversation);
+    if (!call) return null;
+    const question = { id: uid(), role: "tool", tool_call_id: call.id, name: call.function.name, content: text,
+      at: Date.now() };
+    conversation.messages.push(question);
+    let answer = null;
+    if (!others.length) {
+      answer = { id: uid(), role: "assistant", content: "", at: Date.now(), state: "streaming", stats: {} };
+      conversation.messages.push(answer);
+    }
+    conversation.model = model || conversation.model;
+    this.save();
+    return { conversation, question, answer };
+  }
+
+  /** Take a turn back (its question or tool result, and its answer), as if it had not been sent. */
   takeBack(conversation, question) {
     const at = conversation.messages.indexOf(question);
     if (at >= 0) conversation.messages.splice(at, 2);
@@ -197,7 +235,7 @@ export class ConversationStore {
    * conversation is one the page cannot show. */
   importData(data) {
     if (!data || !Array.isArray(data.conversations)) {
-      throw new Error("not a fleet chat export (conversations with user and assistant messages)");
+      throw new Error("not a fleet chat export (conversations with user, assistant and tool messages)");
     }
     data.conversations.forEach((c, i) => {
       const problem = conversationProblem(c);

@@ -3,8 +3,11 @@
 // generation_config.json), and `fallback_sampling`, what a chat client sends when its user sets no
 // sampling field (the coordinator's choice: greedy with a small frequency penalty, which keeps the demo
 // model from looping, for a model without sampling defaults of its own; {} for one with them), as
-// fleet-chat does. A coordinator that does not send it gets nothing added. Pure (no DOM): node's tests
+// fleet-chat does. A coordinator that does not send it gets nothing added. The settings' tools (JSON) go
+// with every request when set. Pure (no DOM): node's tests
 // import it.
+
+import { apiMessage, parseTools } from "./tools.js";
 
 const SAMPLING_NAMES = ["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
   "repetition_penalty"];
@@ -41,17 +44,29 @@ export function samplingFields(settings, model) {
   return body;
 }
 
-/** The streamed request for `conversation`'s messages (the system prompt first when set; `answer`, the one
- * being asked for, and empty answers left out) with the sampling fields. */
+/** The tool fields of a request from the page's `settings` ({tools: the "tools (JSON)" text, toolChoice:
+ * one of TOOL_CHOICES}): {} without tools; throws an Error naming the problem when the text is not a list
+ * of function tools (parseTools). */
+export function toolFields(settings) {
+  const { tools, problem } = parseTools(settings.tools || "");
+  if (problem) throw new Error(problem);
+  if (!tools) return {};
+  return { tools, ...(settings.toolChoice ? { tool_choice: settings.toolChoice } : {}) };
+}
+
+/** The streamed request for `conversation`'s messages in OpenAI's shape (the system prompt first when
+ * set; `answer`, the one being asked for, and empty answers left out; answers keep their tool_calls and
+ * results their tool_call_id: tools.js apiMessage) with the sampling and tool fields. Throws an Error
+ * naming the problem when the settings' tools are not valid (toolFields). */
 export function requestBody(conversation, answer, settings, model) {
   const messages = [];
   if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
   for (const m of conversation.messages) {
-    if (m === answer || (m.role === "assistant" && !m.content)) continue;
-    messages.push({ role: m.role, content: m.content });
+    const sent = m === answer ? null : apiMessage(m);
+    if (sent) messages.push(sent);
   }
   return { model: model.id, messages, stream: true, stream_options: { include_usage: true },
-    ...samplingFields(settings, model) };
+    ...samplingFields(settings, model), ...toolFields(settings) };
 }
 
 /** The line under the settings saying what a request sends and where the rest comes from. */

@@ -2,6 +2,7 @@
 // cannot POST) and what each chat.completion.chunk adds to the answer, by openai-python's rules: ':' lines
 // are comments, 'data: [DONE]' ends the stream, a payload with 'error' is a failure mid-stream. Pure (no
 // DOM): node's tests import it.
+import { addToolCallDeltas } from "./tools.js";
 
 /** Splits server-sent-events text, fed in pieces as it arrives, into the data of each complete event. */
 export class SseParser {
@@ -83,8 +84,8 @@ export function newTiming(start) {
   return { start, first: null, last: null, chunks: 0, usage: null, fleet: null };
 }
 
-/** Apply one event's `data` (a chat.completion.chunk as JSON) to `answer` (its content, state, error and
- * stats.finish) and `timing` (when text came, the usage and fleet fields), at time `now` (ms). Data that
+/** Apply one event's `data` (a chat.completion.chunk as JSON) to `answer` (its content, tool_calls (tools.js
+ * addToolCallDeltas), state, error and stats.finish) and `timing` (when text came, the usage and fleet fields), at time `now` (ms). Data that
  * is not JSON is skipped, as openai-python does. */
 export function applyChunk(answer, timing, data, now) {
   let chunk;
@@ -96,12 +97,15 @@ export function applyChunk(answer, timing, data, now) {
     return;
   }
   const choice = Array.isArray(chunk.choices) ? chunk.choices[0] : null;
-  const text = choice && choice.delta && choice.delta.content;
-  if (typeof text === "string" && text) {
+  const delta = choice && choice.delta;
+  const text = delta && delta.content;
+  const grew = typeof text === "string" && text.length > 0;
+  if (grew) answer.content += text;
+  const called = delta ? addToolCallDeltas(answer, delta.tool_calls) > 0 : false;
+  if (grew || called) {
     if (timing.first === null) timing.first = now;
     timing.last = now;
     timing.chunks += 1;
-    answer.content += text;
   }
   if (choice && choice.finish_reason) answer.stats.finish = choice.finish_reason;
   if (chunk.usage) timing.usage = chunk.usage;

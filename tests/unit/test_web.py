@@ -19,7 +19,7 @@ from coordinator.web import STATIC, add_web_routes, lan_addresses, page_urls
 ROOT = Path(__file__).resolve().parents[2]
 # every file of the page: its ES modules (app.js imports the others), the vendored renderer and its licence
 PAGE_FILES = ("index.html", "style.css", "app.js", "conversation.js", "dom.js", "fleet.js", "markdown.js",
-              "messages.js", "request.js", "sse.js", "vendor/markdown-it.esm.min.js", "vendor/markdown-it.LICENSE")
+              "messages.js", "request.js", "sse.js", "tools.js", "vendor/markdown-it.esm.min.js", "vendor/markdown-it.LICENSE")
 
 
 def test_page_and_static_files_are_open_while_the_api_needs_a_key():
