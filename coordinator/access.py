@@ -4,6 +4,7 @@
 |---|---|---|
 | ``/``, ``/static/*`` (the chat page) | yes: it holds no secret | yes |
 | ``/v1/*`` | 401 (on ``/v1/messages``: in Anthropic's shape) | yes |
+| ``/api/*`` (the Ollama API) | 401 in Ollama's shape | yes |
 | ``/openapi.json`` (the API's schema) | 401 | yes |
 | ``/metrics`` (names every worker's address) | 401; ``--public-metrics``: yes | yes |
 | ``/health`` | ready, model, stages, missing stages, request counts (``PUBLIC_HEALTH``); ``--public-health``: all | all |
@@ -25,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .anthropic_errors import anthropic_path, anthropic_response
 from .errors import InvalidApiKey
+from .ollama_errors import ollama_path, ollama_response
 
 # the /health fields any caller sees: enough for a load balancer or a readiness probe, no address
 PUBLIC_HEALTH = ("ready", "shutting_down", "model", "num_stages", "protocol_version", "missing_stages", "queued",
@@ -75,9 +77,10 @@ def key_given(scope: Scope) -> bool:
 
 
 class ApiKeys:
-    """ASGI middleware: requests to ``/v1`` and below, ``/openapi.json`` and (unless ``public_metrics``)
-    ``/metrics`` need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) with one of ``keys``, else HTTP
-    401 with an OpenAI error body (``invalid_api_key``; Anthropic's ``authentication_error`` on its paths).
+    """ASGI middleware: requests to ``/v1`` and below, ``/api`` and below (Ollama's), ``/openapi.json`` and
+    (unless ``public_metrics``) ``/metrics`` need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) with one
+    of ``keys``, else HTTP 401 with an OpenAI error body (``invalid_api_key``; Anthropic's
+    ``authentication_error`` on its paths, Ollama's ``{"error": ...}`` on its own).
     Other paths pass, marked with whether they carried a valid key (``key_given``). Keys are compared as SHA-256 digests in constant time, against every key."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], public_metrics: bool = False) -> None:
@@ -99,7 +102,7 @@ class ApiKeys:
 
     def guarded(self, path: str) -> bool:
         """Whether ``path`` needs a key."""
-        return (path == "/v1" or path.startswith("/v1/") or path == "/openapi.json"
+        return (path == "/v1" or path.startswith("/v1/") or ollama_path(path) or path == "/openapi.json"
                 or (path == "/metrics" and not self.public_metrics))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,8 +115,12 @@ class ApiKeys:
             path = scope.get("path", "")
             if refused is not None and self.guarded(path):
                 exc = refused
-                response = anthropic_response(exc) if anthropic_path(path) else \
-                    JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+                if anthropic_path(path):
+                    response = anthropic_response(exc)
+                elif ollama_path(path):
+                    response = ollama_response(exc)
+                else:
+                    response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
                 await response(scope, receive, send)
                 return
             scope.setdefault("state", {})[KEY_SCOPE] = refused is None

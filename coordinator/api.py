@@ -22,6 +22,8 @@ from .completions import Responder, check_model
 from .errors import FleetError, InvalidRequest
 from .http_guard import HostCheck, served_host_names
 from .limits import BodyLimit
+from .ollama_api import add_ollama_routes
+from .ollama_errors import ollama_path, ollama_response
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .prompts import PromptPreparer
 from .sampling import fallback_sampling
@@ -48,7 +50,9 @@ def create_app(engine: Engine, health: Callable[[], dict]) -> FastAPI:
     add_error_handlers(app)
     add_status_routes(app, engine, health)
     add_model_routes(app, engine)
-    add_completion_routes(app, Responder(engine, prompts))
+    responder = Responder(engine, prompts)
+    add_completion_routes(app, responder)
+    add_ollama_routes(app, responder)  # /api/* (the Ollama API), on the same responder
     add_anthropic_routes(app, MessagesResponder(engine, prompts))
     add_web_routes(app)  # the chat page at / (open: /v1/* alone needs a key)
     return app
@@ -59,7 +63,7 @@ def add_guards(app: FastAPI, settings: CoordinatorSettings, body_limit: int) -> 
     a 413 before any parsing), then the API keys (when ``settings`` has any)."""
     if keys := settings.allowed_api_keys:
         app.add_middleware(ApiKeys, keys=keys, public_metrics=settings.public_metrics)
-        log.info("HTTP API: /v1/* requires one of %d API key(s)", len(keys))
+        log.info("HTTP API: /v1/* and /api/* require one of %d API key(s)", len(keys))
     app.add_middleware(BodyLimit, max_bytes=body_limit)
     app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
 
@@ -67,6 +71,8 @@ def add_guards(app: FastAPI, settings: CoordinatorSettings, body_limit: int) -> 
 def _error_response(exc: FleetError, http: HttpRequest | None = None) -> JSONResponse:
     if http is not None and anthropic_path(http.url.path):
         return anthropic_response(exc)
+    if http is not None and ollama_path(http.url.path):
+        return ollama_response(exc)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
@@ -97,6 +103,8 @@ def add_error_handlers(app: FastAPI) -> None:
     async def http_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
         if anthropic_path(http.url.path):
             return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        if ollama_path(http.url.path):
+            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "request_too_large" if exc.status_code == 413 else None  # limits.BodyLimit, a chunked body
         return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .anthropic_errors import anthropic_path, error_body
+from .ollama_errors import ollama_path
 from .tokenizer import ChatTokenizer
 
 MAX_MESSAGES = 2048
@@ -85,7 +86,7 @@ class BodyLimit:
     body (code ``request_too_large``): at once when its ``Content-Length`` says so, before it is read;
     else once the bytes received pass the limit (a chunked body: the endpoint's read raises it as an
     ``HTTPException``, which FastAPI passes on to the app's handler). On the Anthropic API's paths the body
-    is Anthropic's (``request_too_large``). Starlette's own
+    is Anthropic's (``request_too_large``), on the Ollama API's Ollama's (``{"error": message}``). Starlette's own
     ``max_body_size`` answers a declared length in plain text, which OpenAI clients cannot read."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -100,9 +101,14 @@ class BodyLimit:
         declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
             message = _too_large(limit, int(declared))
-            body = error_body(413, message) if anthropic_path(scope.get("path", "")) else \
-                {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                           "code": "request_too_large"}}
+            path = scope.get("path", "")
+            if anthropic_path(path):
+                body = error_body(413, message)
+            elif ollama_path(path):
+                body = {"error": message}
+            else:
+                body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                  "code": "request_too_large"}}
             await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
             return
         received = 0
