@@ -137,6 +137,13 @@ class Matcher:
         if count:
             self._m.rollback(count)
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces from here (llguidance's fast-forward tokens: the bytes
+        every allowed continuation starts with, tokenized; ``{"name":`` of a schema's first key). The step
+        loop sends them as point-mass drafts, so they cost one step together, and verification keeps the
+        output exactly that of plain decoding (a draft the model would not have chosen is rejected)."""
+        return self._m.compute_ff_tokens()[:limit] if limit > 0 else []
+
     @property
     def stopped(self) -> bool:
         """Whether the grammar is complete and allows nothing but the end of sequence."""

@@ -309,8 +309,10 @@ class StepLoop:
             seq.joined_compactions = group.compactions
             costs.observe(len(draft) + 1, seconds)
             if draft:
-                decided = seq.output.verify(out, draft, seq.qs, seq.logical, seq.draft_ms, seconds * 1000)
-                if seq.drafter is None:
+                decided = seq.output.verify(out, draft, seq.qs, seq.logical, seq.draft_ms, seconds * 1000, seq.forced)
+                if seq.forced:  # the grammar's tokens: no draft cost to learn
+                    pass
+                elif seq.drafter is None:
                     costs.observe_draft(len(draft), seq.draft_ms / 1000)
                 elif seq.drafter.seconds_per_token is not None:
                     costs.observe_draft(1, seq.drafter.seconds_per_token)
@@ -339,7 +341,9 @@ class StepLoop:
         """Decide the next step's drafts: none, by prompt lookup at once, or by the draft model (the
         scheduler starts its proposal)."""
         seq.k = k = seq.output.next_k()
-        if k and self.ctx.draft_model is not None and seq.drafter is not None:
+        if forced := seq.output.forced_draft():
+            self._set_draft(seq, forced, [SparseDist.point(t) for t in forced], forced=True)
+        elif k and self.ctx.draft_model is not None and seq.drafter is not None:
             seq.draft = None  # the scheduler starts the draft's prefill, then the proposal
         elif k and self.ctx.draft_source == "ngram":
             t0 = time.perf_counter()
@@ -350,13 +354,13 @@ class StepLoop:
             self._set_draft(seq, [], [])
 
     @staticmethod
-    def _set_draft(seq: Seq, draft: list[int], qs: list[SparseDist], draft_ms: float = 0.0) -> None:
+    def _set_draft(seq: Seq, draft: list[int], qs: list[SparseDist], draft_ms: float = 0.0, forced: bool = False) -> None:
         """The next step's drafts (drawn from ``qs``); under a grammar, with its masks, cut before the first
         draft the grammar refuses (prompt lookup's; the draft model's are drawn under the masks)."""
         if (grammar := seq.request.grammar) is not None:
             allowed, seq.masks = grammar.masks(draft)
             draft, qs = draft[:allowed], qs[:allowed]
-        seq.draft, seq.qs, seq.draft_ms = draft, qs, draft_ms
+        seq.draft, seq.qs, seq.draft_ms, seq.forced = draft, qs, draft_ms, forced
 
     # -- ends, failures, retention -----------------------------------------------------------------
     def _ended(self, seq: Seq, retain: bool, done: asyncio.Future) -> None:

@@ -15,6 +15,9 @@ from .speculative import AdaptiveK, StepCostsByLoad, verify
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 
+FORCED_MAX = 16  # forced tokens one step carries at most (a tool call's syntax and name, a schema's keys)
+
+
 class OutputProcessor:
     """Turns one request's step results into tokens and text deltas.
 
@@ -48,17 +51,29 @@ class OutputProcessor:
         return [self.request.target(out.top_ids[-1], out.top_logprobs[-1]).sample(self.rng_at(logical + 1))]
 
     def verify(self, out: StepOutput, draft: list[int], qs: list[SparseDist], logical: int, draft_ms: float,
-               verify_ms: float) -> list[int]:
+               verify_ms: float, forced: bool = False) -> list[int]:
         """The tokens a step that carried ``draft`` (drawn from ``qs``) decided: the accepted drafts, then
-        the target's own token (Leviathan et al. 2023, Chen et al. 2023); counts the acceptance."""
+        the target's own token (Leviathan et al. 2023, Chen et al. 2023); counts the acceptance (``forced``:
+        the grammar's forced tokens, counted apart: they say nothing of the draft's acceptance)."""
         request = self.request
         # the penalized targets: position i's penalties count the drafts before it (its context if accepted)
         targets = [request.target(out.top_ids[i], out.top_logprobs[i], draft[:i]) for i in range(len(draft) + 1)]
         decided = verify(draft, qs, targets, [self.rng_at(logical + 1 + i) for i in range(len(draft) + 1)])
         accepted = len(decided) - 1
+        if forced:
+            request.forced_tokens += accepted
+            return decided
         request.record_verify(len(draft), accepted, draft_ms, verify_ms)
         self.policy.observe(len(draft), accepted)
         return decided
+
+    def forced_draft(self) -> list[int]:
+        """The tokens the request's grammar forces next, up to ``FORCED_MAX`` and the tokens left ([] without
+        a grammar): the next step's drafts, whatever K the draft's policy would choose."""
+        grammar, request = self.request.grammar, self.request
+        if grammar is None:
+            return []
+        return grammar.forced(min(FORCED_MAX, request.params.max_tokens - len(request.output_ids)))
 
     def next_k(self) -> int:
         """Drafts the next step should carry (0: a plain step)."""

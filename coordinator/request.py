@@ -67,6 +67,7 @@ class Request:
     compactions: int = 0  # KV compactions (one state rewrite per stage each)
     batch_max: int = 0  # most sessions that shared one of its decode steps (its batch group's size)
     failovers: int = 0  # times it moved to replica workers after a stage failed
+    forced_tokens: int = 0  # output tokens its grammar forced, sent as drafts and accepted (constraint.py)
     output_counts: dict[int, int] = field(default_factory=dict)  # times each token was generated (penalties)
     prefilled: int = 0  # prompt tokens on the stages so far (streamed as prefill progress)
     cached_tokens: int = 0  # prompt tokens whose KV a retained session gave (prefix cache), not prefilled
@@ -123,6 +124,7 @@ class Request:
             "compactions": self.compactions,
             "batch_max": self.batch_max,
             "failovers": self.failovers,
+            "forced_tokens": self.forced_tokens,
         }
 
     def append(self, token: int, offset: int = 0) -> None:

@@ -63,6 +63,7 @@ class Seq:
     qs: list[SparseDist] = field(default_factory=list)  # the distributions the drafts were drawn from
     draft_ms: float = 0.0  # what proposing them took
     masks: object = None  # np.ndarray [len(draft) + 1, words] int32: the next step's grammar masks, if any
+    forced: bool = False  # its drafts are the tokens its grammar forces (point masses), not a draft's
     drafter: object = None  # its DraftSession in the draft model, if any
     draft_prefill: str = ""  # "", "wanted" (beside the stages' prefill), "running", "done" or "failed"
     group: BatchGroup | None = None
