@@ -1,4 +1,8 @@
-"""``fleet-chat``: a terminal chat with a fleet on the LAN (found by zeroconf, or ``--url``)."""
+"""``fleet-chat``: a terminal chat with a fleet on the LAN (found by zeroconf, or ``--url``).
+
+With ``--tools FILE.json`` (OpenAI function tools) the model may answer with tool calls: they are printed
+(name and arguments, labelled), the user types each call's result at a ``result of NAME>`` prompt, and
+the results go back as ``role: "tool"`` messages for the model's next turn."""
 
 from __future__ import annotations
 
@@ -148,12 +152,52 @@ def transport_error(exc: httpx.HTTPError, url: str, answering: bool = False) -> 
     return ChatError(f"cannot talk to {url}: {type(exc).__name__}; check the address (--url)", detail)
 
 
-def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> str:
-    """Send the conversation, print the answer as it streams, then a tokens/s line; return the answer.
+def load_tools(path: str) -> list[dict]:
+    """The OpenAI function tools of the JSON file at ``path`` (a list of ``{"type": "function", "function":
+    {"name", "description"?, "parameters"?}}``, sent as the request's ``tools``); raises ``ChatError``
+    naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ChatError(f"--tools {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(tools, list) or not tools:
+        raise ChatError(f"--tools {path}: must hold a non-empty JSON list of tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ChatError(f"--tools {path}: tool {i + 1} is not {{\"type\": \"function\", \"function\": "
+                            "{\"name\": ..., \"parameters\": {...}}} (OpenAI's function tool)")
+    return tools
+
+
+def tool_fields(args: argparse.Namespace) -> dict:
+    """The request's ``tools`` and ``tool_choice`` from ``--tools`` and ``--tool-choice`` (auto, required,
+    none or a tool's name); {} without ``--tools``. Raises ``ChatError`` for a ``--tool-choice`` that
+    names no tool of the file, or comes without ``--tools``."""
+    if not args.tools:
+        if args.tool_choice is not None:
+            raise ChatError("--tool-choice needs --tools FILE.json (the tools to choose from)")
+        return {}
+    tools = load_tools(args.tools)
+    choice = args.tool_choice
+    if choice is None or choice in ("auto", "required", "none"):
+        return {"tools": tools, **({"tool_choice": choice} if choice else {})}
+    if choice not in {t["function"]["name"] for t in tools}:
+        raise ChatError(f"--tool-choice {choice}: no tool of that name in {args.tools} (or auto, required, none)")
+    return {"tools": tools, "tool_choice": {"type": "function", "function": {"name": choice}}}
+
+
+def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> dict:
+    """Send the conversation, print the answer as it streams (tool calls labelled, their arguments as they
+    come), then a tokens/s line; return the answer as an assistant message (``content``, and
+    ``tool_calls`` in OpenAI's shape when it made calls).
 
     Raises ``ContextFull`` when the server says the conversation is too long, ``ChatError`` for
     other API errors and ``httpx.HTTPError`` for transport failures."""
-    body = {"messages": messages, "stream": True, **args.sampling, "stream_options": {"include_usage": True}}
+    body = {"messages": messages, "stream": True, **args.sampling, **getattr(args, "tool_fields", {}),
+            "stream_options": {"include_usage": True}}
     parts: list[str] = []
     try:
         with quiet_terminal():
@@ -162,9 +206,43 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: arg
         raise Interrupted("".join(parts)) from None
 
 
-def _stream(client: httpx.Client, url: str, body: dict, parts: list[str]) -> str:
+class CallPrinter:
+    """The streamed ``delta.tool_calls`` pieces of one answer joined into calls (OpenAI's rules: a piece's
+    ``index`` names its call, the first brings ``id`` and ``function.name``, each may bring more of
+    ``function.arguments``) and printed as they come: ``[tool call NAME · ID] ARGUMENTS``, dimmed on a
+    terminal."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.pieces = 0  # the pieces taken (about one token each)
+        self.style = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
+
+    def take(self, pieces: list, after_text: bool) -> None:
+        """Join and print one chunk's pieces; ``after_text``: the answer's text so far does not end a line."""
+        for piece in pieces if isinstance(pieces, list) else []:
+            index = piece.get("index") if isinstance(piece, dict) else None
+            if not isinstance(index, int) or not 0 <= index <= len(self.calls):
+                continue
+            function = piece.get("function") or {}
+            if index == len(self.calls):
+                self.calls.append({"id": piece.get("id") or "", "type": "function",
+                                   "function": {"name": function.get("name") or "", "arguments": ""}})
+                name = self.calls[index]["function"]["name"]
+                lead = "\n" if after_text or index else ""
+                print(f"{lead}{self.style[0]}[tool call {name} · {self.calls[index]['id']}]{self.style[1]} ",
+                      end="", flush=True)
+                after_text = False
+            self.pieces += 1
+            arguments = function.get("arguments") or ""
+            self.calls[index]["function"]["arguments"] += arguments
+            if arguments:
+                print(f"{self.style[0]}{arguments}{self.style[1]}", end="", flush=True)
+
+
+def _stream(client: httpx.Client, url: str, body: dict, parts: list[str]) -> dict:
     """``stream_reply``'s request: the answer's pieces go to ``parts`` as they arrive."""
     usage, finish, t0, t_first = None, None, time.perf_counter(), None
+    calls = CallPrinter()
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -193,26 +271,35 @@ def _stream(client: httpx.Client, url: str, body: dict, parts: list[str]) -> str
                     t_first = t_first or time.perf_counter()
                     parts.append(text)
                     print(text, end="", flush=True)
+                if choice["delta"].get("tool_calls"):
+                    t_first = t_first or time.perf_counter()
+                    calls.take(choice["delta"]["tool_calls"], bool(parts) and not parts[-1].endswith("\n"))
     print(flush=True)
     elapsed = time.perf_counter() - t0
-    n = usage["completion_tokens"] if usage else len(parts)
+    n = usage["completion_tokens"] if usage else len(parts) + calls.pieces
     ttft = (t_first - t0) if t_first else elapsed
     rate = (n - 1) / (elapsed - ttft) if n > 1 and elapsed > ttft else 0.0
     cut = ", cut at --max-tokens" if finish == "length" else ""
     print(f"[{n} tokens{cut}, {rate:.1f} tok/s, first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
-    return "".join(parts)
+    message: dict = {"role": "assistant", "content": "".join(parts)}
+    if calls.calls:
+        message["tool_calls"] = calls.calls
+        message["content"] = message["content"] or None
+    return message
 
 
-def ask(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> str:
-    """``stream_reply``, dropping the oldest turns (never the system prompt) while the context is full."""
+def ask(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> dict:
+    """``stream_reply``, dropping the oldest turns (a question with its answers, calls and results; never
+    the system prompt) while the context is full."""
     while True:
         try:
             return stream_reply(client, url, messages, args)
         except ContextFull:
             first = 1 if messages and messages[0]["role"] == "system" else 0
-            if len(messages) - first <= 1:
+            following = [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+            if not following:
                 raise ChatError("this message alone is longer than the model's context; shorten it") from None
-            del messages[first:first + 2]
+            del messages[first:following[0]]
             print("[conversation too long for the model: dropped the oldest turn]", file=sys.stderr)
 
 
@@ -234,7 +321,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating the conversation's tokens "
                         "(default: the model's)")
     parser.add_argument("--seed", type=int, help="sampling seed, for reproducible answers")
-    parser.add_argument("-p", "--prompt", action="append", help="ask this and exit (repeat for several turns)")
+    parser.add_argument("-p", "--prompt", action="append", help="ask this and exit (repeat for several turns; "
+                        "after a tool call the next one is the call's result)")
+    parser.add_argument("--tools", metavar="FILE.json", help="offer the model these tools (a JSON list of OpenAI "
+                        "function tools); you type each call's result at the 'result of NAME>' prompt")
+    parser.add_argument("--tool-choice", help="with --tools: auto (default), required, none, or a tool's name")
     parser.add_argument("--api-key", help="API key of a coordinator started with --api-key-file (default: "
                         "$FLEET_API_KEY; else $OPENAI_API_KEY, but only with --url: a key for another service is "
                         "never sent to a coordinator found by zeroconf, which anyone on the LAN can announce)")
@@ -283,15 +374,16 @@ def line_reader() -> callable:  # type: ignore[valid-type]
     return PromptSession(history=InMemoryHistory()).prompt
 
 
-def _next_prompt(prompts: Iterator[str] | None, read) -> str | None:  # noqa: ANN001 - read(prompt) -> str
-    """The user's next message; None to quit (end of the -p prompts, Ctrl-D, Ctrl-C or an empty line)."""
+def _next_prompt(prompts: Iterator[str] | None, read, prompt: str = "> ") -> str | None:
+    """The user's next message (or a tool's result, at its ``prompt``); None to quit (end of the -p prompts,
+    Ctrl-D, Ctrl-C or an empty line). ``read(prompt) -> str`` reads a line."""
     if prompts is not None:
         user = next(prompts, None)
         if user is not None:
-            print(f"> {user}")
+            print(f"{prompt}{user}")
         return user if user and user.strip() else None
     try:
-        user = read("> ")
+        user = read(prompt)
     except (EOFError, KeyboardInterrupt):
         print()
         return None
@@ -299,38 +391,57 @@ def _next_prompt(prompts: Iterator[str] | None, read) -> str | None:  # noqa: AN
 
 
 def _keep_interrupted(messages: list[dict], partial: str) -> None:
-    """After Ctrl-C: the turn stays with its partial answer, or goes when nothing came, and either is said."""
+    """After Ctrl-C: the turn stays with its partial answer (its text: a call cut off is dropped), or the
+    question goes when nothing came (tool results stay), and either is said."""
     if partial:
         messages.append({"role": "assistant", "content": partial})
         print("\n(interrupted; kept in the conversation)", file=sys.stderr)
+    elif messages[-1]["role"] == "tool":
+        print("\n(interrupted before the answer began; the tool results stay in the conversation)",
+              file=sys.stderr)
     else:
         messages.pop()
         print("\n(interrupted before the answer began; the question was dropped from the conversation)",
               file=sys.stderr)
 
 
+def _answer(client: httpx.Client, url: str, messages: list[dict], args: argparse.Namespace) -> dict | int:
+    """The model's next turn appended to ``messages`` and returned; after Ctrl-C (130) or an error (1),
+    the status instead (the question dropped when nothing came, as ``_keep_interrupted`` says)."""
+    try:
+        answer = ask(client, url, messages, args)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        _keep_interrupted(messages, exc.partial if isinstance(exc, Interrupted) else "")
+        return 130
+    except (ChatError, httpx.HTTPError) as exc:
+        print(file=sys.stderr)
+        _report(exc if isinstance(exc, ChatError) else transport_error(exc, url, answering=True), args)
+        if messages[-1]["role"] == "user":
+            messages.pop()
+        return 1
+    messages.append(answer)
+    return answer
+
+
 def _converse(client: httpx.Client, url: str, args: argparse.Namespace) -> int:
-    """Ask the ``-p`` prompts (then exit) or read them from the terminal; the exit status."""
+    """Ask the ``-p`` prompts (then exit) or read them from the terminal; after an answer with tool calls,
+    each call's result (the next ``-p`` prompt, or a line at ``result of NAME>``) goes back as a tool
+    message and the model answers again. The exit status."""
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = iter(args.prompt) if args.prompt else None
     read = line_reader() if prompts is None else input
     while (user := _next_prompt(prompts, read)) is not None:
         messages.append({"role": "user", "content": user})
-        try:
-            answer = ask(client, url, messages, args)
-        except (Interrupted, KeyboardInterrupt) as exc:
-            _keep_interrupted(messages, exc.partial if isinstance(exc, Interrupted) else "")
-            if prompts is not None:
-                return 130
-            continue
-        except (ChatError, httpx.HTTPError) as exc:
-            print(file=sys.stderr)
-            _report(exc if isinstance(exc, ChatError) else transport_error(exc, url, answering=True), args)
-            messages.pop()
-            if prompts is not None:
-                return 1
-            continue
-        messages.append({"role": "assistant", "content": answer})
+        answer = _answer(client, url, messages, args)
+        while isinstance(answer, dict) and answer.get("tool_calls"):
+            for call in answer["tool_calls"]:
+                result = _next_prompt(prompts, read, f"result of {call['function']['name']}> ")
+                if result is None:
+                    return 0
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            answer = _answer(client, url, messages, args)
+        if isinstance(answer, int) and prompts is not None:
+            return answer
     return 0
 
 
@@ -353,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
             _report(exc, args)
             return 2
         args.sampling = sampling_fields(args, fallback)
+        try:
+            args.tool_fields = tool_fields(args)
+        except ChatError as exc:
+            _report(exc, args)
+            return 2
         quits = "" if args.prompt else "; empty line or Ctrl-D quits"
         print(f"fleet-chat: connected to {url} ({model}){quits}", file=sys.stderr)
         return _converse(client, url, args)

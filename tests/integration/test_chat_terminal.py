@@ -1,13 +1,15 @@
 """fleet-chat in a real pseudo-terminal against a real local HTTP server that records what it is sent
 (a test double of the coordinator's API): Ctrl-C during an answer keeps the partial answer in the
 conversation and says so; keys typed during an answer are not echoed into it; the arrow keys recall
-earlier lines (issue 20, item 8)."""
+earlier lines (issue 20, item 8); with --tools a streamed tool call is printed, its result typed at the
+'result of NAME>' prompt goes back as a tool message, and the model's next answer follows (issue 29, item 6)."""
 
 from __future__ import annotations
 
 import json
 import os
 import pty
+import re
 import select
 import sys
 import threading
@@ -22,7 +24,9 @@ BIN = Path(sys.executable).parent
 
 class Recorder(BaseHTTPRequestHandler):
     """/v1/models, and /v1/chat/completions: the first request streams 'word N ' slowly until the client
-    leaves, later ones answer 'ok.' at once. Every request body is kept in ``server.bodies``."""
+    leaves, later ones answer 'ok.' at once; a request with tools gets a get_weather call in OpenAI's
+    streamed pieces, or, when its last message is the tool's result, an answer that quotes it. Every
+    request body is kept in ``server.bodies``."""
 
     def log_message(self, *args) -> None:  # noqa: ANN002
         pass
@@ -38,6 +42,9 @@ class Recorder(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         try:
+            if body.get("tools"):
+                self._tool_answer(body["messages"][-1])
+                return
             if len(self.server.bodies) == 1:
                 for i in range(600):
                     self._event({"content": f"word{i} "})
@@ -47,6 +54,18 @@ class Recorder(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
         except (BrokenPipeError, ConnectionResetError):
             self.server.disconnects += 1
+
+    def _tool_answer(self, last: dict) -> None:
+        if last["role"] == "tool":
+            self._event({"content": f"It is {last['content']} in Paris."})
+            self._event({}, "stop")
+        else:
+            self._event({"content": "Checking."})
+            self._event({"tool_calls": [{"index": 0, "id": "call_w1", "type": "function",
+                                         "function": {"name": "get_weather", "arguments": '{"ci'}}]})
+            self._event({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]})
+            self._event({}, "tool_calls")
+        self.wfile.write(b"data: [DONE]\n\n")
 
     def _event(self, delta: dict, finish: str | None = None) -> None:
         event = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -135,5 +154,33 @@ def test_ctrl_c_keeps_the_partial_answer_and_typed_keys_stay_out_of_it(api):
         while len(api.bodies) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert api.bodies[2]["messages"][-1]["content"].endswith("Summarize that")
+    finally:
+        term.close()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_tool_call_is_printed_and_the_typed_result_goes_back_as_a_tool_message(api, tmp_path):
+    url = f"http://127.0.0.1:{api.server_address[1]}"
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    term = Terminal([str(BIN / "fleet-chat"), "--url", url, "--tools", str(tmp_path / "tools.json")])
+    try:
+        term.read_until(">")
+        term.type("Weather in Paris?\r")
+        at = term.read_until("[tool call get_weather · call_w1]")
+        asked = term.read_until("result of get_weather>", start=at)
+        printed = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term.screen[at:asked])  # the dimming's escapes
+        assert '[tool call get_weather · call_w1] {"city": "Paris"}\r\n' in printed, printed
+        term.type("21 C\r")
+        term.read_until("It is 21 C in Paris.", start=asked)
+        first, second = api.bodies
+        assert first["tools"] == second["tools"] == [WEATHER] and "tool_choice" not in first
+        assert second["messages"] == [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "call_w1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_w1", "content": "21 C"}]
     finally:
         term.close()
