@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import anthropic
 import httpx2
@@ -17,7 +18,8 @@ from coordinator.access import cache_scope
 from coordinator.anthropic_api import ContentBlocks, stop_sequence
 from coordinator.anthropic_schema import MessagesRequest
 from coordinator.api import create_app
-from coordinator.request import FinishReason, Request, SamplingParams
+from coordinator.errors import Overloaded, stage_failed
+from coordinator.request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta
 from coordinator.tools import AUTO, DEFAULT, Tool, ToolCall, ToolChoice
 from tests.unit.test_responder import LOCAL, StandInEngine, health
 
@@ -204,3 +206,38 @@ def test_stop_sequence_that_ended_the_answer(engine):
     assert stop_sequence(request, "The capital is Paris. It is", tokenizer) is None  # the end of sequence
     request.finish_reason = FinishReason.LENGTH
     assert stop_sequence(request, "The capital is Paris", tokenizer) is None
+
+
+class FailingEngine(StandInEngine):
+    """A stand-in whose requests fail: ``before`` the first delta (the queue is full), or after one (a stage
+    failed mid-stream)."""
+
+    def __init__(self, model, before: bool) -> None:
+        super().__init__(model)
+        self.before = before
+
+    async def generate(self, request: Request) -> AsyncIterator[TextDelta]:
+        if self.before:
+            raise Overloaded("3 requests are queued, the most this coordinator takes; retry shortly")
+        request.status = RequestStatus.DECODE
+        request.append(100)
+        yield TextDelta("Hel")
+        raise stage_failed(1, "127.0.0.1:9", "a pipeline step", detail="StatusCode.UNAVAILABLE")
+
+
+def test_failures_before_and_during_a_stream(demo_hf):
+    """A full queue is Anthropic's 529 ``overloaded_error`` (the client's ``OverloadedError``, which it
+    retries); a stage failing mid-stream ends the stream with an ``error`` event after what was sent."""
+    busy = TestClient(create_app(FailingEngine(demo_hf, before=True), health), base_url=LOCAL)
+    for stream in (False, True):
+        response = busy.post("/v1/messages", json={**HI, "stream": stream})
+        assert response.status_code == 529 and response.json()["error"]["type"] == "overloaded_error"
+    assert busy.post("/v1/chat/completions", json={"messages": HI["messages"]}).status_code == 429  # OpenAI's
+
+    failing = TestClient(create_app(FailingEngine(demo_hf, before=False), health), base_url=LOCAL)
+    events = sse_events(failing.post("/v1/messages", json={**HI, "stream": True}).text)
+    assert [name for name, _ in events] == ["message_start", "content_block_start", "ping", "content_block_delta",
+                                            "error"]
+    error = events[-1][1]["error"]
+    assert error["type"] == "api_error" and "stage 1" in error["message"] and "UNAVAILABLE" in error["message"]
+    assert "/v1/messages" in failing.get("/openapi.json").json()["paths"]
