@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -69,6 +69,12 @@ def cache_scope(authorization: str | None, x_api_key: str | None = None) -> str:
     may send one anyway)."""
     key = request_key(authorization, x_api_key)
     return "" if key is None else key_digest(key).hex()[:32]
+
+
+def request_scope(headers: Mapping[str, str]) -> str:
+    """``cache_scope`` of a request with these HTTP ``headers`` (its ``Authorization`` and ``x-api-key``):
+    every API takes a key either way (``ApiKeys``), so every API's requests are scoped by both."""
+    return cache_scope(headers.get("authorization"), headers.get("x-api-key"))
 
 
 def key_given(scope: Scope) -> bool:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from .access import cache_scope
+from .access import request_scope
 from .anthropic_errors import anthropic_error
 from .anthropic_schema import MessagesPrompt, MessagesRequest
 from .completions import Generation, check_model, fleet_stats
@@ -228,7 +228,7 @@ class MessagesResponder:
             constraint = tool_constraint(tools, choice, parallel, self.tool_format)
         params = replace(params, stop=tuple(body.stop_sequences or ()), constraint=constraint)
         request = engine.request_for(ids, params, "messages", "msg")
-        request.cache_scope = cache_scope(http.headers.get("authorization"), http.headers.get("x-api-key"))
+        request.cache_scope = request_scope(http.headers)
         blocks = ContentBlocks(self.tool_format, tools, choice, single=parallel is False)
         gen = Generation(engine, request, http)
         await gen.start()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from .access import cache_scope
+from .access import request_scope
 from .errors import ClientGone, FleetError, ModelNotFound
 from .logprobs import TokenBytes, TokenLogprob, chat_logprobs, completion_logprobs
 from .openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, resolve_sampling
@@ -274,7 +274,7 @@ class Responder:
         whole = dialect.whole if tools is None else tools.whole
         reason = (lambda r: r) if tools is None else tools.finish_reason
         request = engine.request_for(await prompt(), params, dialect.param, dialect.kind)
-        request.cache_scope = cache_scope(http.headers.get("authorization"))
+        request.cache_scope = request_scope(http.headers)
         head = {"id": request.request_id, "object": dialect.chunk_object, "created": int(time.time()),
                 "model": engine.model_name}
 

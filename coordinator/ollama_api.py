@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from .access import cache_scope
+from .access import request_scope
 from .completions import Generation, Responder, fleet_stats
 from .errors import FleetError, InvalidRequest
 from .logprobs import chat_logprobs
@@ -212,7 +212,7 @@ class OllamaResponder:
         so errors of the queue, admission and the pipeline keep their status (``completions.Generation``)."""
         engine = self.engine
         request = engine.request_for(await prompt(), params, param, "ollama")
-        request.cache_scope = cache_scope(http.headers.get("authorization"))
+        request.cache_scope = request_scope(http.headers)
         gen = Generation(engine, request, http)
         await gen.start()
 

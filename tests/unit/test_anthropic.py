@@ -109,7 +109,8 @@ def test_errors_in_anthropic_shape_on_its_paths_only(client):
 
 def test_api_key_as_x_api_key(demo_hf):
     """``x-api-key`` (Anthropic's clients) is a key as ``Authorization: Bearer`` is, on every path, with the
-    same cache scope; a refusal on /v1/messages is Anthropic's ``authentication_error``, which the real
+    same cache scope (on the OpenAI endpoints too: a scope of "" would let every x-api-key user reuse the
+    others' KV); a refusal on /v1/messages is Anthropic's ``authentication_error``, which the real
     client raises as ``AuthenticationError``."""
     engine = StandInEngine(demo_hf, api_keys="k1")
     app = create_app(engine, health)
@@ -124,6 +125,7 @@ def test_api_key_as_x_api_key(demo_hf):
         assert engine.requests[-1][0].cache_scope == cache_scope("Bearer k1") == cache_scope(None, "k1") != ""
     assert client.post("/v1/chat/completions", json={"messages": HI["messages"]}, headers={"x-api-key": "k1"}) \
         .status_code == 200
+    assert engine.requests[-1][0].cache_scope == cache_scope("Bearer k1")  # not "", shared by every x-api-key
 
     async def with_client(key: str) -> str:
         http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=LOCAL)
