@@ -6,7 +6,7 @@ for the prompt, ``completions.Generation`` for the deltas (prefill progress, a c
 
 The answer is a ``message``: ``content`` blocks (``text``, and ``tool_use`` with the call's ``input`` object
 when tools are offered), ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence`` with the matched
-``stop_sequence``, ``tool_use``) and ``usage`` (``input_tokens`` not read from the prefix cache,
+``stop_sequence``, ``tool_use``, ``model_context_window_exceeded`` when the context ran out first) and ``usage`` (``input_tokens`` not read from the prefix cache,
 ``cache_read_input_tokens`` read from it, ``output_tokens``), plus fleet's report (``fleet``, as the OpenAI
 endpoints'). Streamed, it is Anthropic's SSE events: ``message_start``, per block ``content_block_start``,
 ``content_block_delta`` (``text_delta``; ``input_json_delta`` of a call's input) and ``content_block_stop``,
@@ -236,15 +236,18 @@ class MessagesResponder:
         if not body.stream:
             text = "".join(d.text for d in await gen.deltas())
             content = blocks.whole(text)
-            return {**head, "content": content, **self.stop(request, text, blocks), "usage": message_usage(request),
+            return {**head, "content": content, **self.stop(request, text, blocks, sampling), "usage": message_usage(request),
                     "fleet": fleet_stats(engine, request, sampling)}
         return StreamingResponse(self.events(gen, head, blocks, sampling), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def stop(self, request: Request, text: str, blocks: ContentBlocks) -> dict:
-        """``stop_reason`` and ``stop_sequence`` of the finished ``request`` whose answer is ``text``."""
+    def stop(self, request: Request, text: str, blocks: ContentBlocks, sampling: dict) -> dict:
+        """``stop_reason`` and ``stop_sequence`` of the finished ``request`` whose answer is ``text``;
+        ``sampling``: ``resolve_sampling``'s report (the ``max_tokens`` asked, which ``Engine.request_for``
+        cuts to what the context leaves)."""
         if request.finish_reason is FinishReason.LENGTH:
-            return {"stop_reason": "max_tokens", "stop_sequence": None}
+            cut = request.params.max_tokens < sampling["max_tokens"]
+            return {"stop_reason": "model_context_window_exceeded" if cut else "max_tokens", "stop_sequence": None}
         if blocks.calls:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         matched = stop_sequence(request, text, self.engine.tokenizer)
@@ -272,7 +275,7 @@ class MessagesResponder:
                 if item.finish_reason is not None:
                     for event in blocks.close():
                         yield sse(event)
-            yield sse({"type": "message_delta", "delta": self.stop(request, text, blocks),
+            yield sse({"type": "message_delta", "delta": self.stop(request, text, blocks, sampling),
                        "usage": message_usage(request), "fleet": fleet_stats(self.engine, request, sampling)})
             yield sse({"type": "message_stop"})
         except FleetError as exc:

@@ -243,3 +243,27 @@ def test_failures_before_and_during_a_stream(demo_hf):
     error = events[-1][1]["error"]
     assert error["type"] == "api_error" and "stage 1" in error["message"] and "UNAVAILABLE" in error["message"]
     assert "/v1/messages" in failing.get("/openapi.json").json()["paths"]
+
+
+class FullContextEngine(StandInEngine):
+    """A stand-in whose context leaves room for 2 tokens: ``request_for`` cuts ``max_tokens`` as the engine's does."""
+
+    def request_for(self, ids: list[int], params: SamplingParams, param: str = "messages",
+                    kind: str = "chatcmpl") -> Request:
+        params.max_tokens = min(params.max_tokens, 2)
+        return super().request_for(ids, params, param, kind)
+
+    async def generate(self, request: Request) -> AsyncIterator[TextDelta]:
+        request.status = RequestStatus.DECODE
+        for token in range(100, 100 + request.params.max_tokens):
+            request.append(token)
+        request.finish(FinishReason.LENGTH)
+        yield TextDelta("Hel", FinishReason.LENGTH)
+
+
+def test_a_full_context_is_not_max_tokens(demo_hf):
+    client = TestClient(create_app(FullContextEngine(demo_hf), health), base_url=LOCAL)
+    assert client.post("/v1/messages", json=HI).json()["stop_reason"] == "model_context_window_exceeded"
+    assert client.post("/v1/messages", json={**HI, "max_tokens": 2}).json()["stop_reason"] == "max_tokens"
+    events = sse_events(client.post("/v1/messages", json={**HI, "stream": True}).text)
+    assert events[-2][1]["delta"]["stop_reason"] == "model_context_window_exceeded"
