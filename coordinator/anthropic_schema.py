@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .constraint import Constraint
@@ -200,6 +200,7 @@ class MessagesPrompt(Strict):
     mcp_servers: list[Any] | None = None
     context_management: dict[str, Any] | None = None
     container: Any = None
+    _tool_request: tuple | None = PrivateAttr(None)
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -243,8 +244,14 @@ class MessagesPrompt(Strict):
 
     def tool_request(self) -> tuple[tuple[Tool, ...], ToolChoice, bool | None]:
         """The tools offered, the ``tool_choice`` as ``tools.ToolChoice`` (any: "required", tool: "function")
-        and whether several calls may come (False with ``disable_parallel_tool_use``; None: unsaid). Raises
-        ``InvalidRequest`` naming ``tools`` or ``tool_choice``."""
+        and whether several calls may come (False with ``disable_parallel_tool_use``; None: unsaid), parsed
+        once (each tool's schema is compiled to be checked). Raises ``InvalidRequest`` naming ``tools`` or
+        ``tool_choice``."""
+        if self._tool_request is None:
+            self._tool_request = self._parse_tools()
+        return self._tool_request
+
+    def _parse_tools(self) -> tuple[tuple[Tool, ...], ToolChoice, bool | None]:
         tools = check_unique([make_tool(t.name, t.description, t.input_schema, "tools", t.strict)
                               for t in self.tools or ()])
         tc = self.tool_choice
