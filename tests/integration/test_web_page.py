@@ -2,7 +2,8 @@
 driven by Selenium) against a real 2-stage demo fleet: a streamed answer with its numbers, history that
 survives a reload, Stop ending the generation on the fleet (its KV freed), the fleet panel, the sampling
 the coordinator's /v1/models asks for, markdown (the page's ES module markdown.js on the vendored
-markdown-it) and its escaping, export, and the API-key prompt of a coordinator that requires a key."""
+markdown-it) and its escaping, export, the API-key prompt of a coordinator that requires a key, and tool
+calls with their results (call blocks, results typed in the message box, an imported conversation)."""
 
 from __future__ import annotations
 
@@ -297,3 +298,80 @@ def test_api_key_prompt_then_import(browser, fleet, tmp_path):
     assert titles == ["From elsewhere", QUESTION]
     browser.find_element("css selector", "#conversation-list .open").click()
     assert browser.execute_script(LAST_ANSWER)[2].strip() == "<p>Hello <strong>there</strong></p>"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+# the call blocks of the last answer: [data-call-id, name, id shown, arguments shown]
+CALLS = """return [...[...document.querySelectorAll('.message.assistant')].pop().querySelectorAll('.tool-call')]
+    .map((b) => [b.dataset.callId, b.querySelector('.tool-name').textContent, b.querySelector('.call-id').textContent,
+                 b.querySelector('.tool-args').textContent]);"""
+
+
+def choose_tools(browser, tools: str, choice: str) -> None:  # noqa: ANN001
+    browser.execute_script("""const [tools, choice] = arguments;
+        for (const [id, value] of [['settings-tools', tools], ['settings-tool-choice', choice]]) {
+          const field = document.getElementById(id);
+          field.value = value;
+          field.dispatchEvent(new Event('input'));
+        }""", tools, choice)
+
+
+def test_tool_calls_and_results_in_the_conversation(browser, fleet, tmp_path):
+    browser.get_log("browser")  # drained: the keyed coordinator's 401s of an earlier test are not this one's
+    open_page(browser, fleet["url"])
+    browser.find_element("id", "new-chat").click()
+    choose_tools(browser, "[{", "")
+    assert "not JSON" in browser.find_element("id", "tools-hint").text
+    ask(browser, "What is the weather in Paris?")
+    wait_until(lambda: "Not sent: tools: not JSON" in browser.find_element("id", "banner").text, what="the refusal")
+    assert browser.find_element("id", "input").get_attribute("value") == "What is the weather in Paris?"  # kept
+    set_field(browser, "input", "")
+    set_field(browser, "settings-max-tokens", "32")  # a call is ~25 tokens
+    choose_tools(browser, json.dumps([WEATHER]), "required")
+    assert browser.find_element("id", "tools-hint").text == "Sends 1 tool(s): get_weather"
+    ask(browser, "What is the weather in Paris?")
+    state, text, _, _ = answered(browser)
+    assert state == "done" and text == "", (state, text)
+    calls = browser.execute_script(CALLS)
+    assert calls, "no call block"
+    for call_id, name, shown_id, arguments in calls:
+        assert name == "get_weather" and shown_id == call_id and call_id.startswith("call_"), calls
+        assert arguments == json.dumps(json.loads(arguments), indent=2) and "city" in json.loads(arguments)  # pretty
+    assert f"Result of get_weather ({calls[0][0]})" in browser.find_element("id", "input").get_attribute("placeholder")
+
+    # each result goes back as a tool message linked to its call; after the last one the model answers
+    choose_tools(browser, json.dumps([WEATHER]), "none")
+    set_field(browser, "settings-max-tokens", "8")
+    for n, (call_id, *_) in enumerate(calls):
+        ask(browser, f'{{"celsius": {21 + n}}}')
+        wait_until(lambda: len(browser.find_elements("css selector", ".message.tool")) == n + 1, what="the result")
+    state, text, _, _ = answered(browser)
+    assert state == "done" and text.strip(), (state, text)
+    results = browser.find_elements("css selector", ".message.tool")
+    assert [r.find_element("css selector", ".call-link").text for r in results] == [c[0] for c in calls]
+    assert results[0].find_element("css selector", ".tool-name").text == "get_weather"
+    assert results[0].find_element("css selector", ".tool-result").text == '{\n  "celsius": 21\n}'
+    assert browser.find_element("id", "input").get_attribute("placeholder") == "Message the fleet"
+
+    # an imported conversation with calls and results shows them, model text as text
+    hostile = '{"q": "<img src=x onerror=alert(1)>"}'
+    (tmp_path / "tools.json").write_text(json.dumps({"format": "fleet-chat", "version": 1, "conversations": [
+        {"id": "c-tools", "title": "Imported tools", "messages": [
+            {"role": "user", "content": "look it up"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_z9", "type": "function", "function": {"name": "lookup", "arguments": hostile}}]},
+            {"role": "tool", "tool_call_id": "call_z9", "content": "<b>found</b>"},
+            {"role": "assistant", "content": "Found."}]}]}))
+    browser.find_element("id", "import").send_keys(str(tmp_path / "tools.json"))
+    wait_until(lambda: "Imported 1 conversation" in browser.find_element("id", "banner").text, what="the import")
+    browser.find_element("css selector", "#conversation-list .open").click()
+    assert browser.execute_script(CALLS) == []  # the last answer made no call; the one before did:
+    blocks = browser.find_elements("css selector", ".tool-call .tool-args")
+    assert [b.text for b in blocks] == [json.dumps(json.loads(hostile), indent=2)]
+    assert browser.find_element("css selector", ".message.tool .tool-result").text == "<b>found</b>"
+    assert not browser.execute_script("return document.querySelectorAll('#messages img, .tool-result b').length")
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    choose_tools(browser, "", "")  # this origin's later tests send no tools
+    set_field(browser, "settings-max-tokens", "")
