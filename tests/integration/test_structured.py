@@ -2,7 +2,7 @@
 tests/compat/schemas.py answered greedily by three coordinators over the same workers (plain decoding, the
 self-int4 draft model with K = 3, prompt lookup with K = 3), every answer valid under its schema (the
 ``jsonschema`` library) and the drafting coordinators' token ids equal to plain decoding's: speculation
-under a grammar is lossless. All requests run at once (batch groups; f32 greedy is batch-invariant)."""
+under a grammar is lossless. Each coordinator gets its 20 requests 8 at a time (batch groups; f32 greedy is batch-invariant)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.conftest import Fleet
 
 pytestmark = pytest.mark.integration
 
-CLIENTS = 20  # all at once: the batch groups (--max-batch 8, one group per stage) take them in turn
+CLIENTS = 8  # --max-batch
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,9 @@ def answers(url: str) -> list[dict]:
 
 
 def test_every_answer_validates_and_speculation_under_a_grammar_is_lossless(fleet):
-    plain = answers(fleet["plain"])
+    results = {name: answers(url) for name, url in fleet.items()}  # one coordinator at a time (60 at once on 2
+    # loaded cores kept a Merge behind prefills past its deadline: a stage "stopped answering")
+    plain = results["plain"]
     for (name, _, schema), body in zip(SCHEMAS, plain):
         choice = body["choices"][0]
         assert choice["finish_reason"] == "stop", (name, choice)  # the JSON ended, not the token budget
@@ -51,7 +53,7 @@ def test_every_answer_validates_and_speculation_under_a_grammar_is_lossless(flee
         grammar = body["fleet"]["grammar"]
         assert grammar["masks"] >= body["usage"]["completion_tokens"]
     for draft in ("self-int4", "ngram"):
-        drafted = answers(fleet[draft])
+        drafted = results[draft]
         for (name, _, _), want, got in zip(SCHEMAS, plain, drafted):
             assert got["fleet"]["completion_token_ids"] == want["fleet"]["completion_token_ids"], (draft, name)
         if draft == "self-int4":  # the draft model did draft (prompt lookup finds little to repeat in short JSON)
