@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from .access import request_scope
 from .anthropic_errors import anthropic_error
@@ -216,7 +216,7 @@ class MessagesResponder:
         """``{"input_tokens": N}``: the prompt's tokens, as ``messages`` would prefill them."""
         return {"input_tokens": len(await self.prompt_ids(body))}
 
-    async def messages(self, body: MessagesRequest, http: HttpRequest) -> dict | StreamingResponse:
+    async def messages(self, body: MessagesRequest, http: HttpRequest) -> JSONResponse | StreamingResponse:
         """The answer to ``body``: a message, or (``stream``) its SSE events. Generation starts before the 200
         goes out, so errors of the queue, admission and the pipeline keep their status codes."""
         engine = self.engine
@@ -233,13 +233,14 @@ class MessagesResponder:
         gen = Generation(engine, request, http)
         await gen.start()
         head = {"id": request.request_id, "type": "message", "role": "assistant", "model": engine.model_name}
+        headers = {"request-id": request.request_id}  # what the anthropic client gives as a message's _request_id
         if not body.stream:
             text = "".join(d.text for d in await gen.deltas())
-            content = blocks.whole(text)
-            return {**head, "content": content, **self.stop(request, text, blocks, sampling), "usage": message_usage(request),
-                    "fleet": fleet_stats(engine, request, sampling)}
+            message = {**head, "content": blocks.whole(text), **self.stop(request, text, blocks, sampling),
+                       "usage": message_usage(request), "fleet": fleet_stats(engine, request, sampling)}
+            return JSONResponse(message, headers=headers)
         return StreamingResponse(self.events(gen, head, blocks, sampling), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **headers})
 
     def stop(self, request: Request, text: str, blocks: ContentBlocks, sampling: dict) -> dict:
         """``stop_reason`` and ``stop_sequence`` of the finished ``request`` whose answer is ``text``;

@@ -51,8 +51,10 @@ def sse_events(text: str) -> list[tuple[str, dict]]:
 
 
 def test_message_whole_and_streamed(client, engine):
-    whole = client.post("/v1/messages", json={**HI, "system": "Be brief.", "temperature": 0.5, "top_k": 3,
-                                              "metadata": {"user_id": "u1"}}).json()
+    response = client.post("/v1/messages", json={**HI, "system": "Be brief.", "temperature": 0.5, "top_k": 3,
+                                                 "metadata": {"user_id": "u1"}})
+    whole = response.json()
+    assert response.headers["request-id"] == whole["id"]  # the anthropic client's message._request_id
     request, param, kind = engine.requests[-1]
     assert (param, kind) == ("messages", "msg") and request.params.max_tokens == 8
     assert (request.params.temperature, request.params.top_k) == (0.5, 3)
