@@ -11,10 +11,11 @@ Per library and vocabulary:
   mean / p50 / p99 µs, and the advance past the chosen token; ``same mask`` is the share of positions where
   both libraries allow exactly the same tokens (they read JSON schema's corners differently).
 
-The paths: with ``--url`` the fleet's own greedy answers to the twenty schemas (``fleet.completion_token_ids``;
-their ids mean the same bytes in the larger vocabulary, whose first 49,152 tokens are the demo's); without it
-(and for ``json_object``), tokens drawn uniformly from llguidance's allowed set with a fixed seed, to the
-grammar's end or ``--tokens`` (64). Each path is timed ``--repeat`` times (fresh matchers, compiled grammar
+The paths: with ``--url`` the fleet's own greedy answers (``fleet.completion_token_ids``; tests/compat's
+request per schema, ``response_format: json_object`` for the last; the same paths at both vocabularies, the
+larger one's first 49,152 tokens being the demo's); without it, tokens drawn uniformly from llguidance's
+allowed set with a fixed seed (a token that would end the grammar early drawn again), to the grammar's end or
+``--tokens`` (64). Each path is timed ``--repeat`` times (fresh matchers, compiled grammar
 reused); a position's time is the median of its repeats.
 
 Fleet's own path per token (``fleet path``): ``Matcher.fill`` (llguidance's mask into the step's buffer), the
@@ -29,10 +30,12 @@ beside llguidance's batch call (``LLExecutor.unsafe_compute_mask_ptr_with_draft_
 
 The 262,144-token vocabulary: no tokenizer of that size can be downloaded here, so it is the demo's byte-level
 BPE plus 212,992 tokens, each the concatenation of two of its non-special tokens drawn with a fixed seed
-(unique, not already a token; ids 49,152 up): a trie 5x as large grown from real prefixes, so the mask walks
-(llguidance's trie walk, xgrammar's per-state token caches) meet as many tokens that run on past a lexeme's
-end as a large real vocabulary has. It is a tokenizer.json like any other (no merges make the new tokens: the
-libraries only read the tokens' bytes).
+(unique, not already a token; ids 49,152 up), each of a length drawn from the demo tokens' lengths: mean
+8.3 bytes against the demo's 6.8 (short lengths run out of unique pairs; plain pairs would average 12.3 bytes,
+63,375 tokens of 16 or more, a trie far deeper than a real vocabulary's): a trie 5x as large grown from real
+prefixes, so the mask walks (llguidance's trie walk, xgrammar's per-state
+token caches) meet as many tokens that run on past a lexeme's end as a large real vocabulary has. It is a
+tokenizer.json like any other (no merges make the new tokens: the libraries only read the tokens' bytes).
 
     python bench/grammar_bench.py [--vocab 49152,262144] [--libraries llguidance,xgrammar] [--repeat 3]
                                   [--tokens 64] [--token-ms 49152=20,262144=100] [--url http://127.0.0.1:8000]
@@ -88,17 +91,25 @@ def demo_tokenizer_json(path: Path = DEMO_TOKENIZER) -> str:
 def extend_vocabulary(tokenizer_json: str, size: int, seed: int = 0) -> str:
     """``tokenizer_json`` (a byte-level BPE tokenizer.json) with its vocabulary grown to ``size`` tokens: each new
     token (ids from the current size up) the concatenation of two existing non-special tokens drawn with
-    ``random.Random(seed)``, unique. Raises ``ValueError`` if ``size`` is below the current size."""
+    ``random.Random(seed)``, unique, its length (in bytes) drawn from the existing tokens' lengths, so that the
+    vocabulary's length distribution stays a real one's. Raises ``ValueError`` if ``size`` is below the
+    current size."""
     spec = json.loads(tokenizer_json)
     vocab: dict[str, int] = spec["model"]["vocab"]
     if size < len(vocab):
         raise ValueError(f"the vocabulary already has {len(vocab)} tokens, more than {size}")
     special = {token["id"] for token in spec["added_tokens"]}
     pieces = [piece for piece, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i not in special]
+    by_length: dict[int, list[str]] = {}
+    for piece in pieces:
+        by_length.setdefault(len(piece), []).append(piece)
     rng = random.Random(seed)
     next_id = len(vocab)
     while next_id < size:
-        piece = rng.choice(pieces) + rng.choice(pieces)
+        length, head = len(rng.choice(pieces)), rng.choice(pieces)  # a real token's length; the first part
+        if not (tails := by_length.get(length - len(head))):
+            continue
+        piece = head + rng.choice(tails)
         if piece not in vocab:
             vocab[piece] = next_id
             next_id += 1
@@ -415,6 +426,7 @@ def measure_vocabulary(text: str, vocab_size: int, names: list[str], schemas: li
         result["libraries"][lib.name] = {
             "prepare_s": lib.prepare_s, **compiles,
             "mask_us": summary([t for w in walks[lib.name] for t in w.mask_us]),
+            "mask_us_by_schema": {n: statistics.fmean(w.mask_us) for (n, _), w in zip(schemas, walks[lib.name])},
             "advance_us": summary([t for w in walks[lib.name] for t in w.advance_us])}
     if "xgrammar" in walks:
         result.update(agreement(schemas, walks["llguidance"], walks["xgrammar"], special_ids(text), vocab_size))
@@ -509,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{vocab}: xgrammar's masks differ from llguidance's somewhere on {', '.join(r['differing'])}; "
                   f"it allows special tokens at {r['special_allowed']:.0%} of positions; it refuses a token "
                   f"llguidance allowed on {r['refused'] or 'none'} (schema: position)")
+    for vocab, r in results.items():
+        for name, lib in r["libraries"].items():
+            worst = sorted(lib["mask_us_by_schema"].items(), key=lambda kv: -kv[1])[:4]
+            print(f"{vocab} {name}: slowest masks on " + ", ".join(f"{n} {t:,.0f} µs" for n, t in worst))
     if answers:
         print("\n" + answers_table(answers))
     harness.write_json(args.json, "grammar_bench", {"token_ms": token_ms, "repeat": args.repeat, "tokens": args.tokens,
