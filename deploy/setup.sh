@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Create .venv and install fleet with the compiler extra and the test tools (these pull CPU-only torch and
-# transformers: the tests' reference; fleet itself needs neither).
-# Idempotent: a second run with an unchanged pyproject.toml returns at once.
+# Create .venv and install fleet with the compiler extra: what the demo needs (deploy/demo.sh), no torch.
+# `setup.sh --test` (deploy/test.sh) adds the test tools (CPU-only torch and transformers: the tests' reference,
+# fleet itself needs neither) and the apt packages the tests use (chromium, node, iproute2).
+# Idempotent: a second run with an unchanged pyproject.toml (and no new mode) returns at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+MODE=demo
+if [ "${1:-}" = "--test" ]; then MODE=test; elif [ -n "${1:-}" ]; then
+  echo "usage: deploy/setup.sh [--test]" >&2; exit 2
+fi
+STAMP=.venv/.fleet-installed
+WANT=$(sha256sum pyproject.toml | cut -c1-16)
+# a test install holds the demo's too
+if [ -f "$STAMP" ] && { [ "$(cat "$STAMP")" = "$WANT test" ] || [ "$(cat "$STAMP")" = "$WANT $MODE" ]; }; then exit 0; fi
+if [ "$MODE" = test ]; then
 # The chat page's test drives Debian's chromium through its chromedriver (apt packages, not a browser download).
 # Installed only when missing; where apt-get is not ours to use, the test skips and says why (CI fails instead).
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
@@ -43,15 +53,17 @@ if ! command -v ip >/dev/null || ! command -v bridge >/dev/null; then
     echo "setup: iproute2 missing and apt-get unavailable (or not root): the LAN tests skip" >&2
   fi
 fi
-STAMP=.venv/.fleet-installed
-WANT=$(sha256sum pyproject.toml | cut -c1-16)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
+fi  # the test mode's apt packages
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --upgrade pip
-# torch must be the CPU build. On machines whose pip is pointed at a local CPU wheel this just works;
-# elsewhere set FLEET_TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's default Linux wheel is a
-# multi-GB CUDA build).
-"${PIP[@]}" torch==2.13.0 ${FLEET_TORCH_INDEX:+--index-url "$FLEET_TORCH_INDEX"}
-"${PIP[@]}" -e ".[compile,dev]"
-echo "$WANT" > "$STAMP"
+if [ "$MODE" = test ]; then
+  # torch must be the CPU build. On machines whose pip is pointed at a local CPU wheel this just works;
+  # elsewhere set FLEET_TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's default Linux wheel is a
+  # multi-GB CUDA build).
+  "${PIP[@]}" torch==2.13.0 ${FLEET_TORCH_INDEX:+--index-url "$FLEET_TORCH_INDEX"}
+  "${PIP[@]}" -e ".[compile,dev]"
+else
+  "${PIP[@]}" -e ".[compile]"
+fi
+echo "$WANT $MODE" > "$STAMP"
