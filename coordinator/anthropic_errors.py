@@ -45,17 +45,9 @@ def error_status(exc: FleetError) -> int:
     return OVERLOADED_STATUS if isinstance(exc, (Overloaded, PromptTimeout)) else exc.status
 
 
-def error_message(exc: FleetError) -> str:
-    """``exc``'s message, naming its field (Anthropic's body has no ``param``) and ending with its detail."""
-    message = exc.message
-    if exc.param and exc.param not in message:
-        message = f"{exc.param}: {message}"
-    return f"{message} ({exc.detail})" if exc.detail else message
-
-
 def anthropic_error(exc: FleetError) -> dict:
     """``exc`` as an Anthropic error body (also the data of a stream's ``error`` event)."""
-    return error_body(error_status(exc), error_message(exc))
+    return error_body(error_status(exc), exc.one_line())
 
 
 def anthropic_response(exc: FleetError) -> JSONResponse:

@@ -20,6 +20,14 @@ class FleetError(Exception):
         self.param = param
         self.detail = detail
 
+    def one_line(self) -> str:
+        """The message naming its field (for error bodies with no ``param``: Anthropic's, Ollama's) and
+        ending with the technical detail, if any."""
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        return f"{message} ({self.detail})" if self.detail else message
+
     def body(self) -> dict:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         if self.detail:

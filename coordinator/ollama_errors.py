@@ -19,17 +19,9 @@ def ollama_path(path: str) -> bool:
     return path == OLLAMA_PATH or path.startswith(OLLAMA_PATH + "/")
 
 
-def error_message(exc: FleetError) -> str:
-    """``exc``'s message, naming its field (``param``) and ending with its technical detail, if any."""
-    message = exc.message
-    if exc.param and exc.param not in message:
-        message = f"{exc.param}: {message}"
-    return f"{message} ({exc.detail})" if exc.detail else message
-
-
 def ollama_error(exc: FleetError) -> dict:
     """``exc`` as an Ollama error body (also a streamed response's error line)."""
-    return {"error": error_message(exc)}
+    return {"error": exc.one_line()}
 
 
 def ollama_response(exc: FleetError) -> JSONResponse:
