@@ -368,4 +368,5 @@ def add_ollama_routes(app: FastAPI, responder: Responder) -> None:
     app.add_api_route("/api/tags", tags, methods=["GET"])
     app.add_api_route("/api/ps", ps, methods=["GET"])
     app.add_api_route("/api/version", version, methods=["GET"])
-    app.add_api_route("/api/{rest:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH"])
+    app.add_api_route("/api/{rest:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH"],
+                      include_in_schema=False)  # one route of six methods: no duplicate operation ids
