@@ -1,6 +1,6 @@
 """bench/grammar_bench.py: the larger vocabulary it builds from the demo's tokenizer (its size, the demo's tokens
 kept, new tokens unique concatenations, the same for the same seed, loadable by llguidance) and one schema's
-walk with llguidance alone (the path is valid and ends the grammar, every position timed)."""
+walk on it with llguidance alone (the path is valid and ends the grammar, every position timed)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,17 @@ def demo() -> str:
     return gb.demo_tokenizer_json()
 
 
-def test_the_larger_vocabulary_grows_the_demo_one(demo: str) -> None:
-    grown = gb.extend_vocabulary(demo, SIZE, seed=3)
+@pytest.fixture(scope="module")
+def grown(demo: str) -> str:
+    return gb.extend_vocabulary(demo, SIZE, seed=3)
+
+
+@pytest.fixture(scope="module")
+def lib(grown: str) -> gb.Llguidance:
+    return gb.Llguidance(grown, SIZE)  # llguidance reads it as a tokenizer like any other
+
+
+def test_the_larger_vocabulary_grows_the_demo_one(demo: str, grown: str, lib: gb.Llguidance) -> None:
     old, new = json.loads(demo)["model"]["vocab"], json.loads(grown)["model"]["vocab"]
     assert len(new) == SIZE and sorted(new.values()) == list(range(SIZE))
     assert all(new[piece] == i for piece, i in old.items())
@@ -32,22 +41,20 @@ def test_the_larger_vocabulary_grows_the_demo_one(demo: str) -> None:
     assert gb.extend_vocabulary(demo, SIZE, seed=3) == grown  # deterministic
     with pytest.raises(ValueError, match="already has 49152 tokens"):
         gb.extend_vocabulary(demo, 1000)
-    lib = gb.Llguidance(grown, SIZE)  # llguidance reads it as a tokenizer like any other
     assert lib.grammars.tokenizer().vocab_size == SIZE
 
 
-def test_one_schema_walked_with_llguidance(demo: str) -> None:
+def test_one_schema_walked_with_llguidance(lib: gb.Llguidance) -> None:
     name, schema = next(s for s in gb.grammars_under_test() if s[0] == "person")
-    lib = gb.Llguidance(demo, 49_152)
     grammar = lib.compile(schema)
     path = gb.random_path(lib, grammar, 64, np.random.default_rng(0))
     matcher = lib.matcher(grammar)
     for token in path:
         matcher.consume(token)
     assert matcher.stopped and len(path) >= 8  # {"name":"…","age":N} to its end
-    walked = gb.walk(lib, grammar, path, 2, 49_152 // 32)
+    walked = gb.walk(lib, grammar, path, 2, gb.mask_words(SIZE))
     assert len(walked.mask_us) == len(path) + 1 and len(walked.advance_us) == len(path) and walked.refused is None
-    assert all(t > 0 for t in walked.mask_us) and gb.allowed_ids(walked.masks[-1], 49_152).tolist() == [gb.EOS]
+    assert all(t > 0 for t in walked.mask_us) and gb.allowed_ids(walked.masks[-1], SIZE).tolist() == [gb.EOS]
     times = gb.compile_times(lib, [(name, schema)], 1)
     assert times["first_ms"][name] > 0 and times["again_ms"][name] > 0
     assert gb.valid_prefix(lib, grammar, [*path, gb.EOS, 5], 64) == path
