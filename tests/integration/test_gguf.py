@@ -80,11 +80,32 @@ def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
                  for k in ("ggml.tokens", "ggml.merges", "ggml.token_type", "chat_template"))
 
 
+def add_demo_tokenizer(writer, vocabulary: tuple, pre: str = "smollm") -> None:  # noqa: ANN001 - GGUFWriter
+    """The demo's byte-level BPE tokenizer (``vocabulary``: tokens, merges, token types, chat template, as
+    ``demo_vocabulary`` reads them) as llama.cpp's converter writes it, pre-tokenizer ``pre``."""
+    tokens, merges, types, template = vocabulary
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(template)
+
+
+def save_gguf(writer) -> None:  # noqa: ANN001 - GGUFWriter
+    """Write ``writer``'s header, metadata and tensors to its file (gguf-py's order) and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _write_metadata(writer, arch: str, pre: str, vocabulary: tuple, model_name: str | None,  # noqa: ANN001
                     head_dim: int | None) -> None:
     """The tiny model's hyperparameters and the demo's tokenizer (``vocabulary``: tokens, merges, token
     types, chat template; ``pre``: its pre-tokenizer) as llama.cpp's converter writes them for ``arch``."""
-    tokens, merges, types, template = vocabulary
     if model_name:
         writer.add_name(model_name)
     writer.add_block_count(LAYERS)
@@ -100,14 +121,7 @@ def _write_metadata(writer, arch: str, pre: str, vocabulary: tuple, model_name: 
             writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(template)
+    add_demo_tokenizer(writer, vocabulary, pre)
 
 
 def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  # noqa: ANN001
@@ -180,10 +194,7 @@ def write_tiny_gguf(path, demo_gguf, arch: str = "llama", pre: str = "smollm",  
         matrix("output.weight", len(tokens), HIDDEN, output)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save_gguf(writer)
 
 
 def build(src, out, *args: str) -> dict:  # noqa: ANN001

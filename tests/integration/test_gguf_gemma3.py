@@ -34,7 +34,7 @@ from .test_architectures import (
     fleet_greedy,
     hf_greedy,
 )
-from .test_gguf import build, demo_gguf, demo_vocabulary, transformers_logits  # noqa: F401
+from .test_gguf import add_demo_tokenizer, build, demo_gguf, demo_vocabulary, save_gguf, transformers_logits  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -93,14 +93,7 @@ def write_gemma3_gguf(hf: Path, path: Path, demo: Path) -> None:
     writer.add_sliding_window(config["sliding_window"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(config["rope_parameters"]["full_attention"]["factor"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(template)
+    add_demo_tokenizer(writer, (tokens, merges, types, template))
 
     def add(name: str, w: np.ndarray, kind: str | None) -> None:
         if kind is None:  # a norm: the converter adds Gemma's 1
@@ -114,10 +107,7 @@ def write_gemma3_gguf(hf: Path, path: Path, demo: Path) -> None:
     for i in range(config["num_hidden_layers"]):
         for role, name in TO_HF.items():
             add(f"blk.{i}.{role}.weight", tensors[f"model.layers.{i}.{name}.weight"], KINDS.get(role))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save_gguf(writer)
 
 
 def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model

@@ -38,7 +38,7 @@ from .test_architectures import (
     hf_greedy,
     make_tiny_model,
 )
-from .test_gguf import build, demo_gguf, demo_vocabulary, transformers_logits  # noqa: F401
+from .test_gguf import add_demo_tokenizer, build, demo_gguf, demo_vocabulary, save_gguf, transformers_logits  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +74,7 @@ def write_phi3_gguf(hf: Path, path: Path, demo: Path, drop: str = "") -> None:
     writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_sliding_window(config.get("sliding_window") or 0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(template)
+    add_demo_tokenizer(writer, (tokens, merges, types, template))
     if rope.get("long_factor"):
         scale = max_pos / original
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
@@ -105,10 +98,7 @@ def write_phi3_gguf(hf: Path, path: Path, demo: Path, drop: str = "") -> None:
         for name in ("long", "short"):
             if drop != f"rope_factors_{name}.weight":
                 writer.add_tensor(f"rope_factors_{name}.weight", np.asarray(rope[f"{name}_factor"], np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save_gguf(writer)
 
 
 def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
