@@ -196,8 +196,10 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict], args: arg
 
     Raises ``ContextFull`` when the server says the conversation is too long, ``ChatError`` for
     other API errors and ``httpx.HTTPError`` for transport failures."""
-    body = {"messages": messages, "stream": True, **args.sampling, **getattr(args, "tool_fields", {}),
-            "stream_options": {"include_usage": True}}
+    tools = dict(getattr(args, "tool_fields", {}))
+    if messages and messages[-1]["role"] == "tool":  # a forced choice is for the turn after the question:
+        tools.pop("tool_choice", None)  # with the results in, the model answers (or calls again: auto)
+    body = {"messages": messages, "stream": True, **args.sampling, **tools, "stream_options": {"include_usage": True}}
     parts: list[str] = []
     try:
         with quiet_terminal():

@@ -45,13 +45,16 @@ export function samplingFields(settings, model) {
 }
 
 /** The tool fields of a request from the page's `settings` ({tools: the "tools (JSON)" text, toolChoice:
- * one of TOOL_CHOICES}): {} without tools; throws an Error naming the problem when the text is not a list
+ * one of TOOL_CHOICES}), the tool choice left out after tool results (`lastRole` "tool"): {} without tools; throws an Error naming the problem when the text is not a list
  * of function tools (parseTools). */
-export function toolFields(settings) {
+export function toolFields(settings, lastRole = "user") {
   const { tools, problem } = parseTools(settings.tools || "");
   if (problem) throw new Error(problem);
   if (!tools) return {};
-  return { tools, ...(settings.toolChoice ? { tool_choice: settings.toolChoice } : {}) };
+  // a forced choice is for the turn after the question: once the results are in, the model answers
+  // (or calls again: the API's default, auto)
+  const forced = settings.toolChoice && lastRole !== "tool";
+  return { tools, ...(forced ? { tool_choice: settings.toolChoice } : {}) };
 }
 
 /** The streamed request for `conversation`'s messages in OpenAI's shape (the system prompt first when
@@ -65,8 +68,9 @@ export function requestBody(conversation, answer, settings, model) {
     const sent = m === answer ? null : apiMessage(m);
     if (sent) messages.push(sent);
   }
+  const lastRole = messages.length ? messages[messages.length - 1].role : "user";
   return { model: model.id, messages, stream: true, stream_options: { include_usage: true },
-    ...samplingFields(settings, model), ...toolFields(settings) };
+    ...samplingFields(settings, model), ...toolFields(settings, lastRole) };
 }
 
 /** The line under the settings saying what a request sends and where the rest comes from. */

@@ -73,13 +73,18 @@ def tool_grammar(tools: Sequence[Tool], fmt: ToolFormat, many: bool, prose: bool
 
 def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel_tool_calls: bool | None,
                     fmt: ToolFormat, field_name: str = "tool_choice") -> Constraint | None:
-    """What the answer must match under ``choice``: for "required", one or more calls of any of ``tools``
-    (exactly one when ``parallel_tool_calls`` is False); for a named function, one call of it; for "auto"
-    with a ``strict`` tool, prose or such calls; otherwise (``auto``, ``none``) None: free text, parsed
-    afterwards. Errors name ``field_name`` (``Constraint.field``)."""
+    """What the answer must match under ``choice``: for "required", one call of any of ``tools`` (one or
+    more only when ``parallel_tool_calls`` is True, asked for: a forced answer cannot end before its calls
+    do, and a small model repeats its call until ``max_tokens``); for a named function, one call of it;
+    for "auto" with a ``strict`` tool, prose or such calls (several unless ``parallel_tool_calls`` is
+    False); otherwise (``auto``, ``none``) None: free text, parsed afterwards. Errors name ``field_name``
+    (``Constraint.field``)."""
     if choice.mode == "none" or not tools or (choice.mode == "auto" and not any(t.strict for t in tools)):
         return None
     if choice.mode == "function":
-        tools = [t for t in tools if t.name == choice.name]
-    many = choice.mode != "function" and parallel_tool_calls is not False
+        tools, many = [t for t in tools if t.name == choice.name], False
+    elif choice.mode == "required":
+        many = parallel_tool_calls is True
+    else:
+        many = parallel_tool_calls is not False
     return Constraint("lark", tool_grammar(tools, fmt, many, prose=choice.mode == "auto"), field_name)

@@ -174,4 +174,6 @@ test("the settings' tools: a list of function tools, or a problem that names the
   assert.deepEqual(toolFields({ tools: JSON.stringify(WEATHER), toolChoice: "required" }),
     { tools: WEATHER, tool_choice: "required" });
   assert.deepEqual(toolFields({ tools: "", toolChoice: "required" }), {});  // no tools: no tool_choice
+  // a forced choice is for the turn after the question, not the one after the results (it would call again)
+  assert.deepEqual(toolFields({ tools: JSON.stringify(WEATHER), toolChoice: "required" }, "tool"), { tools: WEATHER });
 });
