@@ -30,6 +30,81 @@ from .errors import InvalidRequest
 # cannot spend its tokens on whitespace; the schema's own formats and bounds apply
 JSON_OPTIONS = {"whitespace_flexible": False}
 
+MAX_SCHEMA_DEPTH = 256
+"""Nesting a JSON schema may have, counting its objects and arrays and each local ``$ref`` followed to its
+target (a cycle, a recursive schema, ends the count). llguidance compiles a chain of ``$ref``s by
+recursion: 2,500 of them (a 60 KB schema) overflowed its stack and killed the coordinator (SIGSEGV)."""
+
+MAX_SCHEMA_PROPERTIES = 5000
+"""Object properties a JSON schema may declare in all (OpenAI's limit for structured outputs). llguidance's
+compile time grows with the square of an object's optional properties (on 2 cores: 1,000 in 0.3 s, 4,000
+in 9 s, 10,000 in 128 s)."""
+
+MAX_OBJECT_PROPERTIES = 1000
+"""Properties one object of a JSON schema may declare (see ``MAX_SCHEMA_PROPERTIES``)."""
+
+
+def _ref_target(root: object, ref: str) -> object:
+    """The part of ``root`` a local ``$ref`` (``#``, ``#/$defs/a``: a JSON pointer, RFC 6901) points to, or
+    None for any other reference (llguidance refuses those itself)."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _children(root: object, node: object) -> list:
+    """The objects and arrays directly inside ``node``, and the target of its local ``$ref``."""
+    if isinstance(node, dict):
+        kids = list(node.values())
+        if isinstance(ref := node.get("$ref"), str):
+            kids.append(_ref_target(root, ref))
+    else:
+        kids = list(node) if isinstance(node, list) else []
+    return [k for k in kids if isinstance(k, (dict, list))]
+
+
+def check_schema_size(schema: object, field: str, what: str = "") -> None:
+    """Raise ``InvalidRequest`` naming ``field`` (its message opening with ``what``, by default ``field``) when ``schema`` nests deeper than ``MAX_SCHEMA_DEPTH``
+    (following local ``$ref``s) or declares more properties than ``MAX_OBJECT_PROPERTIES`` in one object or
+    ``MAX_SCHEMA_PROPERTIES`` in all: what llguidance cannot compile safely or in bounded time. Iterative
+    (no Python recursion) and linear in the schema's size."""
+    what = what or field
+    depth: dict[int, int] = {}  # id(node) -> the longest nesting from it down (a cycle back counts 0)
+    on_path: set[int] = set()
+    properties = 0
+    stack: list[list] = [[schema, None]]  # [node, an iterator over its children once expanded]
+    while stack:
+        entry = stack[-1]
+        node = entry[0]
+        if entry[1] is None:
+            entry[1] = iter(_children(schema, node))
+            on_path.add(id(node))
+            if isinstance(node, dict) and isinstance(props := node.get("properties"), dict):
+                properties += len(props)
+                if len(props) > MAX_OBJECT_PROPERTIES or properties > MAX_SCHEMA_PROPERTIES:
+                    raise InvalidRequest(f"{what}: the schema declares more properties than fleet compiles "
+                                         f"({MAX_OBJECT_PROPERTIES} in one object, {MAX_SCHEMA_PROPERTIES} in all)",
+                                         param=field)
+        child = next((k for k in entry[1] if id(k) not in depth and id(k) not in on_path), None)
+        if child is not None:
+            stack.append([child, None])
+        else:
+            stack.pop()
+            on_path.discard(id(node))
+            depth[id(node)] = 1 + max((depth.get(id(k), 0) for k in _children(schema, node)), default=0)
+        if len(stack) > MAX_SCHEMA_DEPTH or depth.get(id(node), 0) > MAX_SCHEMA_DEPTH:
+            raise InvalidRequest(f"{what}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (following its "
+                                 f"$refs), more than fleet compiles", param=field)
+
 
 @dataclass(frozen=True)
 class Constraint:
@@ -46,7 +121,9 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | bool, field: str = "response_format") -> Constraint:
-        """Output that is one JSON value valid under ``schema`` (``{"type": "object"}``: any object)."""
+        """Output that is one JSON value valid under ``schema`` (``{"type": "object"}``: any object). Raises
+        ``InvalidRequest`` naming ``field`` for a schema too deep or too large to compile (``check_schema_size``)."""
+        check_schema_size(schema, field)
         return cls("json_schema", json.dumps(schema), field)
 
     def grammar(self) -> str:
@@ -79,14 +156,22 @@ def allowed_tokens(mask: np.ndarray, vocab_size: int) -> np.ndarray:
     return bits[..., :vocab_size].astype(bool)
 
 
+class GrammarError(InvalidRequest):
+    """A request's grammar allows no continuation of its output so far (a schema that leads nowhere past a
+    point, ``{"properties": {"a": {"$ref": "#/properties/a"}}}``, or a mask over llguidance's per-step
+    limits): that request fails, as a bad request naming its field; the others go on."""
+
+
 class Matcher:
     """One request's grammar state, following its output tokens (llguidance's ``LLMatcher``).
 
-    Not thread-safe: the step loop and the draft model's thread take turns (a request is either being
-    drafted or stepped, never both)."""
+    ``field``: the request field the constraint came from (``GrammarError`` names it). Not thread-safe:
+    the step loop and the draft model's thread take turns (a request is either being drafted or stepped,
+    never both)."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:  # noqa: ANN001 - llguidance.LLMatcher
+    def __init__(self, matcher, vocab_size: int, field: str = "response_format") -> None:  # noqa: ANN001 - llguidance.LLMatcher
         self._m = matcher
+        self.field = field
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
         self.mask_ms = 0.0  # time spent computing masks, for the bench and the response's report
@@ -94,10 +179,13 @@ class Matcher:
 
     def _check(self) -> None:
         if self._m.is_error():
-            raise RuntimeError(f"grammar state broke: {self._m.get_error()}")
+            error = self._m.get_error().strip().splitlines()[0]
+            raise GrammarError(f"{self.field}: the grammar allows no continuation of the output so far ({error})",
+                               param=self.field)
 
     def fill(self, out: np.ndarray) -> None:
-        """Write the current position's bitmask into ``out`` [ceil(V / 32)] int32 (C-contiguous)."""
+        """Write the current position's bitmask into ``out`` [ceil(V / 32)] int32 (C-contiguous). Raises
+        ``GrammarError`` when the grammar allows nothing here."""
         t0 = time.perf_counter()
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         self.mask_ms += (time.perf_counter() - t0) * 1000
@@ -181,7 +269,12 @@ class Grammars:
         grammar = constraint.grammar()
         tokenizer = self.tokenizer()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():  # a grammar that allows no first token ({"$ref": "#"}) breaks at its first mask
+            matcher.compute_bitmask()
+            if matcher.is_error():
+                raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} allows no output "
+                                     f"({matcher.get_error().strip().splitlines()[0]})", param=constraint.field)
         if matcher.is_error():
             raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} does not compile: "
-                                 f"{matcher.get_error().strip()}", param=constraint.field)
-        return Matcher(matcher, self.vocab_size)
+                                 f"{matcher.get_error().strip().splitlines()[0]}", param=constraint.field)
+        return Matcher(matcher, self.vocab_size, constraint.field)

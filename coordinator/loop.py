@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .constraint import GrammarError
 from .errors import StageFailure
 from .group import BatchGroup, Member
 from .prefix_cache import PrefixCache, Retained, new_session_id
@@ -117,8 +118,11 @@ class StepLoop:
             while not events.empty():
                 handler, *args = events.get_nowait()
                 self._apply(handler, args)
-            for action in self.scheduler.schedule(self.pipeline, self.seqs, self.groups):
-                self._spawn(self._execute(action))
+            self._apply(self._schedule, [])
+
+    def _schedule(self) -> None:
+        for action in self.scheduler.schedule(self.pipeline, self.seqs, self.groups):
+            self._spawn(self._execute(action))
 
     def _apply(self, handler, args: list) -> None:
         try:
@@ -353,12 +357,17 @@ class StepLoop:
         else:
             self._set_draft(seq, [], [])
 
-    @staticmethod
-    def _set_draft(seq: Seq, draft: list[int], qs: list[SparseDist], draft_ms: float = 0.0, forced: bool = False) -> None:
+    def _set_draft(self, seq: Seq, draft: list[int], qs: list[SparseDist], draft_ms: float = 0.0,
+                   forced: bool = False) -> None:
         """The next step's drafts (drawn from ``qs``); under a grammar, with its masks, cut before the first
-        draft the grammar refuses (prompt lookup's; the draft model's are drawn under the masks)."""
+        draft the grammar refuses (prompt lookup's; the draft model's are drawn under the masks). A grammar
+        that allows nothing more fails its request alone."""
         if (grammar := seq.request.grammar) is not None:
-            allowed, seq.masks = grammar.masks(draft)
+            try:
+                allowed, seq.masks = grammar.masks(draft)
+            except GrammarError as exc:
+                self._fail(seq, exc)
+                return
             draft, qs = draft[:allowed], qs[:allowed]
         seq.draft, seq.qs, seq.draft_ms, seq.forced = draft, qs, draft_ms, forced
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..constraint import check_schema_size
 from ..errors import InvalidRequest
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -121,6 +122,7 @@ def check_schema(schema: dict, what: str, field_name: str) -> None:
     compiles (an unknown type, a bad ``$ref``, a malformed keyword): ``what`` names it in the message."""
     import llguidance
 
+    check_schema_size(schema, field_name, what)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
     except ValueError as exc:

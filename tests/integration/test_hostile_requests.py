@@ -6,6 +6,7 @@ the workers freed. Each must be refused or answered at once, the coordinator's h
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -182,3 +183,64 @@ def test_retained_sessions_the_workers_freed_are_forgotten(build_2, hostile_flee
     finally:
         coordinator.stop()
 
+
+
+# -- hostile schemas (issue 29's grammar-constrained decoding) ---------------------------------------
+
+def _ref_chain(length: int) -> dict:
+    """A JSON schema of ``length`` ``$ref``s each pointing to the next (64 KB for 2,500)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{length}": {"type": "string"}}}
+
+
+def _schema_chat(schema: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "Give me JSON."}], "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+"""A schema whose object opens (``{"a":``, forced) and then allows nothing: it passes the first mask."""
+
+
+def test_hostile_schemas_are_refused_and_hurt_no_one(hostile_fleet):
+    """A chain of 5,000 $refs (llguidance compiles it by recursion: the coordinator died of SIGSEGV), the
+    same as a tool's parameters and as Ollama's format, ``{"$ref": "#"}`` (it compiled, then its first mask
+    broke in the step loop's scheduling: the loop died and every request after it hung), 3,000 optional
+    properties (9 s of compile per 4,000; 10,000 took 128 s): each a 400 naming its field within seconds,
+    /health answering within 100 ms. A schema that breaks after its forced ``{"a":`` failed every request
+    of the step loop as a 503 ("send the request again"); now it alone fails, a 400, while a plain request
+    decoding beside it gets all its tokens."""
+    _, url, _, _ = hostile_fleet
+    r = httpx.post(url + CHAT, json=_schema_chat({"type": "object"}), timeout=60)  # llguidance's tokenizer, built once
+    assert r.status_code == 200, r.text
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": _ref_chain(5000)}}
+    patterns = {
+        "a chain of 5,000 $refs": (CHAT, _schema_chat(_ref_chain(5000)), "response_format", "nests deeper"),
+        "a tool's parameters of 5,000 $refs": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                                      "tools": [tool], "tool_choice": "required"}, "tools", "nests deeper"),
+        "Ollama's format of 5,000 $refs": ("/api/chat", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                                         "format": _ref_chain(5000), "stream": False}, "format", "nests deeper"),
+        '{"$ref": "#"}': (CHAT, _schema_chat({"$ref": "#"}), "response_format", "allows no output"),
+        "3,000 optional properties": (CHAT, _schema_chat({"type": "object", "properties": {
+            f"p{i}": {"type": "string"} for i in range(3000)}}), "response_format", "more properties"),
+    }
+    for what, (path, body, field, words) in patterns.items():
+        r, health = while_health_polled(url, lambda p=path, b=body: httpx.post(url + p, json=b, timeout=30))
+        message = r.json()["error"] if path.startswith("/api") else r.json()["error"]["message"]
+        print(f"{what}: HTTP {r.status_code}, /health at most {max(health) * 1000:.0f} ms: {message[:120]}")
+        assert r.status_code == 400 and message.startswith(field) and words in message, (what, r.status_code, message)
+        assert max(health) < 0.1, f"{what}: /health took {max(health) * 1000:.0f} ms"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        plain = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40, "ignore_eos": True,
+                 "temperature": 0, "stream": True}
+        with client.stream("POST", CHAT, json=plain) as beside:
+            lines = beside.iter_lines()
+            rest = [next(lines)]  # decoding
+            r = client.post(CHAT, json=_schema_chat(DEAD_END))
+            rest += list(lines)
+    assert r.status_code == 400 and "no continuation" in r.json()["error"]["message"], r.text
+    chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert not any("error" in c for c in chunks), chunks[-1]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length", chunks[-3:]
+    assert httpx.post(url + CHAT, json=_schema_chat({"type": "object"}), timeout=60).status_code == 200
