@@ -6,7 +6,11 @@ Fields fleet accepts and ignores, harmless no-ops: ``user``, ``metadata``, ``sto
 ``stream_options`` without ``stream`` (a response not streamed always carries usage),
 ``stream_options.include_obfuscation``, ``top_logprobs: 0`` without ``logprobs``, ``modalities: ["text"]``,
 ``tool_choice: "none"``/``"auto"`` without tools, and fields OpenAI does not define (clients add vendor
-fields: ``chat_template_kwargs``, ``return_progress``). Every other OpenAI field that would change the
+fields: ``chat_template_kwargs``, ``return_progress``), except the other servers' fields that change the
+answer: vLLM's ``guided_json``, ``guided_regex``, ``guided_choice`` and llama.cpp's ``json_schema`` are
+honoured (grammar-constrained decoding, as ``response_format``), and their samplers and grammars fleet does
+not have (``min_p``, ``typical_p``, ``mirostat``, ``grammar``, ...; ``VENDOR_REFUSED``) are refused by name,
+never ignored. Every other OpenAI field that would change the
 answer (``functions`` and ``function_call``, deprecated for ``tools``; a ``response_format`` other than text
 and JSON, or one with tools; ``logit_bias``, ``n`` > 1,
 ``echo``, ``suffix``, ``best_of`` > 1, ``audio``, ``prediction``, ``reasoning_effort``, ``verbosity``,
@@ -15,6 +19,7 @@ and JSON, or one with tools; ``logit_bias``, ``n`` > 1,
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -123,6 +128,11 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, unused
     # structured output; on the legacy completions a fleet extension, as in vLLM
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema (or its text)
+    guided_regex: str | None = None  # vLLM's
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)  # vLLM's: one of these strings
+    json_schema: dict[str, Any] | None = None  # llama.cpp server's
+    model_config = {"extra": "allow"}  # other fields are kept to be checked against VENDOR_REFUSED
 
     def max_tokens_asked(self) -> int | None:
         """The most tokens the request asks for, None when it says nothing."""
@@ -139,9 +149,37 @@ class SamplingRequest(BaseModel):
         if self.logit_bias:
             _refuse("logit_bias", "the last stage returns only its best candidates, so a bias over the whole "
                     "vocabulary cannot be applied")
+        for name in VENDOR_REFUSED:
+            if (self.model_extra or {}).get(name) not in (None, *VENDOR_REFUSED[name]):
+                _refuse(name, "fleet does not implement that sampler or grammar (another server's extension)")
         self.output_constraint()  # a response_format it cannot honour is refused by name
 
     def output_constraint(self) -> Constraint | None:
+        """What the answer must match: ``response_format`` (``response_constraint``), or vLLM's
+        ``guided_json``/``guided_regex``/``guided_choice`` or llama.cpp's ``json_schema``; None for free text.
+        Raises ``InvalidRequest`` naming the field when it is malformed or more than one is set."""
+        asked = {name: value for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                                                 ("guided_choice", self.guided_choice), ("json_schema", self.json_schema))
+                 if value is not None}
+        response = self.response_constraint()
+        if len(asked) + (response is not None) > 1:
+            named = [*(["response_format"] if response is not None else []), *asked]
+            _refuse(named[-1], f"{' and '.join(named)} both constrain the answer: send one", plain=True)
+        if response is not None or not asked:
+            return response
+        (name, value), = asked.items()
+        if name == "guided_regex":
+            return Constraint("regex", value, name)
+        if name == "guided_choice":  # a Lark alternation of the strings as JSON-escaped literals
+            return Constraint("lark", "start: " + " | ".join(json.dumps(c) for c in value), name)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                _refuse(name, "guided_json is not a JSON schema (its text does not parse)", plain=True)
+        return Constraint.json_schema(value, name)
+
+    def response_constraint(self) -> Constraint | None:
         """What ``response_format`` asks the answer to be (OpenAI's structured outputs): None for ``text``,
         any JSON object for ``json_object``, a value valid under ``json_schema.schema`` for ``json_schema``
         (enforced by grammar-constrained decoding whether or not ``strict`` is set). Raises ``InvalidRequest``
@@ -278,6 +316,15 @@ def _refuse(field: str, why: str, plain: bool = False) -> None:
     message = why if plain else f"{field} is not supported by fleet: {why}"
     raise InvalidRequest(message, param=field)
 
+
+# other servers' request fields fleet does not implement, with the values that change nothing: set to anything
+# else, a 400 names them (vLLM's and llama.cpp's samplers and grammars; their constrained outputs are honoured)
+VENDOR_REFUSED: dict[str, tuple] = {
+    "min_p": (0, 0.0), "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "top_a": (0, 0.0), "mirostat": (0,),
+    "mirostat_mode": (0,), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0),
+    "repeat_last_n": (), "grammar": ("",), "guided_grammar": ("",), "structured_outputs": (), "logits_processors": (),
+    "min_tokens": (0,), "bad_words": (), "allowed_token_ids": (), "guided_decoding_backend": (),
+}
 
 # what a field is when neither the request nor the model's generation_config.json sets it (OpenAI's defaults)
 SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "frequency_penalty": 0.0,

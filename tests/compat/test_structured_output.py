@@ -66,3 +66,20 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client, 
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}})
     assert caught.value.param == "response_format"
+
+
+def test_vllm_and_llama_cpp_constrained_fields_are_honoured(http, model):
+    """Clients written for vLLM (guided_choice, guided_json) or llama.cpp's server (json_schema) get what they
+    ask for; a sampler fleet lacks (min_p) is a 400 naming it, never ignored."""
+    base = {"model": model, "messages": [{"role": "user", "content": "Is water wet?"}], "temperature": 0,
+            "max_tokens": 16}
+    r = http.post("/v1/chat/completions", json={**base, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    schema = {"type": "object", "properties": {"wet": {"type": "boolean"}}, "required": ["wet"],
+              "additionalProperties": False}
+    r = http.post("/v1/chat/completions", json={**base, "json_schema": schema})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+    r = http.post("/v1/chat/completions", json={**base, "min_p": 0.1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text

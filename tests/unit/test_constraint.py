@@ -132,3 +132,32 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(grammars, 
     with pytest.raises(InvalidRequest, match=message) as caught:
         grammars.matcher(constraint)
     assert caught.value.param == "response_format" and caught.value.status == 400
+
+
+def chat_request(**fields):  # noqa: ANN201 - ChatCompletionRequest
+    from coordinator.openai_schema import ChatCompletionRequest
+
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
+
+
+def test_other_servers_constrained_outputs_are_honoured_and_their_samplers_refused_by_name(grammars, chat_tokenizer):
+    """vLLM's guided_json / guided_regex / guided_choice and llama.cpp's json_schema become the request's
+    constraint (clients written for them would otherwise get unconstrained text that looks like success);
+    their samplers and grammars fleet lacks are a 400 naming them, unless set to what changes nothing."""
+    choice = chat_request(guided_choice=["yes", 'a "b"']).output_constraint()
+    matcher = grammars.matcher(choice)
+    for t in chat_tokenizer.encode('a "b"'):
+        matcher.consume(t)
+    assert matcher.stopped
+    assert chat_request(guided_json='{"type": "object"}').output_constraint() == Constraint.json_schema(
+        {"type": "object"}, "guided_json")
+    assert chat_request(json_schema={"type": "string"}).output_constraint().field == "json_schema"
+    assert chat_request(guided_regex="[0-9]+").output_constraint() == Constraint("regex", "[0-9]+", "guided_regex")
+    chat_request(min_p=0.0, mirostat=0, grammar="").refuse_unsupported()  # their "off" values pass
+    for fields, param in [({"min_p": 0.05}, "min_p"), ({"grammar": "root ::= \"a\""}, "grammar"),
+                          ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+                          ({"response_format": {"type": "json_object"}, "json_schema": {}}, "json_schema"),
+                          ({"guided_json": "{not json"}, "guided_json")]:
+        with pytest.raises(InvalidRequest) as caught:
+            chat_request(**fields).refuse_unsupported()
+        assert caught.value.param == param, (fields, caught.value.message)
