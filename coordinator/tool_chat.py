@@ -6,6 +6,7 @@ model family's (``coordinator.tools``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,9 +28,11 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+@functools.lru_cache(maxsize=8)
 def engine_tool_format(engine: Engine) -> ToolFormat:
     """The tool-call format of the model ``engine`` serves: from its chat template, its architecture and
-    its vocabulary (the id of a special token that opens calls)."""
+    its vocabulary (the id of a special token that opens calls). Worked out once per engine: reading the
+    vocabulary takes milliseconds (a 262,144-token one, ~0.1 s), on the event loop."""
     tokenizer = engine.tokenizer
     return detect_format(tokenizer.chat_template, engine.manifest.architecture.model_type,
                          tokenizer.tokenizer.get_vocab(with_added_tokens=True))
