@@ -45,6 +45,11 @@ def add_web_routes(app: FastAPI) -> None:
     async def page() -> FileResponse:
         return FileResponse(index, media_type="text/html", headers=PAGE_HEADERS)
 
+    @app.head("/", include_in_schema=False)
+    async def alive() -> Response:
+        """200 with no body: the Ollama CLI's and other clients' heartbeat (``HEAD /``) finds a server."""
+        return Response(headers=PAGE_HEADERS)
+
     # StaticFiles answers with ETag/Last-Modified (a reload revalidates), 404 for anything else
     app.mount("/static", PageFiles(directory=STATIC), name="static")
 
