@@ -29,7 +29,7 @@ from .constraint import Constraint
 from .errors import InvalidRequest
 from .limits import count_messages
 from .openai_schema import SamplingRequest
-from .tools import AUTO, NONE, Tool, ToolCall, ToolChoice, check_choice, check_unique, make_tool
+from .tools import AUTO, NONE, Tool, ToolCall, ToolChoice, check_choice, check_tools_size, check_unique, make_tool
 
 MAX_STOP_SEQUENCES = 64  # fleet's bound (each is searched for after every token); Anthropic states none
 
@@ -252,6 +252,7 @@ class MessagesPrompt(Strict):
         return self._tool_request
 
     def _parse_tools(self) -> tuple[tuple[Tool, ...], ToolChoice, bool | None]:
+        check_tools_size([t.input_schema for t in self.tools or ()])
         tools = check_unique([make_tool(t.name, t.description, t.input_schema, "tools", t.strict)
                               for t in self.tools or ()])
         tc = self.tool_choice

@@ -72,11 +72,12 @@ def _children(root: object, node: object) -> list:
     return [k for k in kids if isinstance(k, (dict, list))]
 
 
-def check_schema_size(schema: object, field: str, what: str = "") -> None:
-    """Raise ``InvalidRequest`` naming ``field`` (its message opening with ``what``, by default ``field``) when ``schema`` nests deeper than ``MAX_SCHEMA_DEPTH``
-    (following local ``$ref``s) or declares more properties than ``MAX_OBJECT_PROPERTIES`` in one object or
-    ``MAX_SCHEMA_PROPERTIES`` in all: what llguidance cannot compile safely or in bounded time. Iterative
-    (no Python recursion) and linear in the schema's size."""
+def check_schema_size(schema: object, field: str, what: str = "", budget: int = MAX_SCHEMA_PROPERTIES) -> int:
+    """The properties ``schema`` declares. Raises ``InvalidRequest`` naming ``field`` (its message opening
+    with ``what``, by default ``field``) when ``schema`` nests deeper than ``MAX_SCHEMA_DEPTH`` (following
+    local ``$ref``s) or declares more properties than ``MAX_OBJECT_PROPERTIES`` in one object or ``budget``
+    in all (several schemas share ``MAX_SCHEMA_PROPERTIES``): what llguidance cannot compile safely or in
+    bounded time. Iterative (no Python recursion) and linear in the schema's size."""
     what = what or field
     depth: dict[int, int] = {}  # id(node) -> the longest nesting from it down (a cycle back counts 0)
     on_path: set[int] = set()
@@ -90,7 +91,7 @@ def check_schema_size(schema: object, field: str, what: str = "") -> None:
             on_path.add(id(node))
             if isinstance(node, dict) and isinstance(props := node.get("properties"), dict):
                 properties += len(props)
-                if len(props) > MAX_OBJECT_PROPERTIES or properties > MAX_SCHEMA_PROPERTIES:
+                if len(props) > MAX_OBJECT_PROPERTIES or properties > budget:
                     raise InvalidRequest(f"{what}: the schema declares more properties than fleet compiles "
                                          f"({MAX_OBJECT_PROPERTIES} in one object, {MAX_SCHEMA_PROPERTIES} in all)",
                                          param=field)
@@ -104,6 +105,7 @@ def check_schema_size(schema: object, field: str, what: str = "") -> None:
         if len(stack) > MAX_SCHEMA_DEPTH or depth.get(id(node), 0) > MAX_SCHEMA_DEPTH:
             raise InvalidRequest(f"{what}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (following its "
                                  f"$refs), more than fleet compiles", param=field)
+    return properties
 
 
 @dataclass(frozen=True)

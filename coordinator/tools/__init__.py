@@ -13,6 +13,7 @@ from .spec import (
                    ToolCall,
                    ToolChoice,
                    check_choice,
+                   check_tools_size,
                    check_unique,
                    make_tool,
                    new_call_id,
@@ -21,6 +22,6 @@ from .spec import (
 )
 
 __all__ = ["AUTO", "DEFAULT", "NONE", "SYNTAXES", "CallDelta", "StreamDelta", "Tool", "ToolCall", "ToolCallParser",
-           "ToolChoice", "ToolFormat", "check_choice", "check_unique", "detect_format", "extra_bytes", "make_tool",
+           "ToolChoice", "ToolFormat", "check_choice", "check_tools_size", "check_unique", "detect_format", "extra_bytes", "make_tool",
            "new_call_id", "parse_tool_calls", "parse_tool_choice", "parse_tools", "render_messages",
            "tool_constraint", "tool_grammar", "tools_prompt"]
