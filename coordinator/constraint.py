@@ -125,6 +125,10 @@ class Constraint:
     def json_schema(cls, schema: dict | bool, field: str = "response_format") -> Constraint:
         """Output that is one JSON value valid under ``schema`` (``{"type": "object"}``: any object). Raises
         ``InvalidRequest`` naming ``field`` for a schema too deep or too large to compile (``check_schema_size``)."""
+        if isinstance(schema, bool):  # JSON Schema's true: any value; false: none (llguidance takes objects only)
+            if not schema:
+                raise InvalidRequest(f"{field}: the schema false allows no value", param=field)
+            schema = {}
         check_schema_size(schema, field)
         return cls("json_schema", json.dumps(schema), field)
 
@@ -181,7 +185,7 @@ class Matcher:
 
     def _check(self) -> None:
         if self._m.is_error():
-            error = self._m.get_error().strip().splitlines()[0]
+            error = self._m.get_error().split("<state>")[0].strip()
             raise GrammarError(f"{self.field}: the grammar allows no continuation of the output so far ({error})",
                                param=self.field)
 
@@ -275,8 +279,8 @@ class Grammars:
             matcher.compute_bitmask()
             if matcher.is_error():
                 raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} allows no output "
-                                     f"({matcher.get_error().strip().splitlines()[0]})", param=constraint.field)
+                                     f"({matcher.get_error().split('<state>')[0].strip()})", param=constraint.field)
         if matcher.is_error():
             raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} does not compile: "
-                                 f"{matcher.get_error().strip().splitlines()[0]}", param=constraint.field)
+                                 f"{matcher.get_error().split('<state>')[0].strip()}", param=constraint.field)
         return Matcher(matcher, self.vocab_size, constraint.field)

@@ -194,6 +194,11 @@ class SamplingRequest(BaseModel):
                 spec = rf.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                     _refuse("response_format", "json_schema needs an object with a name (and a schema)", plain=True)
+                if unknown := sorted(set(spec) - {"name", "description", "schema", "strict"}):
+                    _refuse("response_format", f"json_schema.{unknown[0]} is not a field fleet knows (OpenAI's are "
+                            f"name, description, schema and strict)", plain=True)
+                if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+                    _refuse("response_format", "json_schema.strict must be true or false", plain=True)
                 schema = spec.get("schema", {})
                 if not isinstance(schema, (dict, bool)):
                     _refuse("response_format", "json_schema.schema must be a JSON schema object", plain=True)

@@ -134,6 +134,27 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(grammars, 
     assert caught.value.param == "response_format" and caught.value.status == 400
 
 
+def test_compile_errors_keep_their_reason_and_json_schemas_true_and_false(grammars):
+    """A multi-line compile error keeps its reason (it was cut to 'regex parse error:'); JSON Schema's
+    ``true`` is any value (llguidance takes only objects: 'Expecting object schema'), ``false`` refused."""
+    with pytest.raises(InvalidRequest, match="unclosed group"):
+        grammars.matcher(Constraint.json_schema({"type": "string", "pattern": "(("}))
+    assert grammars.matcher(Constraint.json_schema(True)).masks([])[1].any()
+    with pytest.raises(InvalidRequest, match="allows no value"):
+        Constraint.json_schema(False)
+    with pytest.raises(InvalidRequest, match="allows no output") as caught:  # no first token: a 400 at once
+        grammars.matcher(Constraint.json_schema({"$ref": "#"}))
+    assert "<state>" not in str(caught.value)
+
+
+def test_json_schemas_unknown_fields_are_refused_by_name():
+    for spec, words in (({"extra": 1}, "json_schema.extra"), ({"strict": "yes"}, "strict must be true or false")):
+        with pytest.raises(InvalidRequest, match=words) as caught:
+            chat_request(response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object"}, **spec}}).refuse_unsupported()
+        assert caught.value.param == "response_format"
+
+
 def chat_request(**fields):  # noqa: ANN201 - ChatCompletionRequest
     from coordinator.openai_schema import ChatCompletionRequest
 
