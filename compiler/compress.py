@@ -28,6 +28,7 @@ The two larger classes come from the guide and are not measured here.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -148,7 +149,7 @@ def compress(model: ov.Model, spec: WeightSpec) -> ov.Model:
             group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST))
 
 
-ROW_BLOCK_BYTES = 64 << 20  # int8: rows compressed per NNCF call (per-channel: rows are independent)
+ROW_BLOCK_BYTES = 64 << 20  # int8, int4: rows compressed per NNCF call (rows are independent)
 
 
 def int8_rows(read, shape: tuple[int, ...], symmetric: bool, out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -172,9 +173,7 @@ def int8_rows(read, shape: tuple[int, ...], symmetric: bool, out: np.ndarray) ->
     rows, cols = shape
     scale = np.empty((rows, 1), np.float16)
     zero_point = None if symmetric else np.empty((rows, 1), np.uint8)
-    step = max(1, ROW_BLOCK_BYTES // (cols * 4))
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
+    for start, stop in row_blocks(rows, cols):
         cw = compress_weight(Tensor(read(start, stop)), (1,), config)
         # NNCF reuses its output buffers between calls: copy out before the next block
         out[start:stop] = np.asarray(cw.tensor.data)
@@ -182,6 +181,124 @@ def int8_rows(read, shape: tuple[int, ...], symmetric: bool, out: np.ndarray) ->
         if zero_point is not None:
             zero_point[start:stop] = np.asarray(cw.zero_point.data)
     return scale, zero_point
+
+
+def row_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Row ranges ``[start, stop)`` of a weight [rows, cols] to compress one at a time: ``ROW_BLOCK_BYTES`` of f32
+    each, every one at least NNCF's ``MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION`` weights unless the whole tensor
+    is smaller. NNCF runs a tensor of that many weights or more through an OpenVINO-compiled kernel and a smaller
+    one through numpy (``weight_lowering._can_run_optimized``); a block takes the same one as the whole tensor,
+    so blocks give NNCF's bytes for the whole tensor."""
+    from nncf.quantization.algorithms.weight_compression.constants import MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION
+
+    least = MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION
+    if rows * cols < least:
+        return [(0, rows)]
+    step = max(1, ROW_BLOCK_BYTES // (cols * 4), -(-least // cols))
+    bounds = [*range(0, rows, step), rows]
+    if len(bounds) > 2 and (rows - bounds[-2]) * cols < least:  # a short tail joins the block before it
+        del bounds[-2]
+    return list(itertools.pairwise(bounds))
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit values (uint8 0..15 or int8 -8..7, any shape) -> their bytes in OpenVINO's u4/i4 layout: flat,
+    element 2k in the low nibble of byte k, an odd count padded with a zero nibble."""
+    flat = values.reshape(-1).astype(np.uint8) & 0x0F
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int) -> dict[str, np.ndarray]:
+    """int4 of a weight [rows, cols] in groups of ``group_size`` weights along a row (-1: one group per row)
+    with NNCF's own lowering (``weight_lowering.compress_weight``, what ``compress_weights`` applies to a weight
+    it puts at ``int4_sym``/``int4_asym``), in blocks of rows (``row_blocks``): groups lie within a row, so the
+    bytes are NNCF's for the whole tensor.
+
+    ``read(start, stop)`` returns rows ``[start, stop)`` as float16. Returns ``weights``: the codes [rows, cols]
+    packed (``pack_nibbles``, i4 when symmetric, else u4), ``scale`` [rows, groups] float16 and, asymmetric,
+    ``zero_point``: [rows, groups] u4 packed.
+    """
+    import nncf
+    from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+    from nncf.quantization.algorithms.weight_compression.weight_lowering import compress_weight
+    from nncf.tensor import Tensor
+
+    mode = nncf.CompressWeightsMode.INT4_SYM if symmetric else nncf.CompressWeightsMode.INT4_ASYM
+    config = WeightCompressionConfig(mode, group_size=group_size)
+    rows, cols = shape
+    groups = 1 if group_size == -1 else cols // group_size
+    codes = np.empty((rows, cols), np.int8 if symmetric else np.uint8)
+    scale = np.empty((rows, groups), np.float16)
+    zero_point = None if symmetric else np.empty((rows, groups), np.uint8)
+    for start, stop in row_blocks(rows, cols):
+        cw = compress_weight(Tensor(read(start, stop)), (1,), config)
+        codes[start:stop] = np.asarray(cw.tensor.data).reshape(stop - start, cols)
+        scale[start:stop] = np.asarray(cw.scale.data).reshape(stop - start, groups)
+        if zero_point is not None:
+            zero_point[start:stop] = np.asarray(cw.zero_point.data).reshape(stop - start, groups)
+    parts = {"weights": pack_nibbles(codes), "scale": scale}
+    return parts | ({} if zero_point is None else {"zero_point": pack_nibbles(zero_point)})
+
+
+def streams_int4(spec: WeightSpec, moe: bool) -> bool:
+    """Whether an int4 stage of ``spec`` is written tensor by tensor (``int4_plan``): at ratio 1.0, without
+    Mixture-of-Experts layers. Below 1.0 NNCF ranks the stage's layers to pick which stay at int8, and a MoE
+    stage's stacked experts are NNCF's to lay out: both are compressed whole by ``compress``."""
+    return spec.format == "int4" and spec.ratio == 1.0 and not moe
+
+
+def weight_order(model: ov.Model, names: set[str]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The weights among ``names`` that ``model``'s MatMuls (input 1) and Gathers (input 0) read from a constant
+    (through Converts), in the model's topological order: (name, ``"matmul"`` or ``"gather"``, shape), one
+    entry per use. What NNCF's ``compress_weights`` walks to pick each weight's precision; nothing is read."""
+    order = []
+    for node in model.get_ordered_ops():
+        kind = {"MatMul": "matmul", "Gather": "gather"}.get(node.get_type_name())
+        if kind is None:
+            continue
+        source = node.input(1 if kind == "matmul" else 0).get_source_output().get_node()
+        while source.get_type_name() == "Convert":
+            source = source.input(0).get_source_output().get_node()
+        name = source.get_friendly_name()
+        if source.get_input_size() == 0 and name in names:
+            order.append((name, kind, tuple(source.get_output_shape(0))))
+    return order
+
+
+def int4_plan(order: list[tuple[str, str, tuple[int, ...]]], spec: WeightSpec) -> dict[str, tuple[str, int]]:
+    """Each weight's NNCF mode and group size in an int4 stage of ``spec`` at ratio 1.0, ``{name: (mode,
+    group_size)}``, as ``compress_weights`` (``all_layers=False``, backup ``int8_asym``, group size fallback
+    ADJUST) picks them (nncf 3.4, ``WeightCompression.get_weight_compression_parameters``):
+
+    * embeddings (Gathers) and the last MatMul in ``order`` (``weight_order``) at the backup, ``("int8_asym",
+      -1)``; when that MatMul's weight was met before (an embedding tied to the LM head in one stage), no
+      MatMul is held back;
+    * every other MatMul at ``spec.nncf_mode()`` with ``spec.group_size``, or, when that does not divide the
+      row, the largest power of two that does if it is at least NNCF's ``min_adjusted_group_size`` (32),
+      else at the backup.
+    """
+    from nncf.quantization.advanced_parameters import AdvancedCompressionParameters
+
+    least = AdvancedCompressionParameters().min_adjusted_group_size
+    plan: dict[str, tuple[str, int]] = {}
+    matmuls, last_shared = [], False
+    for index, (name, kind, shape) in enumerate(order):
+        if name in plan:
+            last_shared = index == len(order) - 1
+            continue
+        plan[name] = ("int8_asym", -1)
+        if kind == "matmul":
+            matmuls.append((name, shape[-1]))
+    for name, cols in matmuls if last_shared else matmuls[:-1]:
+        group = spec.group_size
+        if group != -1 and cols % group:
+            group = cols & -cols  # the largest power of two dividing the row
+            if group < least:
+                continue
+        plan[name] = (spec.nncf_mode(), group)
+    return plan
 
 
 def describe(fmt: str, parameters: dict[str, object]) -> str:

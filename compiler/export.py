@@ -112,11 +112,14 @@ def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ..
 
 class _Weights:
     """Postponed constants (one set per tensor, shared by every use) for one stage's graph: f16, or with
-    ``int8`` (a ``compress.WeightSpec``) linear and embedding weights as NNCF's per-channel int8 pattern."""
+    ``int8`` (a ``compress.WeightSpec``) linear and embedding weights as NNCF's per-channel int8 pattern, or
+    with ``int4`` (``{name: (NNCF mode, group size)}``, ``compress.int4_plan``) each named weight as NNCF's
+    int4 or int8 pattern."""
 
     def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None,  # noqa: ANN001
-                 keep_blocks: bool = False) -> None:
+                 keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None) -> None:
         self.source, self.on_read, self.int8, self.keep_blocks = source, on_read, int8, keep_blocks
+        self.int4 = int4
         self.nodes: dict[str, ov.Output] = {}
         self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
 
@@ -167,7 +170,12 @@ class _Weights:
             return self.nodes[key]
         matrix = matrix or table
         if matrix and self.int8 is not None:
-            self.nodes[name] = self._int8(name, shape)
+            self.nodes[name] = self._int8(name, shape, self.int8.symmetric)
+            return self.nodes[name]
+        if matrix and self.int4 is not None and name in self.int4:
+            mode, group = self.int4[name]
+            self.nodes[name] = (self._int8(name, shape, mode.endswith("_sym")) if mode.startswith("int8") else
+                                self._int4(name, shape, mode.endswith("_sym"), group))
             return self.nodes[name]
         dtype = ov.Type.f32 if kind == "f32" and not matrix else ov.Type.f16
 
@@ -316,12 +324,10 @@ class _Weights:
 
         return take
 
-    def _int8(self, name: str, shape: list[int]) -> ov.Output:
+    def _int8(self, name: str, shape: list[int], symmetric: bool) -> ov.Output:
         """The three constants of one int8 weight, computed together when the serializer asks for the first
         and each handed out once (so the stage is never held compressed whole)."""
         from .compress import int8_rows
-
-        symmetric = self.int8.symmetric
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(ov.Type.i8 if symmetric else ov.Type.u8, ov.Shape(shape))
@@ -339,6 +345,41 @@ class _Weights:
             x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
         scale = self._postponed(ov.Type.f16, rows, lambda: compute("scale"), f"{name}/scale")
         return op.convert(op.multiply(x, scale, name=f"{name}/fq_weights_1"), ov.Type.f32).output(0)
+
+
+    def _int4(self, name: str, shape: list[int], symmetric: bool, group: int) -> ov.Output:
+        """One int4 weight [rows, cols] as NNCF writes it (its OpenVINO backend's compression subgraph):
+        Constant(i4 | u4 [rows, cols / g, g]) -> Convert(f16) [-> Subtract(zero point u4 [rows, cols / g, 1])]
+        -> Multiply(scale f16 [rows, cols / g, 1]) -> Reshape [rows, cols] -> Convert(f32); ``group`` -1: one
+        group per row, [rows, cols] and [rows, 1], no Reshape. Computed by ``compress.int4_rows`` when the
+        serializer asks for the first part."""
+        from .compress import int4_rows
+
+        rows, cols = shape
+        grouped, per_group = ([rows, cols], [rows, 1]) if group == -1 else \
+            ([rows, cols // group, group], [rows, cols // group, 1])
+        wtype = ov.Type.i4 if symmetric else ov.Type.u4
+
+        def make() -> dict[str, ov.Tensor]:
+            parts = int4_rows(lambda a, b: self.source.tensor(name, rows=(a, b)), (rows, cols), symmetric, group)
+            weights = ov.Tensor(wtype, ov.Shape(grouped))
+            weights.data[:] = parts["weights"]
+            out = {"weights": self._read(name, weights), "scale": ov.Tensor(parts["scale"].reshape(per_group))}
+            if not symmetric:
+                out["zero_point"] = ov.Tensor(ov.Type.u4, ov.Shape(per_group))
+                out["zero_point"].data[:] = parts["zero_point"]
+            return out
+
+        compute = self._once(make)
+        x = op.convert(self._postponed(wtype, grouped, lambda: compute("weights"), name), ov.Type.f16)
+        if not symmetric:
+            zp = self._postponed(ov.Type.u4, per_group, lambda: compute("zero_point"), f"{name}/zero_point")
+            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
+        scale = self._postponed(ov.Type.f16, per_group, lambda: compute("scale"), f"{name}/scale")
+        x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
+        if group != -1:
+            x = op.reshape(x, i64([rows, cols]), special_zero=False)
+        return op.convert(x, ov.Type.f32).output(0)
 
 
 def name_products(model: ov.Model) -> None:
@@ -363,7 +404,8 @@ def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
 
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
-                 int8=None, keep_blocks: bool = False) -> ov.Model:  # noqa: ANN001
+                 int8=None, keep_blocks: bool = False,
+                 int4: dict[str, tuple[str, int]] | None = None) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -375,13 +417,15 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     every position [B, S, V], as OpenVINO GenAI's ``LLMPipeline`` expects of ``openvino_model.xml``.
     ``int8`` (a ``compiler.compress.WeightSpec`` of format int8): every linear and embedding weight is
     written in NNCF's per-channel int8 form as it is read (``compress.int8_rows``), norms and biases f16.
+    ``int4`` (``compress.int4_plan``, ``{name: (NNCF mode, group size)}``): each weight it names in NNCF's
+    int4 (``compress.int4_rows``) or int8 form as it is read, the rest f16.
     ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
     blocks.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
     source.check(stage_tensors(cfg, stage))
-    weights = _Weights(source, on_read, int8, keep_blocks)
+    weights = _Weights(source, on_read, int8, keep_blocks, int4)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
         x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]
