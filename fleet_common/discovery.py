@@ -8,6 +8,32 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """What an empty worker can hold and how fast it runs (worker/capacity.py): ``memory_available_bytes``
+    (MemAvailable at its start), ``device`` (OpenVINO's name) and ``ms_per_gb``, ms to read 1 GB (1e9 bytes)
+    of f16 weights in a MatMul (the planner's ``ms_per_layer`` is that times a layer's weight bytes / 1e9);
+    ``cached``: read back from the worker's cache rather than measured at this start."""
+
+    memory_available_bytes: int
+    device: str
+    ms_per_gb: float
+    cached: bool = False
+
+    def line(self) -> str:
+        """For logs: ``12.3 GiB available, CPU, 4.21 ms per GB of f16 weights (measured)``."""
+        return (f"{self.memory_available_bytes / 2**30:.1f} GiB available, {self.device}, {self.ms_per_gb:.2f} ms per "
+                f"GB of f16 weights ({'cached' if self.cached else 'measured'})")
+
+
+class EmptyWorker(ValueError):
+    """The TXT record of an empty worker (no stage yet; fleet-worker without --shard/--model): ``capacity``."""
+
+    def __init__(self, message: str, capacity: Capacity, worker_id: str) -> None:
+        super().__init__(message)
+        self.capacity, self.worker_id = capacity, worker_id
+
+
+@dataclass(frozen=True)
 class WorkerAd:
     """A worker's advertisement: enough to place it in a pipeline and to refuse a mismatched one."""
 
@@ -21,6 +47,12 @@ class WorkerAd:
     worker_id: str
     port: int
     host: str = ""  # filled in by the browser from the DNS A record
+    capacity: Capacity | None = None  # an empty worker's (stage -1): announced instead of a stage
+
+    @property
+    def empty(self) -> bool:
+        """A worker with no stage yet (it announces its capacity)."""
+        return self.stage < 0
 
     @property
     def address(self) -> str:
@@ -28,7 +60,12 @@ class WorkerAd:
 
 
 def encode_txt(ad: WorkerAd) -> dict[str, str]:
-    """TXT properties for ``ad`` (all strings; mDNS TXT values are short byte strings)."""
+    """TXT properties for ``ad`` (all strings; mDNS TXT values are short byte strings). An empty worker's
+    say ``state=empty`` and carry its capacity (``mem`` bytes, ``device``, ``msgb``: ms per GB)."""
+    if ad.empty:
+        cap = ad.capacity or Capacity(0, "", 0.0)
+        return {"state": "empty", "proto": str(ad.protocol_version), "id": ad.worker_id,
+                "mem": str(cap.memory_available_bytes), "device": cap.device, "msgb": f"{cap.ms_per_gb:.4f}"}
     return {
         "stage": str(ad.stage),
         "stages": str(ad.num_stages),
@@ -41,9 +78,15 @@ def encode_txt(ad: WorkerAd) -> dict[str, str]:
 
 
 def decode_txt(props: dict[bytes, bytes | None], host: str, port: int) -> WorkerAd:
-    """Parse TXT properties back into a ``WorkerAd``; raises ``ValueError`` when fields are missing or bad."""
+    """Parse TXT properties back into a ``WorkerAd``; raises ``ValueError`` when fields are missing or bad,
+    and its subclass ``EmptyWorker`` (with the capacity) for an empty worker's, which serves no stage yet."""
     try:
         p = {k.decode(): (v or b"").decode() for k, v in props.items()}
+        if p.get("state") == "empty":
+            capacity = Capacity(int(p["mem"]), p.get("device", ""), float(p["msgb"]))
+            raise EmptyWorker(f"worker {host}:{port} (id {p.get('id', '')}) is empty ({capacity.line()}): it serves a "
+                              "stage once one is shipped to it and loaded (fleet_common/shipping.py); the coordinator "
+                              "does not plan and ship by itself yet", capacity, p.get("id", ""))
         start, end = (int(x) for x in p["layers"].split(":"))
         return WorkerAd(
             stage=int(p["stage"]),
@@ -57,6 +100,8 @@ def decode_txt(props: dict[bytes, bytes | None], host: str, port: int) -> Worker
             port=port,
             host=host,
         )
+    except EmptyWorker:
+        raise
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"bad fleet TXT record from {host}:{port}: {exc!r}") from exc
 

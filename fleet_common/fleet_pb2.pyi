@@ -211,7 +211,7 @@ class InfoRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences", "load_source", "load_s", "load_detail")
+    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences", "load_source", "load_s", "load_detail", "empty", "memory_available_bytes", "ms_per_gb")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,9 @@ class InfoReply(_message.Message):
     LOAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_GB_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     stage: int
     num_stages: int
@@ -254,4 +257,87 @@ class InfoReply(_message.Message):
     load_source: str
     load_s: float
     load_detail: str
-    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_source: _Optional[str] = ..., load_s: _Optional[float] = ..., load_detail: _Optional[str] = ...) -> None: ...
+    empty: bool
+    memory_available_bytes: int
+    ms_per_gb: float
+    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_source: _Optional[str] = ..., load_s: _Optional[float] = ..., load_detail: _Optional[str] = ..., empty: _Optional[bool] = ..., memory_available_bytes: _Optional[int] = ..., ms_per_gb: _Optional[float] = ...) -> None: ...
+
+class StageStatusRequest(_message.Message):
+    __slots__ = ("model_id", "manifest_sha256", "manifest", "stage")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    manifest_sha256: str
+    manifest: bytes
+    stage: int
+    def __init__(self, model_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., manifest: _Optional[bytes] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class FileHeld(_message.Message):
+    __slots__ = ("path", "bytes", "complete")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    bytes: int
+    complete: bool
+    def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class StageStatusReply(_message.Message):
+    __slots__ = ("files", "free_bytes")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[FileHeld]
+    free_bytes: int
+    def __init__(self, files: _Optional[_Iterable[_Union[FileHeld, _Mapping]]] = ..., free_bytes: _Optional[int] = ...) -> None: ...
+
+class StageChunk(_message.Message):
+    __slots__ = ("model_id", "manifest_sha256", "path", "offset", "data", "size")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    manifest_sha256: str
+    path: str
+    offset: int
+    data: bytes
+    size: int
+    def __init__(self, model_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class PutStageReply(_message.Message):
+    __slots__ = ("bytes_written", "completed")
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    completed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bytes_written: _Optional[int] = ..., completed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadStageRequest(_message.Message):
+    __slots__ = ("model_id", "manifest_sha256", "stage")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    manifest_sha256: str
+    stage: int
+    def __init__(self, model_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class LoadStageReply(_message.Message):
+    __slots__ = ("stage", "layer_start", "layer_end", "load_source", "load_s", "already_loaded")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    layer_start: int
+    layer_end: int
+    load_source: str
+    load_s: float
+    already_loaded: bool
+    def __init__(self, stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., load_source: _Optional[str] = ..., load_s: _Optional[float] = ..., already_loaded: _Optional[bool] = ...) -> None: ...

@@ -443,3 +443,167 @@ class Stage:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class StageStoreStub:
+    """Served by an empty worker (fleet-worker without --shard and --model): the caller ships it a stage's
+    files (fleet_common/shipping.py), then loads it; the worker then serves it as fleet-worker --shard N would.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.StageStatus = channel.unary_unary(
+                '/fleet.v1.StageStore/StageStatus',
+                request_serializer=fleet__pb2.StageStatusRequest.SerializeToString,
+                response_deserializer=fleet__pb2.StageStatusReply.FromString,
+                _registered_method=True)
+        self.PutStage = channel.stream_unary(
+                '/fleet.v1.StageStore/PutStage',
+                request_serializer=fleet__pb2.StageChunk.SerializeToString,
+                response_deserializer=fleet__pb2.PutStageReply.FromString,
+                _registered_method=True)
+        self.LoadStage = channel.unary_unary(
+                '/fleet.v1.StageStore/LoadStage',
+                request_serializer=fleet__pb2.LoadStageRequest.SerializeToString,
+                response_deserializer=fleet__pb2.LoadStageReply.FromString,
+                _registered_method=True)
+
+
+class StageStoreServicer:
+    """Served by an empty worker (fleet-worker without --shard and --model): the caller ships it a stage's
+    files (fleet_common/shipping.py), then loads it; the worker then serves it as fleet-worker --shard N would.
+    """
+
+    def StageStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutStage(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadStage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StageStoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'StageStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageStatus,
+                    request_deserializer=fleet__pb2.StageStatusRequest.FromString,
+                    response_serializer=fleet__pb2.StageStatusReply.SerializeToString,
+            ),
+            'PutStage': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutStage,
+                    request_deserializer=fleet__pb2.StageChunk.FromString,
+                    response_serializer=fleet__pb2.PutStageReply.SerializeToString,
+            ),
+            'LoadStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadStage,
+                    request_deserializer=fleet__pb2.LoadStageRequest.FromString,
+                    response_serializer=fleet__pb2.LoadStageReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fleet.v1.StageStore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fleet.v1.StageStore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StageStore:
+    """Served by an empty worker (fleet-worker without --shard and --model): the caller ships it a stage's
+    files (fleet_common/shipping.py), then loads it; the worker then serves it as fleet-worker --shard N would.
+    """
+
+    @staticmethod
+    def StageStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.StageStore/StageStatus',
+            fleet__pb2.StageStatusRequest.SerializeToString,
+            fleet__pb2.StageStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fleet.v1.StageStore/PutStage',
+            fleet__pb2.StageChunk.SerializeToString,
+            fleet__pb2.PutStageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.StageStore/LoadStage',
+            fleet__pb2.LoadStageRequest.SerializeToString,
+            fleet__pb2.LoadStageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -236,6 +236,11 @@ class _UnaryStreamToken(_Token, grpc.aio.UnaryStreamClientInterceptor):
         return await self._intercept(continuation, client_call_details, request)
 
 
+class _StreamUnaryToken(_Token, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # noqa: ANN001, ANN201
+        return await self._intercept(continuation, client_call_details, request_iterator)
+
+
 class _StreamStreamToken(_Token, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001, ANN201
         return await self._intercept(continuation, client_call_details, request_iterator)
@@ -245,13 +250,13 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
     """A grpc.aio channel to the worker at ``address`` (host:port) with ``GRPC_OPTIONS``: TLS when
     ``security`` has a certificate (presented as the client certificate; the worker's is verified
     against ``--tls-ca``, else the system's roots, and must name ``host``), and an HMAC token on every
-    call (unary, server-streaming and the ``Link`` stream) when it has a secret. Refusals by the worker are
-    logged."""
+    call (unary, server-streaming, the ``Link`` stream and ``PutStage``'s client stream) when it has a
+    secret. Refusals by the worker are logged."""
     interceptors = None
     if security.secret or security.tls:
         refusals = _Refusals(address, security.tls)
         interceptors = [_UnaryUnaryToken(security.secret, refusals), _UnaryStreamToken(security.secret, refusals),
-                        _StreamStreamToken(security.secret, refusals)]
+                        _StreamUnaryToken(security.secret, refusals), _StreamStreamToken(security.secret, refusals)]
     if not security.tls:
         return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(root_certificates=security.ca_pem, private_key=security.key_pem,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import uuid
@@ -11,13 +12,14 @@ from zeroconf import InterfaceChoice, IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from fleet_common import SERVICE_TYPE
-from fleet_common.discovery import announce_addresses, encode_txt, WorkerAd
+from fleet_common.discovery import Capacity, WorkerAd, announce_addresses, encode_txt
 
 log = logging.getLogger(__name__)
 
 
 class Announcer:
-    """Registers one ``_fleet._tcp`` service for this worker; TXT carries identity, never secrets.
+    """Registers one ``_fleet._tcp`` service for this worker; TXT carries identity, never secrets (an empty
+    worker's: its ``capacity``, fleet_common/discovery.py).
 
     The instance name is stable per (host, first address, port, stage), so a restarted worker replaces
     its entry. Its host record is the worker's own (``fleet-<worker id>.local.``), never the PC's host
@@ -25,11 +27,13 @@ class Announcer:
     merge their addresses into one record, and a coordinator dial one worker's port on another's address.
     """
 
-    def __init__(self, ad: WorkerAd, host: str, advertise: Sequence[str] = ()) -> None:
+    def __init__(self, ad: WorkerAd, host: str, advertise: Sequence[str] = (), capacity: Capacity | None = None) -> None:
+        if capacity is not None:  # an empty worker's (stage -1)
+            ad = dataclasses.replace(ad, capacity=capacity)
         self.ad = ad
         addrs, interfaces = announce_addresses(host, advertise)
         self._zc = AsyncZeroconf(interfaces=interfaces or InterfaceChoice.All, ip_version=IPVersion.V4Only)
-        name = f"fleet-stage{ad.stage}-{socket.gethostname()}-{addrs[0].replace('.', '-')}-{ad.port}"
+        name = f"fleet-{'empty' if ad.empty else f'stage{ad.stage}'}-{socket.gethostname()}-{addrs[0].replace('.', '-')}-{ad.port}"
         self.info = AsyncServiceInfo(
             SERVICE_TYPE,
             f"{name}.{SERVICE_TYPE}",

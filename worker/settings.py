@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet_common.settings import SecuritySettings
@@ -18,8 +18,11 @@ class WorkerSettings(SecuritySettings, BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
 
-    shard: int = Field(ge=0, description="stage index this worker serves (0 = first)")
-    model: Path = Field(description="build folder written by fleet-compiler build (holds manifest.json)")
+    shard: int | None = Field(None, ge=0, description="stage index this worker serves (0 = first); without --shard "
+                              "and --model the worker starts empty and is shipped its stage (StageStore)")
+    model: Path | None = Field(None, description="build folder written by fleet-compiler build (holds manifest.json)")
+    stages_dir: Path | None = Field(None, description="an empty worker's stage cache (the stages shipped to it); "
+                                    "default $XDG_CACHE_HOME/fleet/stages (~/.cache/fleet/stages)")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves the LAN")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
     device: str = Field("CPU", description="OpenVINO device: CPU, GPU, NPU")
@@ -55,4 +58,10 @@ class WorkerSettings(SecuritySettings, BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (same host); "
                               "0 = off")
     log_level: str = Field("INFO", description="logging level")
+
+    @model_validator(mode="after")
+    def _static_or_empty(self) -> WorkerSettings:
+        if (self.shard is None) != (self.model is None):
+            raise ValueError("--shard and --model go together (a static worker); give neither for an empty worker")
+        return self
 

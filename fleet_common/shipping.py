@@ -1,0 +1,191 @@
+"""Ship one stage of a build to an empty worker over gRPC (issue 30): the sender of ``fleet.v1.StageStore``.
+
+``ship_stage`` asks the worker what it holds of the stage's files (``StageStatus``, which also gives it the
+build's manifest), sends only what is missing, from the offset it holds (a cut transfer resumes there),
+in ``CHUNK_BYTES`` pieces read one at a time (memory stays bounded by gRPC's flow control: a few pieces in
+flight), one ``PutStage`` call per file with a deadline that grows with its bytes, then ``load_stage``
+asks the worker to hash the files against the manifest and serve the stage. The worker writes each file
+through a partial file renamed into place only once its sha256 equals the manifest's (worker/stage_cache.py).
+
+This is the entry point a coordinator that plans and ships calls (it does not yet): ``ship_stage`` then
+``load_stage``, per worker of the plan, on a channel from ``fleet_common.security.open_channel`` (so with
+``--secret`` every call carries its token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from . import fleet_pb2 as pb
+from . import fleet_pb2_grpc as pb_grpc
+from .manifest import MANIFEST_NAME, load_manifest
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 2 << 20  # one PutStage message: 2 MiB
+STATUS_TIMEOUT_S = 30.0  # StageStatus (the worker writes the manifest, stats the files)
+MIN_RATE_BYTES_S = 1 << 20  # a file's PutStage deadline: 30 s + its missing bytes at 1 MiB/s
+LOAD_TIMEOUT_S = 600.0  # LoadStage: hashing and compiling a stage of GBs
+
+Progress = Callable[[str, int, int], None]
+"""``progress(path, bytes done, bytes of the file)``, called after each piece sent (and once per file at
+its start, with the bytes the worker already held)."""
+
+
+class ShippingError(RuntimeError):
+    """A stage that could not be shipped or loaded: ``str()`` names the worker, the file and the worker's
+    reason (a wrong hash with both hashes, a full disk with the bytes free, ...); ``code`` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class ShipReport:
+    """What ``ship_stage`` did: ``sent_bytes`` (file bytes sent this time), ``held_bytes`` (already on the
+    worker before), ``files`` (the stage's files), ``completed`` (files the worker checked and put in place
+    this time), ``seconds``."""
+
+    stage: int
+    files: list[str]
+    sent_bytes: int = 0
+    held_bytes: int = 0
+    completed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        """Throughput of the bytes sent, MB/s (1e6 bytes)."""
+        return self.sent_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+async def _pieces(path: Path, rel: str, model_id: str, sha: str, offset: int, size: int, chunk_bytes: int,
+                  progress: Progress | None, counter: list[int]) -> AsyncIterator[pb.StageChunk]:
+    """``path``'s bytes from ``offset`` as StageChunks of ``chunk_bytes``, read one at a time (off the event
+    loop: a read from disk can take milliseconds)."""
+    f = await asyncio.to_thread(open, path, "rb")
+    try:
+        while offset < size:
+            data = await asyncio.to_thread(os.pread, f.fileno(), min(chunk_bytes, size - offset), offset)
+            if not data:
+                raise ShippingError(f"{path} shrank while it was sent (at {offset} of {size} bytes)")
+            yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=offset, data=data, size=size)
+            offset += len(data)
+            counter[0] += len(data)
+            if progress is not None:
+                progress(rel, offset, size)
+    finally:
+        f.close()
+
+
+def _failed(address: str, what: str, exc: grpc.aio.AioRpcError) -> ShippingError:
+    return ShippingError(f"worker {address}: {what}: {exc.code().name}: {exc.details()}", exc.code())
+
+
+async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, progress: Progress | None = None, *,
+                     address: str = "", chunk_bytes: int = CHUNK_BYTES) -> ShipReport:
+    """Send stage ``shard`` of the build at ``build_dir`` to the worker on ``channel`` (``address`` names it
+    in errors): only the bytes it lacks, resuming partial files (module doc). Does not load it (``load_stage``).
+    Raises ``ShippingError`` (the worker refused: a wrong hash, a full disk, a bad path; or the call failed or
+    passed its deadline), ``ManifestError`` for a bad build, ``OSError`` for an unreadable file."""
+    loaded = load_manifest(build_dir)
+    manifest = loaded.manifest
+    if not 0 <= shard < manifest.num_stages:
+        raise ShippingError(f"stage {shard} out of range: {build_dir} has stages 0..{manifest.num_stages - 1}")
+    stub = pb_grpc.StageStoreStub(channel)
+    t0 = time.perf_counter()
+    try:
+        status = await stub.StageStatus(pb.StageStatusRequest(
+            model_id=manifest.model_id, manifest_sha256=loaded.sha256, stage=shard,
+            manifest=(Path(build_dir) / MANIFEST_NAME).read_bytes()), timeout=STATUS_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        raise _failed(address, f"StageStatus of stage {shard}", exc) from None
+    report = ShipReport(shard, [f.path for f in status.files])
+    missing = 0
+    sizes = {}
+    for held in status.files:
+        sizes[held.path] = os.path.getsize(Path(build_dir) / held.path)
+        report.held_bytes += held.bytes if held.complete else min(held.bytes, sizes[held.path])
+        missing += 0 if held.complete else sizes[held.path] - held.bytes
+    if missing > status.free_bytes:
+        raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache, which "
+                            f"has {status.free_bytes:,} free", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    for held in status.files:
+        size = sizes[held.path]
+        if held.complete:
+            continue
+        offset = held.bytes if held.bytes <= size else 0
+        if progress is not None:
+            progress(held.path, offset, size)
+        counter = [0]
+        pieces = _pieces(Path(build_dir) / held.path, held.path, manifest.model_id, loaded.sha256, offset, size,
+                         chunk_bytes, progress, counter)
+        try:
+            reply = await stub.PutStage(pieces, timeout=30.0 + (size - offset) / MIN_RATE_BYTES_S)
+        except grpc.aio.AioRpcError as exc:
+            report.sent_bytes += counter[0]
+            raise _failed(address, f"PutStage of {held.path} (from byte {offset:,} of {size:,})", exc) from None
+        report.sent_bytes += reply.bytes_written
+        report.completed += list(reply.completed)
+    report.seconds = time.perf_counter() - t0
+    log.info("stage %d shipped to %s: %d bytes sent, %d held already, %.1f s (%.1f MB/s)", shard, address or "worker",
+             report.sent_bytes, report.held_bytes, report.seconds, report.mb_per_s)
+    return report
+
+
+async def load_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, *, address: str = "",
+                     timeout_s: float = LOAD_TIMEOUT_S) -> pb.LoadStageReply:
+    """Ask the worker on ``channel`` to serve stage ``shard`` of the build at ``build_dir`` from its cache
+    (it hashes the files against the manifest first and refuses any that differ). Raises ``ShippingError``."""
+    loaded = load_manifest(build_dir)
+    try:
+        return await pb_grpc.StageStoreStub(channel).LoadStage(pb.LoadStageRequest(
+            model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256, stage=shard), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise _failed(address, f"LoadStage of stage {shard}", exc) from None
+
+
+class RichProgress:
+    """A ``Progress`` callback drawing one rich bar per file (rich ships with the ``compile`` extra, which a
+    coordinator that builds stages has; without rich it logs each file's start and end). Use as a context
+    manager around ``ship_stage``."""
+
+    def __init__(self, label: str = "") -> None:
+        self.label = label
+        self._bar = None
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self) -> RichProgress:  # noqa: PYI034
+        try:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            self._bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn())
+            self._bar.__enter__()
+        except ImportError:
+            self._bar = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def __call__(self, path: str, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` bytes of ``path``."""
+        if self._bar is None:
+            if done in (0, total) or path not in self._tasks:
+                self._tasks.setdefault(path, 0)
+                log.info("%s%s: %d of %d bytes", self.label, path, done, total)
+            return
+        if path not in self._tasks:
+            self._tasks[path] = self._bar.add_task(f"{self.label}{path}", total=total, completed=done)
+        self._bar.update(self._tasks[path], completed=done)

@@ -1,0 +1,144 @@
+"""The worker's stage cache (worker/stage_cache.py, issue 30): paths that leave the stage are refused, a file is
+put in place only when its sha256 equals the manifest's, a partial file resumes at its bytes, a full disk is
+one clear error (a real tmpfs of 1 MiB; skipped where it cannot be mounted)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+
+import pytest
+
+from fleet_common.manifest import Architecture, Manifest, StageEntry, build_identity
+from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError, safe_relative, stage_files
+
+
+UP = ".." + "/"  # (spelt so: tests/unit/test_layout.py reads a literal one as a path out of the repository)
+
+
+@pytest.mark.parametrize("path", ["", "/etc/passwd", f"{UP}x", f"stage_1/{UP}{UP}x", "stage_1/./x", "a//b", "a\\b",
+                                  "C:/x", "stage_1/x.part", "a\0b", "..", "."])
+def test_paths_outside_the_stage_are_refused(path):
+    with pytest.raises(StageCacheError):
+        safe_relative(path)
+
+
+@pytest.mark.parametrize("path", ["stage_1/openvino_model.bin", "config.json", "drafts/self-int4/openvino_model.xml",
+                                  "a..b/c"])
+def test_relative_paths_inside_pass(path):
+    assert str(safe_relative(path)) == path
+
+
+def make_build(tmp_path, sizes=(1000, 300_000)):
+    """A real 2-stage manifest (as fleet-compiler writes it) whose stage 1 files hold random bytes."""
+    src = tmp_path / "build"
+    (src / "stage_1").mkdir(parents=True)
+    files = {}
+    for name, size in zip(("openvino_model.xml", "openvino_model.bin"), sizes):
+        data = os.urandom(size)
+        (src / "stage_1" / name).write_bytes(data)
+        files[f"stage_1/{name}"] = hashlib.sha256(data).hexdigest()
+    files["stage_0/openvino_model.bin"] = "0" * 64
+    arch = Architecture("llama", 4, 64, 4, 2, 16, 100, 512)
+    stages = (StageEntry(0, 0, 2, "stage_0/openvino_model.xml", "stage_0/openvino_model.bin"),
+              StageEntry(1, 2, 4, "stage_1/openvino_model.xml", "stage_1/openvino_model.bin"))
+    manifest = Manifest("tiny", arch, stages, "2026.4.1", 5, "fp16", "f16", (2,), files)
+    data = manifest.to_json().encode()
+    (src / "manifest.json").write_bytes(data)
+    return src, data, build_identity(data)
+
+
+def test_a_file_is_put_in_place_only_with_its_hash_and_resumes(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    loaded = cache.put_manifest(sha, data, "tiny")
+    assert stage_files(loaded.manifest, 1) == ["stage_1/openvino_model.xml", "stage_1/openvino_model.bin"]
+    body = (src / "stage_1/openvino_model.bin").read_bytes()
+    rel = "stage_1/openvino_model.bin"
+    assert not cache.write(loaded, rel, 0, body[:100_000], len(body))  # a cut transfer: only this piece came
+    held = cache.held(loaded, rel)
+    assert (held.bytes, held.complete) == (100_000, False)
+    assert not (loaded.directory / rel).exists()  # nothing that looks complete
+    with pytest.raises(StageCacheError, match="resume at 100000") as refused:
+        cache.write(loaded, rel, 0, body[:10], len(body))
+    assert refused.value.code == "FAILED_PRECONDITION"
+    assert cache.write(loaded, rel, 100_000, body[100_000:], len(body))
+    assert cache.held(loaded, rel).complete and (loaded.directory / rel).read_bytes() == body
+    assert not (loaded.directory / (rel + PART_SUFFIX)).exists()
+    with pytest.raises(StageCacheError, match="missing stage_1/openvino_model.xml"):
+        cache.verify_stage(loaded, 1)
+
+
+def test_a_wrong_hash_deletes_the_file_and_names_both(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    loaded = cache.put_manifest(sha, data)
+    rel = "stage_1/openvino_model.xml"
+    body = bytearray((src / rel).read_bytes())
+    body[5] ^= 1
+    with pytest.raises(StageCacheError) as refused:
+        cache.write(loaded, rel, 0, bytes(body), len(body))
+    assert refused.value.code == "DATA_LOSS"
+    assert hashlib.sha256(body).hexdigest() in str(refused.value)
+    assert loaded.manifest.files[rel] in str(refused.value) and rel in str(refused.value)
+    assert cache.held(loaded, rel).bytes == 0 and not (loaded.directory / rel).exists()
+
+
+def test_a_corrupted_cached_file_is_not_loaded_and_is_deleted(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    loaded = cache.put_manifest(sha, data)
+    for rel in stage_files(loaded.manifest, 1):
+        body = (src / rel).read_bytes()
+        assert cache.write(loaded, rel, 0, body, len(body))
+    cache.verify_stage(loaded, 1)
+    bin_path = loaded.directory / "stage_1/openvino_model.bin"
+    with open(bin_path, "r+b") as f:  # a bit flipped on disk after it was checked
+        f.seek(7)
+        f.write(b"\xff")
+    with pytest.raises(StageCacheError, match="stage_1/openvino_model.bin in the stage cache has sha256"):
+        cache.verify_stage(loaded, 1)
+    assert not bin_path.exists()
+
+
+def test_bad_manifests_and_paths_are_refused(tmp_path):
+    _, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    with pytest.raises(StageCacheError, match="not 64 lowercase hex"):
+        cache.put_manifest(f"{UP}{UP}etc", data)
+    with pytest.raises(StageCacheError, match="has identity"):
+        cache.put_manifest("a" * 64, data)
+    with pytest.raises(StageCacheError, match="not a fleet manifest"):
+        cache.put_manifest(sha, b"{}")
+    with pytest.raises(StageCacheError, match="send it with StageStatus first"):
+        cache.manifest(sha)
+    loaded = cache.put_manifest(sha, data)
+    with pytest.raises(StageCacheError, match="of model 'tiny', not 'other'"):
+        cache.manifest(sha, "other")
+    for bad in (f"{UP}manifest.json", "/etc/passwd", "stage_1/secret.txt"):
+        with pytest.raises(StageCacheError):
+            cache.write(loaded, bad, 0, b"x", 1)
+    assert not (tmp_path / "etc").exists() and not (loaded.directory / "stage_1/secret.txt").exists()
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_what_was_written(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
+                      check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        src, data, sha = make_build(tmp_path, sizes=(1000, 600_000))
+        cache = StageCache(mount / "stages")
+        loaded = cache.put_manifest(sha, data)
+        rel = "stage_1/openvino_model.bin"
+        body = (src / rel).read_bytes()
+        assert not cache.write(loaded, rel, 0, body[:65_536], len(body))
+        with pytest.raises(StageCacheError, match="disk full in the stage cache") as refused:
+            cache.write(loaded, rel, 65_536, body[65_536:], len(body))
+        assert refused.value.code == "RESOURCE_EXHAUSTED"
+        held = cache.held(loaded, rel)
+        assert (held.bytes, held.complete) == (65_536, False)  # the piece that did not fit left nothing
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

@@ -1,0 +1,230 @@
+"""A worker's stage cache (issue 30): the stages shipped to it, one folder per build.
+
+Layout: ``ROOT/<manifest sha256>/manifest.json`` (the build's manifest, its ``blobs`` list dropped: blobs
+are compiled per PC and are not shipped) beside the shipped files at the paths the manifest names
+(``stage_1/openvino_model.bin``, ...), so the folder loads as a build folder (``load_manifest``) of which
+only the shipped stages are present. ``ROOT`` is ``--stages-dir`` (``FLEET_STAGES_DIR``), default
+``$XDG_CACHE_HOME/fleet/stages`` (``~/.cache/fleet/stages``).
+
+A file arrives as ``<path>.part``, written at the offset the sender was told (``held``) with unbuffered
+writes, so a cut transfer leaves a partial file of exactly the bytes received, resumed there. Once its last
+byte is written it is fsynced, hashed whole and renamed into place only when its sha256 equals the
+manifest's; otherwise it is deleted. A file at its final path was therefore always checked (and is
+checked again before it is loaded: ``verify_stage``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from fleet_common.manifest import MANIFEST_NAME, LoadedManifest, Manifest, ManifestError, build_identity, sha256_file
+
+log = logging.getLogger(__name__)
+
+PART_SUFFIX = ".part"
+
+
+class StageCacheError(ValueError):
+    """Input the cache refuses, or a file that failed its check; ``code`` names the gRPC status to answer
+    (``INVALID_ARGUMENT``, ``FAILED_PRECONDITION``, ``DATA_LOSS``, ``RESOURCE_EXHAUSTED``)."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def default_stages_dir() -> Path:
+    """``$XDG_CACHE_HOME/fleet/stages``, else ``~/.cache/fleet/stages``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleet" / "stages"
+
+
+def safe_relative(path: str) -> PurePosixPath:
+    """``path`` (a file of a build, as a manifest names it) as a relative POSIX path that stays inside the
+    folder it is joined to. Raises ``StageCacheError`` for an empty or absolute path, a ``..`` or ``.``
+    part, a backslash, a NUL or a drive letter (``C:``), and for a name ending in ``.part``."""
+    shown = repr(path) if len(path) <= 200 else repr(path[:200]) + "..."
+    if not path or "\\" in path or "\0" in path or path.startswith("/") or ":" in path.split("/")[0]:
+        raise StageCacheError(f"path {shown} is not a relative path inside the stage (absolute, empty or not POSIX)")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise StageCacheError(f"path {shown} leaves the stage or is not normalised ('..', '.' or '//')")
+    if path.endswith(PART_SUFFIX):
+        raise StageCacheError(f"path {shown} ends in {PART_SUFFIX}, the cache's partial files")
+    return PurePosixPath(path)
+
+
+def stage_files(manifest: Manifest, stage: int) -> list[str]:
+    """The files a worker needs to serve ``stage``: its IR's ``.xml`` and ``.bin`` (the manifest's paths).
+    Raises ``StageCacheError`` for a stage the build does not have."""
+    if not 0 <= stage < manifest.num_stages:
+        raise StageCacheError(f"stage {stage} out of range: the build has stages 0..{manifest.num_stages - 1}")
+    entry = manifest.stages[stage]
+    return [entry.xml, entry.bin]
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the cache holds of one file: ``bytes`` (all of it when ``complete``, else its partial file's)."""
+
+    path: str
+    bytes: int
+    complete: bool
+
+
+class StageCache:
+    """The stage cache at ``root`` (module doc). Methods are blocking (file I/O, hashing): the worker runs
+    them off its event loop."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def build_dir(self, manifest_sha256: str) -> Path:
+        """The folder of the build ``manifest_sha256`` (64 hex digits; ``StageCacheError`` otherwise)."""
+        if len(manifest_sha256) != 64 or any(c not in "0123456789abcdef" for c in manifest_sha256):
+            raise StageCacheError(f"manifest_sha256 {manifest_sha256[:80]!r} is not 64 lowercase hex digits")
+        return self.root / manifest_sha256
+
+    def manifest(self, manifest_sha256: str, model_id: str = "") -> LoadedManifest:
+        """The cached build's manifest. Raises ``StageCacheError`` (FAILED_PRECONDITION) when the cache has
+        none (send it with StageStatus first) or its model id is not ``model_id`` (when given)."""
+        folder = self.build_dir(manifest_sha256)
+        path = folder / MANIFEST_NAME
+        if not path.is_file():
+            raise StageCacheError(f"no manifest {manifest_sha256[:12]} in the stage cache {self.root}: send it with "
+                                  "StageStatus first", "FAILED_PRECONDITION")
+        data = path.read_bytes()
+        manifest = Manifest.from_json(data.decode())
+        if model_id and manifest.model_id != model_id:
+            raise StageCacheError(f"manifest {manifest_sha256[:12]} is of model {manifest.model_id!r}, not {model_id!r}")
+        return LoadedManifest(manifest, folder, manifest_sha256)
+
+    def put_manifest(self, manifest_sha256: str, data: bytes, model_id: str = "") -> LoadedManifest:
+        """Store a build's ``manifest.json`` bytes (its ``blobs`` dropped) unless the cache has it. Raises
+        ``StageCacheError`` when they are not a manifest, their identity is not ``manifest_sha256`` or the
+        model id is not ``model_id`` (when given)."""
+        folder = self.build_dir(manifest_sha256)
+        if (folder / MANIFEST_NAME).is_file():
+            return self.manifest(manifest_sha256, model_id)
+        try:
+            identity = build_identity(data)
+            raw = json.loads(data)
+            Manifest.from_json(data.decode())
+        except (ValueError, ManifestError) as exc:
+            raise StageCacheError(f"the manifest sent is not a fleet manifest: {exc}") from None
+        if identity != manifest_sha256:
+            raise StageCacheError(f"the manifest sent has identity {identity[:12]}, not {manifest_sha256[:12]}")
+        raw.pop("blobs", None)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / (MANIFEST_NAME + PART_SUFFIX)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / MANIFEST_NAME)
+        return self.manifest(manifest_sha256, model_id)
+
+    def _target(self, loaded: LoadedManifest, path: str) -> tuple[Path, str]:
+        """(final path, manifest sha256) of ``path``, a file the build lists. Raises ``StageCacheError``."""
+        rel = safe_relative(path)
+        expected = loaded.manifest.files.get(path)
+        if expected is None:
+            raise StageCacheError(f"path {path!r} is not a file of build {loaded.sha256[:12]}")
+        return loaded.directory / rel, expected
+
+    def held(self, loaded: LoadedManifest, path: str) -> Held:
+        """How much of ``path`` the cache holds (a complete file is not hashed again here)."""
+        final, _ = self._target(loaded, path)
+        if final.is_file():
+            return Held(path, final.stat().st_size, True)
+        part = final.with_name(final.name + PART_SUFFIX)
+        return Held(path, part.stat().st_size if part.is_file() else 0, False)
+
+    def free_bytes(self) -> int:
+        """Free space (bytes) of the file system holding the cache."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return shutil.disk_usage(self.root).free
+
+    def write(self, loaded: LoadedManifest, path: str, offset: int, data: bytes, size: int) -> bool:
+        """Write ``data`` at ``offset`` of ``path``'s partial file; at ``offset + len(data) == size`` check
+        and finish it (``finish``). Returns whether the file is now complete. Raises ``StageCacheError``:
+        an offset other than the bytes held (FAILED_PRECONDITION, naming both), data past ``size``, a file
+        already complete, a full disk (RESOURCE_EXHAUSTED: the partial file keeps what was written before
+        this piece) and a wrong hash (DATA_LOSS: the file is deleted)."""
+        final, _ = self._target(loaded, path)
+        if final.is_file():
+            raise StageCacheError(f"{path} is complete in the cache already", "FAILED_PRECONDITION")
+        end = offset + len(data)
+        if end > size:
+            raise StageCacheError(f"{path}: piece at {offset} of {len(data)} bytes goes past the file's size {size}")
+        part = final.with_name(final.name + PART_SUFFIX)
+        part.parent.mkdir(parents=True, exist_ok=True)
+        have = part.stat().st_size if part.is_file() else 0
+        if offset != have:
+            raise StageCacheError(f"{path}: piece at offset {offset}, but the cache holds {have} bytes of it: "
+                                  f"resume at {have}", "FAILED_PRECONDITION")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.lseek(fd, offset, os.SEEK_SET)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:
+            os.ftruncate(fd, offset)  # nothing of a piece that did not fit stays
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StageCacheError(
+                    f"disk full in the stage cache {self.root} writing {path} at {offset:,} of {size:,} bytes "
+                    f"({shutil.disk_usage(self.root).free:,} bytes free, {size - offset:,} more needed for this "
+                    "file): free space or give fleet-worker another --stages-dir", "RESOURCE_EXHAUSTED") from None
+            raise
+        finally:
+            os.close(fd)
+        if end < size:
+            return False
+        self.finish(loaded, path)
+        return True
+
+    def finish(self, loaded: LoadedManifest, path: str) -> None:
+        """fsync ``path``'s partial file, hash it whole and rename it into place when its sha256 equals the
+        manifest's; else delete it and raise ``StageCacheError`` (DATA_LOSS) naming the file and both hashes."""
+        final, expected = self._target(loaded, path)
+        part = final.with_name(final.name + PART_SUFFIX)
+        fd = os.open(part, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        actual = sha256_file(part)
+        if actual != expected:
+            part.unlink(missing_ok=True)
+            raise StageCacheError(f"{path}: sha256 {actual} of the bytes received differs from the manifest's "
+                                  f"{expected}: the file was deleted", "DATA_LOSS")
+        os.replace(part, final)
+        dir_fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+        log.info("stage cache: %s of build %s complete (%d bytes, sha256 checked)", path, loaded.sha256[:12],
+                 final.stat().st_size)
+
+    def verify_stage(self, loaded: LoadedManifest, stage: int) -> None:
+        """Hash ``stage``'s files in the cache against the manifest. Raises ``StageCacheError``
+        (FAILED_PRECONDITION) naming the files missing, or (DATA_LOSS) a file whose sha256 differs (it is
+        deleted, so that shipping it again replaces it; the message names both hashes)."""
+        files = stage_files(loaded.manifest, stage)
+        missing = [p for p in files if not self._target(loaded, p)[0].is_file()]
+        if missing:
+            raise StageCacheError(f"stage {stage} of build {loaded.sha256[:12]} is not in the cache: missing "
+                                  f"{', '.join(missing)} (ship it first)", "FAILED_PRECONDITION")
+        for path in files:
+            final, expected = self._target(loaded, path)
+            if (actual := sha256_file(final)) != expected:
+                final.unlink(missing_ok=True)
+                raise StageCacheError(f"{path} in the stage cache has sha256 {actual}, the manifest {expected}: "
+                                      "deleted; ship it again", "DATA_LOSS")

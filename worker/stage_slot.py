@@ -1,0 +1,176 @@
+"""An empty worker's gRPC services (issue 30): ``fleet.v1.Stage`` through a slot that holds no stage until one
+is loaded, and ``fleet.v1.StageStore``, which receives a stage's files into the stage cache
+(worker/stage_cache.py) and loads them.
+
+Until ``LoadStage`` the slot answers every Stage call but ``Info`` with UNAVAILABLE (``Info`` says the worker
+is empty, with its capacity); afterwards each call goes to the loaded stage's ``StageService``, exactly as a
+worker started with ``--shard N --model DIR`` serves it. Calls are authenticated by the server's interceptor
+(fleet_common/security.py) like every other call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from fleet_common import PROTOCOL_VERSION
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.discovery import Capacity
+from fleet_common.manifest import LoadedManifest, ManifestError
+from fleet_common.wire import Malformed
+
+from .server import StageService
+from .stage_cache import StageCache, StageCacheError, stage_files
+
+log = logging.getLogger(__name__)
+
+EMPTY = "this worker serves no stage yet (an empty worker): ship it a stage (StageStore.PutStage) and LoadStage it"
+
+
+class StageSlot(pb_grpc.StageServicer):
+    """The Stage service of a worker that may serve nothing yet: ``service`` (None until a stage is loaded)
+    answers every call; without one, calls get UNAVAILABLE and ``Info`` the worker's ``capacity``."""
+
+    def __init__(self, worker_id: str, capacity: Capacity) -> None:
+        self.worker_id, self.capacity = worker_id, capacity
+        self.service: StageService | None = None
+
+    async def _serving(self, context: grpc.aio.ServicerContext) -> StageService:
+        if self.service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, EMPTY)
+        return self.service
+
+    async def OpenSession(self, request, context):
+        return await (await self._serving(context)).OpenSession(request, context)
+
+    async def CloseSession(self, request, context):
+        return await (await self._serving(context)).CloseSession(request, context)
+
+    async def Forward(self, request, context):
+        return await (await self._serving(context)).Forward(request, context)
+
+    async def Compact(self, request, context):
+        return await (await self._serving(context)).Compact(request, context)
+
+    async def Merge(self, request, context):
+        return await (await self._serving(context)).Merge(request, context)
+
+    async def Copy(self, request, context):
+        return await (await self._serving(context)).Copy(request, context)
+
+    async def Link(self, request_iterator, context):
+        async for ack in (await self._serving(context)).Link(request_iterator, context):
+            yield ack
+
+    async def Subscribe(self, request, context):
+        async for result in (await self._serving(context)).Subscribe(request, context):
+            yield result
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        """The loaded stage's Info, or (empty) the worker's id, protocol, device and capacity."""
+        if self.service is not None:
+            reply = await self.service.Info(request, context)
+        else:
+            reply = pb.InfoReply(worker_id=self.worker_id, protocol_version=PROTOCOL_VERSION, empty=True,
+                                 device=self.capacity.device)
+        reply.memory_available_bytes = self.capacity.memory_available_bytes
+        reply.ms_per_gb = self.capacity.ms_per_gb
+        return reply
+
+
+Loader = Callable[[LoadedManifest, int], Awaitable[StageService]]
+
+
+class StageStoreService(pb_grpc.StageStoreServicer):
+    """``fleet.v1.StageStore``: a stage's files into ``cache`` and loaded into ``slot`` by ``load`` (which
+    opens the stage's ``StageService`` and announces it; worker/cli.py). One load at a time; a stage loaded
+    again is a no-op, another one replaces it only when it holds no session."""
+
+    def __init__(self, cache: StageCache, slot: StageSlot, load: Loader) -> None:
+        self.cache, self.slot, self.load = cache, slot, load
+        self._loading = asyncio.Lock()
+        self._writing: set[str] = set()  # files a PutStage is writing now: one writer per file
+        self.loaded: tuple[str, int] | None = None  # (manifest sha256, stage) served
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        code = getattr(grpc.StatusCode, getattr(exc, "code", "INVALID_ARGUMENT"))
+        log.warning("stage store: %s", exc)
+        await context.abort(code, str(exc))
+
+    async def StageStatus(self, request: pb.StageStatusRequest, context: grpc.aio.ServicerContext) -> pb.StageStatusReply:
+        """Store the manifest when sent (and new), then say how much of each of the stage's files is here."""
+        try:
+            if request.manifest:
+                loaded = await asyncio.to_thread(self.cache.put_manifest, request.manifest_sha256, request.manifest,
+                                                 request.model_id)
+            else:
+                loaded = await asyncio.to_thread(self.cache.manifest, request.manifest_sha256, request.model_id)
+            held = [self.cache.held(loaded, p) for p in stage_files(loaded.manifest, request.stage)]
+            free = self.cache.free_bytes()
+        except (StageCacheError, ManifestError, OSError) as exc:
+            await self._refuse(context, exc)
+        return pb.StageStatusReply(files=[pb.FileHeld(path=h.path, bytes=h.bytes, complete=h.complete) for h in held],
+                                   free_bytes=free)
+
+    async def PutStage(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutStageReply:
+        """Write the pieces streamed, each at the offset the cache holds; a file is checked and put in place
+        at its last piece. A cut stream leaves each file's partial file as received (resumable)."""
+        written, completed, mine = 0, [], set()
+        loaded: LoadedManifest | None = None
+        try:
+            async for chunk in request_iterator:
+                if isinstance(chunk, Malformed):
+                    raise StageCacheError(f"malformed piece: {chunk.error}")
+                if loaded is None or loaded.sha256 != chunk.manifest_sha256:
+                    loaded = await asyncio.to_thread(self.cache.manifest, chunk.manifest_sha256, chunk.model_id)
+                key = f"{loaded.sha256}/{chunk.path}"
+                if key not in mine:
+                    if key in self._writing:
+                        raise StageCacheError(f"{chunk.path} is being written by another PutStage", "ABORTED")
+                    self._writing.add(key)
+                    mine.add(key)
+                if await asyncio.to_thread(self.cache.write, loaded, chunk.path, chunk.offset, chunk.data, chunk.size):
+                    completed.append(chunk.path)
+                written += len(chunk.data)
+        except (StageCacheError, ManifestError, OSError) as exc:
+            await self._refuse(context, exc)
+        finally:
+            self._writing -= mine
+            if written:
+                log.info("stage store: %d bytes received, %d file(s) complete", written, len(completed))
+        return pb.PutStageReply(bytes_written=written, completed=completed)
+
+    async def LoadStage(self, request: pb.LoadStageRequest, context: grpc.aio.ServicerContext) -> pb.LoadStageReply:
+        """Hash the stage's cached files against the manifest and, only when all match, serve the stage."""
+        async with self._loading:
+            t0 = time.perf_counter()
+            try:
+                loaded = await asyncio.to_thread(self.cache.manifest, request.manifest_sha256, request.model_id)
+                entry = loaded.manifest.stages[request.stage] if request.stage < loaded.manifest.num_stages else None
+                if entry is None:
+                    stage_files(loaded.manifest, request.stage)  # raises, naming the range
+                if self.loaded == (loaded.sha256, request.stage):
+                    return pb.LoadStageReply(stage=request.stage, layer_start=entry.start, layer_end=entry.end,
+                                             load_source=self.slot.service.runner.load.source, already_loaded=True)
+                if self.slot.service is not None and (held := len(self.slot.service.store.sessions())):
+                    raise StageCacheError(f"this worker serves stage {self.loaded[1]} of build {self.loaded[0][:12]} "
+                                          f"with {held} session(s) open: close them first", "FAILED_PRECONDITION")
+                await asyncio.to_thread(self.cache.verify_stage, loaded, request.stage)
+                service = await self.load(loaded, request.stage)
+            except (StageCacheError, ManifestError, ValueError, RuntimeError) as exc:
+                await self._refuse(context, exc)
+            old, self.slot.service = self.slot.service, service
+            self.loaded = (loaded.sha256, request.stage)
+            if old is not None:
+                await old.close()
+            seconds = time.perf_counter() - t0
+            log.info("stage store: loaded stage %d (layers [%d, %d)) of build %s from the cache in %.2f s",
+                     request.stage, entry.start, entry.end, loaded.sha256[:12], seconds)
+            return pb.LoadStageReply(stage=request.stage, layer_start=entry.start, layer_end=entry.end,
+                                     load_source=service.runner.load.source, load_s=seconds)
