@@ -24,6 +24,12 @@ Token types (llama.cpp ``LLAMA_TOKEN_TYPE_*``): control and unknown tokens becom
 user-defined ones plain added tokens (matched before the model, never split), byte tokens ``<0xNN>`` the
 byte fallback. BOS/EOS are added by the post-processor as llama.cpp adds them (``tokenizer.ggml.add_bos_token``
 / ``add_eos_token`` when the file has them, else llama.cpp's default: BOS for Llama 3 and SentencePiece).
+Gemma's vocabulary is this SentencePiece kind with ``add_space_prefix`` false (no ``Prepend``, no ``Strip``), its
+turn markers control tokens (tested against transformers' GemmaTokenizer, tests/unit/test_gguf_gemma_vocab.py).
+
+A file without ``tokenizer.chat_template`` gets the built-in template of the chat format its special tokens
+show (``compiler/chat_templates.py``, llama.cpp's built-in list), named in ``tokenizer_config.json``
+(``fleet_chat_template``) and in the build's log; with no known format it gets none.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .chat_templates import builtin_template
 from .gguf import field
 
 log = logging.getLogger(__name__)
@@ -78,8 +85,8 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
     Returns:
         A dict: ``model`` (``gpt2``/``llama``), ``pre``, ``tokens``, ``types`` (ints, one per token),
         ``merges`` (BPE) or ``scores`` (SentencePiece), ``bos_id``/``eos_id``/``unk_id``/``pad_id`` (int or
-        None; pad defaults to eos), ``add_bos``/``add_eos``/``add_space_prefix``, ``chat_template`` and
-        ``context_length``.
+        None; pad defaults to eos), ``add_bos``/``add_eos``/``add_space_prefix``, ``chat_template``, ``architecture``
+        and ``context_length``.
 
     Raises:
         ValueError: naming the file and the field: an unknown ``tokenizer.ggml.model`` or (for BPE)
@@ -104,7 +111,7 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
     arch = field(reader, "general.architecture", "llama")
     meta: dict[str, Any] = {
         "model": model, "pre": pre, "tokens": tokens, "types": [int(t) for t in types],
-        "chat_template": field(reader, "tokenizer.chat_template"),
+        "chat_template": field(reader, "tokenizer.chat_template"), "architecture": arch,
         "context_length": int(field(reader, f"{arch}.context_length", 2048)),
     }
     if model == "gpt2":
@@ -216,7 +223,7 @@ def _bpe_tokenizer(meta: dict[str, Any]) -> Any:
         ])
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     tok.post_processor = _post_processor(meta, byte_level=True)
-    added, specials = _added_tokens(meta)
+    added, _ = _added_tokens(meta)
     tok.add_special_tokens([t for t in added if t.special])
     tok.add_tokens([t for t in added if not t.special])
     return tok
@@ -288,7 +295,26 @@ def _write_configs(meta: dict[str, Any], out_dir: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": meta["context_length"],
     }
-    if meta["chat_template"]:
-        config["chat_template"] = meta["chat_template"]
+    template, source = chat_template(meta)
+    if template:
+        config |= {"chat_template": template, "fleet_chat_template": source}
     for fname, data in (("special_tokens_map.json", special_map), ("tokenizer_config.json", config)):
         (out_dir / fname).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def chat_template(meta: dict[str, Any]) -> tuple[str | None, str]:
+    """The chat template for the tokenizer files and where it came from: the GGUF's ``tokenizer.chat_template``
+    (source ``gguf``), else the built-in one of the format its special tokens show (``builtin:<name>``, logged),
+    else ``(None, "none")`` with a warning: chat requests are then refused, completions work."""
+    if meta["chat_template"]:
+        return meta["chat_template"], "gguf"
+    arch = meta.get("architecture", "?")
+    found = builtin_template(set(meta["tokens"]), meta["add_bos"])
+    if found is None:
+        log.warning("the GGUF (architecture %s) has no tokenizer.chat_template and its vocabulary shows no chat format "
+                    "fleet knows: chat requests will be refused, completions work", arch)
+        return None, "none"
+    name, template = found
+    log.info("the GGUF (architecture %s) has no tokenizer.chat_template: using fleet's built-in %r chat template "
+             "(from its special tokens)", arch, name)
+    return template, f"builtin:{name}"

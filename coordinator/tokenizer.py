@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -27,7 +28,8 @@ def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None
 class ChatTokenizer:
     """``tokenizer.json`` (HF tokenizers) + the chat template from ``tokenizer_config.json``.
 
-    Rendering follows transformers' ``apply_chat_template`` (sandboxed Jinja, trim/lstrip blocks).
+    Rendering follows transformers' ``apply_chat_template`` (sandboxed Jinja, trim/lstrip blocks, ``break`` and
+    ``continue``, its ``tojson``, ``raise_exception`` and ``strftime_now``).
     """
 
     def __init__(self, model_dir: Path) -> None:
@@ -36,7 +38,7 @@ class ChatTokenizer:
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = config.get("bos_token") or ""
         self.eos_token = config.get("eos_token") or ""
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = _tojson
@@ -54,7 +56,9 @@ class ChatTokenizer:
         transformers' ``apply_chat_template`` passes them). Raises ``InvalidRequest`` if the template
         rejects them."""
         if self._template is None:
-            raise InvalidRequest("this model has no chat template")
+            raise InvalidRequest("this model has no chat template (a GGUF without tokenizer.chat_template whose "
+                                 "vocabulary shows no chat format fleet knows): send a prompt to /v1/completions instead",
+                                 param="messages")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token, **variables)
