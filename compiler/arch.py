@@ -17,6 +17,10 @@ phi3       no          no              Phi-3/3.5, Phi-4-mini: fused ``qkv_proj``
 qwen3_moe  no          yes             Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): qwen3's attention; the MLP of
                                        each sparse layer (``decoder_sparse_step``, ``mlp_only_layers``) a
                                        router and ``num_experts`` SwiGLU experts, top-k per token
+mixtral    no          no              Mixtral 8x7B/8x22B: llama's attention; every layer's MLP a router
+                                       (``block_sparse_moe.gate``) and ``num_local_experts`` SwiGLU experts
+                                       (``w1`` gate, ``w3`` up, ``w2`` down) of ``intermediate_size``, top-k
+                                       renormalised (transformers' ``MixtralSparseMoeBlock``)
 =========  ==========  ==============  =======================================================
 
 LongRoPE (Ding et al. 2024, arXiv 2402.13753; transformers ``_compute_longrope_parameters``): each rotary
@@ -59,10 +63,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
 QKV_BIAS = {"qwen2"}
 QK_NORM = {"qwen3", "qwen3_moe"}
-MOE = {"qwen3_moe"}  # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
+MOE = {"qwen3_moe", "mixtral"}  # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
+MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}  # mixtral's names: block_sparse_moe.experts.{e}.w1 ...
 FUSED = {"phi3"}  # one qkv_proj [q + 2 kv, H] and one gate_up_proj [2 I, H] per layer (source.py splits them)
 PARTIAL_ROTARY = {"phi3"}  # partial_rotary_factor < 1: RoPE on the first dims of each head only
 SLIDING = {"mistral", "phi3"}  # sliding_window applies without use_sliding_window
@@ -250,11 +255,15 @@ class ModelConfig:
 
 
 def moe_dims(config: dict, num_layers: int, where: str = "config.json") -> dict:
-    """The Mixture-of-Experts fields of ``ModelConfig`` from a qwen3_moe ``config.json``: layer ``i`` is sparse
-    unless in ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0`` (transformers'
-    ``Qwen3MoeDecoderLayer``); ``num_experts`` (saved as ``num_local_experts`` by transformers 5)."""
+    """The Mixture-of-Experts fields of ``ModelConfig`` from a qwen3_moe or mixtral ``config.json``: layer ``i``
+    is sparse unless in ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0`` (transformers'
+    ``Qwen3MoeDecoderLayer``); ``num_experts`` (saved as ``num_local_experts`` by transformers 5). mixtral: every
+    layer sparse, experts of ``intermediate_size``, top-k weights renormalised (``MixtralSparseMoeBlock``)."""
     experts = config.get("num_experts", config.get("num_local_experts"))
     top_k, inter = config.get("num_experts_per_tok"), config.get("moe_intermediate_size")
+    if config.get("model_type") == "mixtral":
+        inter, config = config.get("intermediate_size"), {k: v for k, v in config.items() if k != "mlp_only_layers"}
+        config |= {"decoder_sparse_step": 1, "norm_topk_prob": True}
     step = config.get("decoder_sparse_step", 1)
     for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k), ("moe_intermediate_size", inter),
                         ("decoder_sparse_step", step)):
@@ -408,9 +417,16 @@ def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     }
     if layer in cfg.moe_layers:  # a router and experts instead of the MLP: roles "router", "expert.{e}.{gate,up,down}"
         del names["gate"], names["up"], names["down"]
-        names["router"] = p + "mlp.gate.weight"
-        for e in range(cfg.num_experts):
-            names |= {f"expert.{e}.{part}": p + f"mlp.experts.{e}.{part}_proj.weight" for part in ("gate", "up", "down")}
+        if cfg.model_type == "mixtral":
+            names["router"] = p + "block_sparse_moe.gate.weight"
+            for e in range(cfg.num_experts):
+                names |= {f"expert.{e}.{part}": p + f"block_sparse_moe.experts.{e}.{w}.weight"
+                          for part, w in MIXTRAL_EXPERT.items()}
+        else:
+            names["router"] = p + "mlp.gate.weight"
+            for e in range(cfg.num_experts):
+                names |= {f"expert.{e}.{part}": p + f"mlp.experts.{e}.{part}_proj.weight"
+                          for part in ("gate", "up", "down")}
     if cfg.qkv_bias:
         names |= {"q_bias": p + "self_attn.q_proj.bias", "k_bias": p + "self_attn.k_proj.bias",
                   "v_bias": p + "self_attn.v_proj.bias"}

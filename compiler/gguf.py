@@ -47,6 +47,8 @@ as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, bi
 Split files (llama.cpp's ``gguf-split``: ``<prefix>-00001-of-0000N.gguf``, ..., the name pattern of llama.h's
 ``llama_model_load_from_file``; the first part holds the metadata, every part ``split.no``, ``split.count`` and
 ``split.tensors.count``) are opened from the first part, every part memory-mapped (``open_reader``).
+
+Mixture-of-Experts files (``qwen3moe``; Mixtral as ``llama`` with experts): compiler/gguf_moe.py.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .gguf_moe import EXPERTS, ROUTER, expert_slices, is_moe, moe_config, router_name
 from .weights import WeightsError, check_f16_range, check_shapes
 
 log = logging.getLogger(__name__)
@@ -91,7 +94,8 @@ STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", 
 WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a second product)
 CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}  # GGUF arch -> model_type
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
+                 "qwen3moe": "qwen3_moe"}  # GGUF arch -> model_type (and llama with experts: mixtral, gguf_moe.py)
 ROW_BLOCK_BYTES = 32 << 20
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
 
@@ -105,6 +109,8 @@ def hf_name(name: str, model_type: str | None = None) -> str:
     layer_names = GGUF_LAYER_TO_HF | (GEMMA3_LAYER_TO_HF if model_type == "gemma3_text" else {})
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] == ROUTER and model_type in ("qwen3_moe", "mixtral"):
+        return f"model.layers.{parts[1]}.{router_name(model_type)}.{parts[3]}"
     raise WeightsError(f"GGUF tensor {name!r} has no Hugging Face counterpart the builder knows")
 
 
@@ -150,6 +156,7 @@ class GGUFTensor:
     qtype: str
     shape: tuple[int, ...]  # HF order
     heads: int  # Q/K of a llama-family file: the heads its rows are permuted over; 0 = not permuted
+    expert: bool = False  # one expert's slice of a stacked tensor (gguf_moe.py): stored fp16 in the stacked constant
 
 
 class GGUFWeights:
@@ -162,13 +169,20 @@ class GGUFWeights:
 
         self.folder = Path(path)
         self.exact = exact  # every kept type as the file has it; else NEAR's types re-quantized (near-exact)
-        permuted = config["model_type"] == "llama"
+        permuted = config["model_type"] in ("llama", "mixtral")
         self.tensors: dict[str, GGUFTensor] = {}
-        skipped = {}
+        skipped, experts = {}, {}
         for t in reader.tensors:
             if t.name in ROPE_TENSORS:
                 continue
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+            if t.name.split(".")[-2] in EXPERTS and config["model_type"] in ("qwen3_moe", "mixtral"):
+                shape = tuple(int(d) for d in reversed(t.shape))
+                for name, data, rows_cols in expert_slices(t.name, t.data, shape, config["model_type"]):
+                    self.tensors[name] = GGUFTensor(data, qtype, rows_cols, 0, expert=True)
+                if qtype not in ("F32", "F16", "BF16"):  # the stacked constant is fp16 (gguf_moe.py)
+                    experts.setdefault(qtype, []).append(t.name)
+                continue
             name = hf_name(t.name, config["model_type"])
             heads = 0
             if permuted and name.endswith("q_proj.weight"):
@@ -181,6 +195,10 @@ class GGUFWeights:
         for qtype, names in skipped.items():
             log.warning("%s: %d %s tensor(s) (e.g. %s) are dequantized and stored as fp16: the builder keeps only "
                         "%s blocks as they are", self.folder.name, len(names), qtype, names[0], ", ".join(KEPT))
+        for qtype, names in experts.items():
+            log.warning("%s: %d stacked %s expert tensor(s) (e.g. %s) are dequantized and stored as fp16: the "
+                        "experts' stacked constant has no kept block form", self.folder.name, len(names), qtype,
+                        names[0])
 
     def shape(self, name: str) -> tuple[int, ...]:
         """HF shape of tensor ``name`` (rows first)."""
@@ -193,6 +211,8 @@ class GGUFWeights:
         """How the builder stores ``name``: a kept block type (``KEPT``), its near-exact form (``NEAR``, unless
         ``exact``), ``"f32"`` or ``"f16"``."""
         qtype = self.tensors[name].qtype
+        if self.tensors[name].expert:
+            return "f16"
         if qtype in NEAR and not self.exact:
             return NEAR[qtype]
         return qtype if qtype in KEPT else "f32" if qtype == "F32" else "f16"
@@ -453,6 +473,7 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     from .arch import SUPPORTED_ARCHITECTURES, UnsupportedModel
 
     arch = field(reader, "general.architecture")
+    moe = arch in ARCHITECTURES and is_moe(reader, arch)
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(f"{where}: GGUF architecture {arch!r} is not supported; the builder makes "
                                f"{', '.join(ARCHITECTURES)} GGUF files ({', '.join(SUPPORTED_ARCHITECTURES)} from HF "
@@ -488,7 +509,8 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
         raise ValueError(f"{where}: tensor token_embd.weight missing")
     config = {
         "architectures": [f"{arch.capitalize()}ForCausalLM"], "model_type": ARCHITECTURES[arch], "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", field(reader, f"{arch}.expert_feed_forward_length"))),
         "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
@@ -497,6 +519,8 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
         "tie_word_embeddings": "output.weight" not in names, "attention_bias": arch == "qwen2", "mlp_bias": False,
         "has_rope_freqs": "rope_freqs.weight" in names,
     }
+    if moe:
+        config |= moe_config(reader, arch, config, where)
     window = field(reader, f"{arch}.attention.sliding_window")
     if arch == "gemma3":
         return config | gemma3_config(reader, config, rope, window)
