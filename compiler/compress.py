@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -243,10 +244,25 @@ def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int) ->
 
 
 def streams_int4(spec: WeightSpec, moe: bool) -> bool:
-    """Whether an int4 stage of ``spec`` is written tensor by tensor (``int4_plan``): at ratio 1.0, without
-    Mixture-of-Experts layers. Below 1.0 NNCF ranks the stage's layers to pick which stay at int8, and a MoE
-    stage's stacked experts are NNCF's to lay out: both are compressed whole by ``compress``."""
-    return spec.format == "int4" and spec.ratio == 1.0 and not moe
+    """Whether an int4 stage of ``spec`` is written tensor by tensor (``int4_plan``): every stage without
+    Mixture-of-Experts layers, whose stacked experts are NNCF's to lay out (``compress`` on the whole stage)."""
+    return spec.format == "int4" and not moe
+
+
+def sensitivity(read, shape: tuple[int, int]) -> float:
+    """NNCF's data-free score of a weight [rows, cols] for ``ratio`` < 1 (``mixed_precision.DataFreeCriterion``,
+    nncf 3.4): 1 / (error + float16's eps), the error being the largest over rows of the mean squared error of
+    per-channel int8_asym (``weight_lowering.get_integer_quantization_error``, "max_mean"), taken in blocks of
+    rows (``row_blocks``; the maximum of the blocks' maxima). The lowest scores go to 4 bit first.
+    ``read(start, stop)`` returns rows ``[start, stop)`` as float16."""
+    from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+    from nncf.quantization.algorithms.weight_compression.weight_lowering import get_integer_quantization_error
+    from nncf.tensor import Tensor
+
+    config = WeightCompressionConfig()  # int8_asym, per channel: NNCF's measure whatever the backup mode
+    error = max(get_integer_quantization_error(Tensor(read(start, stop)), (1,), config, reduction="max_mean")
+                for start, stop in row_blocks(*shape))
+    return 1 / (error + float(np.finfo(np.float16).eps))
 
 
 def weight_order(model: ov.Model, names: set[str]) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -267,17 +283,22 @@ def weight_order(model: ov.Model, names: set[str]) -> list[tuple[str, str, tuple
     return order
 
 
-def int4_plan(order: list[tuple[str, str, tuple[int, ...]]], spec: WeightSpec) -> dict[str, tuple[str, int]]:
-    """Each weight's NNCF mode and group size in an int4 stage of ``spec`` at ratio 1.0, ``{name: (mode,
-    group_size)}``, as ``compress_weights`` (``all_layers=False``, backup ``int8_asym``, group size fallback
-    ADJUST) picks them (nncf 3.4, ``WeightCompression.get_weight_compression_parameters``):
+def int4_plan(order: list[tuple[str, str, tuple[int, ...]]], spec: WeightSpec,
+              score: Callable[[str], float] | None = None) -> dict[str, tuple[str, int]]:
+    """Each weight's NNCF mode and group size in an int4 stage of ``spec``, ``{name: (mode, group_size)}``, as
+    ``compress_weights`` (``all_layers=False``, backup ``int8_asym``, group size fallback ADJUST, data-free)
+    picks them (nncf 3.4, ``WeightCompression.get_weight_compression_parameters`` and
+    ``MixedPrecisionCriterion.apply``):
 
     * embeddings (Gathers) and the last MatMul in ``order`` (``weight_order``) at the backup, ``("int8_asym",
       -1)``; when that MatMul's weight was met before (an embedding tied to the LM head in one stage), no
       MatMul is held back;
-    * every other MatMul at ``spec.nncf_mode()`` with ``spec.group_size``, or, when that does not divide the
+    * the other MatMuls at ``spec.nncf_mode()`` with ``spec.group_size``, or, when that does not divide the
       row, the largest power of two that does if it is at least NNCF's ``min_adjusted_group_size`` (32),
-      else at the backup.
+      else at the backup;
+    * ``spec.ratio`` < 1: of those, the ones of lowest ``score(name)`` (``sensitivity``) at 4 bit while their
+      weights stay under ``ratio`` of all theirs, the rest at the backup. ``score`` is called once per
+      weight (it reads it); it is needed only then (``ValueError`` without it).
     """
     from nncf.quantization.advanced_parameters import AdvancedCompressionParameters
 
@@ -290,13 +311,27 @@ def int4_plan(order: list[tuple[str, str, tuple[int, ...]]], spec: WeightSpec) -
             continue
         plan[name] = ("int8_asym", -1)
         if kind == "matmul":
-            matmuls.append((name, shape[-1]))
-    for name, cols in matmuls if last_shared else matmuls[:-1]:
+            matmuls.append((name, shape))
+    primary = []  # NNCF's ratio-defining weights: (name, weights, group size)
+    for name, shape in matmuls if last_shared else matmuls[:-1]:
         group = spec.group_size
-        if group != -1 and cols % group:
-            group = cols & -cols  # the largest power of two dividing the row
+        if group != -1 and shape[-1] % group:
+            group = shape[-1] & -shape[-1]  # the largest power of two dividing the row
             if group < least:
                 continue
+        primary.append((name, math.prod(shape), group))
+    if spec.ratio < 1 and primary:
+        if score is None:
+            raise ValueError(f"int4 at ratio {spec.ratio} ranks the weights: int4_plan needs their scores")
+        scores = [score(name) for name, _, _ in primary]
+        total, kept, chosen = sum(n for _, n, _ in primary), 0, []
+        for index in sorted(range(len(primary)), key=scores.__getitem__):  # stable: ties in graph order
+            if (kept + primary[index][1]) / total >= spec.ratio:
+                break
+            chosen.append(primary[index])
+            kept += primary[index][1]
+        primary = chosen
+    for name, _, group in primary:
         plan[name] = (spec.nncf_mode(), group)
     return plan
 

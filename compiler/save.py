@@ -1,6 +1,6 @@
 """Writing one built stage (a shard or a whole-model draft) to disk: its graph from compiler/export.py saved
-tensor by tensor (int4 below ratio 1.0 compressed by NNCF afterwards), a full disk turned into a ``BuildError``,
-progress on a bar.
+tensor by tensor (int4 of Mixture-of-Experts stages compressed by NNCF afterwards), a full disk turned into a
+``BuildError``, progress on a bar.
 
 Used by compiler/build.py (the stages) and compiler/draft.py (the drafts).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import openvino as ov
 
 from .arch import ModelConfig
-from .compress import WeightSpec, compress, int4_plan, streams_int4, weight_order
+from .compress import WeightSpec, compress, int4_plan, sensitivity, streams_int4, weight_order
 from .export import StageSpec, export_stage, stage_tensors
 
 
@@ -58,19 +58,20 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
                keep_blocks: bool = False) -> None:
     """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
 
-    fp16, int8 and int4 at ratio 1.0 go straight from the source to the file, one tensor at a time, by NNCF's
-    own lowering in blocks of rows (compress.int8_rows, compress.int4_rows; which weight takes int4 and which
-    the int8 backup: compress.int4_plan, from the stage's graph before anything is read). int4 below ratio
-    1.0 (NNCF ranks every layer of the stage to pick which go to 4 bits, so it needs the stage whole) and
-    int4 of a Mixture-of-Experts stage (compress.streams_int4): the fp16 IR is written first, read back
-    memory-mapped and compressed by NNCF. Raises ``BuildError`` on a full disk."""
+    fp16, int8 and int4 go straight from the source to the file, one tensor at a time, by NNCF's own lowering
+    in blocks of rows (compress.int8_rows, compress.int4_rows). Which weight of an int4 stage takes int4 and
+    which the int8 backup (compress.int4_plan) comes from the stage's graph before anything is read, and
+    below ratio 1.0 from each weight's score (compress.sensitivity), a first pass over the weights one at a
+    time. int4 of a Mixture-of-Experts stage (compress.streams_int4): the fp16 IR is written first, read back
+    memory-mapped and compressed by NNCF on the whole stage. Raises ``BuildError`` on a full disk."""
     total = stage_fp16_bytes(cfg, stage)
     streamed = spec.format in ("fp16", "int8") or streams_int4(spec, bool(cfg.moe_layers))
     fp16 = path if streamed else path.with_name(path.stem + ".fp16.xml")
     int4 = None
     if spec.format == "int4" and streamed:  # the graph alone (nothing read) says which weight takes what
         probe = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input)
-        int4 = int4_plan(weight_order(probe, set(stage_tensors(cfg, stage))), spec)
+        int4 = int4_plan(weight_order(probe, set(stage_tensors(cfg, stage))), spec,
+                         lambda name: sensitivity(lambda a, b: weights.tensor(name, rows=(a, b)), weights.shape(name)))
         del probe
     with disk_errors(path), progress.task(label, total) as on_read:
         model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,

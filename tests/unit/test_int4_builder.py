@@ -1,6 +1,7 @@
-"""The builder's int4 stages at ratio 1.0 are NNCF's: written tensor by tensor (compress.int4_plan picks each
-weight's precision from the graph, compress.int4_rows compresses it in blocks of rows), they hold the same
-constants, byte for byte, and the same ops as ``nncf.compress_weights`` on the whole fp16 stage."""
+"""The builder's int4 stages are NNCF's: written tensor by tensor (compress.int4_plan picks each weight's
+precision from the graph and, below ratio 1.0, from compress.sensitivity's scores; compress.int4_rows
+compresses it in blocks of rows), they hold the same constants, byte for byte, and the same ops as
+``nncf.compress_weights`` on the whole fp16 stage."""
 
 from __future__ import annotations
 
@@ -60,25 +61,26 @@ def _op_counts(model: ov.Model) -> Counter:
     return Counter(op.get_type_name() for op in model.get_ordered_ops())
 
 
-@pytest.mark.parametrize(("shards", "tied", "symmetric", "group"),
-                         [(2, False, False, 64), (2, False, True, 16), (1, True, False, 16)],
-                         ids=["2-stage-asym-g64", "2-stage-sym-g16", "1-stage-tied-asym-g16"])
-def test_int4_stages_equal_nncf_on_the_whole_stage(shards, tied, symmetric, group, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("shards", "tied", "symmetric", "group", "ratio"),
+                         [(2, False, False, 64, 1.0), (2, False, True, 16, 1.0), (1, True, False, 16, 1.0),
+                          (2, False, False, 16, 0.6)],
+                         ids=["2-stage-asym-g64", "2-stage-sym-g16", "1-stage-tied-asym-g16", "2-stage-asym-g16-r0.6"])
+def test_int4_stages_equal_nncf_on_the_whole_stage(shards, tied, symmetric, group, ratio, tmp_path, monkeypatch):
     import compiler.compress
     import compiler.save
 
     def whole_stage(*args: object) -> None:
-        raise AssertionError("an int4 stage at ratio 1.0 went through NNCF on the whole stage")
+        raise AssertionError("an int4 stage went through NNCF on the whole stage")
 
     monkeypatch.setattr(compiler.compress, "ROW_BLOCK_BYTES", 4096)  # several blocks per weight, a tail merged
     src = tiny_model(tmp_path / "tiny", tied)
     build(src, tmp_path / "fp16", shards=shards)
     monkeypatch.setattr(compiler.save, "compress", whole_stage)
-    build(src, tmp_path / "int4", shards=shards, weights="int4", symmetric=symmetric, group_size=group, ratio=1.0)
+    build(src, tmp_path / "int4", shards=shards, weights="int4", symmetric=symmetric, group_size=group, ratio=ratio)
     manifest = json.loads((tmp_path / "int4" / "manifest.json").read_text())
-    assert {s["compression"]["ratio"] for s in manifest["stages"]} == {1.0}
+    assert {s["compression"]["ratio"] for s in manifest["stages"]} == {ratio}
     core = ov.Core()
-    spec = WeightSpec("int4", symmetric=symmetric, group_size=group, ratio=1.0)
+    spec = WeightSpec("int4", symmetric=symmetric, group_size=group, ratio=ratio)
     for stage in range(shards):
         xml = f"stage_{stage}/openvino_model.xml"
         ours_model = core.read_model(tmp_path / "int4" / xml)
