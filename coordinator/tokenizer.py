@@ -25,8 +25,16 @@ def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _token_text(token: object) -> str:
+    """A special token of ``tokenizer_config.json``: its text, or an ``AddedToken``'s as older files store it."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
 class ChatTokenizer:
-    """``tokenizer.json`` (HF tokenizers) + the chat template from ``tokenizer_config.json``.
+    """``tokenizer.json`` (HF tokenizers) + the chat template from ``chat_template.jinja`` (where recent
+    transformers save it) or else ``tokenizer_config.json`` (a list of named templates: its ``default``).
 
     Rendering follows transformers' ``apply_chat_template`` (sandboxed Jinja, trim/lstrip blocks, ``break`` and
     ``continue``, its ``tojson``, ``raise_exception`` and ``strftime_now``).
@@ -35,9 +43,12 @@ class ChatTokenizer:
     def __init__(self, model_dir: Path) -> None:
         self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
-        self.chat_template: str | None = config.get("chat_template")
-        self.bos_token = config.get("bos_token") or ""
-        self.eos_token = config.get("eos_token") or ""
+        jinja = Path(model_dir) / "chat_template.jinja"  # transformers' own file, first when present (as it reads)
+        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: transformers' default one
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+        self.chat_template: str | None = template
+        self.bos_token, self.eos_token = (_token_text(config.get(key)) for key in ("bos_token", "eos_token"))
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

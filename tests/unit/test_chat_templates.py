@@ -180,3 +180,28 @@ def test_builtin_template_is_chosen_by_the_vocabulary_s_markers():
     assert builtin_template(base | {"<|user|>", "<|assistant|>", "<|end|>"}, False)[0] == "phi3"
     assert builtin_template(base | {"<start_of_turn>"}, add_bos=True) is None  # half a format is none
     assert builtin_template(list(base), add_bos=True) is None
+
+
+def test_a_folder_transformers_saved_renders_its_chat_template_jinja(tokenizer_json, tmp_path):
+    """transformers' save_pretrained writes the template to chat_template.jinja, not tokenizer_config.json; an
+    older config names its tokens as AddedToken objects and keeps named templates in a list."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = (VENDOR / "Qwen-Qwen3-0.6B.jinja").read_text()
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token="<|endoftext|>",
+                                  eos_token="<|im_end|>")
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    messages = [SYSTEM, *TOOL_TURNS]
+    chat = ChatTokenizer(tmp_path / "saved")
+    assert chat.encode(chat.render_chat(messages, tools=TOOLS)) == transformers_ids(tmp_path / "saved", messages,
+                                                                                    tools=TOOLS)
+    old = model_folder(tmp_path / "old", tokenizer_json, "", "", "")
+    (old / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": {"content": "<s>", "special": True},
+        "eos_token": {"content": "</s>", "special": True},
+        "chat_template": [{"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"},
+                          {"name": "tool_use", "template": "tools"}]}))
+    assert ChatTokenizer(old).render_chat([{"role": "user", "content": "x"}]) == "<s>x</s>"
