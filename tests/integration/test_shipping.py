@@ -1,0 +1,190 @@
+"""Stage shipping to an empty worker (issue 30), on real processes and real gRPC on loopback: the demo's 2-stage
+build's stage 1 shipped to a ``fleet-worker`` started with neither --shard nor --model (and --secret), loaded, and
+its Forward compared with a static ``--shard 1`` worker's; a transfer cut midway resumes and sends only the rest;
+a wrong hash is refused and nothing is loaded; a restarted worker loads from its cache with nothing sent.
+
+Workers run with --no-announce: other tests on this machine must not find them."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from bench import harness
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.manifest import load_manifest
+from fleet_common.security import Security, open_channel
+from fleet_common.shipping import CHUNK_BYTES, ShippingError, load_stage, ship_stage
+from fleet_common.wire import from_tensor, to_tensor
+from tests.conftest import EXACT_WORKER, start_worker
+
+pytestmark = pytest.mark.integration
+
+SECRET = "fleet shipping test secret 41d7"
+CUT_PIECES = 5  # pieces of CHUNK_BYTES sent before the transfer is cut
+
+
+def start_empty(log_dir: Path, stages: Path, secret: Path) -> tuple[harness.Proc, str]:
+    """``fleet-worker`` with neither --shard nor --model (f32, one thread, --secret); it and its address."""
+    proc = harness.spawn([*harness.tool("fleet-worker"), "--port", "0", "--no-announce", "--stages-dir", str(stages),
+                          "--secret", str(secret), *EXACT_WORKER], log_dir / f"empty-{time.monotonic_ns()}.log")
+    try:
+        return proc, proc.wait_for(r"worker ready: empty .* serving on ([\d.]+:\d+)", 120).group(1)
+    except BaseException:
+        proc.stop()
+        raise
+
+
+async def rpc_error(awaitable) -> grpc.aio.AioRpcError:  # noqa: ANN001
+    """The gRPC error ``awaitable`` raises (fails the test when it succeeds)."""
+    try:
+        await awaitable
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the call succeeded")
+
+
+async def last_stage_top(address: str, security: Security, sha: str, hidden: np.ndarray) -> tuple:
+    """(top ids, top logprobs) of one Forward of ``hidden`` [1, S, H] float32 through the last stage at ``address``."""
+    async with open_channel(address, security) as channel:
+        stub = pb_grpc.StageStub(channel)
+        results = stub.Subscribe(pb.SubscribeRequest(subscriber_id="shipping-test"), timeout=60).__aiter__()
+        await results.__anext__()  # the handshake: subscribed
+        await stub.OpenSession(pb.OpenSessionRequest(session_id="s1", max_context=64, manifest_sha256=sha), timeout=30)
+        await stub.Forward(pb.ForwardRequest(session_id="s1", step_id=1, stage=1, input=to_tensor(hidden),
+                                             logits_count=hidden.shape[1], top_k=8, reply_to="shipping-test",
+                                             manifest_sha256=sha), timeout=60)
+        result = await results.__anext__()
+        await stub.CloseSession(pb.CloseSessionRequest(session_id="s1"), timeout=30)
+        return from_tensor(result.top_ids).copy(), from_tensor(result.top_logprobs).copy()
+
+
+async def held(channel: grpc.aio.Channel, build: Path) -> dict[str, tuple[int, bool]]:
+    """What the worker holds of stage 1's files: path -> (bytes, complete)."""
+    loaded = load_manifest(build)
+    status = await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
+        model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256, stage=1), timeout=30)
+    return {f.path: (f.bytes, f.complete) for f in status.files}
+
+
+async def cut_transfer(channel: grpc.aio.Channel, build: Path, rel: str) -> None:
+    """Send CUT_PIECES pieces of ``rel`` and cut the stream (the sender goes silent, then cancels its call)."""
+    loaded = load_manifest(build)
+    sent = asyncio.Event()
+
+    async def pieces():  # noqa: ANN202
+        with open(build / rel, "rb") as f:
+            for i in range(CUT_PIECES):
+                yield pb.StageChunk(model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256, path=rel,
+                                    offset=i * CHUNK_BYTES, data=f.read(CHUNK_BYTES), size=(build / rel).stat().st_size)
+        sent.set()
+        await asyncio.sleep(3600)  # a link gone silent
+
+    call = pb_grpc.StageStoreStub(channel).PutStage(pieces(), timeout=120)
+    await sent.wait()
+    for _ in range(100):  # the worker writes each piece as it comes
+        if (await held(channel, build))[rel][0] == CUT_PIECES * CHUNK_BYTES:
+            break
+        await asyncio.sleep(0.1)
+    call.cancel()
+
+
+async def refused_calls(address: str, build: Path, security: Security) -> None:
+    """Without the secret, StageStatus and PutStage (a client stream) are UNAUTHENTICATED; bad paths and
+    a wrong hash are refused by name, and LoadStage then loads nothing."""
+    loaded = load_manifest(build)
+    manifest = (build / "manifest.json").read_bytes()
+    async with open_channel(address, Security()) as plain:
+        store = pb_grpc.StageStoreStub(plain)
+        exc = await rpc_error(store.StageStatus(pb.StageStatusRequest(manifest_sha256=loaded.sha256, manifest=manifest,
+                                                                      stage=1), timeout=30))
+        assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+        exc = await rpc_error(store.PutStage(iter([pb.StageChunk(manifest_sha256=loaded.sha256)]), timeout=30))
+        assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+    async with open_channel(address, security) as channel:
+        store = pb_grpc.StageStoreStub(channel)
+        await store.StageStatus(pb.StageStatusRequest(model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256,
+                                                      manifest=manifest, stage=1), timeout=30)
+        for bad in (".." + "/manifest.json", "/etc/passwd"):
+            exc = await rpc_error(store.PutStage(iter([pb.StageChunk(
+                model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256, path=bad, data=b"x", size=1)]),
+                timeout=30))
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and repr(bad) in exc.details(), exc
+        rel = loaded.manifest.stages[1].xml
+        body = bytearray((build / rel).read_bytes())
+        body[100] ^= 1
+        exc = await rpc_error(store.PutStage(iter([pb.StageChunk(
+            model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256, path=rel, data=bytes(body),
+            size=len(body))]), timeout=30))
+        assert exc.code() == grpc.StatusCode.DATA_LOSS, exc
+        assert rel in exc.details() and hashlib.sha256(body).hexdigest() in exc.details()
+        assert loaded.manifest.files[rel] in exc.details()
+        assert (await held(channel, build))[rel] == (0, False)  # deleted
+        with pytest.raises(ShippingError, match="not in the cache: missing"):
+            await load_stage(channel, build, 1)
+        info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=30)
+        assert info.empty and not info.manifest_sha256
+
+
+def test_ship_resume_load_and_restart(build_2, tmp_path):
+    (tmp_path / "secret").write_text(SECRET)
+    security = Security.load(tmp_path / "secret")
+    stages = tmp_path / "stages"
+    static, static_address = start_worker(build_2, 1, tmp_path, "--no-announce", "--secret", str(tmp_path / "secret"))
+    empty, address = start_empty(tmp_path, stages, tmp_path / "secret")
+    loaded = load_manifest(build_2)
+    files = [loaded.manifest.stages[1].xml, loaded.manifest.stages[1].bin]
+    total = sum((build_2 / f).stat().st_size for f in files)
+    hidden = np.random.default_rng(3).standard_normal((1, 6, loaded.manifest.architecture.hidden_size),
+                                                     dtype=np.float32)
+
+    async def first_run() -> None:
+        await refused_calls(address, build_2, security)
+        async with open_channel(address, security) as channel:
+            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=30)
+            assert info.empty and info.memory_available_bytes > 0 and info.ms_per_gb > 0 and info.device == "CPU"
+            exc = await rpc_error(pb_grpc.StageStub(channel).OpenSession(pb.OpenSessionRequest(session_id="x"),
+                                                                          timeout=30))
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and "serves no stage yet" in exc.details()
+            await cut_transfer(channel, build_2, files[1])
+            assert (await held(channel, build_2))[files[1]] == (CUT_PIECES * CHUNK_BYTES, False)
+            report = await ship_stage(channel, build_2, 1, address=address)
+            assert report.held_bytes == CUT_PIECES * CHUNK_BYTES  # resumed where it stopped
+            assert report.sent_bytes == total - CUT_PIECES * CHUNK_BYTES  # and sent only the rest
+            assert sorted(report.completed) == sorted(files)
+            reply = await load_stage(channel, build_2, 1, address=address)
+            assert (reply.stage, reply.layer_start, reply.layer_end) == (1, 19, 30) and not reply.already_loaded
+            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=30)
+            assert not info.empty and info.stage == 1 and info.manifest_sha256 == loaded.sha256
+            again = await load_stage(channel, build_2, 1, address=address)
+            assert again.already_loaded
+        shipped = await last_stage_top(address, security, loaded.sha256, hidden)
+        reference = await last_stage_top(static_address, security, loaded.sha256, hidden)
+        np.testing.assert_array_equal(shipped[0], reference[0])  # the same top-8 tokens at every position
+        np.testing.assert_array_equal(shipped[1], reference[1])  # f32, one thread: the same logprobs
+
+    async def after_restart(address: str) -> None:
+        async with open_channel(address, security) as channel:
+            report = await ship_stage(channel, build_2, 1, address=address)
+            assert report.sent_bytes == 0 and report.held_bytes == total and not report.completed
+            await load_stage(channel, build_2, 1, address=address)
+        shipped = await last_stage_top(address, security, loaded.sha256, hidden)
+        reference = await last_stage_top(static_address, security, loaded.sha256, hidden)
+        np.testing.assert_array_equal(shipped[1], reference[1])
+
+    try:
+        asyncio.run(first_run())
+        empty.stop()
+        empty, address = start_empty(tmp_path, stages, tmp_path / "secret")
+        assert "(cached)" in empty.text()  # the speed figure was not measured again
+        asyncio.run(after_restart(address))
+    finally:
+        empty.stop()
+        static.stop()
