@@ -11,6 +11,7 @@ worker started with ``--shard N --model DIR`` serves it. Calls are authenticated
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -123,6 +124,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         at its last piece. A cut stream leaves each file's partial file as received (resumable)."""
         written, completed, mine = 0, [], set()
         loaded: LoadedManifest | None = None
+        pending: asyncio.Future | None = None
         try:
             async for chunk in request_iterator:
                 if isinstance(chunk, Malformed):
@@ -135,16 +137,28 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                         raise StageCacheError(f"{chunk.path} is being written by another PutStage", "ABORTED")
                     self._writing.add(key)
                     mine.add(key)
-                if await asyncio.to_thread(self.cache.write, loaded, chunk.path, chunk.offset, chunk.data, chunk.size):
+                # shielded: a cut stream cancels this handler, not the piece being written (its file stays whole)
+                pending = asyncio.ensure_future(asyncio.to_thread(self.cache.write, loaded, chunk.path, chunk.offset,
+                                                                  chunk.data, chunk.size))
+                if await asyncio.shield(pending):
                     completed.append(chunk.path)
                 written += len(chunk.data)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
         finally:
-            self._writing -= mine
+            if pending is not None and not pending.done():  # cut mid-piece: the file is busy until it is written
+                pending.add_done_callback(functools.partial(self._release, frozenset(mine)))
+            else:
+                self._writing -= mine
             if written:
                 log.info("stage store: %d bytes received, %d file(s) complete", written, len(completed))
         return pb.PutStageReply(bytes_written=written, completed=completed)
+
+    def _release(self, keys: frozenset[str], piece: asyncio.Future) -> None:
+        """A cut PutStage's last piece is written: its files may be written again (its error was the call's)."""
+        self._writing -= keys
+        if not piece.cancelled():
+            piece.exception()  # retrieved: asyncio would log it as never retrieved
 
     async def LoadStage(self, request: pb.LoadStageRequest, context: grpc.aio.ServicerContext) -> pb.LoadStageReply:
         """Hash the stage's cached files against the manifest and, only when all match, serve the stage."""
