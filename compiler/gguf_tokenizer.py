@@ -77,6 +77,10 @@ BPE_PRE = {  # tokenizer.ggml.pre -> how it splits (llama.cpp's names for the sa
     "gpt-2": BpePre((GPT2_REGEX,)),
 }
 MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values: byte-level BPE, SentencePiece
+# chat turns' end tokens llama.cpp ends generation at (llama-vocab.cpp, special_eog_ids by text) that the families'
+# HF generation_config.json lists beside eos too (Llama 3, Qwen, Phi-3, Gemma); document ends (<|endoftext|>) are
+# left to the file's eos id
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
 
 
 def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
@@ -85,8 +89,8 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
     Returns:
         A dict: ``model`` (``gpt2``/``llama``), ``pre``, ``tokens``, ``types`` (ints, one per token),
         ``merges`` (BPE) or ``scores`` (SentencePiece), ``bos_id``/``eos_id``/``unk_id``/``pad_id`` (int or
-        None; pad defaults to eos), ``add_bos``/``add_eos``/``add_space_prefix``, ``chat_template``, ``architecture``
-        and ``context_length``.
+        None; pad defaults to eos), ``eog_ids`` (:func:`end_of_turn_ids`), ``add_bos``/``add_eos``/
+        ``add_space_prefix``, ``chat_template``, ``architecture`` and ``context_length``.
 
     Raises:
         ValueError: naming the file and the field: an unknown ``tokenizer.ggml.model`` or (for BPE)
@@ -126,6 +130,7 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
         if meta["scores"] is None or len(meta["scores"]) != len(tokens):
             raise ValueError(f"{name}: tokenizer.ggml.scores missing or not one per token")
     meta |= _special_ids(reader, name, model, len(tokens))
+    meta["eog_ids"] = end_of_turn_ids(reader, tokens, meta["eos_id"])
     spm = model == "llama"
     meta["add_bos"] = bool(field(reader, "tokenizer.ggml.add_bos_token", spm or BPE_PRE[pre].add_bos))
     meta["add_eos"] = bool(field(reader, "tokenizer.ggml.add_eos_token", False))
@@ -135,6 +140,15 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
             raise ValueError(f"{name}: tokenizer.ggml.{flag}_token is true but tokenizer.ggml.{key[:3]}_token_id "
                              "is missing")
     return meta
+
+
+def end_of_turn_ids(reader: Any, tokens: list[str], eos_id: int) -> list[int]:
+    """Ids that end generation beside eos, as llama.cpp's: ``tokenizer.ggml.eot_token_id`` and
+    ``eom_token_id`` when the file has them, and the ``END_OF_TURN`` tokens by their text (sorted, eos left out)."""
+    ids = {int(v) for v in (field(reader, "tokenizer.ggml.eot_token_id"), field(reader, "tokenizer.ggml.eom_token_id"))
+           if v is not None and 0 <= int(v) < len(tokens)}
+    ids |= {i for i, text in enumerate(tokens) if text in END_OF_TURN}
+    return sorted(ids - {eos_id})
 
 
 def _special_ids(reader: Any, name: str, model: str, n_tokens: int) -> dict[str, int | None]:

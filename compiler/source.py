@@ -291,14 +291,16 @@ def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
 
 
 def write_gguf_tokenizer(meta: dict[str, Any], config: dict[str, Any], folder: Path) -> None:
-    """The tokenizer files, ``config.json`` and ``generation_config.json`` of a GGUF in ``folder``."""
+    """The tokenizer files, ``config.json`` and ``generation_config.json`` of a GGUF in ``folder`` (its eos ids:
+    the file's eos and the chat turns' end tokens, ``meta["eog_ids"]``)."""
     config = {k: v for k, v in config.items() if k != "has_rope_freqs"}
     config |= {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
                "unk_token_id": meta["unk_id"]}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"],
-                  "do_sample": False}
+    eos = [meta["eos_id"], *meta.get("eog_ids", ())]  # and the chat turns' ends, as llama.cpp stops at them
+    generation = {"bos_token_id": meta["bos_id"], "eos_token_id": eos if len(eos) > 1 else eos[0],
+                  "pad_token_id": meta["pad_id"], "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     write_tokenizer(meta, folder)
 

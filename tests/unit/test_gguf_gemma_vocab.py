@@ -24,7 +24,8 @@ import gguf
 import pytest
 from tokenizers import Tokenizer
 
-from compiler.gguf_tokenizer import read_tokenizer, write_tokenizer
+from compiler.gguf_tokenizer import read_tokenizer
+from compiler.source import write_gguf_tokenizer
 from coordinator.errors import InvalidRequest
 from coordinator.tokenizer import ChatTokenizer
 
@@ -109,9 +110,9 @@ def gemma_gguf(folder: Path, path: Path, template: str | None = None) -> Path:
 
 
 def fleet_files(gguf_path: Path, out: Path) -> Path:
+    """The tokenizer files and generation_config.json a build writes for the GGUF (compiler/source.py)."""
     meta = read_tokenizer(gguf.GGUFReader(str(gguf_path)), gguf_path)
-    out.mkdir()
-    write_tokenizer(meta, out)
+    write_gguf_tokenizer(meta, {}, out)
     return out
 
 
@@ -146,6 +147,7 @@ def test_gemma_gguf_without_template_gets_the_builtin_gemma_turns(gemma_dir, tmp
     with caplog.at_level(logging.INFO, logger="compiler.gguf_tokenizer"):
         out = fleet_files(gemma_gguf(gemma_dir, tmp_path / "gemma.gguf"), tmp_path / "fleet")
     assert "built-in 'gemma' chat template" in caplog.text
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 5]  # <end_of_turn> too
     assert json.loads((out / "tokenizer_config.json").read_text())["fleet_chat_template"] == "builtin:gemma"
     chat = ChatTokenizer(out)
     messages = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"},
