@@ -284,6 +284,9 @@ class _Weights:
         def gather(node: ov.Node) -> Callable[[ov.Output], ov.Output]:
             return lambda indices: op.gather(node, indices, i64(0)).output(0)
 
+        if self.keep_blocks and self.source.kind(names[0]) not in ("f16", "f32"):
+            return self._stacked_blocks(names, base, gather)
+
         if self.int8 is None:
             def maker() -> ov.Tensor:
                 tensor = ov.Tensor(ov.Type.f16, ov.Shape(shape))
@@ -321,6 +324,52 @@ class _Weights:
             if zp is not None:
                 x = op.subtract(x, op.convert(zp(indices), ov.Type.f16))
             return op.convert(op.multiply(x, scale(indices)), ov.Type.f32).output(0)
+
+        return take
+
+    def _stacked_blocks(self, names: list[str], base: str,
+                        gather: Callable[[ov.Node], Callable[[ov.Output], ov.Output]]) -> Callable[[ov.Output], ov.Output]:
+        """``stacked`` for a GGUF's experts of a kept block type (compiler/gguf_moe.py: each expert a slice of one
+        stacked tensor, all of one type): codes [E, rows, cols / g, g] (``gguf.STORED``), scale and, for an offset
+        type, a zero point f32 [E, rows, cols / g, 1] per group of g (``QuantRows.zero_point``: the form the
+        compressed embedding Gather takes), all Gathered by ``indices`` before ``(codes - zero point) * scale``:
+        exact to f32 rounding, and a token reads only its experts' blocks."""
+        from .gguf import GROUP, STORED, WITH_OFFSET, offset_group, pack_nibbles
+
+        kind = self.source.kind(names[0])
+        (rows, cols), experts, offset = self.source.shape(names[0]), len(names), kind in WITH_OFFSET
+        g = offset_group(kind) if offset else GROUP[kind]
+        shape, groups = [experts, rows, cols // g, g], [experts, rows, cols // g, 1]
+        wtype = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
+
+        def make() -> dict[str, ov.Tensor]:
+            weights = ov.Tensor(wtype, ov.Shape(shape))
+            raw = weights.data.view(np.int8 if wtype == ov.Type.i8 else np.uint8).reshape(experts, rows, -1)
+            scale, zero_point = np.empty(groups, np.float32), np.empty(groups, np.float32)
+            for e, name in enumerate(names):
+                q = self.source.blocks(name, (0, rows))
+                values, scales = q.values, q.scale
+                if offset:
+                    values, zero_point[e, ..., 0], scales = q.zero_point()
+                raw[e] = (pack_nibbles(values) if STORED[kind] in ("i4", "u4") else values).reshape(rows, -1)
+                scale[e, ..., 0] = scales.reshape(rows, -1)
+                self._read(name, weights)
+            return {"weights": weights, "scale": ov.Tensor(scale)} | \
+                ({"zero_point": ov.Tensor(zero_point)} if offset else {})
+
+        compute = self._once(make)
+        q = gather(self._postponed(wtype, shape, lambda: compute("weights"), base))
+        zp = gather(self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{base}/zero_point")) \
+            if offset else None
+        scale = gather(self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{base}/scale"))
+
+        def take(indices: ov.Output) -> ov.Output:
+            x = op.convert(q(indices), ov.Type.f32)
+            if zp is not None:
+                x = op.subtract(x, zp(indices))
+            x = op.multiply(x, scale(indices))
+            target = op.concat([op.shape_of(indices, output_type="i64"), i64([rows, cols])], axis=0)
+            return op.reshape(x, target, special_zero=False).output(0)
 
         return take
 

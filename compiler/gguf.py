@@ -156,7 +156,7 @@ class GGUFTensor:
     qtype: str
     shape: tuple[int, ...]  # HF order
     heads: int  # Q/K of a llama-family file: the heads its rows are permuted over; 0 = not permuted
-    expert: bool = False  # one expert's slice of a stacked tensor (gguf_moe.py): stored fp16 in the stacked constant
+    expert: bool = False  # one expert's slice of a stacked tensor (gguf_moe.py): blocks kept (KEPT) or fp16
 
 
 class GGUFWeights:
@@ -180,7 +180,7 @@ class GGUFWeights:
                 shape = tuple(int(d) for d in reversed(t.shape))
                 for name, data, rows_cols in expert_slices(t.name, t.data, shape, config["model_type"]):
                     self.tensors[name] = GGUFTensor(data, qtype, rows_cols, 0, expert=True)
-                if qtype not in ("F32", "F16", "BF16"):  # the stacked constant is fp16 (gguf_moe.py)
+                if qtype not in (*KEPT, "F32", "F16", "BF16"):  # blocks kept, or a stacked fp16 constant
                     experts.setdefault(qtype, []).append(t.name)
                 continue
             name = hf_name(t.name, config["model_type"])
@@ -197,8 +197,8 @@ class GGUFWeights:
                         "%s blocks as they are", self.folder.name, len(names), qtype, names[0], ", ".join(KEPT))
         for qtype, names in experts.items():
             log.warning("%s: %d stacked %s expert tensor(s) (e.g. %s) are dequantized and stored as fp16: the "
-                        "experts' stacked constant has no kept block form", self.folder.name, len(names), qtype,
-                        names[0])
+                        "builder keeps only %s blocks as they are", self.folder.name, len(names), qtype, names[0],
+                        ", ".join(KEPT))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """HF shape of tensor ``name`` (rows first)."""
@@ -211,7 +211,7 @@ class GGUFWeights:
         """How the builder stores ``name``: a kept block type (``KEPT``), its near-exact form (``NEAR``, unless
         ``exact``), ``"f32"`` or ``"f16"``."""
         qtype = self.tensors[name].qtype
-        if self.tensors[name].expert:
+        if self.tensors[name].expert and qtype not in KEPT:  # stacked experts: their blocks, or fp16
             return "f16"
         if qtype in NEAR and not self.exact:
             return NEAR[qtype]

@@ -12,10 +12,11 @@ and, for qwen3moe, ``.expert_feed_forward_length`` (a Mixtral expert is ``feed_f
 renormalises the chosen experts' weights for both (``build_moe_ffn(..., norm_w = true, ...)`` in its qwen3moe and
 llama graphs; Mixtral's rule, transformers' ``MixtralSparseMoeBlock``), and makes every layer sparse.
 
-Each expert is the slice ``data[e]`` of the memory-mapped tensor: quantized rows stay whole blocks. The stacked
-constant is fp16 (or ``--weights int8``): a quantized expert tensor (Q8_0, Q4_K, ...) is dequantized by gguf-py,
-with the warning ``GGUFWeights`` logs for every dequantized type. (The kept block forms are 2-D [rows, cols]
-constants with one product each; a Gather of experts' blocks would need a second, 3-D form of each.)
+Each expert is the slice ``data[e]`` of the memory-mapped tensor: quantized rows stay whole blocks. Experts of a
+kept type (``gguf.KEPT``) keep their blocks in one stacked constant per matrix (compiler/export.py
+``_Weights.stacked``: codes [E, rows, cols / g, g], scale and, for offset types, a zero point per group, Gathered
+before the decompression); F16/BF16/F32 experts, any other type (dequantized by gguf-py, with the warning) and
+``--weights int8`` builds stack them as the HF path does.
 """
 
 from __future__ import annotations
