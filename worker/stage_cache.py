@@ -7,8 +7,9 @@ only the shipped stages are present. ``ROOT`` is ``--stages-dir`` (``FLEET_STAGE
 ``$XDG_CACHE_HOME/fleet/stages`` (``~/.cache/fleet/stages``).
 
 A file arrives as ``<path>.part``, written at the offset the sender was told (``held``) with unbuffered
-writes, so a cut transfer leaves a partial file of exactly the bytes received, resumed there. Once its last
-byte is written it is fsynced, hashed whole and renamed into place only when its sha256 equals the
+writes, so a cut transfer leaves a partial file of exactly the bytes received, resumed there. Its sha256
+is computed over the whole file as the pieces arrive (a resumed file's bytes held are read and hashed once
+first). Once its last byte is written it is fsynced and renamed into place only when its sha256 equals the
 manifest's; otherwise it is deleted. A file at its final path was therefore always checked (and is
 checked again before it is loaded: ``verify_stage``).
 """
@@ -16,6 +17,7 @@ checked again before it is loaded: ``verify_stage``).
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -83,6 +85,20 @@ class StageCache:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        # partial file -> (bytes hashed, running sha256): each piece is hashed as it is written, so a file is not
+        # read back whole at its end; a resumed file's bytes held are hashed once first (``_running``)
+        self._digests: dict[Path, tuple[int, object]] = {}
+
+    def _running(self, part: Path, offset: int):  # noqa: ANN202 - a hashlib sha256 object
+        """The running sha256 of ``part``'s first ``offset`` bytes (made by reading them when none is kept)."""
+        state = self._digests.pop(part, None)
+        if state is not None and state[0] == offset:
+            return state[1]
+        digest = hashlib.sha256()
+        with open(part, "rb") as f:
+            while (done := f.tell()) < offset and (block := f.read(min(1 << 20, offset - done))):
+                digest.update(block)
+        return digest
 
     def build_dir(self, manifest_sha256: str) -> Path:
         """The folder of the build ``manifest_sha256`` (64 hex digits; ``StageCacheError`` otherwise)."""
@@ -169,6 +185,7 @@ class StageCache:
             raise StageCacheError(f"{path}: piece at offset {offset}, but the cache holds {have} bytes of it: "
                                   f"resume at {have}", "FAILED_PRECONDITION")
         fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+        digest = self._running(part, offset)
         try:
             os.lseek(fd, offset, os.SEEK_SET)
             view = memoryview(data)
@@ -184,6 +201,8 @@ class StageCache:
             raise
         finally:
             os.close(fd)
+        digest.update(data)
+        self._digests[part] = (end, digest)
         if end < size:
             return False
         self.finish(loaded, path)
@@ -199,7 +218,8 @@ class StageCache:
             os.fsync(fd)
         finally:
             os.close(fd)
-        actual = sha256_file(part)
+        state = self._digests.pop(part, None)
+        actual = state[1].hexdigest() if state is not None and state[0] == part.stat().st_size else sha256_file(part)
         if actual != expected:
             part.unlink(missing_ok=True)
             raise StageCacheError(f"{path}: sha256 {actual} of the bytes received differs from the manifest's "
