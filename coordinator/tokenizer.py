@@ -49,6 +49,9 @@ class ChatTokenizer:
             template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
         self.chat_template: str | None = template
         self.bos_token, self.eos_token = (_token_text(config.get(key)) for key in ("bos_token", "eos_token"))
+        # what transformers gives every template: tools and documents (None unless given), the special tokens
+        self._defaults = {"tools": None, "documents": None, "bos_token": self.bos_token, "eos_token": self.eos_token,
+                          **{key: _token_text(config[key]) for key in ("unk_token", "pad_token") if config.get(key)}}
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -68,11 +71,12 @@ class ChatTokenizer:
         rejects them."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template (a GGUF without tokenizer.chat_template whose "
-                                 "vocabulary shows no chat format fleet knows): send a prompt to /v1/completions instead",
+                                 "vocabulary shows no chat format fleet knows): send a prompt to /v1/completions "
+                                 "instead",
                                  param="messages")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **variables)
+            return self._template.render({**self._defaults, **variables, "messages": messages,
+                                          "add_generation_prompt": add_generation_prompt})
         except TemplateError as exc:
             raise InvalidRequest(f"chat template rejected the messages: {exc}", param="messages") from exc
 

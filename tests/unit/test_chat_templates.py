@@ -205,3 +205,18 @@ def test_a_folder_transformers_saved_renders_its_chat_template_jinja(tokenizer_j
         "chat_template": [{"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"},
                           {"name": "tool_use", "template": "tools"}]}))
     assert ChatTokenizer(old).render_chat([{"role": "user", "content": "x"}]) == "<s>x</s>"
+
+
+def test_a_template_sees_the_variables_transformers_gives_it(tokenizer_json, tmp_path):
+    """tools and documents defined as None unless given, the unk and pad tokens beside bos and eos."""
+    template = ("{{ tools is defined }} {{ tools is none }} {{ documents is none }} [{{ bos_token }}{{ eos_token }}"
+                "{{ unk_token }}{{ pad_token }}] {% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if tools %}{{ tools | length }}{% endif %}")
+    folder = model_folder(tmp_path / "m", tokenizer_json, template, "<s>", "</s>")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"unk_token": "<bos>", "pad_token": "<eos>"}))
+    chat = ChatTokenizer(folder)
+    for tools in ({}, {"tools": TOOLS}):
+        text = chat.render_chat(TURNS, **tools)
+        assert chat.encode(text) == transformers_ids(folder, TURNS, **tools), text
+    assert text.startswith("True False True [<s></s><bos><eos>]")
