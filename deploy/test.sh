@@ -4,5 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh --test
-export FLEET_CACHE_MAX_GB=${FLEET_CACHE_MAX_GB:-4}  # test workers' OpenVINO model cache (~/.cache/fleet/openvino)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -4,6 +4,7 @@ with bench/harness.py (the benchmarks' processes, builds and cache key)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -203,3 +204,28 @@ def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS
             f"{what}: token {first} is {got['tokens'][first]!r}, neither solo's {solo['tokens'][first]!r} nor its "
             f"runner-up {solo['runner_up'][first]!r}")
     return first
+
+
+# ---------------------------------------------------------------- where the suite's time goes
+
+_FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each test's setup, call and teardown wall time per test file (module fixtures count in the
+    first test's setup), for the summary below."""
+    entry = _FILE_SECONDS.setdefault(report.nodeid.split("::", 1)[0], [0.0, 0])
+    entry[0] += report.duration
+    entry[1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
+    """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only),
+    with the machine's load average at the end: where the suite's time goes, and whether it ran alone."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest test files (setup + call + teardown)")
+    for path, (seconds, tests) in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][0])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {tests:4d} tests  {path}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    terminalreporter.write_line(f"load average at the end: {load}")
