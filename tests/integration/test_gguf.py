@@ -82,7 +82,8 @@ def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
 
 def add_demo_tokenizer(writer, vocabulary: tuple, pre: str = "smollm") -> None:  # noqa: ANN001 - GGUFWriter
     """The demo's byte-level BPE tokenizer (``vocabulary``: tokens, merges, token types, chat template, as
-    ``demo_vocabulary`` reads them) as llama.cpp's converter writes it, pre-tokenizer ``pre``."""
+    ``demo_vocabulary`` reads them; a template None writes none) as llama.cpp's converter writes it, pre-tokenizer
+    ``pre``."""
     tokens, merges, types, template = vocabulary
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
@@ -91,7 +92,8 @@ def add_demo_tokenizer(writer, vocabulary: tuple, pre: str = "smollm") -> None: 
     writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(template)
+    if template is not None:
+        writer.add_chat_template(template)
 
 
 def save_gguf(writer) -> None:  # noqa: ANN001 - GGUFWriter

@@ -3,8 +3,9 @@ Gemma3ForCausalLM of Gemma 3's own 5:1 local/global pattern (6 layers, every 6th
 gemma3 file), sliding window 8, linear RoPE factor 2 on the global layers (``rope.scaling.type`` linear), the local
 base 10000 (llama.cpp's fixed one), ``query_pre_attn_scalar`` = head_dim (the file has no such key: llama.cpp takes
 head_dim), tied head; every norm written as 1 + w (the converter adds the 1), no Q/K permutation; Q8_0/Q4_0/Q4_1
-matrices, F32 norms. The vocabulary is the demo's BPE one (gpt2 tokenizer model), as the other GGUF tests write it:
-Gemma's own SentencePiece vocabulary (byte fallback, BOS as llama.cpp adds it) is a separate piece, not tested here.
+matrices, F32 norms. The vocabulary is the demo's BPE one (gpt2 tokenizer model), as the other GGUF tests write it,
+without its chat template (the build gives it fleet's built-in chatml one, from its tokens); Gemma's own SentencePiece
+vocabulary is tested in tests/unit/test_gguf_gemma_vocab.py.
 
 The build keeps every block and its chained stages match transformers' f32 logits on the file's dequantized values
 (norms minus the 1) within 1e-4; greedy through a real 2-stage fleet equals transformers'.
@@ -78,7 +79,7 @@ def write_gemma3_gguf(hf: Path, path: Path, demo: Path) -> None:
 
     config = json.loads((hf / "config.json").read_text())
     tensors = load_file(str(hf / "model.safetensors"))
-    tokens, merges, types, template = demo_vocabulary(str(demo))
+    tokens, merges, types, _ = demo_vocabulary(str(demo))
     writer = gguf.GGUFWriter(str(path), "gemma3")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -93,7 +94,7 @@ def write_gemma3_gguf(hf: Path, path: Path, demo: Path) -> None:
     writer.add_sliding_window(config["sliding_window"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(config["rope_parameters"]["full_attention"]["factor"])
-    add_demo_tokenizer(writer, (tokens, merges, types, template))
+    add_demo_tokenizer(writer, (tokens, merges, types, None))  # no chat template: the build picks chatml's
 
     def add(name: str, w: np.ndarray, kind: str | None) -> None:
         if kind is None:  # a norm: the converter adds Gemma's 1
@@ -192,7 +193,11 @@ def test_gemma3_gguf_fleet_greedy_matches_transformers(zoo, tmp_path):
 
     out = tmp_path / "build"
     build(zoo.gguf(), out, "--layers", LAYERS[2])
-    prompt = ChatTokenizer(out).encode_chat([{"role": "user", "content": PROMPT}])
+    assert json.loads((out / "tokenizer_config.json").read_text())["fleet_chat_template"] == "builtin:chatml"
+    chat = ChatTokenizer(out)
+    assert chat.render_chat([{"role": "user", "content": PROMPT}]) == f"<|im_start|>user\n{PROMPT}<|im_end|>\n" \
+        "<|im_start|>assistant\n"  # the file has no template: fleet's chatml, from the demo vocabulary's tokens
+    prompt = chat.encode_chat([{"role": "user", "content": PROMPT}])
     assert WINDOW < len(prompt) and len(prompt) + NEW_TOKENS <= MAX_POSITIONS
     expected = hf_greedy(zoo.reference(), prompt, NEW_TOKENS)
     assert fleet_greedy(out, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
