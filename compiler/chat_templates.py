@@ -6,7 +6,9 @@ Jinja (the coordinator renders only Jinja, ``coordinator/tokenizer.py``), each s
 ``llm_chat_apply_template`` writes for it, and picks one from the vocabulary's special tokens (a format needs its
 markers as single tokens; the file's architecture does not decide it: SmolLM2 is a ``llama`` with chatml's
 tokens). A file whose vocabulary has no known format's markers gets no template: chat requests are then refused
-with an error saying so, completions still work.
+with an error saying so, completions still work. That includes Llama 2 and Mistral v0.1/v0.2 files, whose
+``[INST]`` is plain text in a vocabulary they share: which of llama.cpp's llama2 or mistral-v1 prompts is meant
+cannot be told from the file, and fleet does not guess (llama.cpp's chatml fallback would be wrong for both).
 
 The templates offer no tools (no ``tools`` variable): the coordinator then puts the tools in a system prompt
 (``coordinator/tools``, llama.cpp's polyfill). BOS is written by the template as ``bos_token`` when the file's
