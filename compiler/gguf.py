@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .gguf_moe import EXPERTS, ROUTER, expert_slices, is_moe, moe_config, router_name
+from .gguf_moe import ROUTER, expert_slices, is_expert_tensor, is_moe, moe_config, router_name
 from .weights import WeightsError, check_f16_range, check_shapes
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class GGUFWeights:
             if t.name in ROPE_TENSORS:
                 continue
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
-            if t.name.split(".")[-2] in EXPERTS and config["model_type"] in ("qwen3_moe", "mixtral"):
+            if config["model_type"] in ("qwen3_moe", "mixtral") and is_expert_tensor(t.name):
                 shape = tuple(int(d) for d in reversed(t.shape))
                 for name, data, rows_cols in expert_slices(t.name, t.data, shape, config["model_type"]):
                     self.tensors[name] = GGUFTensor(data, qtype, rows_cols, 0, expert=True)

@@ -10,7 +10,9 @@ experts' same matrix along a new first axis: ``blk.N.ffn_gate_exps`` / ``ffn_up_
 ``blk.N.ffn_gate_inp`` [E, H]. Metadata (gguf-py ``Keys.LLM``): ``{arch}.expert_count``, ``.expert_used_count``
 and, for qwen3moe, ``.expert_feed_forward_length`` (a Mixtral expert is ``feed_forward_length`` wide). llama.cpp
 renormalises the chosen experts' weights for both (``build_moe_ffn(..., norm_w = true, ...)`` in its qwen3moe and
-llama graphs; Mixtral's rule, transformers' ``MixtralSparseMoeBlock``), and makes every layer sparse.
+llama graphs; Mixtral's rule, transformers' ``MixtralSparseMoeBlock``), and makes every layer sparse. Files
+converted before llama.cpp stacked the experts (early 2024, e.g. the first published Mixtral GGUFs) hold one tensor
+per expert, ``blk.N.ffn_gate.E.weight`` [I, H] and so on; llama.cpp still loads them, and so does the builder.
 
 Each expert is the slice ``data[e]`` of the memory-mapped tensor: quantized rows stay whole blocks. Experts of a
 kept type (``gguf.KEPT``) keep their blocks in one stacked constant per matrix (compiler/export.py
@@ -30,6 +32,7 @@ from .weights import WeightsError
 log = logging.getLogger(__name__)
 
 EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}  # llama.cpp -> role
+LEGACY_EXPERTS = {"ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}  # blk.N.ffn_gate.E.weight: one per expert
 ROUTER = "ffn_gate_inp"
 MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}  # GGUF arch (with experts) -> HF model_type
 
@@ -46,7 +49,15 @@ def is_moe(reader, arch: str) -> bool:  # noqa: ANN001 - a gguf.GGUFReader or Sp
     if arch == "qwen3moe":
         return True
     return arch == "llama" and (bool(field(reader, f"{arch}.expert_count")) or
-                                any(t.name.split(".")[-2] in EXPERTS for t in reader.tensors))
+                                any(is_expert_tensor(t.name) for t in reader.tensors))
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether GGUF tensor ``name`` holds experts: stacked (``blk.N.ffn_gate_exps.weight``) or one expert's
+    (``blk.N.ffn_gate.E.weight``, the older layout)."""
+    parts = name.split(".")
+    return parts[0] == "blk" and ((len(parts) == 4 and parts[2] in EXPERTS) or
+                                  (len(parts) == 5 and parts[2] in LEGACY_EXPERTS and parts[3].isdigit()))
 
 
 def moe_config(reader, arch: str, config: dict, where: str) -> dict:  # noqa: ANN001
@@ -83,12 +94,21 @@ def moe_config(reader, arch: str, config: dict, where: str) -> dict:  # noqa: AN
 def check_tensors(reader, where: str, layers: int, experts: int, width: int, hidden: int) -> None:  # noqa: ANN001
     """Refuse (``WeightsError`` naming the file, the tensor, its shape and the metadata it contradicts) a layer's
     router or stacked experts whose shape is not [E, H] / [E, I, H] / [E, H, I] for E = expert_count, I = the
-    expert width, H = embedding_length, or a layer without them (llama.cpp makes every layer sparse)."""
+    expert width, H = embedding_length, or a layer without them (llama.cpp makes every layer sparse); in the older
+    layout, each of its E experts' [I, H] / [H, I] tensors, and no more."""
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     want = {ROUTER: (experts, hidden), "ffn_gate_exps": (experts, width, hidden),
             "ffn_up_exps": (experts, width, hidden), "ffn_down_exps": (experts, hidden, width)}
     for layer in range(layers):
-        for role, shape in want.items():
+        layer_want = want
+        if f"blk.{layer}.ffn_gate_exps.weight" not in shapes and f"blk.{layer}.ffn_gate.0.weight" in shapes:
+            layer_want = {ROUTER: want[ROUTER]} | {f"{role[:-5]}.{e}": want[role][1:] for role in EXPERTS
+                                                   for e in range(experts)}
+            extra = f"blk.{layer}.ffn_gate.{experts}.weight"
+            if extra in shapes:
+                raise WeightsError(f"{where}: tensor {extra} is an expert beyond the metadata's expert_count "
+                                   f"{experts}")
+        for role, shape in layer_want.items():
             name = f"blk.{layer}.{role}.weight"
             if name not in shapes:
                 raise WeightsError(f"{where}: tensor {name} missing: a Mixture-of-Experts file (expert_count "
@@ -105,20 +125,22 @@ def router_name(model_type: str) -> str:
 
 
 def expert_slices(name: str, data: np.ndarray, shape: tuple[int, ...], model_type: str) -> list[tuple]:
-    """The experts of a stacked GGUF tensor ``name`` (``blk.N.ffn_{gate,up,down}_exps.weight``; ``data`` the
-    reader's memory-mapped [E, rows, cols or bytes per row] view, ``shape`` [E, rows, cols]) as (HF name,
-    data[e], (rows, cols)) per expert, named as compiler/arch.py ``hf_weight_names`` names them for
-    ``model_type``. Nothing is read."""
+    """The experts of GGUF tensor ``name`` (``is_expert_tensor``; ``data`` the reader's memory-mapped view, ``shape``
+    its numpy shape): of a stacked one (``blk.N.ffn_{gate,up,down}_exps.weight``, [E, rows, cols or bytes per row])
+    (HF name, data[e], (rows, cols)) per expert; of one expert's (``blk.N.ffn_gate.E.weight``) that one. Named as
+    compiler/arch.py ``hf_weight_names`` names them for ``model_type``. Nothing is read."""
+    parts = name.split(".")
+    layer, role = parts[1], parts[2]
+    if len(parts) == 5:  # the older layout: one expert
+        return [(expert_name(layer, LEGACY_EXPERTS[role], int(parts[3]), model_type), data, tuple(shape))]
+    return [(expert_name(layer, EXPERTS[role], e, model_type), data[e], tuple(shape[1:])) for e in range(shape[0])]
+
+
+def expert_name(layer: int | str, part: str, expert: int, model_type: str) -> str:
+    """HF's name of expert ``expert``'s ``part`` ("gate", "up", "down") matrix in layer ``layer``: mixtral's
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``, qwen3_moe's ``mlp.experts.{e}.{part}_proj``."""
     from .arch import MIXTRAL_EXPERT
 
-    _, layer, role, _ = name.split(".")
-    part = EXPERTS[role]
-    p = f"model.layers.{layer}."
-    out = []
-    for e in range(shape[0]):
-        if model_type == "mixtral":
-            hf = p + f"block_sparse_moe.experts.{e}.{MIXTRAL_EXPERT[part]}.weight"
-        else:
-            hf = p + f"mlp.experts.{e}.{part}_proj.weight"
-        out.append((hf, data[e], tuple(shape[1:])))
-    return out
+    if model_type == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{MIXTRAL_EXPERT[part]}.weight"
+    return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"

@@ -81,9 +81,10 @@ def make_moe_model(name: str, folder: Path, demo_hf: Path) -> Path:
     return path
 
 
-def write_moe_gguf(hf: Path, path: Path, demo: Path, expert_count: int | None = None) -> None:
+def write_moe_gguf(hf: Path, path: Path, demo: Path, expert_count: int | None = None, legacy: bool = False) -> None:
     """The f32 HF folder ``hf`` as llama.cpp's converter writes it (module docstring); ``expert_count`` written
-    instead of the true one when given (a broken file)."""
+    instead of the true one when given (a broken file); with ``legacy`` one tensor per expert,
+    ``blk.N.ffn_gate.E.weight``, as converters wrote Mixtral before stacking."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -139,8 +140,12 @@ def write_moe_gguf(hf: Path, path: Path, demo: Path, expert_count: int | None = 
             add(f"blk.{i}.{role}.weight", tensors[f"{p}{hf_name}.weight"])
         add(f"blk.{i}.ffn_gate_inp.weight", tensors[f"{p}{module}.gate.weight"])
         for role, hf_name in experts.items():  # torch.stack(datas, dim=0), as the converter merges them
-            stacked = np.stack([tensors[f"{p}{module}.experts.{e}.{hf_name}.weight"] for e in range(EXPERTS)])
-            add(f"blk.{i}.{role}.weight", stacked, EXPERT_KINDS[name][role])
+            each = [tensors[f"{p}{module}.experts.{e}.{hf_name}.weight"] for e in range(EXPERTS)]
+            if legacy:
+                for e, w in enumerate(each):
+                    add(f"blk.{i}.{role[:-5]}.{e}.weight", w, EXPERT_KINDS[name][role])
+            else:
+                add(f"blk.{i}.{role}.weight", np.stack(each), EXPERT_KINDS[name][role])
     save_gguf(writer)
 
 
@@ -173,6 +178,11 @@ def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
         if llama and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute(w, config.num_attention_heads if "attn_q" in t.name else config.num_key_value_heads)
         values[t.name] = w
+    for i in range(config.num_hidden_layers):  # the older layout's experts, stacked as the newer file has them
+        for role in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            if f"blk.{i}.{role}.weight" not in values:
+                values[f"blk.{i}.{role}.weight"] = np.stack([values[f"blk.{i}.{role[:-5]}.{e}.weight"]
+                                                             for e in range(EXPERTS)])
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     roles = {f"self_attn.{v}.weight": k for k, v in ATTENTION.items()} | {f"{v}.weight": k for k, v in NORMS.items()}
@@ -208,15 +218,16 @@ class Zoo:
         return make_moe_model(name, self.root / "hf", self.demo_hf)
 
     @cache  # noqa: B019
-    def gguf(self, name: str) -> Path:
-        path = self.root / name / f"{name}.gguf"
+    def gguf(self, case: str) -> Path:
+        """The GGUF of ``case``: a ``MODELS`` name, or "mixtral-legacy" (one tensor per expert)."""
+        path = self.root / case / f"{case}.gguf"
         path.parent.mkdir(parents=True)
-        write_moe_gguf(self.hf(name), path, self.demo)
+        write_moe_gguf(self.hf(case.split("-")[0]), path, self.demo, legacy=case.endswith("-legacy"))
         return path
 
     @cache  # noqa: B019
-    def reference(self, name: str):  # noqa: ANN201 - a transformers model
-        return gguf_reference(self.hf(name), self.gguf(name))
+    def reference(self, case: str):  # noqa: ANN201 - a transformers model
+        return gguf_reference(self.hf(case.split("-")[0]), self.gguf(case))
 
 
 @pytest.fixture(scope="module")
@@ -260,15 +271,20 @@ def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_bl
     assert used == set(range(EXPERTS))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_moe_gguf_logits_and_router_picks_match_transformers(name, zoo):
+@pytest.mark.parametrize("case", [*MODELS, "mixtral-legacy"])
+def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
     """The GGUF's config is the HF folder's (experts, top-k, expert width, sparse layers, renormalised), and the
     whole model as one stage (every block kept, the experts' stacked) gives transformers' logits on the
-    file's values and its router's picks (``check_one_stage``)."""
+    file's values and its router's picks (``check_one_stage``); also for a Mixtral file of one tensor per expert."""
     from compiler.arch import ModelConfig
     from compiler.source import open_source
 
-    source = open_source(zoo.gguf(name), zoo.root / "work")
+    import gguf
+
+    name = case.split("-")[0]
+    names = {t.name for t in gguf.GGUFReader(str(zoo.gguf(case))).tensors}
+    assert ("blk.3.ffn_down.7.weight" in names) == case.endswith("-legacy") != ("blk.3.ffn_down_exps.weight" in names)
+    source = open_source(zoo.gguf(case), zoo.root / "work" / case)
     cfg, hf = source.config, ModelConfig.from_folder(zoo.hf(name))
     assert cfg.model_type == hf.model_type == {"qwen3moe": "qwen3_moe", "mixtral": "mixtral"}[name]
     assert (cfg.moe_layers, cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size, cfg.norm_topk_prob) == \
@@ -276,7 +292,7 @@ def test_moe_gguf_logits_and_router_picks_match_transformers(name, zoo):
         ((0, 1, 2, 3), EXPERTS, TOP_K, WIDTH, True)
     assert cfg.head_dim == hf.head_dim and cfg.qk_norm == (name == "qwen3moe")
     source.weights.exact = True
-    check_one_stage(name, cfg, source.weights, zoo.reference(name), zoo.ids, keep_blocks=True)
+    check_one_stage(case, cfg, source.weights, zoo.reference(case), zoo.ids, keep_blocks=True)
 
 
 def test_mixtral_hf_folder_matches_transformers(zoo):

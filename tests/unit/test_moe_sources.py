@@ -37,10 +37,12 @@ def test_mixtral_config_every_layer_sparse_renormalised_with_its_names():
 
 
 def write_moe(path, arch: str = "qwen3moe", experts: int | None = 8, used: int = 2, width: int | None = 32,
-              down: tuple[int, ...] = (8, 64, 32), layers_with_experts: int = 2) -> None:  # noqa: ANN001
+              down: tuple[int, ...] = (8, 64, 32), layers_with_experts: int = 2,
+              legacy: int = 0) -> None:  # noqa: ANN001
     """A 2-layer MoE GGUF's metadata and tensors (hidden 64, 4 heads), zeros: ``experts`` / ``used`` / ``width``
     the metadata written (None: left out), ``down`` the stacked down tensor's numpy shape, experts in the first
-    ``layers_with_experts`` layers."""
+    ``layers_with_experts`` layers; ``legacy`` experts a layer as one tensor each (``blk.N.ffn_gate.E.weight``)
+    instead of stacked."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -57,6 +59,11 @@ def write_moe(path, arch: str = "qwen3moe", experts: int | None = 8, used: int =
     writer.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
     for i in range(layers_with_experts):
         writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", np.zeros((8, 64), np.float32))
+        if legacy:
+            for e in range(legacy):
+                for role, shape in (("ffn_gate", (32, 64)), ("ffn_up", (32, 64)), ("ffn_down", down[1:])):
+                    writer.add_tensor(f"blk.{i}.{role}.{e}.weight", np.zeros(shape, np.float16))
+            continue
         writer.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.zeros((8, 32, 64), np.float16))
         writer.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.zeros((8, 32, 64), np.float16))
         writer.add_tensor(f"blk.{i}.ffn_down_exps.weight", np.zeros(down, np.float16))
@@ -104,3 +111,24 @@ def test_moe_gguf_metadata_that_contradicts_its_tensors_is_refused(options, erro
     write_moe(path, **options)
     with pytest.raises(error, match=f"^{path}: .*{match}"):
         config_of(path)
+
+
+def test_moe_gguf_of_one_tensor_per_expert_reads_and_refuses_a_count_mismatch(tmp_path):
+    """A Mixtral file of the older layout (one tensor per expert) reads as the stacked one, each expert under its HF
+    name; one expert more than expert_count, one fewer or one of another shape is refused by name."""
+    from compiler.gguf import GGUFWeights, open_reader
+
+    path = tmp_path / "m.gguf"
+    write_moe(path, arch="llama", width=None, legacy=8)
+    config = config_of(path)
+    assert (config["model_type"], config["num_local_experts"]) == ("mixtral", 8)
+    weights = GGUFWeights(path, open_reader(path), config)
+    assert weights.shape("model.layers.1.block_sparse_moe.experts.7.w2.weight") == (64, 32)
+    assert weights.kind("model.layers.1.block_sparse_moe.experts.7.w2.weight") == "f16"
+    for legacy, down, match in ((9, (8, 64, 32), r"tensor blk\.0\.ffn_gate\.8\.weight is an expert beyond the "
+                                                 r"metadata's expert_count 8"),
+                                (7, (8, 64, 32), r"tensor blk\.0\.ffn_gate\.7\.weight missing"),
+                                (8, (8, 64, 16), r"tensor blk\.0\.ffn_down\.0\.weight has shape \[64, 16\]")):
+        write_moe(path, arch="llama", width=None, legacy=legacy, down=down)
+        with pytest.raises(WeightsError, match=f"^{path}: {match}"):
+            config_of(path)
