@@ -1,6 +1,7 @@
 """Stage shipping to an empty worker (issue 30), on real processes and real gRPC on loopback: the demo's 2-stage
 build's stage 1 shipped to a ``fleet-worker`` started with neither --shard nor --model (and --secret), loaded, and
-its Forward compared with a static ``--shard 1`` worker's; a transfer cut midway resumes and sends only the rest;
+its Forward compared with a static ``--shard 1`` worker's, and a coordinator given it by --peer before it was
+loaded uses it once it is, answering as over the static worker; a transfer cut midway resumes and sends only the rest;
 a wrong hash is refused and nothing is loaded; a restarted worker loads from its cache with nothing sent.
 
 Workers run with --no-announce: other tests on this machine must not find them."""
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ from fleet_common.manifest import load_manifest
 from fleet_common.security import Security, open_channel
 from fleet_common.shipping import CHUNK_BYTES, ShippingError, load_stage, ship_stage
 from fleet_common.wire import from_tensor, to_tensor
-from tests.conftest import EXACT_WORKER, start_worker
+from tests.conftest import EXACT_WORKER, chat, start_coordinator, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +33,16 @@ SECRET = "fleet shipping test secret 41d7"
 CUT_PIECES = 5  # pieces of CHUNK_BYTES sent before the transfer is cut
 
 
-def start_empty(log_dir: Path, stages: Path, secret: Path) -> tuple[harness.Proc, str]:
-    """``fleet-worker`` with neither --shard nor --model (f32, one thread, --secret); it and its address."""
-    proc = harness.spawn([*harness.tool("fleet-worker"), "--port", "0", "--no-announce", "--stages-dir", str(stages),
-                          "--secret", str(secret), *EXACT_WORKER], log_dir / f"empty-{time.monotonic_ns()}.log")
-    try:
-        return proc, proc.wait_for(r"worker ready: empty .* serving on ([\d.]+:\d+)", 120).group(1)
-    except BaseException:
-        proc.stop()
-        raise
+def spawn_worker(log: Path, stack: ExitStack, *args: str) -> harness.Proc:
+    """``fleet-worker ARGS`` (f32, one thread, --no-announce, a free port), stopped when ``stack`` closes."""
+    return harness.spawn([*harness.tool("fleet-worker"), "--port", "0", "--no-announce", *EXACT_WORKER, *args], log,
+                         stack)
+
+
+def serving(proc: harness.Proc, empty: bool = False) -> str:
+    """The address ``proc`` serves on once ready (an empty worker's: once ready as empty)."""
+    return proc.wait_for(r"worker ready: empty .* serving on ([\d.]+:\d+)" if empty else r"serving on ([\d.]+:\d+)",
+                         120).group(1)
 
 
 async def rpc_error(awaitable) -> grpc.aio.AioRpcError:  # noqa: ANN001
@@ -136,9 +139,8 @@ async def refused_calls(address: str, build: Path, security: Security) -> None:
 def test_ship_resume_load_and_restart(build_2, tmp_path):
     (tmp_path / "secret").write_text(SECRET)
     security = Security.load(tmp_path / "secret")
-    stages = tmp_path / "stages"
-    static, static_address = start_worker(build_2, 1, tmp_path, "--no-announce", "--secret", str(tmp_path / "secret"))
-    empty, address = start_empty(tmp_path, stages, tmp_path / "secret")
+    secret = ("--secret", str(tmp_path / "secret"))
+    empty_args = ("--stages-dir", str(tmp_path / "stages"), *secret)
     loaded = load_manifest(build_2)
     files = [loaded.manifest.stages[1].xml, loaded.manifest.stages[1].bin]
     total = sum((build_2 / f).stat().st_size for f in files)
@@ -179,12 +181,29 @@ def test_ship_resume_load_and_restart(build_2, tmp_path):
         reference = await last_stage_top(static_address, security, loaded.sha256, hidden)
         np.testing.assert_array_equal(shipped[1], reference[1])
 
-    try:
+    with ExitStack() as stack:  # the three workers start side by side
+        static = spawn_worker(tmp_path / "static1.log", stack, "--shard", "1", "--model", str(build_2), *secret)
+        stage0 = spawn_worker(tmp_path / "static0.log", stack, "--shard", "0", "--model", str(build_2), *secret)
+        empty = spawn_worker(tmp_path / "empty.log", stack, *empty_args)
+        static_address, stage0_address, address = serving(static), serving(stage0), serving(empty, empty=True)
+        coordinators = []
+        for i, peer in enumerate((address, static_address)):  # the shipped worker, then the static one
+            (tmp_path / f"c{i}").mkdir()
+            coordinators.append(start_coordinator(build_2, tmp_path / f"c{i}", "--no-discover", "--peer",
+                                                  stage0_address, "--peer", peer, *secret))
+            stack.callback(coordinators[-1][0].stop)
+        assert httpx.get(f"{coordinators[0][1]}/health", timeout=10).status_code != 200  # stage 1: empty
         asyncio.run(first_run())
+        answers = []
+        for proc, url in coordinators:
+            wait_ready(url, 60, proc)  # the shipped worker joined by itself once loaded
+            r = chat(url, "Name three colours.", max_tokens=8, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["fleet"]["completion_token_ids"])
+        assert answers[0] == answers[1] and len(answers[0]) == 8
+        assert "is empty" in coordinators[0][0].text()  # the coordinator said why it did not use it before
         empty.stop()
-        empty, address = start_empty(tmp_path, stages, tmp_path / "secret")
-        assert "(cached)" in empty.text()  # the speed figure was not measured again
-        asyncio.run(after_restart(address))
-    finally:
-        empty.stop()
-        static.stop()
+        restarted = spawn_worker(tmp_path / "restarted.log", stack, *empty_args)
+        restarted_address = serving(restarted, empty=True)
+        assert "(cached)" in restarted.text()  # the speed figure was not measured again
+        asyncio.run(after_restart(restarted_address))
