@@ -16,6 +16,13 @@ configurations per model). NNCF compresses each stage on its own, so a stage tha
 keeps its last linear layer (a decoder layer's MLP down projection) at int8: a sharded int4 build
 is very slightly larger and more precise than the same model compressed whole.
 
+The builder does not hand NNCF the whole stage (its f32 temporaries of every weight peaked at ~6x the
+int4 stage): int8 and int4 are written tensor by tensor with NNCF's own lowering (``int8_rows``,
+``int4_rows``), each weight's precision picked as ``compress_weights`` picks it (``int4_plan``; below
+ratio 1.0 from ``sensitivity``'s scores), byte for byte NNCF's result on the whole stage
+(tests/unit/test_int8_builder.py, tests/unit/test_int4_builder.py). ``compress`` (NNCF on the whole
+stage) is left for int4 stages with Mixture-of-Experts layers.
+
 Defaults per size class (``SIZE_CLASSES``), by the model's parameter count, for int4 (int8 is
 per-channel asymmetric at every size, measured +0.16% perplexity on the demo against +0.50%
 symmetric): under 1B parameters, asymmetric, group 32, 80% of the layers at 4 bit. Measured on the
