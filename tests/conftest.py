@@ -209,6 +209,31 @@ def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS
 # ---------------------------------------------------------------- where the suite's time goes
 
 _FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests]
+_START: dict[str, object] = {}
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat (Linux; zeros elsewhere):
+    busy is user + nice + system + irq + softirq, steal the time a hypervisor gave to other guests."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / tick, fields[7] / tick
+
+
+def _suite_cpu() -> float:
+    """CPU seconds of this pytest process and of the children it has reaped (workers, coordinators, builds)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note the wall clock and the machine's CPU counters, for the summary's CPU line."""
+    _START.update(wall=time.monotonic(), machine=_machine_cpu(), suite=_suite_cpu())
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -220,12 +245,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
-    """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only),
-    with the machine's load average at the end: where the suite's time goes, and whether it ran alone."""
+    """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only), then
+    the suite's CPU beside the whole machine's: where the suite's time goes, and whether it ran alone."""
     if not _FILE_SECONDS:
         return
     terminalreporter.section("slowest test files (setup + call + teardown)")
     for path, (seconds, tests) in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][0])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s {tests:4d} tests  {path}")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    terminalreporter.write_line(f"load average at the end: {load}")
+    wall = time.monotonic() - _START["wall"]
+    busy, steal = (now - then for now, then in zip(_machine_cpu(), _START["machine"]))
+    suite = _suite_cpu() - _START["suite"]
+    terminalreporter.write_line(
+        f"wall {wall:.0f} s on {os.cpu_count()} cores; CPU: this suite {suite:.0f} s, the whole machine {busy:.0f} s "
+        f"(so {max(0.0, busy - suite):.0f} s by other processes, or by children not yet reaped), stolen by the "
+        f"hypervisor {steal:.0f} s; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
