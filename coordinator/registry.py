@@ -82,6 +82,24 @@ class Registry:
             log.info("worker candidate %s (%s)", address, source)
         self._spawn(self._check(address))
 
+    def _refusal(self, address: str, info: pb.InfoReply) -> str | None:
+        """Why the worker at ``address`` answering ``info`` cannot serve this coordinator's build, or None."""
+        refused = None
+        if info.protocol_version != PROTOCOL_VERSION:
+            refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
+                       f"coordinator speaks {PROTOCOL_VERSION}")
+        elif info.empty:  # an empty worker (issue 30): joins once a stage of this build is shipped to it and loaded
+            refused = (f"worker {address} is empty ({info.memory_available_bytes / 2**30:.1f} GiB available, "
+                       f"{info.device}, {info.ms_per_gb:.1f} ms per GB): not used until a stage of this build is "
+                       "shipped to it and loaded (fleet_common/shipping.py; this coordinator does not ship yet)")
+        elif info.manifest_sha256 != self.loaded.sha256:
+            refused = (f"refusing worker {address} (stage {info.stage}, model {info.model_id!r}): its manifest "
+                       f"{info.manifest_sha256[:12]} differs from the coordinator's {self.loaded.sha256[:12]} "
+                       f"({self.loaded.manifest.model_id!r})")
+        elif info.stage >= self.num_stages:
+            refused = f"refusing worker {address}: stage {info.stage} outside 0..{self.num_stages - 1}"
+        return refused
+
     async def _check(self, address: str) -> None:
         state = self.workers.get(address)
         if state is None:
@@ -128,20 +146,7 @@ class Registry:
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
         if gap > self.missed_limit * self.health_interval_s + 1.0 and self.on_lease_gap is not None:
             self.on_lease_gap(address, gap)  # this coordinator stood still: the worker may have freed its sessions
-        refused = None
-        if info.protocol_version != PROTOCOL_VERSION:
-            refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
-                       f"coordinator speaks {PROTOCOL_VERSION}")
-        elif info.empty:  # an empty worker (issue 30): joins once a stage of this build is shipped to it and loaded
-            refused = (f"worker {address} is empty ({info.memory_available_bytes / 2**30:.1f} GiB available, "
-                       f"{info.device}, {info.ms_per_gb:.1f} ms per GB): not used until a stage of this build is "
-                       "shipped to it and loaded (fleet_common/shipping.py; this coordinator does not ship yet)")
-        elif info.manifest_sha256 != self.loaded.sha256:
-            refused = (f"refusing worker {address} (stage {info.stage}, model {info.model_id!r}): its manifest "
-                       f"{info.manifest_sha256[:12]} differs from the coordinator's {self.loaded.sha256[:12]} "
-                       f"({self.loaded.manifest.model_id!r})")
-        elif info.stage >= self.num_stages:
-            refused = f"refusing worker {address}: stage {info.stage} outside 0..{self.num_stages - 1}"
+        refused = self._refusal(address, info)
         if refused != state.refused:
             if refused:  # a worker of another fleet on the LAN is no error; a --peer named by hand is
                 log.log(logging.ERROR if state.source == "peer" else logging.WARNING, "%s", refused)
