@@ -2,7 +2,8 @@
 token ids, and fleet's built-in templates (compiler/chat_templates.py) write what llama.cpp's built-ins write.
 
 The vendors' templates are llama.cpp's copies (``models/templates/*.jinja`` of ggml-org/llama.cpp, as vendored by
-the llama-cpp-python 0.3.36 sdist on PyPI), kept in ``tests/unit/chat_templates``: Qwen3-0.6B (thinking on and
+the llama-cpp-python 0.3.36 sdist on PyPI; fetched by the ``vendor`` fixture, never kept in the repository, as
+llama.cpp itself is not): Qwen3-0.6B (thinking on and
 off, tools), Qwen2.5-7B-Instruct, Llama 3.1 and 3.2 (tools), Mistral-Nemo-Instruct-2407 (tools), Phi-3.5-mini and
 Gemma 2 (gemma turns; that sdist has no Gemma 3 template). Each conversation is rendered by both and tokenized
 by one tokenizer holding every family's special tokens (a byte-level BPE trained here), so that a difference in
@@ -28,7 +29,42 @@ from coordinator.tokenizer import ChatTokenizer
 
 from .test_gguf_tokenizer import CORPUS
 
-VENDOR = Path(__file__).parent / "chat_templates"
+
+
+@pytest.fixture(scope="module")
+def vendor() -> Path:
+    """A folder of llama.cpp's copies of the vendors' templates (``models/templates/*.jinja``), taken from the
+    llama.cpp tree vendored in the llama-cpp-python sdist (PyPI: ``harness.LLAMA_CPP_PYTHON``): the tree
+    ``bench/build_llama_cpp.sh`` unpacked when it is there, else the templates alone extracted from a
+    ``pip download`` of the sdist into the tests' model folder (76 MB once; kept between runs)."""
+    from bench.harness import LLAMA_CPP_BIN, LLAMA_CPP_PYTHON, TEST_MODELS
+
+    unpacked = LLAMA_CPP_BIN.parents[1] / f"src-{LLAMA_CPP_PYTHON}" / "models" / "templates"
+    if all((unpacked / f"{name}.jinja").is_file() for name in FAMILIES):
+        return unpacked
+    out = TEST_MODELS / f"llama.cpp-templates-{LLAMA_CPP_PYTHON}"
+    if all((out / f"{name}.jinja").is_file() for name in FAMILIES):
+        return out
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=TEST_MODELS) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-binary",
+                        ":all:", "--no-deps", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True,
+                       timeout=600)
+        part = Path(tmp) / "part"
+        part.mkdir()
+        with tarfile.open(Path(tmp) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as sdist:
+            for member in sdist.getmembers():
+                path = Path(member.name)
+                if member.isfile() and path.parent.parts[-4:] == ("vendor", "llama.cpp", "models", "templates") \
+                        and path.suffix == ".jinja":
+                    (part / path.name).write_bytes(sdist.extractfile(member).read())
+        part.rename(out)  # whole or not at all
+    return out
+
 SPECIALS = sorted({m for _, markers in MARKERS for m in markers} | {
     "<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|python_tag|>", "<|endoftext|>", "<think>",
     "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<bos>", "<eos>", "<s>",
@@ -136,9 +172,9 @@ def transformers_ids(folder: Path, messages: list[dict], **variables: object) ->
 
 @pytest.mark.parametrize(("name", "kind", "variables"), CASES,
                          ids=[f"{n}-{k}-{'-'.join(f'{a}={b}' for a, b in v.items())}" for n, k, v in CASES])
-def test_vendor_templates_render_as_transformers_does(name, kind, variables, tokenizer_json, tmp_path):
+def test_vendor_templates_render_as_transformers_does(name, kind, variables, tokenizer_json, tmp_path, vendor):
     bos, eos = FAMILIES[name]
-    folder = model_folder(tmp_path / "m", tokenizer_json, (VENDOR / f"{name}.jinja").read_text(), bos, eos)
+    folder = model_folder(tmp_path / "m", tokenizer_json, (vendor / f"{name}.jinja").read_text(), bos, eos)
     messages = conversation(kind)
     tools = {"tools": TOOLS} if kind == "tools" else {}
     chat = ChatTokenizer(folder)
@@ -182,12 +218,12 @@ def test_builtin_template_is_chosen_by_the_vocabulary_s_markers():
     assert builtin_template(list(base), add_bos=True) is None
 
 
-def test_a_folder_transformers_saved_renders_its_chat_template_jinja(tokenizer_json, tmp_path):
+def test_a_folder_transformers_saved_renders_its_chat_template_jinja(tokenizer_json, tmp_path, vendor):
     """transformers' save_pretrained writes the template to chat_template.jinja, not tokenizer_config.json; an
     older config names its tokens as AddedToken objects and keeps named templates in a list."""
     from transformers import PreTrainedTokenizerFast
 
-    template = (VENDOR / "Qwen-Qwen3-0.6B.jinja").read_text()
+    template = (vendor / "Qwen-Qwen3-0.6B.jinja").read_text()
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token="<|endoftext|>",
                                   eos_token="<|im_end|>")
     tok.chat_template = template
