@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -70,6 +71,24 @@ def stage_files(manifest: Manifest, stage: int) -> list[str]:
     return [entry.xml, entry.bin]
 
 
+def check_stage_paths(manifest: Manifest) -> None:
+    """Check that every stage's ``.xml`` and ``.bin`` is a path inside the build (``safe_relative``) that the
+    manifest's ``files`` lists with a sha256 (64 lowercase hex digits). Raises ``StageCacheError`` naming the
+    stage and the path."""
+    for entry in manifest.stages:
+        for path in (entry.xml, entry.bin):
+            if not isinstance(path, str):
+                raise StageCacheError(f"stage {entry.index}: file {path!r} is not a path")
+            try:
+                safe_relative(path)
+            except StageCacheError as exc:
+                raise StageCacheError(f"stage {entry.index}: {exc}") from None
+            digest = manifest.files.get(path)
+            if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise StageCacheError(f"stage {entry.index}: {path} has no sha256 in the manifest's files "
+                                      f"(found {str(digest)[:80]!r})")
+
+
 @dataclass(frozen=True)
 class Held:
     """What the cache holds of one file: ``bytes`` (all of it when ``complete``, else its partial file's)."""
@@ -89,7 +108,7 @@ class StageCache:
         # read back whole at its end; a resumed file's bytes held are hashed once first (``_running``)
         self._digests: dict[Path, tuple[int, object]] = {}
 
-    def _running(self, part: Path, offset: int):  # noqa: ANN202 - a hashlib sha256 object
+    def _running(self, part: Path, offset: int):
         """The running sha256 of ``part``'s first ``offset`` bytes (made by reading them when none is kept)."""
         state = self._digests.pop(part, None)
         if state is not None and state[0] == offset:
@@ -130,19 +149,25 @@ class StageCache:
         try:
             identity = build_identity(data)
             raw = json.loads(data)
-            Manifest.from_json(data.decode())
-        except (ValueError, ManifestError) as exc:
+            check_stage_paths(Manifest.from_json(data.decode()))
+        except (ValueError, TypeError, AttributeError, ManifestError) as exc:  # JSON not an object: Type/AttributeError
             raise StageCacheError(f"the manifest sent is not a fleet manifest: {exc}") from None
         if identity != manifest_sha256:
             raise StageCacheError(f"the manifest sent has identity {identity[:12]}, not {manifest_sha256[:12]}")
         raw.pop("blobs", None)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / (MANIFEST_NAME + PART_SUFFIX)
-        with open(tmp, "w") as f:
-            f.write(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / MANIFEST_NAME)
+        # a temporary file of this call's own: two StageStatus calls storing the manifest at once each rename a whole one
+        fd, tmp = tempfile.mkstemp(prefix=MANIFEST_NAME + ".", suffix=PART_SUFFIX, dir=folder)
+        try:
+            with open(fd, "w") as f:
+                f.write(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, folder / MANIFEST_NAME)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return self.manifest(manifest_sha256, model_id)
 
     def _target(self, loaded: LoadedManifest, path: str) -> tuple[Path, str]:

@@ -5,14 +5,16 @@ one clear error (a real tmpfs of 1 MiB; skipped where it cannot be mounted)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fleet_common.manifest import Architecture, Manifest, StageEntry, build_identity
 from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError, safe_relative, stage_files
-
 
 UP = ".." + "/"  # (spelt so: tests/unit/test_layout.py reads a literal one as a path out of the repository)
 
@@ -39,7 +41,7 @@ def make_build(tmp_path, sizes=(1000, 300_000)):
         data = os.urandom(size)
         (src / "stage_1" / name).write_bytes(data)
         files[f"stage_1/{name}"] = hashlib.sha256(data).hexdigest()
-    files["stage_0/openvino_model.bin"] = "0" * 64
+    files["stage_0/openvino_model.xml"] = files["stage_0/openvino_model.bin"] = "0" * 64
     arch = Architecture("llama", 4, 64, 4, 2, 16, 100, 512)
     stages = (StageEntry(0, 0, 2, "stage_0/openvino_model.xml", "stage_0/openvino_model.bin"),
               StageEntry(1, 2, 4, "stage_1/openvino_model.xml", "stage_1/openvino_model.bin"))
@@ -144,3 +146,47 @@ def test_a_full_disk_is_one_clear_error_and_keeps_what_was_written(tmp_path):
         assert (held.bytes, held.complete) == (65_536, False)  # the piece that did not fit left nothing
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def _edited(data: bytes, edit) -> tuple[bytes, str]:
+    """The manifest ``data`` with ``edit(raw)`` applied, written as fleet-compiler writes it, and its identity."""
+    raw = json.loads(data)
+    edit(raw)
+    out = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode()
+    return out, build_identity(out)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda raw: raw["stages"][1].update(xml=5),
+    lambda raw: raw["stages"][1].update(xml=f"stage_1/{UP}{UP}x"),
+    lambda raw: raw["files"].update({"stage_1/openvino_model.bin": 5}),
+    lambda raw: raw["files"].pop("stage_1/openvino_model.xml"),
+])
+def test_a_manifest_whose_stage_files_cannot_be_stored_is_refused_before_it_is_kept(tmp_path, edit):
+    _, data, _ = make_build(tmp_path)
+    bad, sha = _edited(data, edit)
+    cache = StageCache(tmp_path / "cache")
+    with pytest.raises(StageCacheError, match="not a fleet manifest: stage 1"):
+        cache.put_manifest(sha, bad)
+    assert not (cache.root / sha).exists()  # nothing kept: a later StageStatus is refused the same way
+
+
+@pytest.mark.parametrize("data", [b"[]", b"null", b"5", b'"x"', b"not json", b"\xff\xfe"])
+def test_json_that_is_not_an_object_is_refused_by_name(tmp_path, data):
+    with pytest.raises(StageCacheError, match="not a fleet manifest"):  # was an AttributeError / TypeError: UNKNOWN
+        StageCache(tmp_path / "cache").put_manifest(hashlib.sha256(data).hexdigest(), data)
+
+
+def test_the_same_manifest_stored_by_many_calls_at_once(tmp_path):
+    _, data, sha = make_build(tmp_path)
+    for attempt in range(10):  # a shared manifest.json.part: a call renamed the file another call had renamed
+        cache = StageCache(tmp_path / f"cache{attempt}")
+        start = threading.Barrier(8)
+
+        def store(_: int, cache: StageCache = cache, start: threading.Barrier = start) -> str:
+            start.wait()
+            return cache.put_manifest(sha, data, "tiny").sha256
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(store, range(8))) == [sha] * 8
+        assert [p.name for p in (cache.root / sha).iterdir()] == ["manifest.json"]  # no temporary file left
