@@ -107,6 +107,10 @@ class StageCache:
         # partial file -> (bytes hashed, running sha256): each piece is hashed as it is written, so a file is not
         # read back whole at its end; a resumed file's bytes held are hashed once first (``_running``)
         self._digests: dict[Path, tuple[int, object]] = {}
+        # partial file -> the file's size its pieces gave: a piece giving another one is refused (a smaller size
+        # ending at that piece had the file checked, found wrong and deleted with every byte received); a restarted
+        # worker knows no size until the next piece
+        self._sizes: dict[Path, int] = {}
 
     def _running(self, part: Path, offset: int):
         """The running sha256 of ``part``'s first ``offset`` bytes (made by reading them when none is kept)."""
@@ -196,7 +200,8 @@ class StageCache:
         and finish it (``finish``). Returns whether the file is now complete. Raises ``StageCacheError``:
         an offset other than the bytes held (FAILED_PRECONDITION, naming both), data past ``size``, a file
         already complete, a full disk (RESOURCE_EXHAUSTED: the partial file keeps what was written before
-        this piece) and a wrong hash (DATA_LOSS: the file is deleted)."""
+        this piece), a ``size`` other than the one earlier pieces of the partial file gave (INVALID_ARGUMENT,
+        nothing written) and a wrong hash (DATA_LOSS: the file is deleted)."""
         final, _ = self._target(loaded, path)
         if final.is_file():
             raise StageCacheError(f"{path} is complete in the cache already", "FAILED_PRECONDITION")
@@ -206,6 +211,9 @@ class StageCache:
         part = final.with_name(final.name + PART_SUFFIX)
         part.parent.mkdir(parents=True, exist_ok=True)
         have = part.stat().st_size if part.is_file() else 0
+        if (known := self._sizes.get(part)) is not None and known != size and have:
+            raise StageCacheError(f"{path}: piece gives the file's size as {size:,} bytes, its earlier pieces "
+                                  f"{known:,}: refused, the {have:,} bytes held are kept")
         if offset != have:
             raise StageCacheError(f"{path}: piece at offset {offset}, but the cache holds {have} bytes of it: "
                                   f"resume at {have}", "FAILED_PRECONDITION")
@@ -228,6 +236,7 @@ class StageCache:
             os.close(fd)
         digest.update(data)
         self._digests[part] = (end, digest)
+        self._sizes[part] = size
         if end < size:
             return False
         self.finish(loaded, path)
@@ -244,6 +253,7 @@ class StageCache:
         finally:
             os.close(fd)
         state = self._digests.pop(part, None)
+        self._sizes.pop(part, None)
         actual = state[1].hexdigest() if state is not None and state[0] == part.stat().st_size else sha256_file(part)
         if actual != expected:
             part.unlink(missing_ok=True)

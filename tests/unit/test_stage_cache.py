@@ -190,3 +190,19 @@ def test_the_same_manifest_stored_by_many_calls_at_once(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(store, range(8))) == [sha] * 8
         assert [p.name for p in (cache.root / sha).iterdir()] == ["manifest.json"]  # no temporary file left
+
+
+def test_a_size_that_changes_between_pieces_is_refused_and_keeps_the_bytes_held(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    loaded = cache.put_manifest(sha, data)
+    rel = "stage_1/openvino_model.bin"
+    body = (src / rel).read_bytes()
+    assert not cache.write(loaded, rel, 0, body[:1000], len(body))
+    for offset, piece, size in ((1000, body[1000:2000], 2000), (1000, b"", 1000), (1000, body[1000:2000], len(body) + 1)):
+        with pytest.raises(StageCacheError, match=f"size as {size:,} bytes, its earlier pieces {len(body):,}") as refused:
+            cache.write(loaded, rel, offset, piece, size)  # 2000 ended the file there: checked, wrong, deleted
+        assert refused.value.code == "INVALID_ARGUMENT"
+        assert cache.held(loaded, rel).bytes == 1000
+    assert cache.write(loaded, rel, 1000, body[1000:], len(body))
+    assert (loaded.directory / rel).read_bytes() == body
