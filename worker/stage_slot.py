@@ -30,6 +30,7 @@ from .stage_cache import StageCache, StageCacheError, stage_files
 
 log = logging.getLogger(__name__)
 
+PIECE_TIMEOUT_S = 60.0  # a PutStage that sends no piece for this long is ended (its files freed for another sender)
 EMPTY = "this worker serves no stage yet (an empty worker): ship it a stage (StageStore.PutStage) and LoadStage it"
 
 
@@ -96,6 +97,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         self.cache, self.slot, self.load = cache, slot, load
         self._loading = asyncio.Lock()
         self._writing: set[str] = set()  # files a PutStage is writing now: one writer per file
+        self.piece_timeout_s = PIECE_TIMEOUT_S
         self.loaded: tuple[str, int] | None = None  # (manifest sha256, stage) served
 
     @staticmethod
@@ -121,12 +123,22 @@ class StageStoreService(pb_grpc.StageStoreServicer):
 
     async def PutStage(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutStageReply:
         """Write the pieces streamed, each at the offset the cache holds; a file is checked and put in place
-        at its last piece. A cut stream leaves each file's partial file as received (resumable)."""
+        at its last piece. A cut stream leaves each file's partial file as received (resumable); one silent for
+        ``piece_timeout_s`` (``PIECE_TIMEOUT_S``) is ended with DEADLINE_EXCEEDED."""
         written, completed, mine = 0, [], set()
         loaded: LoadedManifest | None = None
         pending: asyncio.Future | None = None
         try:
-            async for chunk in request_iterator:
+            pieces = request_iterator.__aiter__()
+            while True:
+                try:  # a sender gone silent (no deadline, link alive) would hold its files from every other sender
+                    chunk = await asyncio.wait_for(pieces.__anext__(), self.piece_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise StageCacheError(f"no piece for {self.piece_timeout_s:g} s: PutStage ended, its files may be "
+                                          "written again (resume at the bytes StageStatus gives)",
+                                          "DEADLINE_EXCEEDED") from None
                 if isinstance(chunk, Malformed):
                     raise StageCacheError(f"malformed piece: {chunk.error}")
                 if loaded is None or loaded.sha256 != chunk.manifest_sha256:

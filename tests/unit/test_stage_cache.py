@@ -4,6 +4,7 @@ one clear error (a real tmpfs of 1 MiB; skipped where it cannot be mounted)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -11,10 +12,18 @@ import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.discovery import Capacity
 from fleet_common.manifest import Architecture, Manifest, StageEntry, build_identity
+from fleet_common.security import Security, open_channel, open_server
+from fleet_common.shipping import ship_stage
+from fleet_common.wire import add_servicer
 from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError, safe_relative, stage_files
+from worker.stage_slot import StageSlot, StageStoreService
 
 UP = ".." + "/"  # (spelt so: tests/unit/test_layout.py reads a literal one as a path out of the repository)
 
@@ -206,3 +215,48 @@ def test_a_size_that_changes_between_pieces_is_refused_and_keeps_the_bytes_held(
         assert cache.held(loaded, rel).bytes == 1000
     assert cache.write(loaded, rel, 1000, body[1000:], len(body))
     assert (loaded.directory / rel).read_bytes() == body
+
+
+async def _not_loaded(loaded, stage):
+    raise AssertionError("LoadStage was not called")
+
+
+async def _serve_store(cache_root, piece_timeout_s: float = 60.0):
+    """A real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``: (server, address)."""
+    store = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), _not_loaded)
+    store.piece_timeout_s = piece_timeout_s
+    server, port = open_server("127.0.0.1:0", Security())
+    add_servicer(pb_grpc.add_StageStoreServicer_to_server, store, server)
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_silent_put_stage_is_ended_and_frees_its_file_for_another_sender(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    rel = "stage_1/openvino_model.bin"
+    body = (src / rel).read_bytes()
+
+    async def run() -> None:
+        server, address = await _serve_store(tmp_path / "cache", piece_timeout_s=1.0)
+        try:
+            async with open_channel(address, Security()) as channel:
+                stub = pb_grpc.StageStoreStub(channel)
+                await stub.StageStatus(pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data,
+                                                             stage=1), timeout=10)
+
+                async def silent():
+                    yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
+                    await asyncio.sleep(3600)
+
+                stalled = stub.PutStage(silent())  # no deadline
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(stalled, 10)
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no piece for 1 s" in ended.value.details()
+                report = await ship_stage(channel, src, 1)  # was ABORTED 'being written by another PutStage', forever
+                assert report.held_bytes == 1000 and sorted(report.completed) == sorted(stage_files(
+                    StageCache(tmp_path / "cache").manifest(sha).manifest, 1))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+
