@@ -74,6 +74,8 @@ async def _pieces(path: Path, rel: str, model_id: str, sha: str, offset: int, si
     loop: a read from disk can take milliseconds)."""
     f = await asyncio.to_thread(open, path, "rb")
     try:
+        if size == 0:  # a file of 0 bytes is one empty piece (the worker checks and puts a file in place at its last)
+            yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=0, data=b"", size=0)
         while offset < size:
             data = await asyncio.to_thread(os.pread, f.fileno(), min(chunk_bytes, size - offset), offset)
             if not data:

@@ -260,3 +260,19 @@ def test_a_silent_put_stage_is_ended_and_frees_its_file_for_another_sender(tmp_p
 
     asyncio.run(run())
 
+
+
+def test_a_file_of_0_bytes_is_shipped(tmp_path):
+    src, _, sha = make_build(tmp_path, sizes=(0, 1000))
+
+    async def run() -> None:
+        server, address = await _serve_store(tmp_path / "cache")
+        try:
+            async with open_channel(address, Security()) as channel:
+                report = await ship_stage(channel, src, 1)  # its sender sent no piece of it: never complete
+                assert sorted(report.completed) == ["stage_1/openvino_model.bin", "stage_1/openvino_model.xml"]
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    assert (tmp_path / "cache" / sha / "stage_1/openvino_model.xml").read_bytes() == b""
