@@ -30,6 +30,7 @@ from .stage_cache import StageCache, StageCacheError, stage_files
 
 log = logging.getLogger(__name__)
 
+MAX_PUTS = 4  # PutStage calls at once: each holds up to a few pieces of up to 64 MiB (the gRPC message cap)
 PIECE_TIMEOUT_S = 60.0  # a PutStage that sends no piece for this long is ended (its files freed for another sender)
 EMPTY = "this worker serves no stage yet (an empty worker): ship it a stage (StageStore.PutStage) and LoadStage it"
 
@@ -97,7 +98,8 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         self.cache, self.slot, self.load = cache, slot, load
         self._loading = asyncio.Lock()
         self._writing: set[str] = set()  # files a PutStage is writing now: one writer per file
-        self.piece_timeout_s = PIECE_TIMEOUT_S
+        self.piece_timeout_s, self.max_puts = PIECE_TIMEOUT_S, MAX_PUTS
+        self._puts = 0  # PutStage calls running
         self.loaded: tuple[str, int] | None = None  # (manifest sha256, stage) served
 
     @staticmethod
@@ -124,7 +126,13 @@ class StageStoreService(pb_grpc.StageStoreServicer):
     async def PutStage(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutStageReply:
         """Write the pieces streamed, each at the offset the cache holds; a file is checked and put in place
         at its last piece. A cut stream leaves each file's partial file as received (resumable); one silent for
-        ``piece_timeout_s`` (``PIECE_TIMEOUT_S``) is ended with DEADLINE_EXCEEDED."""
+        ``piece_timeout_s`` (``PIECE_TIMEOUT_S``) is ended with DEADLINE_EXCEEDED. Past ``max_puts`` calls at
+        once (``MAX_PUTS``) a call is refused with RESOURCE_EXHAUSTED before it reads a piece (memory stays bounded)."""
+        if self._puts >= self.max_puts:
+            await self._refuse(context, StageCacheError(
+                f"{self._puts} PutStage calls are running on this worker (at most {self.max_puts} at once, so that the "
+                "pieces they hold stay within bounded memory): retry when one has ended", "RESOURCE_EXHAUSTED"))
+        self._puts += 1
         written, completed, mine = 0, [], set()
         loaded: LoadedManifest | None = None
         pending: asyncio.Future | None = None
@@ -162,6 +170,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 pending.add_done_callback(functools.partial(self._release, frozenset(mine)))
             else:
                 self._writing -= mine
+            self._puts -= 1
             if written:
                 log.info("stage store: %d bytes received, %d file(s) complete", written, len(completed))
         return pb.PutStageReply(bytes_written=written, completed=completed)

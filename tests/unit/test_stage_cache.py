@@ -20,7 +20,7 @@ from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.manifest import Architecture, Manifest, StageEntry, build_identity
 from fleet_common.security import Security, open_channel, open_server
-from fleet_common.shipping import ship_stage
+from fleet_common.shipping import ShippingError, ship_stage
 from fleet_common.wire import add_servicer
 from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError, safe_relative, stage_files
 from worker.stage_slot import StageSlot, StageStoreService
@@ -221,10 +221,10 @@ async def _not_loaded(loaded, stage):
     raise AssertionError("LoadStage was not called")
 
 
-async def _serve_store(cache_root, piece_timeout_s: float = 60.0):
+async def _serve_store(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4):
     """A real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``: (server, address)."""
     store = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), _not_loaded)
-    store.piece_timeout_s = piece_timeout_s
+    store.piece_timeout_s, store.max_puts = piece_timeout_s, max_puts
     server, port = open_server("127.0.0.1:0", Security())
     add_servicer(pb_grpc.add_StageStoreServicer_to_server, store, server)
     await server.start()
@@ -276,3 +276,44 @@ def test_a_file_of_0_bytes_is_shipped(tmp_path):
 
     asyncio.run(run())
     assert (tmp_path / "cache" / sha / "stage_1/openvino_model.xml").read_bytes() == b""
+
+
+def test_put_stage_calls_past_the_limit_are_refused_before_they_read(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    rel = "stage_1/openvino_model.bin"
+    body = (src / rel).read_bytes()
+
+    async def run() -> None:
+        server, address = await _serve_store(tmp_path / "cache", max_puts=1)
+        try:
+            async with open_channel(address, Security()) as channel:
+                stub = pb_grpc.StageStoreStub(channel)
+                request = pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data, stage=1)
+                await stub.StageStatus(request, timeout=10)
+
+                async def one_then_silent():
+                    yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
+                    await asyncio.sleep(3600)
+
+                first = stub.PutStage(one_then_silent(), timeout=30)
+                while (await stub.StageStatus(request, timeout=10)).files[1].bytes < 1000:
+                    await asyncio.sleep(0.02)
+                xml = (src / "stage_1/openvino_model.xml").read_bytes()  # another file: only the limit refuses it
+                with pytest.raises(grpc.aio.AioRpcError) as refused:  # 8 senders of 64 MiB pieces held 1.4 GB at once
+                    await stub.PutStage(iter([pb.StageChunk(model_id="tiny", manifest_sha256=sha, data=xml,
+                                                            path="stage_1/openvino_model.xml", size=len(xml))]), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "at most 1 at once" in refused.value.details()
+                first.cancel()
+                for _ in range(100):  # the cut call ends on the worker: the next one is taken
+                    try:
+                        report = await ship_stage(channel, src, 1)
+                        break
+                    except ShippingError as exc:
+                        assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                        await asyncio.sleep(0.05)
+                assert report.held_bytes == 1000 and len(report.completed) == 2
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
