@@ -16,6 +16,7 @@ checked again before it is loaded: ``verify_stage``).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -71,11 +72,28 @@ def stage_files(manifest: Manifest, stage: int) -> list[str]:
     return [entry.xml, entry.bin]
 
 
+_TYPES = {"int": int, "str": str, "dict": dict}
+
+
+def _check_fields(what: str, value: object) -> None:
+    """Each field of the dataclass ``value`` of the type its annotation names (ints >= 0, not bools)."""
+    for f in dataclasses.fields(value):
+        got, kind = getattr(value, f.name), _TYPES.get(f.type)
+        if kind is not None and (not isinstance(got, kind) or (kind is int and (isinstance(got, bool) or got < 0))):
+            raise StageCacheError(f"{what}: {f.name} is {str(got)[:80]!r}, not {'an int >= 0' if kind is int else 'a ' + f.type}")
+
+
 def check_stage_paths(manifest: Manifest) -> None:
-    """Check that every stage's ``.xml`` and ``.bin`` is a path inside the build (``safe_relative``) that the
-    manifest's ``files`` lists with a sha256 (64 lowercase hex digits). Raises ``StageCacheError`` naming the
-    stage and the path."""
-    for entry in manifest.stages:
+    """Check the manifest's architecture and stages as a worker reads them: fields of their types, stage ``i``
+    of index ``i`` and layers ``start <= end <= num_layers``, and each stage's ``.xml`` and ``.bin`` a path inside
+    the build (``safe_relative``) that the manifest's ``files`` lists with a sha256 (64 lowercase hex digits).
+    Raises ``StageCacheError`` naming the stage, the field or the path."""
+    _check_fields("architecture", manifest.architecture)
+    for i, entry in enumerate(manifest.stages):
+        _check_fields(f"stage {i}", entry)
+        if entry.index != i or not entry.start <= entry.end <= manifest.architecture.num_layers:
+            raise StageCacheError(f"stage {i}: index {entry.index}, layers [{entry.start}, {entry.end}) of "
+                                  f"{manifest.architecture.num_layers}")
         for path in (entry.xml, entry.bin):
             if not isinstance(path, str):
                 raise StageCacheError(f"stage {entry.index}: file {path!r} is not a path")

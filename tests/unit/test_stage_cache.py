@@ -170,12 +170,17 @@ def _edited(data: bytes, edit) -> tuple[bytes, str]:
     lambda raw: raw["stages"][1].update(xml=f"stage_1/{UP}{UP}x"),
     lambda raw: raw["files"].update({"stage_1/openvino_model.bin": 5}),
     lambda raw: raw["files"].pop("stage_1/openvino_model.xml"),
+    lambda raw: raw["stages"][1].update(start="a"),  # was an UNKNOWN TypeError at LoadStage, once shipped
+    lambda raw: raw["stages"][1].update(end=99),
+    lambda raw: raw["stages"][1].update(index=5),
+    lambda raw: raw["architecture"].update(max_context="x"),  # was loaded: a worker serving max_context 'x'
+    lambda raw: raw["architecture"].update(num_layers=True),
 ])
 def test_a_manifest_whose_stage_files_cannot_be_stored_is_refused_before_it_is_kept(tmp_path, edit):
     _, data, _ = make_build(tmp_path)
     bad, sha = _edited(data, edit)
     cache = StageCache(tmp_path / "cache")
-    with pytest.raises(StageCacheError, match="not a fleet manifest: stage 1"):
+    with pytest.raises(StageCacheError, match="not a fleet manifest: (stage 1|architecture)"):
         cache.put_manifest(sha, bad)
     assert not (cache.root / sha).exists()  # nothing kept: a later StageStatus is refused the same way
 
