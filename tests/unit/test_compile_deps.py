@@ -65,28 +65,31 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def tiny_llama(folder: Path) -> Path:
-    """A 2-layer random Llama written with numpy alone (config.json + model.safetensors + tokenizer.json)."""
+def tiny_llama(folder: Path, hidden: int = 32, intermediate: int = 64, vocab: int = 100, kv_rows: int = 16,
+               tied: bool = False, std: float = 0.1, seed: int = 0) -> Path:
+    """A 2-layer random Llama written with numpy alone (config.json + model.safetensors + tokenizer.json): 4
+    heads, 2 KV heads of ``kv_rows // 2``, N(0, ``std``) f32 weights, the head tied to the embedding if ``tied``."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models
 
-    h, i, v, layers = 32, 64, 100, 2
-    rng = np.random.default_rng(0)
-    tensors = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    h, i, v, layers = hidden, intermediate, vocab, 2
+    rng = np.random.default_rng(seed)
+    tensors = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)} | ({} if tied else
+                                                                                  {"lm_head.weight": (v, h)})
     for n in range(layers):
         p = f"model.layers.{n}."
         tensors |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (16, h),
-                    p + "self_attn.v_proj.weight": (16, h), p + "self_attn.o_proj.weight": (h, h),
+                    p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv_rows, h),
+                    p + "self_attn.v_proj.weight": (kv_rows, h), p + "self_attn.o_proj.weight": (h, h),
                     p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                     p + "mlp.down_proj.weight": (h, i)}
     folder.mkdir(parents=True)
-    save_file({k: (rng.standard_normal(s) * 0.1).astype(np.float32) for k, s in tensors.items()},
+    save_file({k: (rng.standard_normal(s) * std).astype(np.float32) for k, s in tensors.items()},
               str(folder / "model.safetensors"))
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
               "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": v, "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
-              "tie_word_embeddings": False, "eos_token_id": 2}
+              "tie_word_embeddings": tied, "eos_token_id": 2}
     (folder / "config.json").write_text(json.dumps(config))
     Tokenizer(models.WordLevel({f"w{n}": n for n in range(v)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
     return folder

@@ -9,12 +9,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import openvino as ov
 import pytest
 
 from compiler.build import build
 from compiler.compress import WeightSpec, compress
+
+from .test_compile_deps import tiny_llama
 
 PACKED = (ov.Type.u8, ov.Type.i8, ov.Type.u4, ov.Type.i4, ov.Type.f16)
 
@@ -25,30 +26,7 @@ def tiny_model(folder: Path, tied: bool) -> Path:
     divides it: at group 64 NNCF keeps such a matrix at its int8 backup; group 16 divides both, so the last
     MatMul's rule decides: the stage's last down projection at int8, or int4 when the last MatMul is the LM
     head tied to the embedding)."""
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models
-
-    h, i, v, layers = 96, 272, 300, 2
-    rng = np.random.default_rng(1)
-    tensors = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)} | ({} if tied else
-                                                                                  {"lm_head.weight": (v, h)})
-    for n in range(layers):
-        p = f"model.layers.{n}."
-        tensors |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (48, h),
-                    p + "self_attn.v_proj.weight": (48, h), p + "self_attn.o_proj.weight": (h, h),
-                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i)}
-    folder.mkdir(parents=True)
-    save_file({k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in tensors.items()},
-              str(folder / "model.safetensors"))
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
-              "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": v, "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
-              "tie_word_embeddings": tied, "eos_token_id": 2}
-    (folder / "config.json").write_text(json.dumps(config))
-    Tokenizer(models.WordLevel({f"w{n}": n for n in range(v)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
-    return folder
+    return tiny_llama(folder, hidden=96, intermediate=272, vocab=300, kv_rows=48, tied=tied, std=0.05, seed=1)
 
 
 def _constants(model: ov.Model) -> dict[str, tuple[str, list[int], bytes]]:
