@@ -5,6 +5,7 @@ one clear error (a real tmpfs of 1 MiB; skipped where it cannot be mounted)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -226,14 +227,20 @@ async def _not_loaded(loaded, stage):
     raise AssertionError("LoadStage was not called")
 
 
-async def _serve_store(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4):
-    """A real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``: (server, address)."""
+@contextlib.asynccontextmanager
+async def _store_channel(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4):
+    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``;
+    the server stops on exit."""
     store = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), _not_loaded)
     store.piece_timeout_s, store.max_puts = piece_timeout_s, max_puts
     server, port = open_server("127.0.0.1:0", Security())
     add_servicer(pb_grpc.add_StageStoreServicer_to_server, store, server)
     await server.start()
-    return server, f"127.0.0.1:{port}"
+    try:
+        async with open_channel(f"127.0.0.1:{port}", Security()) as channel:
+            yield channel
+    finally:
+        await server.stop(None)
 
 
 def test_a_silent_put_stage_is_ended_and_frees_its_file_for_another_sender(tmp_path):
@@ -242,26 +249,22 @@ def test_a_silent_put_stage_is_ended_and_frees_its_file_for_another_sender(tmp_p
     body = (src / rel).read_bytes()
 
     async def run() -> None:
-        server, address = await _serve_store(tmp_path / "cache", piece_timeout_s=1.0)
-        try:
-            async with open_channel(address, Security()) as channel:
-                stub = pb_grpc.StageStoreStub(channel)
-                await stub.StageStatus(pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data,
-                                                             stage=1), timeout=10)
+        async with _store_channel(tmp_path / "cache", piece_timeout_s=1.0) as channel:
+            stub = pb_grpc.StageStoreStub(channel)
+            await stub.StageStatus(pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data,
+                                                         stage=1), timeout=10)
 
-                async def silent():
-                    yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
-                    await asyncio.sleep(3600)
+            async def silent():
+                yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
+                await asyncio.sleep(3600)
 
-                stalled = stub.PutStage(silent())  # no deadline
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
-                    await asyncio.wait_for(stalled, 10)
-                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no piece for 1 s" in ended.value.details()
-                report = await ship_stage(channel, src, 1)  # was ABORTED 'being written by another PutStage', forever
-                assert report.held_bytes == 1000 and sorted(report.completed) == sorted(stage_files(
-                    StageCache(tmp_path / "cache").manifest(sha).manifest, 1))
-        finally:
-            await server.stop(None)
+            stalled = stub.PutStage(silent())  # no deadline
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(stalled, 10)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no piece for 1 s" in ended.value.details()
+            report = await ship_stage(channel, src, 1)  # was ABORTED 'being written by another PutStage', forever
+            assert report.held_bytes == 1000 and sorted(report.completed) == sorted(stage_files(
+                StageCache(tmp_path / "cache").manifest(sha).manifest, 1))
 
     asyncio.run(run())
 
@@ -271,13 +274,9 @@ def test_a_file_of_0_bytes_is_shipped(tmp_path):
     src, _, sha = make_build(tmp_path, sizes=(0, 1000))
 
     async def run() -> None:
-        server, address = await _serve_store(tmp_path / "cache")
-        try:
-            async with open_channel(address, Security()) as channel:
-                report = await ship_stage(channel, src, 1)  # its sender sent no piece of it: never complete
-                assert sorted(report.completed) == ["stage_1/openvino_model.bin", "stage_1/openvino_model.xml"]
-        finally:
-            await server.stop(None)
+        async with _store_channel(tmp_path / "cache") as channel:
+            report = await ship_stage(channel, src, 1)  # its sender sent no piece of it: never complete
+            assert sorted(report.completed) == ["stage_1/openvino_model.bin", "stage_1/openvino_model.xml"]
 
     asyncio.run(run())
     assert (tmp_path / "cache" / sha / "stage_1/openvino_model.xml").read_bytes() == b""
@@ -289,36 +288,32 @@ def test_put_stage_calls_past_the_limit_are_refused_before_they_read(tmp_path):
     body = (src / rel).read_bytes()
 
     async def run() -> None:
-        server, address = await _serve_store(tmp_path / "cache", max_puts=1)
-        try:
-            async with open_channel(address, Security()) as channel:
-                stub = pb_grpc.StageStoreStub(channel)
-                request = pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data, stage=1)
-                await stub.StageStatus(request, timeout=10)
+        async with _store_channel(tmp_path / "cache", max_puts=1) as channel:
+            stub = pb_grpc.StageStoreStub(channel)
+            request = pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data, stage=1)
+            await stub.StageStatus(request, timeout=10)
 
-                async def one_then_silent():
-                    yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
-                    await asyncio.sleep(3600)
+            async def one_then_silent():
+                yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
+                await asyncio.sleep(3600)
 
-                first = stub.PutStage(one_then_silent(), timeout=30)
-                while (await stub.StageStatus(request, timeout=10)).files[1].bytes < 1000:
-                    await asyncio.sleep(0.02)
-                xml = (src / "stage_1/openvino_model.xml").read_bytes()  # another file: only the limit refuses it
-                with pytest.raises(grpc.aio.AioRpcError) as refused:  # 8 senders of 64 MiB pieces held 1.4 GB at once
-                    await stub.PutStage(iter([pb.StageChunk(model_id="tiny", manifest_sha256=sha, data=xml,
-                                                            path="stage_1/openvino_model.xml", size=len(xml))]), timeout=10)
-                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "at most 1 at once" in refused.value.details()
-                first.cancel()
-                for _ in range(100):  # the cut call ends on the worker: the next one is taken
-                    try:
-                        report = await ship_stage(channel, src, 1)
-                        break
-                    except ShippingError as exc:
-                        assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                        await asyncio.sleep(0.05)
-                assert report.held_bytes == 1000 and len(report.completed) == 2
-        finally:
-            await server.stop(None)
+            first = stub.PutStage(one_then_silent(), timeout=30)
+            while (await stub.StageStatus(request, timeout=10)).files[1].bytes < 1000:
+                await asyncio.sleep(0.02)
+            xml = (src / "stage_1/openvino_model.xml").read_bytes()  # another file: only the limit refuses it
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # 8 senders of 64 MiB pieces held 1.4 GB at once
+                await stub.PutStage(iter([pb.StageChunk(model_id="tiny", manifest_sha256=sha, data=xml,
+                                                        path="stage_1/openvino_model.xml", size=len(xml))]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 1 at once" in refused.value.details()
+            first.cancel()
+            for _ in range(100):  # the cut call ends on the worker: the next one is taken
+                try:
+                    report = await ship_stage(channel, src, 1)
+                    break
+                except ShippingError as exc:
+                    assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    await asyncio.sleep(0.05)
+            assert report.held_bytes == 1000 and len(report.completed) == 2
 
     asyncio.run(run())
