@@ -49,6 +49,8 @@ class Shape:
     tied: bool
     rope_theta: float
     eps: float
+    experts: int = 0  # a Mixture-of-Experts (arch qwen3moe): experts per layer, ``used`` of them per token,
+    used: int = 0  # each a SwiGLU of ``ffn`` (llama.cpp's expert_feed_forward_length); 0: dense
 
 
 SHAPES = {  # the models' own config.json values; the vocabulary is the demo's
@@ -56,6 +58,9 @@ SHAPES = {  # the models' own config.json values; the vocabulary is the demo's
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 128, True, 500000.0, 1e-5),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128, False, 500000.0, 1e-5),
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 12288, 128, False, 1000000.0, 1e-6),
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, 128, False, 1000000.0, 1e-6, 128, 8),
+    # the dense model of Qwen3-30B-A3B's active parameters: its attention, one SwiGLU as wide as its 8 chosen experts
+    "qwen3-30b-a3b-dense": Shape("qwen3", 2048, 48, 32, 4, 8 * 768, 128, False, 1000000.0, 1e-6),
 }
 
 
@@ -68,16 +73,22 @@ def demo_gguf() -> Path:
 
 
 def tensors(shape: Shape, layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """GGUF tensor names and HF-order shapes ([rows, cols]) of a ``layers``-layer model of ``shape``."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    """GGUF tensor names and HF-order shapes ([rows, cols]) of a ``layers``-layer model of ``shape``; a
+    Mixture-of-Experts layer's router [E, H] and stacked experts [E, I, H] / [E, H, I] as llama.cpp's converter
+    writes them (compiler/gguf_moe.py)."""
+    h, q, kv, f, e = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn, shape.experts
     out = [("token_embd.weight", (vocab, h))]
     for i in range(layers):
         out += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
                 (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
-                (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,)),
-                (f"blk.{i}.ffn_gate.weight", (shape.ffn, h)), (f"blk.{i}.ffn_up.weight", (shape.ffn, h)),
-                (f"blk.{i}.ffn_down.weight", (h, shape.ffn))]
-        if shape.arch == "qwen3":
+                (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,))]
+        if e:
+            out += [(f"blk.{i}.ffn_gate_inp.weight", (e, h)), (f"blk.{i}.ffn_gate_exps.weight", (e, f, h)),
+                    (f"blk.{i}.ffn_up_exps.weight", (e, f, h)), (f"blk.{i}.ffn_down_exps.weight", (e, h, f))]
+        else:
+            out += [(f"blk.{i}.ffn_gate.weight", (f, h)), (f"blk.{i}.ffn_up.weight", (f, h)),
+                    (f"blk.{i}.ffn_down.weight", (h, f))]
+        if shape.arch in ("qwen3", "qwen3moe"):
             out += [(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,)),
                     (f"blk.{i}.attn_k_norm.weight", (shape.head_dim,))]
     out.append(("output_norm.weight", (h,)))
@@ -102,6 +113,10 @@ def write_f16(name: str, layers: int, out: Path) -> Path:
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(shape.ffn)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.used)
+        writer.add_expert_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
@@ -119,7 +134,10 @@ def write_f16(name: str, layers: int, out: Path) -> Path:
         if len(dims) == 1:
             writer.add_tensor(tname, np.ones(dims, np.float32))
         else:
-            writer.add_tensor(tname, (rng.standard_normal(dims, np.float32) * STD).astype(np.float16))
+            data = np.empty(dims, np.float16).reshape(-1, *dims[-2:])  # [experts or 1, rows, cols]
+            for part in data:  # a stacked expert tensor one expert at a time: no f32 copy of the whole
+                part[...] = rng.standard_normal(part.shape, np.float32) * STD
+            writer.add_tensor(tname, data.reshape(dims))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
