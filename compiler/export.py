@@ -273,7 +273,8 @@ class _Weights:
         """The weights ``names`` (a Mixture-of-Experts layer's experts' same matrix, [rows, cols] each) as one
         constant [E, rows, cols]; returns ``take(indices)``: the f32 slices [..., rows, cols] of the experts
         ``indices`` (i64, any shape) chose, Gathered before the decompression so that a token reads only its
-        experts' weights. f16, or with ``int8`` NNCF's per-channel int8 (codes, scale and zero point gathered
+        experts' weights; ``take(None)``: all E experts [E, rows, cols], the decompression chain left whole (the
+        tiled block of compiler/layers.py ``moe``, which the CPU plugin turns into a Gather inside its kernel). f16, or with ``int8`` NNCF's per-channel int8 (codes, scale and zero point gathered
         alike); read one expert at a time into the stacked constant when the serializer writes it."""
         from .compress import int8_rows
 
@@ -281,8 +282,8 @@ class _Weights:
         shape, per_row = [len(names), rows, cols], [len(names), rows, 1]
         base = names[0].replace(".experts.0.", ".experts.")  # model.layers.3.mlp.experts.gate_proj.weight
 
-        def gather(node: ov.Node) -> Callable[[ov.Output], ov.Output]:
-            return lambda indices: op.gather(node, indices, i64(0)).output(0)
+        def gather(node: ov.Node) -> Callable[[ov.Output | None], ov.Output]:
+            return lambda indices: node.output(0) if indices is None else op.gather(node, indices, i64(0)).output(0)
 
         if self.keep_blocks and self.source.kind(names[0]) not in ("f16", "f32"):
             return self._stacked_blocks(names, base, gather)
@@ -319,7 +320,7 @@ class _Weights:
                                                            f"{base}/zero_point"))
         scale = gather(self._postponed(ov.Type.f16, per_row, lambda: compute("scale"), f"{base}/scale"))
 
-        def take(indices: ov.Output) -> ov.Output:
+        def take(indices: ov.Output | None) -> ov.Output:
             x = op.convert(q(indices), ov.Type.f16)
             if zp is not None:
                 x = op.subtract(x, op.convert(zp(indices), ov.Type.f16))
@@ -363,12 +364,13 @@ class _Weights:
             if offset else None
         scale = gather(self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{base}/scale"))
 
-        def take(indices: ov.Output) -> ov.Output:
+        def take(indices: ov.Output | None) -> ov.Output:
             x = op.convert(q(indices), ov.Type.f32)
             if zp is not None:
                 x = op.subtract(x, zp(indices))
             x = op.multiply(x, scale(indices))
-            target = op.concat([op.shape_of(indices, output_type="i64"), i64([rows, cols])], axis=0)
+            target = i64([experts, rows, cols]) if indices is None else \
+                op.concat([op.shape_of(indices, output_type="i64"), i64([rows, cols])], axis=0)
             return op.reshape(x, target, special_zero=False).output(0)
 
         return take

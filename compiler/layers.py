@@ -6,6 +6,7 @@ layer. ``export.py`` assembles a stage from them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import openvino as ov
 from openvino import opset6
 from openvino import opset13 as op
 from openvino.op.util import Variable, VariableInfo
+from openvino.utils.node_factory import NodeFactory
 
 from .arch import ModelConfig
 
@@ -187,15 +189,24 @@ def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
     return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
 
 
-def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.Output], ov.Output]],
+MOE_FORM = os.environ.get("FLEET_MOE_FORM", "tiled")  # "gather": the explicit Gather form (bench/moe_bench.py)
+
+
+def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.Output | None], ov.Output]],
         cfg: ModelConfig, layer: int) -> ov.Output:
     """A sparse Mixture-of-Experts MLP (Qwen3-MoE; transformers' ``Qwen3MoeSparseMoeBlock``), x [B, S, H] ->
     [B, S, H]: the router's softmax over the experts, its top ``experts_per_token`` (TopK) weights
-    renormalised to sum 1 when ``norm_topk_prob``, and the weighted sum of the chosen experts' SwiGLU outputs.
-    Each token Gathers only its chosen experts' slices of the stacked weights (``experts``: ``_Weights.stacked``
-    of gate, up [E, I, H] and down [E, H, I]) and multiplies them in one batched MatMul per matrix. The router's Softmax is named
+    renormalised to sum 1 when ``norm_topk_prob``, and the weighted sum of the chosen experts' SwiGLU outputs
+    (``experts``: ``_Weights.stacked`` of gate, up [E, I, H] and down [E, H, I]). The router's Softmax is named
     ``model.layers.{layer}.mlp.gate/router_softmax`` (``ROUTER_SOFTMAX``: compiler/inspect.py counts Softmax
-    nodes left by unfused attention, not this one)."""
+    nodes left by unfused attention, not this one).
+
+    The experts are written as OpenVINO's tiled MoE block (``moe_tiled``), which the CPU plugin's
+    ``ConvertTiledMoeBlockToGatherMatmuls`` turns into GatherMatmul(Compressed) nodes: each token reads only
+    its chosen experts' blocks, still compressed, inside the kernel. ``FLEET_MOE_FORM=gather`` writes the
+    explicit form instead (``moe_gathered``: a Gather of the chosen experts' slices, decompressed to f32 before
+    a batched MatMul): 6.3x slower on the CPU, 108 against 17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M
+    (bench/moe_bench.py; the dense model of its active parameters: 15.6)."""
     hidden, k = cfg.hidden_size, cfg.experts_per_token
     flat = op.reshape(x, i64([-1, hidden]), special_zero=False)  # [N, H]
     probs = op.softmax(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), -1,
@@ -204,13 +215,44 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.O
     weights, chosen = top.output(0), top.output(1)  # [N, k] each
     if cfg.norm_topk_prob:
         weights = op.divide(weights, op.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
+    form = moe_gathered if MOE_FORM == "gather" else moe_tiled
+    out = form(flat.output(0), weights, chosen, experts, cfg.num_experts)  # [N, H]
+    return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
+
+
+def moe_gathered(flat: ov.Output, weights: ov.Output, chosen: ov.Output,
+                 experts: dict[str, Callable[[ov.Output | None], ov.Output]], num_experts: int) -> ov.Output:
+    """The chosen experts' SwiGLU outputs summed with their weights, flat [N, H] -> [N, H]: each token Gathers
+    its experts' slices (``chosen`` [N, k] i64, ``weights`` [N, k] f32) and multiplies them in one batched
+    MatMul per matrix."""
     tokens = op.unsqueeze(flat, i64([1, 2]))  # [N, 1, 1, H]
     gate = op.matmul(tokens, experts["gate"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, I]
     up = op.matmul(tokens, experts["up"](chosen), transpose_a=False, transpose_b=True)
     act = op.multiply(op.swish(gate), up)
     out = op.matmul(act, experts["down"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, H]
-    out = op.reduce_sum(op.multiply(out, op.unsqueeze(weights, i64([2, 3]))), i64([1, 2]), keep_dims=False)
-    return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
+    return op.reduce_sum(op.multiply(out, op.unsqueeze(weights, i64([2, 3]))), i64([1, 2]), keep_dims=False).output(0)
+
+
+def moe_tiled(flat: ov.Output, weights: ov.Output, chosen: ov.Output,
+              experts: dict[str, Callable[[ov.Output | None], ov.Output]], num_experts: int) -> ov.Output:
+    """``moe_gathered``'s result as OpenVINO's tiled MoE block (the form optimum-intel exports Qwen3-MoE in):
+    the tokens tiled over all E experts [E, N, H], three batched MatMuls against the whole stacked experts
+    [E, rows, cols], SwiGLU, and the outputs weighted by the routing map [E, N, 1] (the top-k weights scattered
+    into zeros [N, E]) and summed over E. Computed as written, every expert runs; the CPU plugin matches the
+    block and runs only the chosen experts (GatherMatmul)."""
+    hidden = flat.get_partial_shape()[1].get_length()
+    tiled = op.reshape(op.tile(flat, i64([num_experts, 1])), i64([num_experts, -1, hidden]), special_zero=False)
+    gate = op.matmul(tiled, experts["gate"](None), transpose_a=False, transpose_b=True)  # [E, N, I]
+    up = op.matmul(tiled, experts["up"](None), transpose_a=False, transpose_b=True)
+    act = op.multiply(NodeFactory("opset4").create("Swish", [gate.output(0)], {}), up)  # one input: the pattern's
+    down = op.matmul(act, experts["down"](None), transpose_a=False, transpose_b=True)  # [E, N, H]
+    down = op.reshape(down, i64([num_experts, 0, hidden]), special_zero=True)  # the Reshapes: the pattern's
+    rows = op.gather(op.shape_of(chosen, output_type="i64"), i64([0]), i64(0))  # [1]: N
+    zeros = op.broadcast(f32(0.0), op.concat([rows, i64([num_experts])], axis=0))  # [N, E]
+    routing = op.scatter_elements_update(zeros, chosen, weights, i64(1))  # [N, E]
+    routing = op.reshape(op.transpose(routing, i64([1, 0])), i64([num_experts, 0]), special_zero=True)
+    routing = op.unsqueeze(routing, i64([2]))  # [E, N, 1]
+    return op.reduce_sum(op.multiply(down, routing), i64([0]), keep_dims=False).output(0)
 
 
 def visibility_mask(attention_mask: ov.Output, seq: ov.Output) -> ov.Output:

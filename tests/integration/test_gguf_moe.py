@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from functools import cache
 from pathlib import Path
 
@@ -251,6 +252,9 @@ def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_bl
     assert len(topks) == cfg.num_layers
     model.add_outputs([node.output(1) for node in topks])
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
+    kinds = Counter(n.get_rt_info()["layerType"].astype(str) for n in compiled.get_runtime_model().get_ordered_ops())
+    # the tiled expert block (compiler/layers.py moe_tiled) is the CPU plugin's: one GatherMatmul per matrix
+    assert kinds["GatherMatmul"] == 3 * cfg.num_layers, f"{name}: the plugin did not match the MoE block: {kinds}"
     batch = ids[None].astype(np.int64)
     out = compiled.create_infer_request().infer({"input_ids": batch, "attention_mask": np.ones_like(batch),
                                                  "position_ids": np.arange(SEQ)[None], "beam_idx": np.zeros(1, np.int32),
