@@ -205,7 +205,7 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.O
     ``ConvertTiledMoeBlockToGatherMatmuls`` turns into GatherMatmul(Compressed) nodes: each token reads only
     its chosen experts' blocks, still compressed, inside the kernel. ``FLEET_MOE_FORM=gather`` writes the
     explicit form instead (``moe_gathered``: a Gather of the chosen experts' slices, decompressed to f32 before
-    a batched MatMul): 6.3x slower on the CPU, 108 against 17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M
+    a batched MatMul): 6.8x slower on the CPU, 117 against 17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M
     (bench/moe_bench.py; the dense model of its active parameters: 15.6)."""
     hidden, k = cfg.hidden_size, cfg.experts_per_token
     flat = op.reshape(x, i64([-1, hidden]), special_zero=False)  # [N, H]
