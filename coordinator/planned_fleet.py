@@ -1,0 +1,53 @@
+"""The coordinator's side of a fleet with nothing on the PCs (issue 30 item 2), first piece: empty workers'
+capacities (fleet_common.discovery.Capacity) turned into the planner's nodes, the plan over them, and the
+key its stages' build is cached under. Building, shipping (fleet_common.shipping) and the ``serve --model
+SOURCE`` wiring are not done yet; ``plan_fleet`` is the one place re-planning on join/leave would call.
+
+Imports compiler.planner lazily: it needs the compile extra (``pip install .[compile]``)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from fleet_common.discovery import Capacity
+
+if TYPE_CHECKING:
+    from compiler.nodes import Node
+    from compiler.planner import ModelDims, Plan
+
+
+def _planner():  # noqa: ANN202
+    """compiler.planner, or ``RuntimeError`` naming the extra to install."""
+    try:
+        from compiler import planner
+    except ImportError as exc:
+        raise RuntimeError(f"serving a model source that is not a build needs the compile extra "
+                           f"(pip install .[compile]): {exc}") from exc
+    return planner
+
+
+def nodes_from_capacities(capacities: dict[str, Capacity], dims: ModelDims) -> list[Node]:
+    """One planner ``Node`` per worker id, in sorted id order: memory = MemAvailable bytes, device as
+    announced, ``ms_per_layer`` = ms_per_gb x one layer's f16 weight bytes (2 per parameter) / 1e9."""
+    from compiler.nodes import Node
+
+    layer_gb = dims.layer_params * 2 / 1e9
+    return [Node(name, c.memory_available_bytes, device=c.device, ms_per_layer=c.ms_per_gb * layer_gb)
+            for name, c in sorted(capacities.items())]
+
+
+def plan_fleet(dims: ModelDims, capacities: dict[str, Capacity], weights: str = "fp16",
+               kv_cache_precision: str = "f16") -> Plan:
+    """The plan over these workers. Raises ``PlanRefused`` (names the worker and the shortfall bytes) when
+    the model does not fit, ``ValueError`` without workers or with more workers than layers."""
+    if not capacities:
+        raise ValueError("no empty worker found: nothing to plan the model over")
+    return _planner().plan(dims, nodes_from_capacities(capacities, dims), weights=weights,
+                           kv_cache_precision=kv_cache_precision)
+
+
+def build_key(source_sha256: str, layer_ranges: str, weights: str) -> str:
+    """The build cache's folder name for a plan: 16 hex of sha256 over source hash, ranges (``0-14,15-29``)
+    and weight format, so the same source, plan and weights find the same build."""
+    return hashlib.sha256(f"{source_sha256}\n{layer_ranges}\n{weights}".encode()).hexdigest()[:16]
