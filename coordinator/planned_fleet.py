@@ -7,14 +7,24 @@ Imports compiler.planner lazily: it needs the compile extra (``pip install .[com
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from typing import TYPE_CHECKING
 
+import grpc
+
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
+from fleet_common.security import Security, open_channel
 
 if TYPE_CHECKING:
     from compiler.nodes import Node
     from compiler.planner import ModelDims, Plan
+
+INFO_TIMEOUT_S = 2.0  # one Info call's deadline while collecting
+POLL_S = 0.5  # between rounds of Info calls while fewer than the expected workers answer as empty
 
 
 def _planner():  # noqa: ANN202
@@ -51,3 +61,34 @@ def build_key(source_sha256: str, layer_ranges: str, weights: str) -> str:
     """The build cache's folder name for a plan: 16 hex of sha256 over source hash, ranges (``0-14,15-29``)
     and weight format, so the same source, plan and weights find the same build."""
     return hashlib.sha256(f"{source_sha256}\n{layer_ranges}\n{weights}".encode()).hexdigest()[:16]
+
+
+async def _capacity(address: str, security: Security) -> tuple[str, Capacity] | str:
+    """(worker id, capacity) of the empty worker at ``address``, or why it is not one (unreachable, serving)."""
+    try:
+        async with open_channel(address, security) as channel:
+            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        return f"{address}: {exc.code().name} {exc.details()}"
+    if not info.empty:
+        return f"{address}: not empty (serves stage {info.stage} of {info.model_id!r})"
+    return info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
+
+
+async def collect_capacities(addresses: list[str], security: Security, expect: int,
+                             timeout_s: float) -> dict[str, tuple[str, Capacity]]:
+    """worker id -> (address, capacity) of the empty workers among ``addresses`` (--peers), once ``expect``
+    of them answer Info as empty. Raises ``TimeoutError`` after ``timeout_s`` naming what was found and why
+    each other address is not counted."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answers = await asyncio.gather(*(_capacity(a, security) for a in addresses))
+        found = {a[0]: (addr, a[1]) for addr, a in zip(addresses, answers, strict=True) if isinstance(a, tuple)}
+        if len(found) >= expect:
+            return found
+        if time.monotonic() >= deadline:
+            names = ", ".join(f"{wid} at {addr} ({cap.line()})" for wid, (addr, cap) in found.items()) or "none"
+            why = "; ".join(a for a in answers if isinstance(a, str)) or "-"
+            raise TimeoutError(f"expected {expect} empty workers, {len(found)} answered in {timeout_s:.0f} s: "
+                               f"{names}; not counted: {why}")
+        await asyncio.sleep(POLL_S)

@@ -34,3 +34,18 @@ def test_build_key():
     assert build_key("ab", "0-14,15-29", "fp16") == build_key("ab", "0-14,15-29", "fp16")
     assert build_key("ab", "0-14,15-29", "fp16") != build_key("ab", "0-13,14-29", "fp16")
     assert build_key("ab", "0-14,15-29", "fp16") != build_key("ab", "0-14,15-29", "int8")
+
+
+def test_collect_times_out_naming_what_was_not_found():
+    import asyncio
+    import socket
+
+    from coordinator.planned_fleet import collect_capacities
+    from fleet_common.security import Security
+
+    with socket.socket() as s:  # a free port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(TimeoutError) as exc:
+        asyncio.run(collect_capacities([address], Security(), expect=1, timeout_s=0.5))
+    assert "expected 1 empty workers, 0 answered" in str(exc.value) and address in str(exc.value)
