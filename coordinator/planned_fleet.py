@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -92,3 +94,38 @@ async def collect_capacities(addresses: list[str], security: Security, expect: i
             raise TimeoutError(f"expected {expect} empty workers, {len(found)} answered in {timeout_s:.0f} s: "
                                f"{names}; not counted: {why}")
         await asyncio.sleep(POLL_S)
+
+
+def source_sha256(src: Path) -> str:
+    """sha256 over a GGUF file's bytes, or over an HF folder's files (relative path and bytes, sorted)."""
+    h = hashlib.sha256()
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    for path in files:
+        h.update(str(path.relative_to(src) if path != src else path.name).encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
+    """The build of ``p``'s stages from ``src`` under ``cache_dir/builds/<build_key>``, made with
+    compiler.build.build (memory-bounded, as ``fleet-compiler build --plan``) unless that folder already
+    holds a manifest.json (then nothing is built). Built into a temporary sibling and renamed, so a
+    half-made build is never taken for a cached one."""
+    from fleet_common.manifest import MANIFEST_NAME
+
+    out = cache_dir / "builds" / build_key(source_sha256(src), p.layers, p.weights)
+    if (out / MANIFEST_NAME).is_file():
+        return out
+    _planner()  # the compile extra's clear error before anything else
+    from compiler.build import build
+    from compiler.planner import record_devices
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    build(src, tmp, layers=p.layers, weights=p.weights, kv_cache_precision=p.kv_cache_precision)
+    record_devices(tmp, tuple(s.node.device for s in p.stages))
+    tmp.rename(out)
+    return out

@@ -27,3 +27,22 @@ def test_two_empty_workers_are_collected_and_planned(tmp_path):
     assert all(c.memory_available_bytes > 0 and c.ms_per_gb > 0 for _, c in found.values())
     p = plan_fleet(ModelDims.from_config(CONFIG, "m"), {w: c for w, (_, c) in found.items()})
     assert len(p.stages) == 2 and p.stages[0].start == 0 and p.stages[-1].end == CONFIG["num_hidden_layers"]
+
+
+def test_build_for_plan_is_cached_by_source_plan_and_weights(tmp_path, demo_hf):
+    import time
+
+    from compiler.planner import read_model
+    from coordinator.planned_fleet import build_for_plan
+    from fleet_common.discovery import Capacity
+    from fleet_common.manifest import load_manifest
+
+    dims = read_model(demo_hf).dims
+    p = plan_fleet(dims, {"pc-a": Capacity(4 * 2**30, "CPU", 10.0), "pc-b": Capacity(4 * 2**30, "CPU", 10.0)})
+    out = build_for_plan(demo_hf, p, tmp_path)
+    stages = load_manifest(out).manifest.stages
+    assert [(s.start, s.end) for s in stages] == [(s.start, s.end) for s in p.stages]
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    t0 = time.monotonic()
+    assert build_for_plan(demo_hf, p, tmp_path) == out  # the same plan again: nothing built
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp and time.monotonic() - t0 < 30
