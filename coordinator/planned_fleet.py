@@ -129,3 +129,20 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     record_devices(tmp, tuple(s.node.device for s in p.stages))
     tmp.rename(out)
     return out
+
+
+async def ship_plan(build_dir: Path, addresses: list[str], security: Security, progress: bool = True) -> list:
+    """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
+    worker lacks) and loaded there, one worker after another, with rich progress on this side when
+    ``progress``. Returns the ``ShipReport`` per stage. Raises ``ShippingError`` naming the worker."""
+    from contextlib import nullcontext
+
+    from fleet_common.shipping import RichProgress, load_stage, ship_stage
+
+    reports = []
+    for stage, address in enumerate(addresses):
+        async with open_channel(address, security) as channel:
+            with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
+                reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
+            await load_stage(channel, build_dir, stage, address=address)
+    return reports

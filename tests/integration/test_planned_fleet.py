@@ -46,3 +46,29 @@ def test_build_for_plan_is_cached_by_source_plan_and_weights(tmp_path, demo_hf):
     t0 = time.monotonic()
     assert build_for_plan(demo_hf, p, tmp_path) == out  # the same plan again: nothing built
     assert (out / "manifest.json").stat().st_mtime_ns == stamp and time.monotonic() - t0 < 30
+
+
+def test_ship_plan_sends_each_worker_only_its_stage_then_nothing(tmp_path, demo_hf):
+    import json
+
+    from compiler.planner import read_model
+    from coordinator.planned_fleet import build_for_plan, ship_plan
+    from fleet_common.manifest import load_manifest
+
+    with ExitStack() as stack:
+        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}")),
+                             empty=True) for i in range(2)]
+        found = asyncio.run(collect_capacities(addresses, Security(), expect=2, timeout_s=30))
+        p = plan_fleet(read_model(demo_hf).dims, {w: c for w, (_, c) in found.items()})
+        out = build_for_plan(demo_hf, p, tmp_path / "coord")
+        by_id = [found[s.node.name][0] for s in p.stages]
+        manifest = load_manifest(out).manifest
+        reports = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
+        for stage, report in enumerate(reports):
+            assert report.sent_bytes > 0 and report.held_bytes == 0
+            assert set(report.files) <= {f for f in json.loads((out / "manifest.json").read_text())["files"]}
+            assert manifest.stages[stage].xml in report.files
+            assert not any(s.xml in report.files for s in manifest.stages if s.index != stage)
+        again = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
+        assert [r.sent_bytes for r in again] == [0, 0]
+        print("ship MB/s:", [round(r.mb_per_s, 1) for r in reports])
