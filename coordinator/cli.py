@@ -189,6 +189,10 @@ async def serve(settings: CoordinatorSettings) -> None:
     """Run the coordinator until SIGINT/SIGTERM (see ``_Shutdown``; SIGUSR1 logs what every task
     awaits). Raises ``ManifestError`` for a bad build folder."""
     dump_tasks_on_signal()
+    if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
+        from .planned_fleet import prepare_build  # a SOURCE, not a build: plan, build and ship first
+
+        settings.model = await prepare_build(settings)
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)

@@ -146,3 +146,27 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security, p
                 reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
             await load_stage(channel, build_dir, stage, address=address)
     return reports
+
+
+async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
+    """``serve --model SOURCE``: the empty --peer workers collected (``--expect-workers``, default all of
+    them), planned over, the plan built (cached) and each stage shipped and loaded; returns the build folder
+    to serve as usual. mDNS collection is not done yet: give the workers with --peer."""
+    import os
+
+    if not settings.peer:
+        raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer "
+                         "(finding them by mDNS is not done yet)")
+    planner = _planner()
+    found = await collect_capacities(settings.peer, settings.security, settings.expect_workers or len(settings.peer),
+                                     settings.workers_timeout_s)
+    p = plan_fleet(planner.read_model(settings.model).dims, {w: c for w, (_, c) in found.items()})
+    print("\n".join(planner.report_lines(p)), flush=True)
+    cache = settings.build_cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fleet" / \
+        "coordinator"
+    build_dir = build_for_plan(settings.model, p, cache)
+    for stage, report in enumerate(await ship_plan(build_dir, [found[s.node.name][0] for s in p.stages],
+                                                   settings.security)):
+        print(f"stage {stage}: sent {report.sent_bytes / 1e6:.1f} MB ({report.mb_per_s:.0f} MB/s), "
+              f"{report.held_bytes / 1e6:.1f} MB already held", flush=True)
+    return build_dir

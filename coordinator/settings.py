@@ -20,6 +20,11 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
     model: Path = Field(description="build folder written by fleet-compiler build (manifest, tokenizer)")
     host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 serves the LAN")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    expect_workers: int = Field(0, ge=0, description="--model SOURCE (a GGUF file or HF folder, not a build): plan, "
+                                "build and ship over this many empty --peer workers (0 = as many --peer as given)")
+    workers_timeout_s: float = Field(120.0, gt=0, description="longest wait for the expected empty workers")
+    build_cache_dir: Path | None = Field(None, description="where builds of a SOURCE are cached (default "
+                                         "$XDG_CACHE_HOME/fleet/coordinator)")
     peer: list[str] = Field(default_factory=list, description="worker host:port to use without mDNS (repeatable)")
     discover: bool = Field(True, description="browse zeroconf (mDNS) for workers")
     announce: bool = Field(True, description="announce the HTTP API with zeroconf for fleet-chat")

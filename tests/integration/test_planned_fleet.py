@@ -72,3 +72,30 @@ def test_ship_plan_sends_each_worker_only_its_stage_then_nothing(tmp_path, demo_
         again = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
         assert [r.sent_bytes for r in again] == [0, 0]
         print("ship MB/s:", [round(r.mb_per_s, 1) for r in reports])
+
+
+def test_serve_model_source_over_empty_workers_then_restart_ships_nothing(tmp_path, demo_hf):
+    import time
+
+    from tests.conftest import chat, start_coordinator, wait_ready
+
+    with ExitStack() as stack:
+        texts = []
+        for run in range(2):  # the second: the workers restarted empty, their caches holding the stages
+            addresses = [serving(spawn_worker(tmp_path / f"w{run}{i}.log", stack, "--cache-dir",
+                                              str(tmp_path / f"c{i}")), empty=True) for i in range(2)]
+            peers = [arg for a in addresses for arg in ("--peer", a)]
+            t0 = time.monotonic()
+            (tmp_path / f"coord{run}").mkdir()
+            proc, url = start_coordinator(demo_hf, tmp_path / f"coord{run}", "--no-discover", *peers,
+                                          "--build-cache-dir", str(tmp_path / "builds"))
+            wait_ready(url, 120, proc)
+            reply = chat(url, "Say hi.", max_tokens=8)
+            print(f"run {run}: empty workers to first answer {time.monotonic() - t0:.1f} s")
+            assert reply.status_code == 200, reply.text
+            texts.append(reply.json()["choices"][0]["message"]["content"])
+            if run == 1:
+                assert proc.text().count("stage 0: sent 0.0 MB") == 1 and "stage 1: sent 0.0 MB" in proc.text()
+            proc.stop()
+            stack.close()
+        assert texts[0] == texts[1] and texts[0]
