@@ -91,7 +91,7 @@ class Registry:
         elif info.empty:  # an empty worker (issue 30): joins once a stage of this build is shipped to it and loaded
             refused = (f"worker {address} is empty ({info.memory_available_bytes / 2**30:.1f} GiB available, "
                        f"{info.device}, {info.ms_per_gb:.1f} ms per GB): not used until a stage of this build is "
-                       "shipped to it and loaded (fleet_common/shipping.py; this coordinator does not ship yet)")
+                       "shipped to it and loaded (fleet_common/shipping.py; serve --model SOURCE ships)")
         elif info.manifest_sha256 != self.loaded.sha256:
             refused = (f"refusing worker {address} (stage {info.stage}, model {info.model_id!r}): its manifest "
                        f"{info.manifest_sha256[:12]} differs from the coordinator's {self.loaded.sha256[:12]} "
