@@ -1,101 +1,101 @@
-"""coordinator/planned_fleet.py on real processes (issue 30 item 2, first piece): two empty ``fleet-worker``s
-on loopback (--no-announce) answer Info with their capacity; collect_capacities finds both and the planner
-splits the demo-shaped model over them. Building, shipping and ``serve --model SOURCE`` are not wired yet."""
+"""The planner on the real demo model (issue 5, items 3-4): ``fleet-worker --profile --json`` gives a node
+record ``fleet-compiler plan`` uses; a plan for unequal nodes, built with ``build --plan`` (one stage
+recorded for a GPU) and served by a real 2-worker fleet, answers token for token as the default split.
+
+The planned build is cached under models/test like the other test builds (keyed by the compiler's code
+and the plan), so ``build --plan`` runs when either changes. Isolation: other tests on this machine run
+fleets at the same time, so workers start with ``--no-announce`` and the coordinator with
+``--no-discover --peer``.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from contextlib import ExitStack
+import hashlib
+import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from compiler.planner import ModelDims
-from coordinator.planned_fleet import collect_capacities, plan_fleet
-from fleet_common.security import Security
-from tests.integration.test_shipping import serving, spawn_worker
-from tests.unit.test_planner import CONFIG
+from compiler.cli import main as compiler_main
+from fleet_common.manifest import DEVICES_FORMAT, load_manifest
+from tests.conftest import BIN, MODELS, ROOT, Fleet, chat, compiler_key
+from tests.integration.test_compiler import run_cli
 
 pytestmark = pytest.mark.integration
 
-
-def test_two_empty_workers_are_collected_and_planned(tmp_path):
-    with ExitStack() as stack:
-        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}")),
-                             empty=True) for i in range(2)]
-        found = asyncio.run(collect_capacities(addresses, Security(), expect=2, timeout_s=30))
-    assert sorted(a for a, _ in found.values()) == sorted(addresses)
-    assert all(c.memory_available_bytes > 0 and c.ms_per_gb > 0 for _, c in found.values())
-    p = plan_fleet(ModelDims.from_config(CONFIG, "m"), {w: c for w, (_, c) in found.items()})
-    assert len(p.stages) == 2 and p.stages[0].start == 0 and p.stages[-1].end == CONFIG["num_hidden_layers"]
+PROMPTS = ["What is the capital of France?", "List five fruits and their colors."]
+TOKENS = 32
 
 
-def test_build_for_plan_is_cached_by_source_plan_and_weights(tmp_path, demo_hf):
-    import time
+def test_profile_prints_a_node_record_the_planner_uses(build_2, tmp_path, capsys):
+    out = subprocess.run([str(BIN / "fleet-worker"), "--profile", "--model", str(build_2), "--threads", "1",
+                          "--name", "pc1", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert (record["name"], record["device"], record["stage"], record["layers"], record["lm_head"]) == \
+        ("pc1", "CPU", 0, 19, False)
+    assert record["memory_bytes"] > 1 << 28 and 0 < record["ms_per_layer"] < 100
+    assert record["ms_per_layer"] == pytest.approx(record["ms_per_token"] / 19, rel=1e-3)
+    assert f"--node pc1:{record['memory_bytes'] >> 20}MiB:" in out.stderr  # the human line
 
-    from compiler.planner import read_model
-    from coordinator.planned_fleet import build_for_plan
-    from fleet_common.discovery import Capacity
-    from fleet_common.manifest import load_manifest
-
-    dims = read_model(demo_hf).dims
-    p = plan_fleet(dims, {"pc-a": Capacity(4 * 2**30, "CPU", 10.0), "pc-b": Capacity(4 * 2**30, "CPU", 10.0)})
-    out = build_for_plan(demo_hf, p, tmp_path)
-    stages = load_manifest(out).manifest.stages
-    assert [(s.start, s.end) for s in stages] == [(s.start, s.end) for s in p.stages]
-    stamp = (out / "manifest.json").stat().st_mtime_ns
-    t0 = time.monotonic()
-    assert build_for_plan(demo_hf, p, tmp_path) == out  # the same plan again: nothing built
-    assert (out / "manifest.json").stat().st_mtime_ns == stamp and time.monotonic() - t0 < 30
-
-
-def test_ship_plan_sends_each_worker_only_its_stage_then_nothing(tmp_path, demo_hf):
-    import json
-
-    from compiler.planner import read_model
-    from coordinator.planned_fleet import build_for_plan, ship_plan
-    from fleet_common.manifest import load_manifest
-
-    with ExitStack() as stack:
-        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}")),
-                             empty=True) for i in range(2)]
-        found = asyncio.run(collect_capacities(addresses, Security(), expect=2, timeout_s=30))
-        p = plan_fleet(read_model(demo_hf).dims, {w: c for w, (_, c) in found.items()})
-        out = build_for_plan(demo_hf, p, tmp_path / "coord")
-        by_id = [found[s.node.name][0] for s in p.stages]
-        manifest = load_manifest(out).manifest
-        reports = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
-        for stage, report in enumerate(reports):
-            assert report.sent_bytes > 0 and report.held_bytes == 0
-            assert set(report.files) <= {f for f in json.loads((out / "manifest.json").read_text())["files"]}
-            assert manifest.stages[stage].xml in report.files
-            assert not any(s.xml in report.files for s in manifest.stages if s.index != stage)
-        again = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
-        assert [r.sent_bytes for r in again] == [0, 0]
-        print("ship MB/s:", [round(r.mb_per_s, 1) for r in reports])
+    slower = {**record, "name": "pc2", "ms_per_layer": 2 * record["ms_per_layer"]}
+    nodes = tmp_path / "nodes.json"  # JSON Lines: what `fleet-worker --profile --json >> nodes.json` adds up to
+    nodes.write_text(json.dumps(slower) + "\n" + json.dumps(record) + "\n")
+    assert compiler_main(["plan", str(build_2), "--nodes", str(nodes), "--max-context", "512", "--max-sessions", "1",
+                          "-o", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [s["node"] for s in plan["stages"]] == ["pc2", "pc1"]
+    assert plan["layers"] == "0:12,12:30"  # the twice-as-fast pc1: 18 layers + the head (8) vs 2 x 12 on pc2
+    assert plan["predicted_ms_per_token"] == pytest.approx(26 * record["ms_per_layer"], rel=1e-3)
+    assert "predicted" in capsys.readouterr().out
 
 
-def test_serve_model_source_over_empty_workers_then_restart_ships_nothing(tmp_path, demo_hf):
-    import time
+@pytest.fixture(scope="module")
+def planned(demo_hf, tmp_path_factory) -> tuple[Path, str]:
+    """(build, layers): a plan for a slow node with a GPU and a node twice as fast, built with build --plan."""
+    plan = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert compiler_main(["plan", str(demo_hf), "--node", "slow:4GiB:1:GPU", "--node", "fast:4GiB:2",
+                          "--max-context", "1024", "--max-sessions", "2", "-o", str(plan)]) == 0
+    layers = json.loads(plan.read_text())["layers"]
+    key = hashlib.sha256((compiler_key() + layers + (ROOT / "compiler" / "planner.py").read_text()).encode())
+    build = MODELS / f"smollm2-planned-{key.hexdigest()[:10]}"
+    if not (build / "manifest.json").is_file():
+        out = run_cli("build", str(demo_hf), "--plan", str(plan), "-o", str(build))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "stage 0: layers [0, 12), fp16, GPU" in out.stdout
+    return build, layers
 
-    from tests.conftest import chat, start_coordinator, wait_ready
 
-    with ExitStack() as stack:
+def answers(build: Path, log_dir: Path) -> tuple[list[str], list[str]]:
+    """Greedy answers to PROMPTS from a 2-worker fleet of ``build`` (f32) and the workers' logs."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(build, log_dir, peers=True)
+    try:
         texts = []
-        for run in range(2):  # the second: the workers restarted empty, their caches holding the stages
-            addresses = [serving(spawn_worker(tmp_path / f"w{run}{i}.log", stack, "--cache-dir",
-                                              str(tmp_path / f"c{i}")), empty=True) for i in range(2)]
-            peers = [arg for a in addresses for arg in ("--peer", a)]
-            t0 = time.monotonic()
-            (tmp_path / f"coord{run}").mkdir()
-            proc, url = start_coordinator(demo_hf, tmp_path / f"coord{run}", "--no-discover", *peers,
-                                          "--build-cache-dir", str(tmp_path / "builds"))
-            wait_ready(url, 120, proc)
-            reply = chat(url, "Say hi.", max_tokens=8)
-            print(f"run {run}: empty workers to first answer {time.monotonic() - t0:.1f} s")
-            assert reply.status_code == 200, reply.text
-            texts.append(reply.json()["choices"][0]["message"]["content"])
-            if run == 1:
-                assert proc.text().count("stage 0: sent 0.0 MB") == 1 and "stage 1: sent 0.0 MB" in proc.text()
-            proc.stop()
-            stack.close()
-        assert texts[0] == texts[1] and texts[0]
+        for prompt in PROMPTS:
+            r = chat(fleet.url, prompt, max_tokens=TOKENS, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == TOKENS
+            texts.append(r.json()["choices"][0]["message"]["content"])
+        return texts, [proc.text() for proc, _ in fleet.workers]
+    finally:
+        fleet.stop()
+
+
+def test_planned_build_answers_as_the_default_split(planned, build_2, tmp_path):
+    build, layers = planned
+    manifest = load_manifest(build).manifest
+    assert layers == "0:12,12:30" and [(s.start, s.end) for s in manifest.stages] == [(0, 12), (12, 30)]
+    assert [s.device for s in manifest.stages] == ["GPU", "CPU"] and manifest.format == DEVICES_FORMAT
+    assert [(s.start, s.end) for s in load_manifest(build_2).manifest.stages] == [(0, 19), (19, 30)]
+    shown = run_cli("inspect", str(build))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    rows = [line.split() for line in shown.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[2] for row in rows] == ["GPU", "CPU"] and all(row[-1] == "ok" for row in rows)
+
+    mine, logs = answers(build, tmp_path / "planned")
+    assert "stage 0 was planned for GPU (the manifest's device); this worker runs it on CPU" in logs[0]
+    assert "was planned for" not in logs[1]
+    theirs, _ = answers(build_2, tmp_path / "default")
+    assert mine == theirs
