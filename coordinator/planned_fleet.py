@@ -1,7 +1,9 @@
-"""The coordinator's side of a fleet with nothing on the PCs (issue 30 item 2), first piece: empty workers'
-capacities (fleet_common.discovery.Capacity) turned into the planner's nodes, the plan over them, and the
-key its stages' build is cached under. Building, shipping (fleet_common.shipping) and the ``serve --model
-SOURCE`` wiring are not done yet; ``plan_fleet`` is the one place re-planning on join/leave would call.
+"""The coordinator's side of a fleet with nothing on the PCs (issue 30 item 2): ``serve --model SOURCE``
+(an HF folder) over empty ``--peer`` workers. ``prepare_build`` collects their capacities
+(fleet_common.discovery.Capacity, ``collect_capacities``), plans over them (``plan_fleet``), builds the plan's
+stages into the coordinator's cache (``build_for_plan``, keyed by ``build_key``) and ships each worker its
+stage (``ship_plan``, fleet_common.shipping). Re-planning on join/leave (item 3) would call those three; mDNS
+collection and a GGUF source are not done yet.
 
 Imports compiler.planner lazily: it needs the compile extra (``pip install .[compile]``)."""
 
