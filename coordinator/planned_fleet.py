@@ -22,6 +22,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.security import Security, open_channel
+from fleet_common.settings import cache_home
 
 if TYPE_CHECKING:
     from compiler.nodes import Node
@@ -154,8 +155,6 @@ async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.setting
     """``serve --model SOURCE``: the empty --peer workers collected (``--expect-workers``, default all of
     them), planned over, the plan built (cached) and each stage shipped and loaded; returns the build folder
     to serve as usual. mDNS collection is not done yet: give the workers with --peer."""
-    import os
-
     if not settings.peer:
         raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer "
                          "(finding them by mDNS is not done yet)")
@@ -164,8 +163,7 @@ async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.setting
                                      settings.workers_timeout_s)
     p = plan_fleet(planner.read_model(settings.model).dims, {w: c for w, (_, c) in found.items()})
     print("\n".join(planner.report_lines(p)), flush=True)
-    cache = settings.build_cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fleet" / \
-        "coordinator"
+    cache = settings.build_cache_dir or cache_home("coordinator")
     build_dir = build_for_plan(settings.model, p, cache)
     for stage, report in enumerate(await ship_plan(build_dir, [found[s.node.name][0] for s in p.stages],
                                                    settings.security)):

@@ -1,13 +1,21 @@
 """What the settings of every role that speaks gRPC share: the fleet's secret and TLS files (``--secret``,
-``--tls-cert``, ``--tls-key``, ``--tls-ca``), read and checked once when the settings are validated."""
+``--tls-cert``, ``--tls-key``, ``--tls-ca``), read and checked once when the settings are validated; and
+``cache_home``, the folder every role's caches default to."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from .security import Security, SecurityError
+
+
+def cache_home(name: str) -> Path:
+    """``$XDG_CACHE_HOME/fleet/<name>``, else (unset or empty) ``~/.cache/fleet/<name>``: the default of the
+    worker's OpenVINO model cache and stage cache and of the coordinator's build cache. Creates nothing."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleet" / name
 
 
 class SecuritySettings(BaseModel):

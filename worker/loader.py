@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import openvino as ov
 from fleet_common.blobs import BlobKey, import_blob, ir_digest, shard_config
 from fleet_common.manifest import LoadedManifest, ManifestError, sha256_file, verify_files
 from fleet_common.runtime import KV_VALUE_BYTES, compile_ir, runs_compressed
+from fleet_common.settings import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ DEFAULT_CACHE_MAX_BYTES = 8 << 30  # the whole model cache (all builds' stages) 
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/fleet/openvino``, else ``~/.cache/fleet/openvino``."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleet" / "openvino"
+    return cache_home("openvino")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from fleet_common.manifest import MANIFEST_NAME, LoadedManifest, Manifest, ManifestError, build_identity, sha256_file
+from fleet_common.settings import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class StageCacheError(ValueError):
 
 def default_stages_dir() -> Path:
     """``$XDG_CACHE_HOME/fleet/stages``, else ``~/.cache/fleet/stages``."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleet" / "stages"
+    return cache_home("stages")
 
 
 def safe_relative(path: str) -> PurePosixPath:
