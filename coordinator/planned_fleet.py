@@ -1,9 +1,9 @@
 """The coordinator's side of a fleet with nothing on the PCs (issue 30 item 2): ``serve --model SOURCE``
-(an HF folder) over empty ``--peer`` workers. ``prepare_build`` collects their capacities
+(an HF folder or a GGUF file) over empty ``--peer`` workers. ``prepare_build`` collects their capacities
 (fleet_common.discovery.Capacity, ``collect_capacities``), plans over them (``plan_fleet``), builds the plan's
 stages into the coordinator's cache (``build_for_plan``, keyed by ``build_key``) and ships each worker its
 stage (``ship_plan``, fleet_common.shipping). Re-planning on join/leave (item 3) would call those three; mDNS
-collection and a GGUF source are not done yet.
+collection is not done yet.
 
 Imports compiler.planner lazily: it needs the compile extra (``pip install .[compile]``)."""
 
@@ -26,9 +26,10 @@ from fleet_common.settings import cache_home
 
 if TYPE_CHECKING:
     from compiler.nodes import Node
-    from compiler.planner import ModelDims, Plan
+    from compiler.planner import ModelDims, ModelSource, Plan
 
 INFO_TIMEOUT_S = 2.0  # one Info call's deadline while collecting
+GGUF_INT8_BYTES = 1.1  # a GGUF's tensor bytes per parameter up to which its weights are planned as int8
 POLL_S = 0.5  # between rounds of Info calls while fewer than the expected workers answer as empty
 
 
@@ -111,14 +112,40 @@ def source_sha256(src: Path) -> str:
     return h.hexdigest()
 
 
+def is_gguf(src: Path) -> bool:
+    """Whether the source ``src`` is a GGUF file (built with its own blocks kept), not an HF folder."""
+    from compiler.gguf import is_gguf_file
+
+    return Path(src).is_file() and (Path(src).suffix == ".gguf" or is_gguf_file(Path(src)))
+
+
+def source_model(src: Path) -> ModelSource:
+    """What the planner needs of the source ``src``: an HF folder's config.json (``planner.read_model``), or a
+    GGUF's dimensions from its metadata (compiler.gguf.gguf_config, as the builder reads them). A GGUF's weights
+    are counted as int8 when its tensors hold at most ``GGUF_INT8_BYTES`` bytes per parameter (every kept block
+    type: Q8_0 is 1.06), else as fp16; its build keeps its blocks whatever the count. Raises ``ValueError`` /
+    ``FileNotFoundError`` naming the file."""
+    planner = _planner()
+    if not is_gguf(src):
+        return planner.read_model(src)
+    from compiler.gguf import gguf_config, open_reader
+
+    reader = open_reader(src)
+    dims = planner.ModelDims.from_config(gguf_config(reader, str(src)), Path(src).stem)
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    counted = "int8" if stored <= GGUF_INT8_BYTES * dims.parameters else "fp16"
+    return planner.ModelSource(dims, counted, "f16")
+
+
 def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     """The build of ``p``'s stages from ``src`` under ``cache_dir/builds/<build_key>``, made with
-    compiler.build.build (memory-bounded, as ``fleet-compiler build --plan``) unless that folder already
-    holds a manifest.json (then nothing is built). Built into a temporary sibling and renamed, so a
-    half-made build is never taken for a cached one."""
+    compiler.build.build (memory-bounded, as ``fleet-compiler build --plan``; a GGUF keeps its blocks, as
+    ``fleet-compiler build FILE.gguf`` does) unless that folder already holds a manifest.json (then nothing is
+    built). Built into a temporary sibling and renamed, so a half-made build is never taken for a cached one."""
     from fleet_common.manifest import MANIFEST_NAME
 
-    out = cache_dir / "builds" / build_key(source_sha256(src), p.layers, p.weights)
+    gguf = is_gguf(src)
+    out = cache_dir / "builds" / build_key(source_sha256(src), p.layers, "gguf" if gguf else p.weights)
     if (out / MANIFEST_NAME).is_file():
         return out
     _planner()  # the compile extra's clear error before anything else
@@ -128,7 +155,7 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    build(src, tmp, layers=p.layers, weights=p.weights, kv_cache_precision=p.kv_cache_precision)
+    build(src, tmp, layers=p.layers, weights=None if gguf else p.weights, kv_cache_precision=p.kv_cache_precision)
     record_devices(tmp, tuple(s.node.device for s in p.stages))
     tmp.rename(out)
     return out
@@ -161,7 +188,9 @@ async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.setting
     planner = _planner()
     found = await collect_capacities(settings.peer, settings.security, settings.expect_workers or len(settings.peer),
                                      settings.workers_timeout_s)
-    p = plan_fleet(planner.read_model(settings.model).dims, {w: c for w, (_, c) in found.items()})
+    source = source_model(settings.model)
+    p = plan_fleet(source.dims, {w: c for w, (_, c) in found.items()}, weights=source.weights,
+                   kv_cache_precision=source.kv_cache_precision)
     print("\n".join(planner.report_lines(p)), flush=True)
     cache = settings.build_cache_dir or cache_home("coordinator")
     build_dir = build_for_plan(settings.model, p, cache)

@@ -17,11 +17,11 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
 
-    model: Path = Field(description="build folder written by fleet-compiler build (manifest, tokenizer), or an "
-                        "HF folder: then the coordinator plans, builds and ships it over empty --peer workers")
+    model: Path = Field(description="build folder written by fleet-compiler build (manifest, tokenizer), an "
+                        "HF folder or a .gguf file: then the coordinator plans, builds and ships it over empty --peer workers")
     host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 serves the LAN")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
-    expect_workers: int = Field(0, ge=0, description="--model SOURCE (an HF folder, not a build): plan, "
+    expect_workers: int = Field(0, ge=0, description="--model SOURCE (an HF folder or a .gguf, not a build): plan, "
                                 "build and ship over this many empty --peer workers (0 = as many --peer as given)")
     workers_timeout_s: float = Field(120.0, gt=0, description="longest wait for the expected empty workers")
     build_cache_dir: Path | None = Field(None, description="where builds of a SOURCE are cached (default "

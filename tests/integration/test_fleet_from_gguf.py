@@ -1,0 +1,60 @@
+"""``fleet-coordinator serve --model FILE.gguf`` over empty workers (issue 30): the demo's Q4_1 GGUF is planned
+from its metadata's dimensions, built with its blocks kept (as ``fleet-compiler build FILE.gguf``), shipped and
+served; its greedy answer (token ids, f32 workers) equals a static fleet's of the same build (``--shard i
+--model BUILD`` workers). Workers run with --no-announce: other tests on this machine must not find them."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from bench import harness
+from fleet_common.manifest import load_manifest
+from tests.conftest import Fleet, greedy_with_gaps, start_coordinator, wait_ready
+from tests.integration.test_shipping import serving, spawn_worker
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Name three colours of the rainbow."
+TOKENS = 24
+
+
+def planned_fleet(source: Path, tmp_path: Path, stack: ExitStack, caches: str = "c", run: str = "") -> tuple:
+    """Two empty workers (stage caches ``tmp_path/<caches>I``) and a coordinator serving ``source`` over them by
+    --peer with the build cache ``tmp_path/builds``; returns (coordinator proc, its URL, the worker addresses)."""
+    addresses = [serving(spawn_worker(tmp_path / f"w{run}{i}.log", stack, "--cache-dir", str(tmp_path / f"{caches}{i}")),
+                         empty=True) for i in range(2)]
+    (tmp_path / f"coord{run}").mkdir()
+    proc, url = start_coordinator(source, tmp_path / f"coord{run}", "--no-discover",
+                                  *(arg for a in addresses for arg in ("--peer", a)),
+                                  "--build-cache-dir", str(tmp_path / "builds"))
+    stack.callback(proc.stop)
+    wait_ready(url, 240, proc)
+    return proc, url, addresses
+
+
+def the_build(tmp_path: Path) -> Path:
+    """The one build the coordinator made under ``tmp_path/builds``."""
+    builds = [d for d in (tmp_path / "builds" / "builds").iterdir() if (d / "manifest.json").is_file()]
+    assert len(builds) == 1, builds
+    return builds[0]
+
+
+def test_gguf_source_over_empty_workers_answers_as_a_static_fleet_of_its_plan(tmp_path, demo_hf):
+    gguf = harness.demo_gguf(demo_hf)
+    with ExitStack() as stack:
+        proc, url, _ = planned_fleet(gguf, tmp_path, stack)
+        planned = greedy_with_gaps(url, PROMPT, TOKENS)
+        log = proc.text()
+    build = the_build(tmp_path)
+    manifest = load_manifest(build).manifest
+    assert manifest.num_stages == 2 and {s.weights for s in manifest.stages} == {"gguf"}, manifest.stages
+    assert manifest.model_id == gguf.stem
+    assert "stage 0: sent" in log and "stage 1: sent" in log and "int8 weights" in log  # planned as int8 bytes
+    (tmp_path / "static").mkdir()
+    with Fleet(build, tmp_path / "static", peers=True) as static_fleet:
+        static = greedy_with_gaps(static_fleet.url, PROMPT, TOKENS)
+    assert planned["ids"] == static["ids"], (planned["tokens"], static["tokens"])
+    print("planned ranges:", [(s.start, s.end) for s in manifest.stages], "answer:", "".join(planned["tokens"]))
