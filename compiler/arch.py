@@ -156,6 +156,17 @@ class ModelConfig:
     local_inv_freq: tuple[float, ...] = ()  # the local layers' RoPE frequencies (their own base, no scaling)
 
     @property
+    def read_intermediate_size(self) -> int:
+        """The MLP width a decoded token reads per layer, on average over the layers: ``intermediate_size``, or
+        for a Mixture-of-Experts its chosen experts' (``moe_widths``). The build's default split balances
+        weight reads with it, as the planner does."""
+        if not self.moe_layers:
+            return self.intermediate_size
+        moe = dict(moe_layers=self.moe_layers, num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+                   moe_intermediate_size=self.moe_intermediate_size)
+        return moe_widths(self.num_layers, self.hidden_size, self.intermediate_size, moe)[0]
+
+    @property
     def rotary_dim(self) -> int:
         """Dims of each head RoPE rotates (the first ones; ``head_dim`` unless partial rotary)."""
         return 2 * len(self.inv_freq)
@@ -275,6 +286,20 @@ def moe_dims(config: dict, num_layers: int, where: str = "config.json") -> dict:
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     return dict(moe_layers=layers, num_experts=experts, experts_per_token=top_k, moe_intermediate_size=inter,
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+
+
+def moe_widths(num_layers: int, hidden: int, dense_intermediate: int, moe: dict) -> tuple[int, int]:
+    """(the MLP width a decoded token reads, the weights a layer stores but a token does not read), each the mean
+    over the ``num_layers`` layers, of a model whose sparse layers are ``moe`` (``moe_dims``' fields): a sparse
+    layer reads its ``experts_per_token`` experts of ``moe_intermediate_size`` and stores all ``num_experts`` and
+    the router [E, hidden] too; a dense one reads and stores a SwiGLU of ``dense_intermediate``. The planner
+    counts the first for speed and both for memory (compiler/planner.py ``ModelDims``). The router, read in full
+    by every token (E x hidden, 0.5% of a Qwen3-30B-A3B layer's reads), counts as stored only."""
+    sparse, k, e = len(moe["moe_layers"]), moe["experts_per_token"], moe["num_experts"]
+    inter = moe["moe_intermediate_size"]
+    active = (sparse * k * inter + (num_layers - sparse) * dense_intermediate) // num_layers
+    idle = sparse * hidden * ((e - k) * 3 * inter + e) // num_layers
+    return active, idle
 
 
 def _gemma3(config: dict, head_dim: int, where: str) -> dict:

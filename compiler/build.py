@@ -106,11 +106,12 @@ def _install(staging: Path, out: Path) -> None:
 
 def stage_ranges(cfg: ModelConfig, shards: int, layers: str | None) -> list[tuple[int, int]]:
     """Layer ranges: ``layers`` ("0:12,12:30") or ``shards`` stages balancing weight reads per token
-    (the LM head counting on the last stage). Raises ``ValueError`` for a bad spec."""
+    (the LM head counting on the last stage; a Mixture-of-Experts layer reads its chosen experts only,
+    ``ModelConfig.read_intermediate_size``). Raises ``ValueError`` for a bad spec."""
     if layers:
         return parse_layers(layers, cfg.num_layers)
     layer_cost, head_cost = decode_weights(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                           cfg.intermediate_size, cfg.vocab_size)
+                                           cfg.read_intermediate_size, cfg.vocab_size)
     return balanced_split(cfg.num_layers, shards, layer_cost, head_cost)
 
 

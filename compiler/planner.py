@@ -15,6 +15,9 @@ node's memory, which must hold (``StagePlan``):
   reserves (``--kv-budget-mb``): tokens x sessions x layers x KV heads x head dim x 2 (K and V) x bytes
   per value of ``kv_cache_precision``.
 * **runtime**: ``RUNTIME_FIXED_BYTES`` + ``UNPACKED_COPY[format]`` x weights (``runtime_bytes``).
+
+A Mixture-of-Experts layer reads only its chosen experts (top-k of n) per token, so its speed counts those
+(``ModelDims.layer_params``), its memory every expert and the router (``idle_params`` too).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from fleet_common.manifest import DEVICES_FORMAT, MANIFEST_NAME, load_manifest
 from fleet_common.runtime import KV_VALUE_BYTES
 
-from .arch import MOE, moe_dims
+from .arch import MOE, moe_dims, moe_widths
 from .compress import FORMATS, WeightSpec, resolve
 from .nodes import Node
 from .plan import balanced_split, decode_weights, parse_layers
@@ -93,15 +96,13 @@ class ModelDims:
         if config.get("model_type") not in MOE:
             return dims
         moe = moe_dims(config, dims.num_layers, f"config.json of {model_id}")
-        sparse, k, e = len(moe["moe_layers"]), moe["experts_per_token"], moe["num_experts"]
-        inter = moe["moe_intermediate_size"]
-        active = (sparse * k * inter + (dims.num_layers - sparse) * dims.intermediate_size) // dims.num_layers
-        idle = sparse * dims.hidden_size * ((e - k) * 3 * inter + e) // dims.num_layers
+        active, idle = moe_widths(dims.num_layers, dims.hidden_size, dims.intermediate_size, moe)
         return replace(dims, intermediate_size=active, idle_params=idle)
 
     @property
     def layer_params(self) -> int:
-        """Weights of one decoder layer's linear layers (the cost model's unit)."""
+        """Weights of one decoder layer's linear layers that a decoded token reads (the cost model's unit; a
+        Mixture-of-Experts layer's chosen experts only, the others in ``idle_params``)."""
         return decode_weights(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                               self.intermediate_size, self.vocab_size)[0]
 
