@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ from fleet_common.settings import cache_home
 if TYPE_CHECKING:
     from compiler.nodes import Node
     from compiler.planner import ModelDims, ModelSource, Plan
+
+log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 2.0  # one Info call's deadline while collecting
 GGUF_INT8_BYTES = 1.1  # a GGUF's tensor bytes per parameter up to which its weights are planned as int8
@@ -70,21 +73,24 @@ def build_key(source_sha256: str, layer_ranges: str, weights: str) -> str:
 
 
 async def _capacity(address: str, security: Security) -> tuple[str, Capacity] | str:
-    """(worker id, capacity) of the empty worker at ``address``, or why it is not one (unreachable, serving)."""
+    """(worker id, capacity) of the worker at ``address`` if it started empty (it may serve a shipped stage
+    already: its capacity is still the one measured at its start), or why it is not counted (unreachable, a
+    static worker)."""
     try:
         async with open_channel(address, security) as channel:
             info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         return f"{address}: {exc.code().name} {exc.details()}"
-    if not info.empty:
-        return f"{address}: not empty (serves stage {info.stage} of {info.model_id!r})"
+    if not info.empty and info.ms_per_gb <= 0:  # started with --shard/--model: it has no stage store
+        return (f"{address}: a static worker (--shard/--model) serving stage {info.stage} of {info.model_id!r} "
+                f"(build {info.manifest_sha256[:12]}): it takes no shipped stage")
     return info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
 
 
 async def collect_capacities(addresses: list[str], security: Security, expect: int,
                              timeout_s: float) -> dict[str, tuple[str, Capacity]]:
-    """worker id -> (address, capacity) of the empty workers among ``addresses`` (--peers), once ``expect``
-    of them answer Info as empty. Raises ``TimeoutError`` after ``timeout_s`` naming what was found and why
+    """worker id -> (address, capacity) of the workers among ``addresses`` (--peers) that started empty, once
+    ``expect`` of them answer Info (empty, or serving a stage shipped to them: a restarted coordinator finds them so). Raises ``TimeoutError`` after ``timeout_s`` naming what was found and why
     each other address is not counted."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -161,17 +167,40 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     return out
 
 
+async def _served(channel: grpc.aio.Channel, address: str) -> pb.InfoReply:
+    """The worker's Info (what it serves now); ``ShippingError`` naming it when the call fails."""
+    from fleet_common.shipping import ShippingError
+
+    try:
+        return await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        raise ShippingError(f"worker {address}: Info failed before shipping: {exc.code().name} {exc.details()}",
+                            exc.code()) from None
+
+
 async def ship_plan(build_dir: Path, addresses: list[str], security: Security, progress: bool = True) -> list:
     """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
     worker lacks) and loaded there, one worker after another, with rich progress on this side when
-    ``progress``. Returns the ``ShipReport`` per stage. Raises ``ShippingError`` naming the worker."""
+    ``progress``. A worker whose Info says it serves stage i of this build already (the same manifest sha256:
+    a restarted coordinator) is asked nothing (its report says ``already_served``); one serving another build
+    or stage is shipped and loaded over it (the worker refuses while it holds sessions: ``ShippingError``).
+    Returns the ``ShipReport`` per stage. Raises ``ShippingError`` naming the worker."""
     from contextlib import nullcontext
 
-    from fleet_common.shipping import RichProgress, load_stage, ship_stage
+    from fleet_common.manifest import load_manifest
+    from fleet_common.shipping import RichProgress, ShipReport, load_stage, ship_stage
 
+    sha = load_manifest(build_dir).sha256
     reports = []
     for stage, address in enumerate(addresses):
         async with open_channel(address, security) as channel:
+            info = await _served(channel, address)
+            if not info.empty and info.manifest_sha256 == sha and info.stage == stage:
+                reports.append(ShipReport(stage, [], already_served=True))
+                continue
+            if not info.empty:
+                log.info("worker %s serves stage %d of build %s, not stage %d of %s: shipping over it",
+                         address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
             with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
                 reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
             await load_stage(channel, build_dir, stage, address=address)
@@ -194,8 +223,12 @@ async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.setting
     print("\n".join(planner.report_lines(p)), flush=True)
     cache = settings.build_cache_dir or cache_home("coordinator")
     build_dir = build_for_plan(settings.model, p, cache)
-    for stage, report in enumerate(await ship_plan(build_dir, [found[s.node.name][0] for s in p.stages],
-                                                   settings.security)):
-        print(f"stage {stage}: sent {report.sent_bytes / 1e6:.1f} MB ({report.mb_per_s:.0f} MB/s), "
-              f"{report.held_bytes / 1e6:.1f} MB already held", flush=True)
+    addresses = [found[s.node.name][0] for s in p.stages]
+    for stage, report in enumerate(await ship_plan(build_dir, addresses, settings.security)):
+        if report.already_served:
+            print(f"stage {stage}: {addresses[stage]} serves it already (build {build_dir.name}): nothing shipped",
+                  flush=True)
+        else:
+            print(f"stage {stage}: sent {report.sent_bytes / 1e6:.1f} MB ({report.mb_per_s:.0f} MB/s), "
+                  f"{report.held_bytes / 1e6:.1f} MB already held", flush=True)
     return build_dir

@@ -53,7 +53,7 @@ class ShippingError(RuntimeError):
 class ShipReport:
     """What ``ship_stage`` did: ``sent_bytes`` (file bytes sent this time), ``held_bytes`` (already on the
     worker before), ``files`` (the stage's files), ``completed`` (files the worker checked and put in place
-    this time), ``seconds``."""
+    this time), ``seconds``, ``already_served`` (a coordinator found it serving the stage: nothing was asked)."""
 
     stage: int
     files: list[str]
@@ -61,6 +61,7 @@ class ShipReport:
     held_bytes: int = 0
     completed: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    already_served: bool = False  # the worker served this stage of this build already: nothing shipped or loaded
 
     @property
     def mb_per_s(self) -> float:

@@ -58,3 +58,29 @@ def test_gguf_source_over_empty_workers_answers_as_a_static_fleet_of_its_plan(tm
         static = greedy_with_gaps(static_fleet.url, PROMPT, TOKENS)
     assert planned["ids"] == static["ids"], (planned["tokens"], static["tokens"])
     print("planned ranges:", [(s.start, s.end) for s in manifest.stages], "answer:", "".join(planned["tokens"]))
+
+
+def test_restarted_coordinator_serves_the_stages_workers_hold_and_reships_another_build(tmp_path, demo_hf):
+    """A second coordinator over the same workers, which serve the first's stages, ships and loads nothing and
+    answers the same ids; a third with another source (the demo's HF folder: another build) ships over them."""
+    gguf = harness.demo_gguf(demo_hf)
+    with ExitStack() as stack:
+        first, url, addresses = planned_fleet(gguf, tmp_path, stack)
+        before = greedy_with_gaps(url, PROMPT, TOKENS)
+        first.stop()
+        peers = [arg for a in addresses for arg in ("--peer", a)]
+        (tmp_path / "again").mkdir()
+        again, url = start_coordinator(gguf, tmp_path / "again", "--no-discover", *peers,
+                                       "--build-cache-dir", str(tmp_path / "builds"), "--workers-timeout-s", "10")
+        stack.callback(again.stop)
+        wait_ready(url, 60, again)
+        assert again.text().count("serves it already") == 2 and ": sent" not in again.text(), again.text()[-3000:]
+        assert greedy_with_gaps(url, PROMPT, TOKENS)["ids"] == before["ids"]
+        again.stop()
+        (tmp_path / "other").mkdir()
+        other, url = start_coordinator(demo_hf, tmp_path / "other", "--no-discover", *peers,
+                                       "--build-cache-dir", str(tmp_path / "builds"), "--workers-timeout-s", "10")
+        stack.callback(other.stop)
+        wait_ready(url, 240, other)
+        assert other.text().count(": sent") == 2 and "shipping over it" in other.text(), other.text()[-3000:]
+        assert len(greedy_with_gaps(url, PROMPT, TOKENS)["ids"]) == TOKENS
