@@ -13,7 +13,8 @@ Each fleet cell is ``bench/kernel_bench.py``'s: ``fleet-compiler build FILE --sh
 worker does in its own process pinned to cores ``0..T-1``, ``--prompt`` tokens prefilled then ``--tokens`` greedy
 steps, three times, the median tok/s; peak RSS is that process's VmHWM. ``--profile`` adds OpenVINO's per-op
 profile (``PERF_COUNT``) of both fleet builds: ms per step by op type, and the runtime graph's node types of the MoE
-layer (whether the CPU plugin fused it, where the experts' Gather runs).
+build (whether the CPU plugin matched the tiled expert block of compiler/layers.py ``moe_tiled``: one
+GatherMatmul, compressed, per expert matrix).
 
 Both files carry the demo's 49,152-token vocabulary (``real_gguf``: its tokenizer is copied so that both systems
 read the same file), not Qwen3's 151,936: the head is 0.1 GB of Q6_K, not 0.3 GB.
@@ -37,8 +38,9 @@ GOAL_OVER_DENSE, GOAL_OVER_LLAMA = 1.3, 1.0  # ms/token MoE <= 1.3 x dense; flee
 
 
 def runtime_ops(build: Path, threads: int) -> dict[str, int]:
-    """The CPU plugin's node types (``layerType``) in the compiled MoE stage, counted: a fused MoE shows as its
-    own type, Gather-of-experts as Gather + MatMul (compiled as a worker compiles it)."""
+    """The CPU plugin's node types (``layerType``) in the compiled MoE stage, counted (compiled as a worker
+    compiles it): the tiled expert block, matched, shows as three ``GatherMatmul`` per layer; unmatched, as
+    MatMuls over every expert."""
     import openvino as ov
 
     from fleet_common.manifest import load_manifest

@@ -16,8 +16,8 @@ per expert, ``blk.N.ffn_gate.E.weight`` [I, H] and so on; llama.cpp still loads 
 
 Each expert is the slice ``data[e]`` of the memory-mapped tensor: quantized rows stay whole blocks. Experts of a
 kept type (``gguf.KEPT``) keep their blocks in one stacked constant per matrix (compiler/export.py
-``_Weights.stacked``: codes [E, rows, cols / g, g], scale and, for offset types, a zero point per group, Gathered
-before the decompression); F16/BF16/F32 experts, any other type (dequantized by gguf-py, with the warning) and
+``_Weights.stacked``: codes [E, rows, cols / g, g], scale and, for offset types, a zero point per group, which
+the CPU plugin's GatherMatmulCompressed reads for the chosen experts only); F16/BF16/F32 experts, any other type (dequantized by gguf-py, with the warning) and
 ``--weights int8`` builds stack them as the HF path does.
 """
 

@@ -6,7 +6,6 @@ layer. ``export.py`` assembles a stage from them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -189,9 +188,6 @@ def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
     return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
 
 
-MOE_FORM = os.environ.get("FLEET_MOE_FORM", "tiled")  # "gather": the explicit Gather form (bench/moe_bench.py)
-
-
 def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.Output | None], ov.Output]],
         cfg: ModelConfig, layer: int) -> ov.Output:
     """A sparse Mixture-of-Experts MLP (Qwen3-MoE; transformers' ``Qwen3MoeSparseMoeBlock``), x [B, S, H] ->
@@ -203,10 +199,9 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.O
 
     The experts are written as OpenVINO's tiled MoE block (``moe_tiled``), which the CPU plugin's
     ``ConvertTiledMoeBlockToGatherMatmuls`` turns into GatherMatmul(Compressed) nodes: each token reads only
-    its chosen experts' blocks, still compressed, inside the kernel. ``FLEET_MOE_FORM=gather`` writes the
-    explicit form instead (``moe_gathered``: a Gather of the chosen experts' slices, decompressed to f32 before
-    a batched MatMul): 6.8x slower on the CPU, 117 against 17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M
-    (bench/moe_bench.py; the dense model of its active parameters: 15.6)."""
+    its chosen experts' blocks, still compressed, inside the kernel. It replaced an explicit Gather of the
+    chosen experts' slices, decompressed to f32 before a batched MatMul, 6.8x slower on the CPU (117 against
+    17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M, bench/moe_bench.py; the README keeps that row)."""
     hidden, k = cfg.hidden_size, cfg.experts_per_token
     flat = op.reshape(x, i64([-1, hidden]), special_zero=False)  # [N, H]
     probs = op.softmax(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), -1,
@@ -215,31 +210,19 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.O
     weights, chosen = top.output(0), top.output(1)  # [N, k] each
     if cfg.norm_topk_prob:
         weights = op.divide(weights, op.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
-    form = moe_gathered if MOE_FORM == "gather" else moe_tiled
-    out = form(flat.output(0), weights, chosen, experts, cfg.num_experts)  # [N, H]
+    out = moe_tiled(flat.output(0), weights, chosen, experts, cfg.num_experts)  # [N, H]
     return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
-
-
-def moe_gathered(flat: ov.Output, weights: ov.Output, chosen: ov.Output,
-                 experts: dict[str, Callable[[ov.Output | None], ov.Output]], num_experts: int) -> ov.Output:
-    """The chosen experts' SwiGLU outputs summed with their weights, flat [N, H] -> [N, H]: each token Gathers
-    its experts' slices (``chosen`` [N, k] i64, ``weights`` [N, k] f32) and multiplies them in one batched
-    MatMul per matrix."""
-    tokens = op.unsqueeze(flat, i64([1, 2]))  # [N, 1, 1, H]
-    gate = op.matmul(tokens, experts["gate"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, I]
-    up = op.matmul(tokens, experts["up"](chosen), transpose_a=False, transpose_b=True)
-    act = op.multiply(op.swish(gate), up)
-    out = op.matmul(act, experts["down"](chosen), transpose_a=False, transpose_b=True)  # [N, k, 1, H]
-    return op.reduce_sum(op.multiply(out, op.unsqueeze(weights, i64([2, 3]))), i64([1, 2]), keep_dims=False).output(0)
 
 
 def moe_tiled(flat: ov.Output, weights: ov.Output, chosen: ov.Output,
               experts: dict[str, Callable[[ov.Output | None], ov.Output]], num_experts: int) -> ov.Output:
-    """``moe_gathered``'s result as OpenVINO's tiled MoE block (the form optimum-intel exports Qwen3-MoE in):
-    the tokens tiled over all E experts [E, N, H], three batched MatMuls against the whole stacked experts
-    [E, rows, cols], SwiGLU, and the outputs weighted by the routing map [E, N, 1] (the top-k weights scattered
-    into zeros [N, E]) and summed over E. Computed as written, every expert runs; the CPU plugin matches the
-    block and runs only the chosen experts (GatherMatmul)."""
+    """The chosen experts' SwiGLU outputs summed with their weights, flat [N, H] f32 -> [N, H] (``chosen`` [N, k]
+    i64, ``weights`` [N, k] f32; ``experts[part](None)``: all E experts' matrix [E, rows, cols] f32, its
+    decompression chain whole), as OpenVINO's tiled MoE block (the form optimum-intel exports Qwen3-MoE in):
+    the tokens tiled over all E experts [E, N, H], three batched MatMuls against the whole stacked experts,
+    SwiGLU, and the outputs weighted by the routing map [E, N, 1] (the top-k weights scattered into zeros
+    [N, E]) and summed over E. Computed as written, every expert runs; the CPU plugin matches the block and
+    runs only the chosen experts (GatherMatmul)."""
     hidden = flat.get_partial_shape()[1].get_length()
     tiled = op.reshape(op.tile(flat, i64([num_experts, 1])), i64([num_experts, -1, hidden]), special_zero=False)
     gate = op.matmul(tiled, experts["gate"](None), transpose_a=False, transpose_b=True)  # [E, N, I]
