@@ -7,7 +7,7 @@ fleets, stopped with their process groups), cached builds, the machine's facts, 
   by zeroconf) and one or more coordinators over them. Every child runs this checkout's code
   (``PYTHONPATH`` is the repository), from the console scripts beside this interpreter.
 * **Builds.** :func:`compiler_key` hashes the sources a build runs (every repository module that
-  ``compiler.build`` and ``compiler.draft`` import, listed by ``bench/build_sources.py`` in a fresh
+  ``compiler.build`` and ``compiler.draft`` import, listed by ``compiler/code_key.py`` in a fresh
   interpreter) and the wire protocol version; :func:`ensure_build` runs ``fleet-compiler build`` into a
   cache folder named by that key, the source and the options, once.
 * **Reports.** :func:`machine` is the one shape of machine facts every JSON report carries,
@@ -19,7 +19,6 @@ The benchmarks run as ``python bench/NAME.py`` (the venv's editable install make
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -286,25 +285,20 @@ class Fleet:
 
 # ---------------------------------------------------------------- builds
 
-@functools.cache
 def build_sources() -> tuple[str, ...]:
-    """The repository's files a build runs (relative paths), listed by ``bench/build_sources.py`` in a fresh
-    interpreter: every module ``compiler.build`` and ``compiler.draft`` import, not a hand-kept list."""
-    out = subprocess.run([sys.executable, "-m", "bench.build_sources"], cwd=ROOT, env=repo_env(),
-                         capture_output=True, text=True, timeout=120, check=True)
-    return tuple(out.stdout.split())
+    """The repository's files a build runs (relative paths): ``compiler.code_key.build_sources``, listed in a
+    fresh interpreter, every module ``compiler.build`` and ``compiler.draft`` import, not a hand-kept list."""
+    from compiler.code_key import build_sources as listed
+
+    return listed()
 
 
-@functools.cache
 def compiler_key() -> str:
     """A short hash of the code a build runs (:func:`build_sources`) and of the wire protocol version: a
-    cached build is remade when either changes."""
-    from fleet_common import PROTOCOL_VERSION
+    cached build is remade when either changes (``compiler.code_key.compiler_key``, the coordinator's too)."""
+    from compiler.code_key import compiler_key as key
 
-    digest = hashlib.sha256(f"protocol {PROTOCOL_VERSION}".encode())
-    for path in build_sources():
-        digest.update(path.encode() + b"\0" + (ROOT / path).read_bytes())
-    return digest.hexdigest()[:10]
+    return key()
 
 
 def source_key(src: Path) -> str:

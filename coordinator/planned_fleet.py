@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 2.0  # one Info call's deadline while collecting
 GGUF_INT8_BYTES = 1.1  # a GGUF's tensor bytes per parameter up to which its weights are planned as int8
 POLL_S = 0.5  # between rounds of Info calls while fewer than the expected workers answer as empty
+SOURCE_HASHES = "source-hashes.json"  # in the build cache dir: source path -> stat key, sha256
+SOURCE_HASHES_KEPT = 64  # sources remembered there (the newest)
 
 
 def _planner():  # noqa: ANN202
@@ -66,10 +70,19 @@ def plan_fleet(dims: ModelDims, capacities: dict[str, Capacity], weights: str = 
                            kv_cache_precision=kv_cache_precision)
 
 
-def build_key(source_sha256: str, layer_ranges: str, weights: str) -> str:
-    """The build cache's folder name for a plan: 16 hex of sha256 over source hash, ranges (``0-14,15-29``)
-    and weight format, so the same source, plan and weights find the same build."""
-    return hashlib.sha256(f"{source_sha256}\n{layer_ranges}\n{weights}".encode()).hexdigest()[:16]
+def build_key(source_sha256: str, layer_ranges: str, weights: str, kv_cache_precision: str = "f16",
+              devices: tuple[str, ...] = (), code: str | None = None) -> str:
+    """The build cache's folder name for a plan: 16 hex of sha256 over the source's hash, the ranges
+    (``0:14,14:30``), the weights as built (``gguf``: its blocks kept), the KV cache precision, the stages'
+    devices (written into the manifest) and the compiler's code key (``code``, default
+    compiler.code_key.compiler_key: a build made by other compiler code is not taken), so only the same
+    source, plan, options and compiler find the same build."""
+    if code is None:
+        from compiler.code_key import compiler_key
+
+        code = compiler_key()
+    parts = (source_sha256, layer_ranges, weights, kv_cache_precision, ",".join(devices), code)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 async def _capacity(address: str, security: Security) -> tuple[str, Capacity] | str:
@@ -106,16 +119,58 @@ async def collect_capacities(addresses: list[str], security: Security, expect: i
         await asyncio.sleep(POLL_S)
 
 
-def source_sha256(src: Path) -> str:
-    """sha256 over a GGUF file's bytes, or over an HF folder's files (relative path and bytes, sorted)."""
+def _source_files(src: Path) -> list[Path]:
+    return [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+
+
+def _stat_key(src: Path) -> str:
+    """What says a source is unchanged without reading it: each file's relative path, size and mtime_ns."""
+    parts = [f"{p.relative_to(src) if p != src else p.name}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}"
+             for p in _source_files(src)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _hash_source(src: Path) -> str:
     h = hashlib.sha256()
-    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
-    for path in files:
+    for path in _source_files(src):
         h.update(str(path.relative_to(src) if path != src else path.name).encode() + b"\0")
         with path.open("rb") as f:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def source_sha256(src: Path, cache_dir: Path | None = None) -> str:
+    """sha256 over a GGUF file's bytes, or over an HF folder's files (relative path and bytes, sorted). With
+    ``cache_dir``, remembered in ``cache_dir/SOURCE_HASHES`` by the source's resolved path and its files'
+    (path, size, mtime_ns): a 40 GB source is read once, not at every start (a file rewritten in place with
+    its size and mtime restored would not be noticed). The file keeps the ``SOURCE_HASHES_KEPT`` newest
+    sources; an unreadable one is hashed over with a warning."""
+    src = Path(src)
+    if cache_dir is None:
+        return _hash_source(src)
+    path, where, stat = Path(cache_dir) / SOURCE_HASHES, str(src.resolve()), _stat_key(src)
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        log.warning("source hash cache %s unreadable (%s): hashing %s again", path, exc, src)
+        known = {}
+    entry = known.get(where) if isinstance(known, dict) else None
+    if isinstance(entry, dict) and entry.get("stat") == stat and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    t0 = time.monotonic()
+    digest = _hash_source(src)
+    log.info("hashed %s in %.1f s (kept in %s)", src, time.monotonic() - t0, path)
+    known = {k: v for k, v in (known if isinstance(known, dict) else {}).items() if k != where}
+    known = dict(list(known.items())[-(SOURCE_HASHES_KEPT - 1):]) | {where: {"stat": stat, "sha256": digest}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot keep the source hash in %s: %s", path, exc)
+    return digest
 
 
 def is_gguf(src: Path) -> bool:
@@ -151,7 +206,8 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     from fleet_common.manifest import MANIFEST_NAME
 
     gguf = is_gguf(src)
-    out = cache_dir / "builds" / build_key(source_sha256(src), p.layers, "gguf" if gguf else p.weights)
+    out = cache_dir / "builds" / build_key(source_sha256(src, cache_dir), p.layers, "gguf" if gguf else p.weights,
+                                           p.kv_cache_precision, tuple(s.node.device for s in p.stages))
     if (out / MANIFEST_NAME).is_file():
         return out
     _planner()  # the compile extra's clear error before anything else

@@ -22,10 +22,11 @@ TOKENS = 24
 
 
 def planned_fleet(source: Path, tmp_path: Path, stack: ExitStack, caches: str = "c", run: str = "") -> tuple:
-    """Two empty workers (stage caches ``tmp_path/<caches>I``) and a coordinator serving ``source`` over them by
-    --peer with the build cache ``tmp_path/builds``; returns (coordinator proc, its URL, the worker addresses)."""
-    addresses = [serving(spawn_worker(tmp_path / f"w{run}{i}.log", stack, "--cache-dir", str(tmp_path / f"{caches}{i}")),
-                         empty=True) for i in range(2)]
+    """Two empty workers (model caches ``tmp_path/<caches>I``, stage caches ``tmp_path/s<caches>I``) and a
+    coordinator serving ``source`` over them by --peer with the build cache ``tmp_path/builds``; returns
+    (coordinator proc, its URL, the worker addresses)."""
+    addresses = [serving(spawn_worker(tmp_path / f"w{run}{i}.log", stack, "--cache-dir", str(tmp_path / f"{caches}{i}"),
+                                      "--stages-dir", str(tmp_path / f"s{caches}{i}")), empty=True) for i in range(2)]
     (tmp_path / f"coord{run}").mkdir()
     proc, url = start_coordinator(source, tmp_path / f"coord{run}", "--no-discover",
                                   *(arg for a in addresses for arg in ("--peer", a)),

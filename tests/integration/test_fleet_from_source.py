@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 
 def test_two_empty_workers_are_collected_and_planned(tmp_path):
     with ExitStack() as stack:
-        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}")),
+        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
+                                          "--stages-dir", str(tmp_path / f"s{i}")),
                              empty=True) for i in range(2)]
         found = asyncio.run(collect_capacities(addresses, Security(), expect=2, timeout_s=30))
     assert sorted(a for a, _ in found.values()) == sorted(addresses)
@@ -57,7 +58,8 @@ def test_ship_plan_sends_each_worker_only_its_stage_then_nothing(tmp_path, demo_
     from fleet_common.manifest import load_manifest
 
     with ExitStack() as stack:
-        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}")),
+        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
+                                          "--stages-dir", str(tmp_path / f"s{i}")),
                              empty=True) for i in range(2)]
         found = asyncio.run(collect_capacities(addresses, Security(), expect=2, timeout_s=30))
         p = plan_fleet(read_model(demo_hf).dims, {w: c for w, (_, c) in found.items()})
@@ -84,7 +86,8 @@ def test_serve_model_source_over_empty_workers_then_restart_ships_nothing(tmp_pa
         texts = []
         for run in range(2):  # the second: the workers restarted empty, their caches holding the stages
             addresses = [serving(spawn_worker(tmp_path / f"w{run}{i}.log", stack, "--cache-dir",
-                                              str(tmp_path / f"c{i}")), empty=True) for i in range(2)]
+                                              str(tmp_path / f"c{i}"), "--stages-dir", str(tmp_path / f"s{i}")),
+                                 empty=True) for i in range(2)]
             peers = [arg for a in addresses for arg in ("--peer", a)]
             t0 = time.monotonic()
             (tmp_path / f"coord{run}").mkdir()

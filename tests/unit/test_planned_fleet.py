@@ -49,3 +49,36 @@ def test_collect_times_out_naming_what_was_not_found():
     with pytest.raises(TimeoutError) as exc:
         asyncio.run(collect_capacities([address], Security(), expect=1, timeout_s=0.5))
     assert "expected 1 empty workers, 0 answered" in str(exc.value) and address in str(exc.value)
+
+
+def test_build_key_follows_kv_precision_devices_and_compiler_code():
+    from compiler.code_key import compiler_key
+
+    key = build_key("ab", "0:14,14:30", "fp16", "f16", ("CPU", "CPU"), code="c1")
+    assert key == build_key("ab", "0:14,14:30", "fp16", "f16", ("CPU", "CPU"), code="c1")
+    assert key != build_key("ab", "0:14,14:30", "fp16", "f32", ("CPU", "CPU"), code="c1")
+    assert key != build_key("ab", "0:14,14:30", "fp16", "f16", ("CPU", "GPU"), code="c1")
+    assert key != build_key("ab", "0:14,14:30", "fp16", "f16", ("CPU", "CPU"), code="c2")
+    assert build_key("ab", "0:14,14:30", "gguf") == build_key("ab", "0:14,14:30", "gguf", code=compiler_key())
+
+
+def test_source_hash_is_kept_by_path_size_and_mtime(tmp_path):
+    import hashlib
+    import json
+    import os
+
+    from coordinator.planned_fleet import SOURCE_HASHES, source_sha256
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    first = source_sha256(src, tmp_path / "cache")
+    assert first == source_sha256(src) == hashlib.sha256(b"m.gguf\0" + src.read_bytes()).hexdigest()
+    assert json.loads((tmp_path / "cache" / SOURCE_HASHES).read_text())[str(src.resolve())]["sha256"] == first
+    stamp = src.stat().st_mtime_ns
+    src.write_bytes(b"GGUF" + bytes(reversed(range(256))) * 64)  # same size; mtime put back: taken as unchanged
+    os.utime(src, ns=(stamp, stamp))
+    assert source_sha256(src, tmp_path / "cache") == first  # the kept hash: the bytes were not read again
+    os.utime(src, ns=(stamp + 1000, stamp + 1000))
+    assert source_sha256(src, tmp_path / "cache") == source_sha256(src) != first
+    (tmp_path / "cache" / SOURCE_HASHES).write_text("{not json")
+    assert source_sha256(src, tmp_path / "cache") == source_sha256(src)  # an unreadable cache: hashed over
