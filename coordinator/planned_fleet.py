@@ -2,20 +2,22 @@
 (an HF folder or a GGUF file) over empty ``--peer`` workers. ``prepare_build`` collects their capacities
 (fleet_common.discovery.Capacity, ``collect_capacities``), plans over them (``plan_fleet``), builds the plan's
 stages into the coordinator's cache (``build_for_plan``, keyed by ``build_key``) and ships each worker its
-stage (``ship_plan``, fleet_common.shipping). Re-planning on join/leave (item 3) would call those three; mDNS
-collection is not done yet.
+stage (``ship_plan``, fleet_common.shipping). Re-planning on join/leave (item 3) would call those three. Without
+--peer the empty workers are those zeroconf hears (``browsing``).
 
 Imports compiler.planner lazily: it needs the compile extra (``pip install .[compile]``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 2.0  # one Info call's deadline while collecting
 GGUF_INT8_BYTES = 1.1  # a GGUF's tensor bytes per parameter up to which its weights are planned as int8
 POLL_S = 0.5  # between rounds of Info calls while fewer than the expected workers answer as empty
+SETTLE_S = 5.0  # without --expect-workers: plan once no new empty worker has answered for this long
+RESOLVE_TIMEOUT_MS = 3000  # one zeroconf resolution of a worker's announcement
 SOURCE_HASHES = "source-hashes.json"  # in the build cache dir: source path -> stat key, sha256
 SOURCE_HASHES_KEPT = 64  # sources remembered there (the newest)
 
@@ -100,23 +104,77 @@ async def _capacity(address: str, security: Security) -> tuple[str, Capacity] | 
     return info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
 
 
-async def collect_capacities(addresses: list[str], security: Security, expect: int,
-                             timeout_s: float) -> dict[str, tuple[str, Capacity]]:
-    """worker id -> (address, capacity) of the workers among ``addresses`` (--peers) that started empty, once
-    ``expect`` of them answer Info (empty, or serving a stage shipped to them: a restarted coordinator finds them so). Raises ``TimeoutError`` after ``timeout_s`` naming what was found and why
-    each other address is not counted."""
+async def collect_capacities(addresses: list[str], security: Security, expect: int, timeout_s: float,
+                             heard: set[str] | None = None,
+                             settle_s: float = SETTLE_S) -> dict[str, tuple[str, Capacity]]:
+    """worker id -> (address, capacity) of the workers among ``addresses`` (--peers) and ``heard`` (addresses
+    zeroconf adds while this waits: ``browsing``) that started empty, once ``expect`` of them answer Info
+    (empty, or serving a stage shipped to them: a restarted coordinator finds them so); with ``expect`` 0, those
+    that answer once no new one has turned up for ``settle_s`` (at least one). Raises ``TimeoutError`` after
+    ``timeout_s`` naming what was found and why each other address is not counted."""
     deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
+    changed = time.monotonic()
     while True:
-        answers = await asyncio.gather(*(_capacity(a, security) for a in addresses))
-        found = {a[0]: (addr, a[1]) for addr, a in zip(addresses, answers, strict=True) if isinstance(a, tuple)}
-        if len(found) >= expect:
+        asked = sorted(set(addresses) | (heard or set()))
+        answers = await asyncio.gather(*(_capacity(a, security) for a in asked))
+        found = {a[0]: (addr, a[1]) for addr, a in zip(asked, answers, strict=True) if isinstance(a, tuple)}
+        if set(found) != seen:
+            seen, changed = set(found), time.monotonic()
+        if (expect and len(found) >= expect) or (not expect and found and time.monotonic() - changed >= settle_s):
             return found
         if time.monotonic() >= deadline:
             names = ", ".join(f"{wid} at {addr} ({cap.line()})" for wid, (addr, cap) in found.items()) or "none"
             why = "; ".join(a for a in answers if isinstance(a, str)) or "-"
-            raise TimeoutError(f"expected {expect} empty workers, {len(found)} answered in {timeout_s:.0f} s: "
-                               f"{names}; not counted: {why}")
+            raise TimeoutError(f"expected {expect or 'at least 1'} empty workers, {len(found)} answered in "
+                               f"{timeout_s:.0f} s: {names}; not counted: {why}")
         await asyncio.sleep(POLL_S)
+
+
+@contextlib.asynccontextmanager
+async def browsing() -> AsyncIterator[set[str]]:
+    """The ``host:port`` addresses of every ``_fleet._tcp`` worker zeroconf hears while the block runs (a set
+    that grows; an announcement resolved once, within ``RESOLVE_TIMEOUT_MS``): where ``collect_capacities``
+    finds empty workers without --peer. Which of them started empty, Info says."""
+    from zeroconf import IPVersion, ServiceStateChange
+    from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+    from fleet_common import SERVICE_TYPE
+
+    heard: set[str] = set()
+    tasks: set[asyncio.Future] = set()
+    zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
+
+    async def resolve(name: str) -> None:
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if await info.async_request(zc.zeroconf, RESOLVE_TIMEOUT_MS):
+            new = {f"{h}:{info.port}" for h in info.parsed_addresses(IPVersion.V4Only)} - heard
+            if new:
+                log.info("zeroconf: %s at %s", name, ", ".join(sorted(new)))
+            heard.update(new)
+        else:
+            log.warning("zeroconf: %s announced but not resolved in %d ms", name, RESOLVE_TIMEOUT_MS)
+
+    def done(task: asyncio.Future) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("zeroconf: resolving a worker failed", exc_info=task.exception())
+
+    def on_change(zeroconf, service_type, name, state_change) -> None:  # noqa: ANN001 - zeroconf's handler
+        if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
+            task = asyncio.ensure_future(resolve(name))
+            tasks.add(task)
+            task.add_done_callback(done)
+
+    browser = AsyncServiceBrowser(zc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
+    try:
+        yield heard
+    finally:
+        await browser.async_cancel()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await zc.async_close()
 
 
 def _source_files(src: Path) -> list[Path]:
@@ -264,15 +322,20 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security, p
 
 
 async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
-    """``serve --model SOURCE``: the empty --peer workers collected (``--expect-workers``, default all of
-    them), planned over, the plan built (cached) and each stage shipped and loaded; returns the build folder
-    to serve as usual. mDNS collection is not done yet: give the workers with --peer."""
-    if not settings.peer:
-        raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer "
-                         "(finding them by mDNS is not done yet)")
-    planner = _planner()
-    found = await collect_capacities(settings.peer, settings.security, settings.expect_workers or len(settings.peer),
-                                     settings.workers_timeout_s)
+    """``serve --model SOURCE``: the empty workers collected (the --peer ones; without --peer, those zeroconf
+    hears; ``--expect-workers`` of them, default every --peer, or by mDNS all that answer until none is new
+    for ``SETTLE_S``), planned over, the plan built (cached) and each stage shipped and loaded; returns the
+    build folder to serve as usual. Raises ``ValueError`` without --peer and with --no-discover."""
+    if not settings.peer and not settings.discover:
+        raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer, "
+                         "or let zeroconf find them (drop --no-discover)")
+    planner = _planner()  # the compile extra's clear error before any wait
+    expect = settings.expect_workers or len(settings.peer)
+    async with browsing() if not settings.peer else contextlib.nullcontext(None) as heard:
+        if heard is not None:
+            log.info("browsing zeroconf for empty workers (%s)", f"{expect} expected" if expect
+                     else f"all that answer until none is new for {SETTLE_S:.0f} s")
+        found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard)
     source = source_model(settings.model)
     p = plan_fleet(source.dims, {w: c for w, (_, c) in found.items()}, weights=source.weights,
                    kv_cache_precision=source.kv_cache_precision)

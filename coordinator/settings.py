@@ -18,11 +18,13 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEET_", cli_kebab_case=True, cli_implicit_flags=True)
 
     model: Path = Field(description="build folder written by fleet-compiler build (manifest, tokenizer), an "
-                        "HF folder or a .gguf file: then the coordinator plans, builds and ships it over empty --peer workers")
+                        "HF folder or a .gguf file: then the coordinator plans, builds and ships it over empty workers "
+                        "(--peer, else found by mDNS)")
     host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 serves the LAN")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     expect_workers: int = Field(0, ge=0, description="--model SOURCE (an HF folder or a .gguf, not a build): plan, "
-                                "build and ship over this many empty --peer workers (0 = as many --peer as given)")
+                                "build and ship over this many empty workers (0 = as many --peer as given; by "
+                                "mDNS: all that answer until none is new for 5 s)")
     workers_timeout_s: float = Field(120.0, gt=0, description="longest wait for the expected empty workers")
     build_cache_dir: Path | None = Field(None, description="where builds of a SOURCE are cached (default "
                                          "$XDG_CACHE_HOME/fleet/coordinator)")

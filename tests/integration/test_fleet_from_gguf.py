@@ -85,3 +85,29 @@ def test_restarted_coordinator_serves_the_stages_workers_hold_and_reships_anothe
         wait_ready(url, 240, other)
         assert other.text().count(": sent") == 2 and "shipping over it" in other.text(), other.text()[-3000:]
         assert len(greedy_with_gaps(url, PROMPT, TOKENS)["ids"]) == TOKENS
+
+
+def test_empty_workers_found_by_mdns_without_peers(tmp_path, demo_hf):
+    """No --peer: the coordinator browses zeroconf on loopback, takes the announced empty workers once no new one
+    turned up for SETTLE_S, plans over both, ships and serves (the registry finds them by mDNS as stages)."""
+    from tests.conftest import EXACT_WORKER
+
+    gguf = harness.demo_gguf(demo_hf)
+    with ExitStack() as stack:
+        announced = [[*harness.tool("fleet-worker"), "--port", "0", *EXACT_WORKER,
+                      "--cache-dir", str(tmp_path / f"c{i}"),
+                      "--stages-dir", str(tmp_path / f"s{i}")] for i in range(2)]  # announced on loopback
+        addresses = [serving(harness.spawn(cmd, tmp_path / f"w{i}.log", stack), empty=True)
+                     for i, cmd in enumerate(announced)]
+        (tmp_path / "coord").mkdir()
+        proc, url = start_coordinator(gguf, tmp_path / "coord", "--build-cache-dir", str(tmp_path / "builds"),
+                                      "--workers-timeout-s", "60")
+        stack.callback(proc.stop)
+        wait_ready(url, 240, proc)
+        text = proc.text()
+        assert "browsing zeroconf for empty workers" in text and text.count(": sent") == 2, text[-3000:]
+        for address in addresses:
+            assert f"at {address}" in text, (address, text[-3000:])  # heard by zeroconf
+        assert "(mdns)" in text  # and served as stages found by mDNS
+        assert len(greedy_with_gaps(url, PROMPT, TOKENS)["ids"]) == TOKENS
+    assert load_manifest(the_build(tmp_path)).manifest.num_stages == 2

@@ -82,3 +82,18 @@ def test_source_hash_is_kept_by_path_size_and_mtime(tmp_path):
     assert source_sha256(src, tmp_path / "cache") == source_sha256(src) != first
     (tmp_path / "cache" / SOURCE_HASHES).write_text("{not json")
     assert source_sha256(src, tmp_path / "cache") == source_sha256(src)  # an unreadable cache: hashed over
+
+
+def test_collect_without_expect_waits_for_one_heard_address_at_least():
+    import asyncio
+    import socket
+
+    from coordinator.planned_fleet import collect_capacities
+    from fleet_common.security import Security
+
+    with socket.socket() as s:  # a free port nothing listens on, as if zeroconf had heard it
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(TimeoutError) as exc:
+        asyncio.run(collect_capacities([], Security(), expect=0, timeout_s=0.5, heard={address}, settle_s=0.1))
+    assert "expected at least 1 empty workers, 0 answered" in str(exc.value) and address in str(exc.value)
