@@ -187,12 +187,16 @@ def _http_protocol(settings: CoordinatorSettings) -> type:
 
 async def serve(settings: CoordinatorSettings) -> None:
     """Run the coordinator until SIGINT/SIGTERM (see ``_Shutdown``; SIGUSR1 logs what every task
-    awaits). Raises ``ManifestError`` for a bad build folder."""
+    awaits). Raises ``ManifestError`` for a bad build folder, ``planned_fleet.SourceError`` for a model source
+    that could not be collected for, planned, built or shipped (the message names the worker and the numbers)."""
     dump_tasks_on_signal()
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
-        from .planned_fleet import prepare_build  # a SOURCE, not a build: plan, build and ship first
+        from .planned_fleet import SourceError, prepare_build  # a SOURCE, not a build: plan, build and ship first
 
-        settings.model = await prepare_build(settings)
+        try:
+            settings.model = await prepare_build(settings)
+        except (ValueError, OSError, RuntimeError) as exc:  # TimeoutError is an OSError, ShippingError a RuntimeError
+            raise SourceError(f"serve --model {settings.model}: {exc}") from exc
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)
@@ -256,6 +260,13 @@ class Serve(CoordinatorSettings):
         try:
             asyncio.run(serve(CoordinatorSettings(**self.model_dump())))
         except ManifestError as exc:
+            log.error("%s", exc)
+            sys.exit(2)
+        except RuntimeError as exc:
+            from .planned_fleet import SourceError
+
+            if not isinstance(exc, SourceError):
+                raise
             log.error("%s", exc)
             sys.exit(2)
         except KeyboardInterrupt:  # Ctrl-C before the coordinator's own handlers were installed

@@ -44,6 +44,11 @@ SOURCE_HASHES = "source-hashes.json"  # in the build cache dir: source path -> s
 SOURCE_HASHES_KEPT = 64  # sources remembered there (the newest)
 
 
+class SourceError(RuntimeError):
+    """``serve --model SOURCE`` could not collect workers, plan, build or ship; the message names the worker,
+    the numbers and the cause (a timeout, ``PlanRefused``, ``BuildError``, ``ShippingError``, ...)."""
+
+
 def _planner():  # noqa: ANN202
     """compiler.planner, or ``RuntimeError`` naming the extra to install."""
     try:
