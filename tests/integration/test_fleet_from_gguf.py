@@ -1,17 +1,23 @@
 """``fleet-coordinator serve --model FILE.gguf`` over empty workers (issue 30): the demo's Q4_1 GGUF is planned
 from its metadata's dimensions, built with its blocks kept (as ``fleet-compiler build FILE.gguf``), shipped and
 served; its greedy answer (token ids, f32 workers) equals a static fleet's of the same build (``--shard i
---model BUILD`` workers). Workers run with --no-announce: other tests on this machine must not find them."""
+--model BUILD`` workers), whose workers are named and not counted as empty. A restarted coordinator over workers
+serving its stages ships nothing; one of another build ships over them. Without --peer, empty workers announced
+on loopback are found by mDNS. Workers otherwise run with --no-announce: other tests on this machine must not
+find them."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from bench import harness
+from coordinator.planned_fleet import collect_capacities
 from fleet_common.manifest import load_manifest
+from fleet_common.security import Security
 from tests.conftest import Fleet, greedy_with_gaps, start_coordinator, wait_ready
 from tests.integration.test_shipping import serving, spawn_worker
 
@@ -57,6 +63,9 @@ def test_gguf_source_over_empty_workers_answers_as_a_static_fleet_of_its_plan(tm
     (tmp_path / "static").mkdir()
     with Fleet(build, tmp_path / "static", peers=True) as static_fleet:
         static = greedy_with_gaps(static_fleet.url, PROMPT, TOKENS)
+        with pytest.raises(TimeoutError) as refused:  # a static --shard worker is named, not counted
+            asyncio.run(collect_capacities(static_fleet.peers, Security(), expect=1, timeout_s=1))
+    assert refused.value.args[0].count("a static worker (--shard/--model)") == 2, refused.value
     assert planned["ids"] == static["ids"], (planned["tokens"], static["tokens"])
     print("planned ranges:", [(s.start, s.end) for s in manifest.stages], "answer:", "".join(planned["tokens"]))
 
