@@ -1,7 +1,9 @@
 """Peak memory of ``fleet-compiler build`` on a model with Llama-3-8B layer dimensions, beside the old
-torch path's on the same model, and a 4-stage fleet of it answering through real workers.
+torch path's on the same model, and a 4-stage fleet of it answering through real workers; or
+(``--source qwen3-30b-a3b``) on a Mixture-of-Experts GGUF of Qwen3-30B-A3B's shape.
 
     python bench/build_memory.py --json results.json        # ~20 minutes on 2 cores, ~17 GB of disk
+    python bench/build_memory.py --source qwen3-30b-a3b --layers 4 --shards 2 --no-fleet --json moe.json
 
 1. **The model**: a synthetic Llama with Llama-3.1-8B's dimensions (hidden 4096, 32 query and 8 KV
    heads, head 128, intermediate 14336, vocabulary 128256, untied head, ``llama3`` RoPE scaling) and
@@ -18,6 +20,11 @@ torch path's on the same model, and a 4-stage fleet of it answering through real
    model); the table shows its peak or where it was stopped.
 4. **The fleet**: the int8 build served by 4 ``fleet-worker`` processes (no mDNS, loopback) and a
    coordinator; one chat request of ``--tokens`` tokens; each worker's peak RSS.
+
+``--source qwen3-30b-a3b``: instead of 1., ``bench/real_gguf.py``'s random F16 GGUF of Qwen3-30B-A3B's shape
+(hidden 2048, 128 experts of 768 a layer, 8 chosen, 32/4 heads of 128, untied head; the demo's 49,152-token
+vocabulary) with ``--layers`` layers (default 4: 1.2 GB of stacked experts a layer, 5.2 GB in all), made once
+into real_gguf's cache; built as 2. (``--shards``), with no old path (the torch exporter built no MoE).
 
 Prints a table; ``--json`` writes every figure.
 """
@@ -45,6 +52,7 @@ OLD_REF = "d507294"  # the last commit whose fleet-compiler built through torch
 DIMS = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "intermediate_size": 14336, "vocab_size": 128256}
 SHARD_BYTES = 2 * 10**9
+MOE_SOURCE = "qwen3-30b-a3b"  # bench/real_gguf.py's shape
 
 
 def _bf16_noise(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -140,14 +148,15 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 class PeakRSS:
-    """Samples the RSS of a process tree every ``interval_s`` (psutil) in a thread; kills the tree when it
-    passes ``cap_bytes``."""
+    """Samples the RSS of a process tree every ``interval_s`` (psutil) in a thread, and its anonymous part (RSS
+    less the file-backed and shared pages: a memory-mapped source's pages are file-backed); kills the tree when
+    it passes ``cap_bytes``."""
 
     def __init__(self, pid: int, cap_bytes: int | None = None, interval_s: float = 0.05) -> None:
         import psutil
 
         self.proc, self.cap, self.interval = psutil.Process(pid), cap_bytes, interval_s
-        self.peak, self.capped_at = 0, None
+        self.peak, self.peak_anon, self.capped_at = 0, 0, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -165,13 +174,14 @@ class PeakRSS:
 
         start = time.monotonic()
         while not self._stop.is_set():
-            rss = 0
+            rss = anon = 0
             for p in self._tree():
                 try:
-                    rss += p.memory_info().rss
+                    info = p.memory_info()
                 except psutil.NoSuchProcess:
-                    pass
-            self.peak = max(self.peak, rss)
+                    continue
+                rss, anon = rss + info.rss, anon + info.rss - info.shared
+            self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
             if self.cap and rss > self.cap and self.capped_at is None:
                 self.capped_at = time.monotonic() - start
                 for p in self._tree():
@@ -201,6 +211,7 @@ def timed_build(cmd: list[str], log: Path, cwd: Path, cap_bytes: int | None = No
     maxrss = next((int(line.split(":")[1]) * 1024 for line in text.splitlines()
                    if "Maximum resident set size" in line), 0)
     return {"wall_s": round(time.monotonic() - t0, 1), "returncode": rc, "peak_rss_bytes": max(maxrss, sampled),
+            "peak_anonymous_bytes": sampler.peak_anon,
             "killed_at_cap_after_s": None if sampler.capped_at is None else round(sampler.capped_at, 1),
             "log_tail": text.splitlines()[-3:] if rc else []}
 
@@ -243,10 +254,29 @@ def old_worktree(ref: str, where: Path) -> Path:
     return where
 
 
+def make_source(source: str, work: Path, layers: int) -> tuple[Path, int, dict]:
+    """(the model to build, its bytes, its dimensions) for ``--source``: the synthetic Llama (``make_model``) or
+    the MoE GGUF (``MOE_SOURCE``, bench/real_gguf.py)."""
+    if source == MOE_SOURCE:
+        from dataclasses import asdict
+
+        from bench import real_gguf
+
+        print(f"MoE source: {layers} layers of {source}'s shape (real_gguf, F16)", flush=True)
+        gguf = real_gguf.ensure(source, "F16", layers)
+        return gguf, gguf.stat().st_size, asdict(real_gguf.SHAPES[source]) | {"layers": layers}
+    print(f"synthetic model: {layers} layers of Llama-3-8B dimensions in {work / 'model'}", flush=True)
+    model = make_model(work / "model", layers)
+    return model, sum(p.stat().st_size for p in model.glob("*.safetensors")), DIMS
+
+
 def main(argv: list[str] | None = None) -> int:
     """Make the model, build it per format (and by the old path), serve the int8 build; prints the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=10, help="decoder layers of the synthetic model (default 10)")
+    ap.add_argument("--source", choices=("llama-8b", MOE_SOURCE), default="llama-8b",
+                    help="the synthetic Llama-3.1-8B-shaped HF folder, or an MoE GGUF of Qwen3-30B-A3B's shape")
+    ap.add_argument("--layers", type=int, help="decoder layers of the model (default 10; the MoE 4)")
+    ap.add_argument("--shards", type=int, default=4, help="stages to build (default 4)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "models" / "build-memory")
     ap.add_argument("--old-ref", default=OLD_REF, help="git commit of the torch build path ('' to skip)")
     ap.add_argument("--old-cap-gib", type=float, default=16.0, help="stop the old path past this RSS")
@@ -259,10 +289,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    print(f"synthetic model: {args.layers} layers of Llama-3-8B dimensions in {work / 'model'}", flush=True)
-    model = make_model(work / "model", args.layers)
-    model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    compiler = [sys.executable, "-m", "compiler.cli", "build", str(model), "--shards", "4"]
+    moe = args.source == MOE_SOURCE
+    layers = args.layers or (4 if moe else 10)
+    model, model_bytes, dims = make_source(args.source, work, layers)
+    compiler = [sys.executable, "-m", "compiler.cli", "build", str(model), "--shards", str(args.shards)]
     rows = []
     for label in args.formats.split(","):
         extra = [] if label == "fp16" else ["--weights", label]
@@ -273,27 +303,29 @@ def main(argv: list[str] | None = None) -> int:
         goal = 1.25 * max(sizes) + GIB if sizes else None
         rows.append({"path": "builder", "weights": label, **run, "stage_bytes": sizes, "goal_bytes": goal,
                      "meets_goal": bool(goal and run["peak_rss_bytes"] <= goal)})
-    if args.old_ref:
+    if args.old_ref and not moe:
         tree = old_worktree(args.old_ref, work / "old-tree")
         print(f"building fp16 with the torch path of {args.old_ref} (stopped past {args.old_cap_gib} GiB) ...",
               flush=True)
-        run = timed_build([sys.executable, "-m", "compiler.cli", "build", str(model), "--shards", "4", "-o",
-                           str(work / "build-old")], work / "build-old.log", tree, int(args.old_cap_gib * GIB))
+        run = timed_build([sys.executable, "-m", "compiler.cli", "build", str(model), "--shards", str(args.shards),
+                           "-o", str(work / "build-old")], work / "build-old.log", tree, int(args.old_cap_gib * GIB))
         rows.append({"path": f"torch ({args.old_ref})", "weights": "fp16", **run,
                      "stage_bytes": stage_sizes(work / "build-old") if run["returncode"] == 0 else []})
         shutil.rmtree(work / "build-old", ignore_errors=True)
     int8 = next((r for r in rows if r["weights"] == "int8" and r["path"] == "builder"), None)
     fleet = None if args.no_fleet or not int8 or int8["returncode"] else serve(work / "build-int8", work, args.tokens)
 
-    print(f"\nmodel: {model_bytes / 1e9:.2f} GB of bf16 safetensors, {args.layers} layers, 4 stages")
-    print(f"{'path':<18} {'weights':>7} {'wall s':>7} {'peak RSS GiB':>13} {'largest stage GiB':>18} "
+    what = "F16 GGUF of Qwen3-30B-A3B's shape" if moe else "bf16 safetensors"
+    print(f"\nmodel: {model_bytes / 1e9:.2f} GB of {what}, {layers} layers, {args.shards} stages")
+    print(f"{'path':<18} {'weights':>7} {'wall s':>7} {'peak RSS GiB':>13} {'anonymous':>9} {'largest stage GiB':>18} "
           f"{'goal GiB':>9} {'peak/goal':>9}")
     for r in rows:
         largest = max(r["stage_bytes"]) / GIB if r["stage_bytes"] else float("nan")
         goal = r.get("goal_bytes")
         peak = f"{r['peak_rss_bytes'] / GIB:.2f}" + ("" if r["killed_at_cap_after_s"] is None else
                                                      f" (stopped at {r['killed_at_cap_after_s']} s)")
-        print(f"{r['path']:<18} {r['weights']:>7} {r['wall_s']:>7} {peak:>13} {largest:>18.2f} "
+        print(f"{r['path']:<18} {r['weights']:>7} {r['wall_s']:>7} {peak:>13} {r['peak_anonymous_bytes'] / GIB:>9.2f} "
+              f"{largest:>18.2f} "
               f"{goal / GIB if goal else float('nan'):>9.2f} {r['peak_rss_bytes'] / goal if goal else float('nan'):>9.2f}")
     for r in rows:
         if r["returncode"] and r["killed_at_cap_after_s"] is None:
@@ -303,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{fleet['answer_s']} s ({fleet['decode_tokens_per_s']} tok/s decode), workers ready after "
               f"{fleet['workers_ready_s']} s, worker RSS GiB "
               + ", ".join(f"{b / GIB:.2f}" for b in fleet["worker_rss_bytes"]))
-    harness.write_json(args.json, "build_memory", {"model_bytes": model_bytes, "layers": args.layers, "dims": DIMS,
+    harness.write_json(args.json, "build_memory", {"source": args.source, "model_bytes": model_bytes,
+                                                   "layers": layers, "shards": args.shards, "dims": dims,
                                                    "builds": rows, "fleet": fleet})
     if not args.keep:
         for label in args.formats.split(","):

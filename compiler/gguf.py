@@ -61,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fleet_common.residency import release
+
 from .gguf_moe import ROUTER, expert_slices, is_expert_tensor, is_moe, moe_config, router_name
 from .weights import WeightsError, check_f16_range, check_shapes
 
@@ -169,6 +171,9 @@ class GGUFWeights:
 
         self.folder = Path(path)
         self.exact = exact  # every kept type as the file has it; else NEAR's types re-quantized (near-exact)
+        # the mapped files (a split GGUF's parts), whose pages read so far each read gives back to the kernel
+        # (fleet_common/residency.py): the mapping lasts the build, and every page read stayed resident with it
+        self._files = tuple(getattr(reader, "parts", None) or (path,))
         permuted = config["model_type"] in ("llama", "mixtral")
         self.tensors: dict[str, GGUFTensor] = {}
         skipped, experts = {}, {}
@@ -235,6 +240,7 @@ class GGUFWeights:
         values beyond fp16 when writing float16."""
         import gguf
 
+        release(self._files)  # the previous read's pages (blocks returns views of them)
         t = self.tensors[name]
         shape = t.shape if rows is None else (rows[1] - rows[0], *t.shape[1:])
         if out is None:
@@ -254,6 +260,7 @@ class GGUFWeights:
 
     def blocks(self, name: str, rows: tuple[int, int]) -> QuantRows:
         """Rows ``[start, stop)`` of a kept quantized weight (``kind(name) in KEPT``), unpacked per block."""
+        release(self._files)  # the previous read's pages (blocks returns views of them)
         t = self.tensors[name]
         raw = self._rows(t, rows)
         n = raw.shape[0]
