@@ -111,6 +111,26 @@ class UnsupportedModel(ValueError):
     """The model's architecture or one of its options is not one the builder makes."""
 
 
+GGUF_NOT_BUILT = {  # GGUF general.architecture (llama.cpp's names) of models with parts the builder does not make
+    **dict.fromkeys(("qwen3next", "qwen35", "qwen35moe"), NOT_ATTENTION["linear_attention"]),
+    "kimi-linear": "linear-attention layers (Kimi delta attention)",
+    **dict.fromkeys(("mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h", "nemotron_h_moe",
+                     "plamo2"), NOT_ATTENTION["mamba"]),
+    **dict.fromkeys(("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"), "recurrent (RWKV) layers"),
+    **dict.fromkeys(("lfm2", "lfm2moe"), "short-convolution layers"),
+    "clip": "only a vision or audio tower (an mmproj file, llama.cpp's projector beside a language model's GGUF)",
+    **dict.fromkeys(("qwen2vl", "qwen3vl", "qwen3vlmoe"), "a vision-language decoder's multimodal RoPE (M-RoPE)"),
+}
+
+
+def refuse_gguf_architecture(arch: str, where: str) -> None:
+    """Raise ``UnsupportedModel`` naming what a GGUF of architecture ``arch`` has that the builder does not make
+    (``GGUF_NOT_BUILT``: Qwen3.5's gated delta net, Mamba, RWKV, a vision tower's mmproj file ...)."""
+    if arch in GGUF_NOT_BUILT:
+        raise UnsupportedModel(f"{where}: GGUF architecture {arch!r} has {GGUF_NOT_BUILT[arch]}, which the builder "
+                               "does not make: it builds text decoders of attention layers only")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder's dimensions and switches, read from an HF ``config.json`` (``from_hf``).

@@ -477,10 +477,11 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     """An HF ``config.json`` dict from a GGUF's metadata (llama.cpp's key names, gguf-py/gguf/constants.py
     ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``). Raises ``UnsupportedModel``/``ValueError`` naming
     the file and the field."""
-    from .arch import SUPPORTED_ARCHITECTURES, UnsupportedModel
+    from .arch import SUPPORTED_ARCHITECTURES, UnsupportedModel, refuse_gguf_architecture
 
     arch = field(reader, "general.architecture")
     moe = arch in ARCHITECTURES and is_moe(reader, arch)
+    refuse_gguf_architecture(arch, where)
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(f"{where}: GGUF architecture {arch!r} is not supported; the builder makes "
                                f"{', '.join(ARCHITECTURES)} GGUF files ({', '.join(SUPPORTED_ARCHITECTURES)} from HF "
@@ -498,7 +499,8 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     scaling = field(reader, f"{arch}.rope.scaling.type")
     linear = arch == "gemma3" and scaling == "linear"  # Gemma 3 4B/12B/27B: the global layers' factor 8
     if scaling not in (None, "none") and not linear:
-        raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported")
+        raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported (a GGUF's "
+                               "RoPE is built as stored, with rope_freqs/LongRoPE factors, or gemma3's linear)")
     head_dim = int(key("attention.key_length", hidden // heads))  # llama.cpp's n_embd_head_k
     rope = {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default"}
     if linear:
