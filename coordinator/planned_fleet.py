@@ -94,10 +94,10 @@ def build_key(source_sha256: str, layer_ranges: str, weights: str, kv_cache_prec
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-async def _capacity(address: str, security: Security) -> tuple[str, Capacity] | str:
+async def _capacity(address: str, security: Security, model_id: str | None = None) -> tuple[str, Capacity] | str:
     """(worker id, capacity) of the worker at ``address`` if it started empty (it may serve a shipped stage
     already: its capacity is still the one measured at its start), or why it is not counted (unreachable, a
-    static worker)."""
+    static worker, or, given ``model_id``, a stage of another model: another fleet's worker)."""
     try:
         async with open_channel(address, security) as channel:
             info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
@@ -106,23 +106,28 @@ async def _capacity(address: str, security: Security) -> tuple[str, Capacity] | 
     if not info.empty and info.ms_per_gb <= 0:  # started with --shard/--model: it has no stage store
         return (f"{address}: a static worker (--shard/--model) serving stage {info.stage} of {info.model_id!r} "
                 f"(build {info.manifest_sha256[:12]}): it takes no shipped stage")
+    if not info.empty and model_id is not None and info.model_id != model_id:
+        return (f"{address}: serves stage {info.stage} of {info.model_id!r}, not of {model_id!r} (another fleet's "
+                "worker?): found by mDNS, it is not taken; name it with --peer to ship over it")
     return info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
 
 
 async def collect_capacities(addresses: list[str], security: Security, expect: int, timeout_s: float,
-                             heard: set[str] | None = None,
-                             settle_s: float = SETTLE_S) -> dict[str, tuple[str, Capacity]]:
+                             heard: set[str] | None = None, settle_s: float = SETTLE_S,
+                             model_id: str | None = None) -> dict[str, tuple[str, Capacity]]:
     """worker id -> (address, capacity) of the workers among ``addresses`` (--peers) and ``heard`` (addresses
     zeroconf adds while this waits: ``browsing``) that started empty, once ``expect`` of them answer Info
     (empty, or serving a stage shipped to them: a restarted coordinator finds them so); with ``expect`` 0, those
-    that answer once no new one has turned up for ``settle_s`` (at least one). Raises ``TimeoutError`` after
-    ``timeout_s`` naming what was found and why each other address is not counted."""
+    that answer once no new one has turned up for ``settle_s`` (at least one). A heard worker serving a stage
+    counts only when it serves ``model_id`` (if given): mDNS does not take another fleet's workers. Raises
+    ``TimeoutError`` after ``timeout_s`` naming what was found and why each other address is not counted."""
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
     changed = time.monotonic()
     while True:
         asked = sorted(set(addresses) | (heard or set()))
-        answers = await asyncio.gather(*(_capacity(a, security) for a in asked))
+        answers = await asyncio.gather(*(_capacity(a, security, None if a in addresses else model_id)
+                                         for a in asked))
         found = {a[0]: (addr, a[1]) for addr, a in zip(asked, answers, strict=True) if isinstance(a, tuple)}
         if set(found) != seen:
             seen, changed = set(found), time.monotonic()
@@ -335,13 +340,14 @@ async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.setting
         raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer, "
                          "or let zeroconf find them (drop --no-discover)")
     planner = _planner()  # the compile extra's clear error before any wait
+    source = source_model(settings.model)  # and a bad source's
     expect = settings.expect_workers or len(settings.peer)
     async with browsing() if not settings.peer else contextlib.nullcontext(None) as heard:
         if heard is not None:
             log.info("browsing zeroconf for empty workers (%s)", f"{expect} expected" if expect
                      else f"all that answer until none is new for {SETTLE_S:.0f} s")
-        found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard)
-    source = source_model(settings.model)
+        found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard,
+                                         model_id=source.dims.model_id)
     p = plan_fleet(source.dims, {w: c for w, (_, c) in found.items()}, weights=source.weights,
                    kv_cache_precision=source.kv_cache_precision)
     print("\n".join(planner.report_lines(p)), flush=True)

@@ -98,7 +98,8 @@ def test_restarted_coordinator_serves_the_stages_workers_hold_and_reships_anothe
 
 def test_empty_workers_found_by_mdns_without_peers(tmp_path, demo_hf):
     """No --peer: the coordinator browses zeroconf on loopback, takes the announced empty workers once no new one
-    turned up for SETTLE_S, plans over both, ships and serves (the registry finds them by mDNS as stages)."""
+    turned up for SETTLE_S, plans over both, ships and serves (the registry finds them by mDNS as stages); a
+    coordinator of another model by mDNS then takes neither (they serve another fleet) and fails naming them."""
     from tests.conftest import EXACT_WORKER
 
     gguf = harness.demo_gguf(demo_hf)
@@ -119,4 +120,13 @@ def test_empty_workers_found_by_mdns_without_peers(tmp_path, demo_hf):
             assert f"at {address}" in text, (address, text[-3000:])  # heard by zeroconf
         assert "(mdns)" in text  # and served as stages found by mDNS
         assert len(greedy_with_gaps(url, PROMPT, TOKENS)["ids"]) == TOKENS
+        # another model's coordinator by mDNS leaves these workers (another fleet's) alone and says why
+        other = harness.spawn([*harness.tool("fleet-coordinator"), "serve", "--model", str(demo_hf), "--port", "0",
+                               "--no-announce", "--build-cache-dir", str(tmp_path / "builds"),
+                               "--expect-workers", "2", "--workers-timeout-s", "8"], tmp_path / "other.log", stack)
+        assert other.popen.wait(timeout=120) == 2, other.text()[-3000:]
+        for address in addresses:
+            assert f"{address}: serves stage" in other.text(), other.text()[-3000:]
+        assert "found by mDNS, it is not taken" in other.text()
+        assert ": sent" not in other.text()
     assert load_manifest(the_build(tmp_path)).manifest.num_stages == 2
