@@ -15,6 +15,8 @@ from pathlib import Path
 
 import openvino as ov
 
+from fleet_common.residency import settle
+
 from .arch import ModelConfig
 from .compress import WeightSpec, compress, int4_plan, sensitivity, streams_int4, weight_order
 from .export import StageSpec, export_stage, stage_tensors
@@ -63,7 +65,8 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     which the int8 backup (compress.int4_plan) comes from the stage's graph before anything is read, and
     below ratio 1.0 from each weight's score (compress.sensitivity), a first pass over the weights one at a
     time. int4 of a Mixture-of-Experts stage (compress.streams_int4): the fp16 IR is written first, read back
-    memory-mapped and compressed by NNCF on the whole stage. Raises ``BuildError`` on a full disk."""
+    memory-mapped and compressed by NNCF on the whole stage, the mapped pages given back while NNCF reads them
+    (fleet_common/residency.py ``settle``). Raises ``BuildError`` on a full disk."""
     total = stage_fp16_bytes(cfg, stage)
     streamed = spec.format in ("fp16", "int8") or streams_int4(spec, bool(cfg.moe_layers))
     fp16 = path if streamed else path.with_name(path.stem + ".fp16.xml")
@@ -82,8 +85,9 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     if streamed:
         return
     with disk_errors(path):
-        compressed = compress(ov.Core().read_model(fp16), spec)
-        ov.save_model(compressed, path, compress_to_fp16=False)
+        compressed = []  # NNCF reads every weight of the mapped fp16 IR: its pages given back while it runs
+        settle(lambda: compressed.append(compress(ov.Core().read_model(fp16), spec)), [fp16.with_suffix(".bin")])
+        ov.save_model(compressed[0], path, compress_to_fp16=False)
         del compressed
     fp16.unlink()
     fp16.with_suffix(".bin").unlink()
