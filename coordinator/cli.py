@@ -68,11 +68,16 @@ def _worker_health(registry: Registry, w, now: float) -> dict:  # noqa: ANN001 -
     return entry
 
 
-def _health(engine: Engine, registry: Registry, loaded) -> dict:  # noqa: ANN001 - LoadedManifest
-    """The ``/health`` JSON: ready (every stage served, not shutting down), the build, the load, the workers."""
+def _health(engine: Engine, registry: Registry) -> dict:
+    """The ``/health`` JSON: ready (every stage served, not shutting down, not re-planning), the build (the
+    registry's: a re-plan switches it), the load, the workers; a planned fleet's state under ``fleet``
+    (replan.Replanner.status: serving, replanning with its progress and reason, or refused)."""
     now = time.monotonic()
+    loaded = registry.loaded
+    fleet = engine.replan.status() if engine.replan is not None else None
     return {
-        "ready": not registry.missing_stages() and not engine.stopping,
+        "ready": not registry.missing_stages() and not engine.stopping and (fleet is None
+                                                                          or fleet["state"] == "serving"),
         "shutting_down": engine.stopping,
         "model": engine.model_name,
         "manifest_sha256": loaded.sha256,
@@ -83,6 +88,7 @@ def _health(engine: Engine, registry: Registry, loaded) -> dict:  # noqa: ANN001
         "running": engine.running,
         "prefix_cache": engine.prefix_cache_state(),
         "workers": [_worker_health(registry, w, now) for w in list(registry.workers.values())],
+        **({"fleet": fleet} if fleet is not None else {}),
     }
 
 
@@ -190,19 +196,25 @@ async def serve(settings: CoordinatorSettings) -> None:
     awaits). Raises ``ManifestError`` for a bad build folder, ``planned_fleet.SourceError`` for a model source
     that could not be collected for, planned, built or shipped (the message names the worker and the numbers)."""
     dump_tasks_on_signal()
+    planned = None  # planned_fleet.PlannedFleet of a SOURCE
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
         from .planned_fleet import SourceError, prepare_build  # a SOURCE, not a build: plan, build and ship first
 
         try:
-            settings.model = await prepare_build(settings)
+            planned = await prepare_build(settings)
         except (ValueError, OSError, RuntimeError) as exc:  # TimeoutError is an OSError, ShippingError a RuntimeError
             raise SourceError(f"serve --model {settings.model}: {exc}") from exc
+        settings.model = planned.build_dir
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)
     registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
     engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
     registry.on_lease_gap = LeaseCheck(engine.prefix_cache, settings.rpc_timeout_s)
+    if planned is not None:  # a stage that loses its last worker is re-planned over the workers left
+        from .replan import Replanner
+
+        engine.replan = Replanner(settings, planned, registry)
     shutdown = _Shutdown(engine, settings.shutdown_grace_s)
     shutdown.install()
     local = zc = ready_task = None
@@ -212,8 +224,10 @@ async def serve(settings: CoordinatorSettings) -> None:
         for peer in settings.peer:
             registry.add_peer(peer)
         await registry.start(discover=settings.discover, report_silence=not settings.local_workers)
+        if engine.replan is not None:
+            engine.replan.start()
         engine.metrics.watch(lambda: _state(engine, registry))
-        app = create_app(engine, lambda: _health(engine, registry, loaded))
+        app = create_app(engine, lambda: _health(engine, registry))
         # the server stops once drained (every stream ended): this bounds only a client that never reads
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                                 access_log=False, timeout_graceful_shutdown=5, http=_http_protocol(settings),
@@ -238,6 +252,8 @@ async def _stop(zc, registry: Registry, local, channels: Channels, engine: Engin
     """Withdraw the announcement, stop health checks and pipelines, then the local workers (after the
     drain: the answers in flight were ended first), then the channels and the draft model."""
     try:
+        if engine.replan is not None:
+            await engine.replan.stop()
         if zc is not None:
             await zc[0].async_unregister_service(zc[1])
             await zc[0].async_close()

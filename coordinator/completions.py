@@ -42,7 +42,9 @@ class Generation:
     open on every stage) and has prefilled for ``PROGRESS_INTERVAL_S`` without one: then, until the
     first delta, an SSE comment ``: prefill DONE/TOTAL`` (prompt tokens on the stages, in
     ``prefill_chunk`` steps) goes out at once and every ``PROGRESS_INTERVAL_S``, which clients skip (openai-python
-    ignores lines starting with ``:``) and which keeps proxies from timing a long prefill out.
+    ignores lines starting with ``:``) and which keeps proxies from timing a long prefill out. A request waiting
+    while a planned fleet re-plans (status REPLAN_WAIT) starts its response too and gets ``: re-planning ...``
+    comments with the re-plan's progress (coordinator/replan.py ``Replanner.line``).
     Errors before the response starts (the queue, admission, no pipeline) keep their status code;
     later ones go out in the stream as an error event.
 
@@ -53,6 +55,8 @@ class Generation:
 
     def __init__(self, engine: Engine, request: Request, http: HttpRequest | None = None) -> None:
         self.request = request
+        # a planned fleet's re-planner (its progress while the request waits on it); None in the static mode
+        self._replan = getattr(engine, "replan", None)
         self._deltas = engine.generate(request)
         self._pull: asyncio.Future | None = None
         self._gone = asyncio.ensure_future(_disconnected(http)) if http is not None else None
@@ -91,6 +95,8 @@ class Generation:
         while self._pull is not None:
             if not self._pull.done() and self.request.status is RequestStatus.PREFILL:
                 yield f": prefill {self.request.prefilled}/{len(self.request.prompt_ids)}\n\n"
+            elif not self._pull.done() and self.request.status is RequestStatus.REPLAN_WAIT and self._replan:
+                yield f": re-planning {self._replan.line()}\n\n"
             await asyncio.wait({self._pull}, timeout=PROGRESS_INTERVAL_S)
             if not self._pull.done():
                 continue

@@ -82,6 +82,7 @@ class Engine:
         if settings.prefix_cache:
             self.prefix_cache = PrefixCache(self._evict_retained, settings.prefix_cache_min_tokens,
                                             settings.prefix_cache_tokens, settings.prefix_cache_idle_s)
+        self.replan = None  # a planned fleet's replan.Replanner (serve --model SOURCE sets it): placement waits on it
         self._context = LoopContext(self._timeout, self.metrics, self.step_costs, self.draft_model,
                                     self.draft_source, self.prefix_cache, self._kv_freed, settings.rpc_timeout_s)
 
@@ -299,22 +300,25 @@ class Engine:
                 with contextlib.suppress(TimeoutError):  # a session or batch group freeing KV may make room
                     await asyncio.wait_for(freed.wait(), max(0.0, deadline - loop.time()))
 
-    async def _seat(self, request: Request, slots: int, top_k: int) -> Seq:
+    async def _seat(self, request: Request, slots: int, top_k: int, again: bool = False) -> Seq:
         """``request`` as a ``Seq`` on the pipeline placement picks, its session open on every stage.
         Raises ``Overloaded``, ``PipelineUnavailable``, or ``StageFailure`` (saying which stage has no
-        worker left, when a health check of the failed one finds so)."""
+        worker left, when a health check of the failed one finds so; a planned fleet instead seats it
+        ``again`` once, after the re-plan that stage needs)."""
         try:
-            pipeline = await self._placement()
+            pipeline = await self._placement(request)
             seq = await self._seat_on_retained(request, slots, top_k, pipeline)
             if seq is None:
                 if not pipeline.healthy:  # a worker of it failed when its retained KV was reused
-                    pipeline = await self._placement()
+                    pipeline = await self._placement(request)
                 await self._open_session(pipeline, request.request_id, slots)
                 seq = self._seq(request, pipeline, request.request_id, slots, top_k, 0)
         except StageFailure as failure:
             if failure.address is not None:
                 await self.registry.recheck([failure.address])
-            if missing := self.registry.missing_stages():
+            if (missing := self.registry.missing_stages()) and self.replan is not None and not again:
+                return await self._seat(request, slots, top_k, again=True)
+            if missing:
                 raise StageFailure(f"{failure.summary}; {self.registry.missing_message(missing)}",
                                    detail=failure.detail, stage=failure.stage, address=failure.address) from failure
             raise
@@ -332,9 +336,24 @@ class Engine:
         return Seq(request, output, pipeline, session, slots, top_k, request.prompt_ids[cached:], start=cached,
                    drafter=drafter)
 
-    async def _placement(self):
-        """The pipeline placement picks for a new session (``Registry.pipeline``), with link metrics."""
-        pipeline = await self.registry.pipeline()
+    async def _placement(self, request: Request | None = None):
+        """The pipeline placement picks for a new session (``Registry.pipeline``), with link metrics. In a
+        planned fleet (``replan``) a stage with no worker is waited for while the fleet re-plans, ``request``
+        in status REPLAN_WAIT meanwhile (its stream gets ``: replanning`` comments: completions.Generation)."""
+        try:
+            pipeline = await self.registry.pipeline()
+        except PipelineUnavailable:
+            if self.replan is None:
+                raise
+            before = request.status if request is not None else None
+            if request is not None:
+                request.status = RequestStatus.REPLAN_WAIT
+            try:
+                await self.replan.settle(self.settings.replan_wait_s)
+            finally:
+                if request is not None:
+                    request.status = before
+            pipeline = await self.registry.pipeline()
         if pipeline.observe_link is None:
             pipeline.observe_link = self.metrics.link.labels(pipeline.path).observe
         return pipeline
@@ -393,7 +412,7 @@ class Engine:
             raise failure
         await self.registry.recheck(old.addresses)
         try:
-            new = await self._placement()
+            new = await self._placement(request)
         except PipelineUnavailable as exc:
             raise StageFailure(f"{failure.summary}; {exc.message}", detail=failure.detail, stage=failure.stage,
                                address=failure.address) from failure

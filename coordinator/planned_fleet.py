@@ -2,7 +2,8 @@
 (an HF folder or a GGUF file) over empty ``--peer`` workers. ``prepare_build`` collects their capacities
 (fleet_common.discovery.Capacity, ``collect_capacities``), plans over them (``plan_fleet``), builds the plan's
 stages into the coordinator's cache (``build_for_plan``, keyed by ``build_key``) and ships each worker its
-stage (``ship_plan``, fleet_common.shipping). Re-planning on join/leave (item 3) would call those three. Without
+stage (``ship_plan``, fleet_common.shipping). coordinator/replan.py calls those three again
+when a stage has no worker left (item 3). Without
 --peer the empty workers are those zeroconf hears (``browsing``).
 
 Imports compiler.planner lazily: it needs the compile extra (``pip install .[compile]``)."""
@@ -17,7 +18,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +34,7 @@ from fleet_common.settings import cache_home
 if TYPE_CHECKING:
     from compiler.nodes import Node
     from compiler.planner import ModelDims, ModelSource, Plan
+    from fleet_common.shipping import Progress
 
 log = logging.getLogger(__name__)
 
@@ -302,11 +305,13 @@ async def _served(channel: grpc.aio.Channel, address: str) -> pb.InfoReply:
                             exc.code()) from None
 
 
-async def ship_plan(build_dir: Path, addresses: list[str], security: Security, progress: bool = True) -> list:
+async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
+                    progress: bool | Callable[[int, str], Progress] = True) -> list:
     """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
     worker lacks) and loaded there, one worker after another, with rich progress on this side when
-    ``progress``. A worker whose Info says it serves stage i of this build already (the same manifest sha256:
-    a restarted coordinator) is asked nothing (its report says ``already_served``); one serving another build
+    ``progress`` is True (a callable: ``progress(stage, address)`` gives each stage's ``Progress`` callback).
+    A worker whose Info says it serves stage i of this build already (the same manifest sha256: a restarted
+    coordinator) is asked nothing (its report says ``already_served``); one serving another build
     or stage is shipped and loaded over it (the worker refuses while it holds sessions: ``ShippingError``).
     Returns the ``ShipReport`` per stage. Raises ``ShippingError`` naming the worker."""
     from contextlib import nullcontext
@@ -325,17 +330,50 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security, p
             if not info.empty:
                 log.info("worker %s serves stage %d of build %s, not stage %d of %s: shipping over it",
                          address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
-            with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
-                reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
+            if callable(progress):
+                reports.append(await ship_stage(channel, build_dir, stage, progress(stage, address), address=address))
+            else:
+                with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
+                    reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
             await load_stage(channel, build_dir, stage, address=address)
     return reports
 
 
-async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
+@dataclass
+class PlannedFleet:
+    """What ``prepare_build`` made: the build it serves, the plan, the source's planner view and the workers
+    planned over (worker id -> (address, capacity)); coordinator/replan.py plans again from these."""
+
+    build_dir: Path
+    plan: Plan
+    source: ModelSource
+    members: dict[str, tuple[str, Capacity]]
+    source_path: Path  # the HF folder or GGUF file planned from
+
+
+async def answering(addresses: list[str], security: Security, peers: list[str],
+                    model_id: str | None) -> tuple[dict[str, tuple[str, Capacity]], list[str]]:
+    """One round of Info over ``addresses``: (worker id -> (address, capacity) of those that started empty,
+    why each other is not counted). An address not among ``peers`` (heard by mDNS) counts only when it is
+    empty or serves ``model_id``, as in ``collect_capacities``."""
+    answers = await asyncio.gather(*(_capacity(a, security, None if a in peers else model_id) for a in addresses))
+    found = {a[0]: (addr, a[1]) for addr, a in zip(addresses, answers, strict=True) if isinstance(a, tuple)}
+    return found, [a for a in answers if isinstance(a, str)]
+
+
+def ship_lines(reports: list, addresses: list[str], build_dir: Path) -> list[str]:
+    """One line per stage of ``ship_plan``'s reports: what was sent to whom, or that it served it already."""
+    return [f"stage {stage}: {addresses[stage]} serves it already (build {build_dir.name}): nothing shipped"
+            if r.already_served else f"stage {stage}: sent {r.sent_bytes / 1e6:.1f} MB ({r.mb_per_s:.0f} MB/s), "
+            f"{r.held_bytes / 1e6:.1f} MB already held" for stage, r in enumerate(reports)]
+
+
+async def prepare_build(settings) -> PlannedFleet:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
     """``serve --model SOURCE``: the empty workers collected (the --peer ones; without --peer, those zeroconf
     hears; ``--expect-workers`` of them, default every --peer, or by mDNS all that answer until none is new
     for ``SETTLE_S``), planned over, the plan built (cached) and each stage shipped and loaded; returns the
-    build folder to serve as usual. Raises ``ValueError`` without --peer and with --no-discover."""
+    build folder to serve as usual with the plan and the workers. Raises ``ValueError`` without --peer and
+    with --no-discover."""
     if not settings.peer and not settings.discover:
         raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer, "
                          "or let zeroconf find them (drop --no-discover)")
@@ -354,11 +392,6 @@ async def prepare_build(settings) -> Path:  # noqa: ANN001 - coordinator.setting
     cache = settings.build_cache_dir or cache_home("coordinator")
     build_dir = build_for_plan(settings.model, p, cache)
     addresses = [found[s.node.name][0] for s in p.stages]
-    for stage, report in enumerate(await ship_plan(build_dir, addresses, settings.security)):
-        if report.already_served:
-            print(f"stage {stage}: {addresses[stage]} serves it already (build {build_dir.name}): nothing shipped",
-                  flush=True)
-        else:
-            print(f"stage {stage}: sent {report.sent_bytes / 1e6:.1f} MB ({report.mb_per_s:.0f} MB/s), "
-                  f"{report.held_bytes / 1e6:.1f} MB already held", flush=True)
-    return build_dir
+    reports = await ship_plan(build_dir, addresses, settings.security)
+    print("\n".join(ship_lines(reports, addresses, build_dir)), flush=True)
+    return PlannedFleet(build_dir, p, source, found, settings.model)

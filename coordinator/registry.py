@@ -181,6 +181,16 @@ class Registry:
                 del self._pipelines[key]
                 await pipeline.close(reason)
 
+    async def use_build(self, loaded: LoadedManifest) -> None:
+        """Serve ``loaded``, another build of the same model (a re-plan: coordinator/replan.py): every pipeline
+        of the old build is closed and each worker is checked against the new manifest now (those shipped and
+        loaded a stage of it join; the others are refused as of another build)."""
+        self.loaded, self.num_stages = loaded, loaded.manifest.num_stages
+        await self._drop_pipelines(lambda p: True, "the fleet was re-planned onto another build")
+        for state in self.workers.values():
+            state.healthy = False
+        await asyncio.gather(*(self._check(a) for a in list(self.workers)), return_exceptions=True)
+
     async def recheck(self, addresses: list[str]) -> None:
         """Health-check ``addresses`` now (after a failed step): a dead or refusing worker is marked
         unhealthy and every pipeline that uses it closed, before the next placement."""

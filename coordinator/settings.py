@@ -26,6 +26,8 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
                                 "build and ship over this many empty workers (0 = as many --peer as given; by "
                                 "mDNS: all that answer until none is new for 5 s)")
     workers_timeout_s: float = Field(120.0, gt=0, description="longest wait for the expected empty workers")
+    replan_wait_s: float = Field(600.0, gt=0, description="--model SOURCE: longest a request waits while the fleet "
+                                 "re-plans over the workers left (a stage lost its last worker)")
     build_cache_dir: Path | None = Field(None, description="where builds of a SOURCE are cached (default "
                                          "$XDG_CACHE_HOME/fleet/coordinator)")
     peer: list[str] = Field(default_factory=list, description="worker host:port to use without mDNS (repeatable)")

@@ -1,0 +1,253 @@
+"""Re-planning a planned fleet (issue 30 item 3): when a stage of a ``serve --model SOURCE`` fleet has no worker
+left, the coordinator plans again over the workers still answering (the same planner, build cache and shipping
+as at its start: coordinator/planned_fleet.py), builds what the new plan needs, ships it, switches the registry
+to the new build and serves again.
+
+``Replanner`` owns the fleet's state (``FleetState``): SERVING, REPLANNING (with a progress line and the
+reason) or REFUSED (the remaining workers cannot hold the model: the planner's reason, naming the PC and the
+bytes; requests are refused with it until a worker comes or comes back). The engine asks ``settle`` when a
+placement finds a stage missing: the request waits there (new ones and failed-over ones alike) instead of
+failing. The build runs in a thread, so the event loop keeps serving ``/health`` and streams meanwhile.
+
+``worth_replanning`` is the rule for a plan that may replace a working one (a worker joined): only when it
+makes the model fit or is faster by ``SPEEDUP`` by the planner's own prediction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from fleet_common.manifest import load_manifest
+from fleet_common.settings import cache_home
+
+from .errors import PipelineUnavailable
+from .planned_fleet import PlannedFleet, answering, build_for_plan, plan_fleet, ship_lines, ship_plan
+
+if TYPE_CHECKING:
+    from compiler.planner import Plan
+
+    from .registry import Registry
+    from .settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+
+SPEEDUP = 0.15  # a plan replaces a working one only when its predicted ms per token is this much lower
+LOAD_RETRIES = 20  # LoadStage refused while a worker still holds sessions of the old build: tries, a second apart
+
+
+class FleetState(enum.Enum):
+    """Where a planned fleet stands (``/health`` ``fleet.state``)."""
+
+    SERVING = "serving"
+    REPLANNING = "replanning"  # a stage has no worker: waiting for it, then planning, building, shipping
+    REFUSED = "refused"  # the workers left cannot hold the model (or the re-plan failed): requests get the reason
+
+
+def worth_replanning(current: Plan | None, new: Plan | None, speedup: float = SPEEDUP) -> str | None:
+    """Why ``new`` (the plan over the workers now, None when the model does not fit them) should replace
+    ``current`` (the plan served, None when the model did not fit), or None to keep ``current``: the model
+    fits now and did not, or ``new``'s predicted ms per token (its slowest stage's, the planner's model) is at
+    least ``speedup`` (0.15: 15 %) below ``current``'s."""
+    if new is None:
+        return None
+    if current is None:
+        return f"the model fits the fleet now ({new.layers})"
+    old_ms, new_ms = current.bottleneck.ms_per_token, new.bottleneck.ms_per_token
+    if old_ms is None or new_ms is None:  # relative speeds: the same comparison on the slowest stage's cost
+        old_ms, new_ms = current.bottleneck.cost, new.bottleneck.cost
+    if new_ms <= (1.0 - speedup) * old_ms:
+        return (f"decode {old_ms:.2f} -> {new_ms:.2f} ms per token by the plan "
+                f"({(1 - new_ms / old_ms) * 100:.0f} % faster)")
+    return None
+
+
+class Replanner:
+    """Keeps a planned fleet serving as its workers leave: detects a stage with no worker, re-plans over the
+    workers still answering, builds, ships and switches the registry (module doc)."""
+
+    def __init__(self, settings: CoordinatorSettings, fleet: PlannedFleet, registry: Registry) -> None:
+        self.settings, self.fleet, self.registry = settings, fleet, registry
+        self.state = FleetState.SERVING
+        self.reason = ""  # why it re-plans or refuses
+        self.progress = ""  # what it is doing now
+        self.replans = 0  # re-plans applied
+        self.last_replan_s: float | None = None  # the last one's time from the stage missing to serving again
+        self._since = time.monotonic()  # when the current phase began
+        self._task: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+        self._changed = asyncio.Event()  # set (and replaced) at every state change
+        self._refused_key: frozenset | None = None  # who answered when it refused: a change retries
+        self._armed = False  # every stage was served once: from then on a missing one is re-planned
+
+    # -- state -------------------------------------------------------------------------------------
+    def _set(self, state: FleetState, progress: str = "", reason: str | None = None) -> None:
+        if state is not self.state or reason is not None:
+            log.log(logging.ERROR if state is FleetState.REFUSED else logging.INFO, "fleet %s: %s%s", state.value,
+                    reason if reason is not None else self.reason, f" ({progress})" if progress else "")
+        self.state, self.progress, self._since = state, progress, time.monotonic()
+        if reason is not None:
+            self.reason = reason
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _step(self, progress: str) -> None:
+        """A new phase of the re-plan (building, shipping stage i, ...), for ``/health`` and SSE comments."""
+        log.info("re-planning: %s", progress)
+        self.progress, self._since = progress, time.monotonic()
+
+    def line(self) -> str:
+        """The SSE comment's text while a request waits: ``<progress> (N s); <reason>``."""
+        return f"{self.progress} ({time.monotonic() - self._since:.0f} s); {self.reason}"
+
+    def status(self) -> dict:
+        """``/health``'s ``fleet`` entry: the state, what it does now, why, the build served, re-plans so far."""
+        return {"state": self.state.value, "progress": self.progress, "reason": self.reason,
+                "phase_s": round(time.monotonic() - self._since, 1), "layers": self.fleet.plan.layers,
+                "workers": sorted(a for a, _ in self.fleet.members.values()), "replans": self.replans,
+                "last_replan_s": self.last_replan_s}
+
+    # -- detection ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin watching the registry every health interval (``stop`` ends it)."""
+        self._watch = asyncio.ensure_future(self._watching())
+
+    async def stop(self) -> None:
+        """Stop watching and any re-plan under way."""
+        for task in (self._watch, self._task):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._watch, self._task) if t is not None), return_exceptions=True)
+
+    def _answering_key(self) -> frozenset:
+        return frozenset((w.address, w.info.worker_id) for w in self.registry.workers.values()
+                         if w.info is not None and w.missed == 0)
+
+    def notice(self) -> None:
+        """Start a re-plan when a stage has no healthy worker and none runs (a refused fleet: only once the
+        workers answering changed); back to SERVING when every stage is served again."""
+        missing = self.registry.missing_stages()
+        if not self._armed or (self._task is not None and not self._task.done()):
+            return
+        if not missing:
+            if self.state is not FleetState.SERVING:
+                self._set(FleetState.SERVING, reason="")
+            return
+        if self.state is FleetState.REFUSED and self._answering_key() == self._refused_key:
+            return
+        lost = sorted(w.address for w in self.registry.workers.values()
+                      if w.info is not None and not w.healthy and w.info.stage in missing)
+        self._set(FleetState.REPLANNING, "waiting for the worker to come back",
+                  f"stage(s) {', '.join(map(str, missing))} of {self.registry.num_stages} have no worker left"
+                  + (f" (last at {', '.join(lost)})" if lost else ""))
+        self._task = asyncio.ensure_future(self._run(time.monotonic()))
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so and refuse, never hang requests
+            log.error("re-planning failed", exc_info=task.exception())
+            self._refused_key = self._answering_key()
+            self._set(FleetState.REFUSED, reason=f"re-planning failed: {task.exception()!r}")
+
+    async def _watching(self) -> None:
+        while not await self.registry.wait_ready(60):  # the start: workers joining is no stage lost
+            log.warning("re-planning not armed: stage(s) %s not served yet", self.registry.missing_stages())
+        self._armed = True
+        while True:
+            self.notice()
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait while the fleet re-plans, up to ``timeout_s``; returns once it serves every stage. Raises
+        ``PipelineUnavailable`` with the reason when it refuses (or the re-plan outlasts the wait). Before the
+        fleet first served every stage it returns at once (the caller's placement then fails as before)."""
+        self.notice()
+        if not self._armed:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not (self.state is FleetState.SERVING and not self.registry.missing_stages()):
+            if self.state is FleetState.REFUSED:
+                raise PipelineUnavailable(f"the fleet cannot serve the model: {self.reason}")
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), max(0.0, min(1.0, deadline - time.monotonic())))
+            except TimeoutError:
+                self.notice()
+            if time.monotonic() >= deadline:
+                raise PipelineUnavailable(f"waited {timeout_s:.0f} s for the fleet to re-plan ({self.line()})")
+
+    # -- the re-plan -------------------------------------------------------------------------------
+    async def _run(self, missing_since: float) -> None:
+        """Give the lost worker the registry's missed health checks to come back, then re-plan; a plan that
+        does not fit, a failed build or shipping leave the fleet REFUSED with the reason."""
+        grace = self.registry.missed_limit * self.registry.health_interval_s
+        while time.monotonic() - missing_since < grace:
+            if not self.registry.missing_stages():
+                self._set(FleetState.SERVING, reason="")
+                return
+            await asyncio.sleep(0.2)
+        try:
+            await self._replan()
+        except (ValueError, OSError, RuntimeError) as exc:  # PlanRefused, BuildError: ValueError; ShippingError
+            self._refused_key = self._answering_key()
+            self._set(FleetState.REFUSED, reason=f"{self.reason}; re-planning over the workers left: {exc}")
+            return
+        self.replans += 1
+        self.last_replan_s = round(time.monotonic() - missing_since, 1)
+        log.info("re-planned in %.1f s from the stage missing to serving: %s", self.last_replan_s,
+                 " -> ".join(self.registry.placement()))
+        self._set(FleetState.SERVING, reason="")
+
+    async def _replan(self) -> None:
+        """Collect the workers answering, plan, build (in a thread), ship, switch the registry, wait until
+        every stage is served. Raises ``PlanRefused``/``ValueError``, ``BuildError``, ``ShippingError``, ``OSError``."""
+        s, fleet = self.settings, self.fleet
+        self._step("asking the workers for their capacity")
+        addresses = sorted({a for a, _ in fleet.members.values()} | set(self.registry.workers))
+        found, why = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id)
+        if not found:
+            raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
+        self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
+        p = plan_fleet(fleet.source.dims, {w: c for w, (_, c) in found.items()}, weights=fleet.source.weights,
+                       kv_cache_precision=fleet.source.kv_cache_precision)
+        self._step(f"building layers {p.layers}")
+        cache = s.build_cache_dir or cache_home("coordinator")
+        build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, cache)  # the event loop serves on
+        addresses = [found[st.node.name][0] for st in p.stages]
+        reports = await self._ship(build_dir, addresses)
+        for line in ship_lines(reports, addresses, build_dir):
+            log.info("re-planning: %s", line)
+        self._step("switching to the new build")
+        await self.registry.use_build(load_manifest(build_dir))
+        self.fleet = PlannedFleet(build_dir, p, fleet.source, found, fleet.source_path)
+        if not await self.registry.wait_ready(s.rpc_timeout_s + 10):
+            raise RuntimeError(f"stage(s) {self.registry.missing_stages()} of the new build {build_dir.name} not "
+                               "served after shipping")
+
+    async def _ship(self, build_dir, addresses: list[str]) -> list:  # noqa: ANN001 - Path
+        """``ship_plan`` with its progress in ``progress``; a worker still closing the old build's sessions
+        (LoadStage FAILED_PRECONDITION) is asked again, a second apart, up to ``LOAD_RETRIES`` times."""
+        import grpc
+
+        from fleet_common.shipping import ShippingError
+
+        def progress(stage: int, address: str):  # noqa: ANN202 - fleet_common.shipping.Progress
+            self._step(f"shipping stage {stage} of {len(addresses)} to {address}")
+
+            def on_bytes(path: str, done: int, total: int) -> None:
+                self.progress = (f"shipping stage {stage} of {len(addresses)} to {address}: {path} "
+                                 f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
+            return on_bytes
+
+        for _ in range(LOAD_RETRIES - 1):
+            try:
+                return await ship_plan(build_dir, addresses, self.settings.security, progress)
+            except ShippingError as exc:
+                if exc.code is not grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                self._step(f"waiting for a worker to close the old build's sessions: {exc}")
+                await asyncio.sleep(1.0)
+        return await ship_plan(build_dir, addresses, self.settings.security, progress)

@@ -1,0 +1,111 @@
+"""Re-planning a planned fleet when a PC leaves (issue 30 item 3, coordinator/replan.py) on real processes: three
+empty ``fleet-worker``s on loopback (--no-announce, each its own --stages-dir), ``fleet-coordinator serve --model``
+the demo's HF folder over them by --peer (three stages), then stage 1's worker is killed (SIGKILL) while a greedy
+answer streams. The coordinator re-plans over the two left, builds the 2-stage plan, ships it and serves again:
+the answer in flight fails over to the new pipeline by replay and a request sent meanwhile waits (its stream
+gets ``: re-planning`` comments), and both give the greedy token ids (f32 workers) of the 3-stage fleet before
+the kill. ``/health`` is polled all along and shows ``fleet.state`` "replanning" with its progress and reason."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from tests.conftest import greedy_with_gaps, start_coordinator, stream_with_gaps, wait_ready
+from tests.integration.test_shipping import serving, spawn_worker
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Name three colours of the rainbow."
+TOKENS = 24
+KILL_AT = 6  # the in-flight answer's content delta after which stage 1's worker is killed
+
+
+def poll_health(url: str, seen: list[dict], stop: threading.Event) -> None:
+    """Append each distinct (state, progress) of ``/health``'s ``fleet`` to ``seen`` until ``stop``."""
+    while not stop.is_set():
+        try:
+            fleet = httpx.get(f"{url}/health", timeout=5).json().get("fleet")
+        except httpx.HTTPError:
+            fleet = None
+        if fleet and (not seen or (seen[-1]["state"], seen[-1]["progress"]) != (fleet["state"], fleet["progress"])):
+            seen.append({**fleet, "t": time.monotonic()})
+        stop.wait(0.2)
+
+
+def stream_raw(url: str, out: dict) -> None:
+    """A greedy streamed chat; ``out`` gets its comment lines, token ids, an error event, and when it ended."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    out.update(comments=[], ids=None, error=None)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith(":"):
+                out["comments"].append(line)
+            elif line.startswith("data: {"):
+                event = json.loads(line[6:])
+                out["error"] = event.get("error") or out["error"]
+                if event.get("fleet"):
+                    out["ids"] = event["fleet"]["completion_token_ids"]
+    out["done"] = time.monotonic()
+
+
+def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(tmp_path, demo_hf):
+    with ExitStack() as stack:
+        workers = [spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
+                                "--stages-dir", str(tmp_path / f"s{i}")) for i in range(3)]
+        addresses = [serving(w, empty=True) for w in workers]
+        (tmp_path / "coord").mkdir()
+        proc, url = start_coordinator(demo_hf, tmp_path / "coord", "--no-discover",
+                                      *(arg for a in addresses for arg in ("--peer", a)),
+                                      "--build-cache-dir", str(tmp_path / "builds"))
+        stack.callback(proc.stop)
+        wait_ready(url, 240, proc)
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["num_stages"] == 3 and health["fleet"]["state"] == "serving", health
+        before = greedy_with_gaps(url, PROMPT, TOKENS)
+        victim = next(w["address"] for w in health["workers"] if w["stage"] == 1)
+
+        seen: list[dict] = []
+        stop = threading.Event()
+        poller = threading.Thread(target=poll_health, args=(url, seen, stop), daemon=True)
+        poller.start()
+        waiting: dict = {}
+        killed: list[float] = []
+
+        def kill(n: int) -> None:
+            if n == KILL_AT:
+                workers[addresses.index(victim)].kill()
+                killed.append(time.monotonic())
+                threading.Thread(target=stream_raw, args=(url, waiting), daemon=True).start()
+
+        in_flight = stream_with_gaps(url, PROMPT, TOKENS, on_chunk=kill)
+        first_after = in_flight["times"][KILL_AT] - killed[0]
+        deadline = time.monotonic() + 300
+        while "done" not in waiting and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop.set()
+        poller.join(10)
+        after = greedy_with_gaps(url, PROMPT, TOKENS)
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        log = proc.text()
+
+    assert in_flight["ids"] == before["ids"], (in_flight["tokens"], before["tokens"])
+    assert waiting.get("status") == 200 and waiting["error"] is None, waiting
+    assert waiting["ids"] == before["ids"] and after["ids"] == before["ids"]
+    assert any(c.startswith(": re-planning ") for c in waiting["comments"]), waiting["comments"]
+    replanning = [s for s in seen if s["state"] == "replanning"]
+    assert replanning and any("stage(s) 1 of 3 have no worker left" in s["reason"] for s in replanning), seen
+    assert any(s["progress"].startswith("building layers") for s in replanning), [s["progress"] for s in seen]
+    assert seen[-1]["state"] == "serving" and seen[-1]["replans"] == 1, seen[-1]
+    assert health["ready"] and health["num_stages"] == 2 and victim not in health["fleet"]["workers"], health
+    assert "re-planned in" in log
+    print(f"kill -> the in-flight answer's next token {first_after:.1f} s; kill -> the waiting request's whole "
+          f"answer {waiting['done'] - killed[0]:.1f} s; coordinator's re-plan {seen[-1]['last_replan_s']} s; "
+          f"phases: {[(round(s['t'] - killed[0], 1), s['progress']) for s in seen]}")
