@@ -12,7 +12,7 @@ from compiler.build import stage_ranges
 from compiler.compress import resolve
 from compiler.nodes import node_from_record
 from compiler.plan import balanced_split, decode_weights
-from compiler.planner import ModelDims, plan, runtime_bytes, weight_bytes
+from compiler.planner import ModelDims, plan, report_lines, runtime_bytes, weight_bytes
 from coordinator.planned_fleet import nodes_from_capacities
 from fleet_common.discovery import Capacity
 
@@ -30,14 +30,15 @@ ALL_EXPERTS = 128 * 3 * 768 * H + 128 * H  # every expert and the router
 
 
 def test_a_stage_stores_every_expert_and_is_timed_by_the_chosen_ones():
-    """Four empty workers of 64 GiB, two of them twice as slow (ms_per_gb): the stages' fp16 weights add up to
+    """Four empty workers of 80 GiB, two of them twice as slow (ms_per_gb): the stages' fp16 weights add up to
     every expert's (61 GB, the published 30.5B parameters x 2 B) and each stage's predicted ms per token is the
     worker's ms_per_gb times the bytes a token reads there, 2 B x (layers x (attention + 8 experts) + the head):
-    the 3.3B activated parameters less the embedding in all. The dense model of that active count plans to the same speeds."""
+    the 3.3B activated parameters less the embedding in all. The dense model of that active count plans to the same
+    speeds."""
     dims = ModelDims.from_config(QWEN3_30B_A3B, "Qwen3-30B-A3B")
     assert dims.layer_params == ATTENTION + CHOSEN
     assert dims.layer_params + dims.idle_params == pytest.approx(ATTENTION + ALL_EXPERTS, rel=1e-9)
-    caps = {f"pc-{i}": Capacity(64 * GIB, "CPU", ms) for i, ms in enumerate((20.0, 20.0, 40.0, 40.0))}
+    caps = {f"pc-{i}": Capacity(80 * GIB, "CPU", ms) for i, ms in enumerate((20.0, 20.0, 40.0, 40.0))}
     p = plan(dims, nodes_from_capacities(caps, dims), "fp16", max_context=4096, max_sessions=1)
     assert [s.node.name for s in p.stages] == sorted(caps)
     last = len(p.stages) - 1
@@ -62,10 +63,10 @@ def test_a_stage_stores_every_expert_and_is_timed_by_the_chosen_ones():
         read = 2 * ((s.end - s.start) * (ATTENTION + CHOSEN) + (VOCAB * H if s.index == last else 0))
         assert s.ms_per_token == pytest.approx(caps[s.node.name].ms_per_gb * read / 1e9, rel=1e-9), s
     assert sum(s.weight_bytes for s in p.stages) > 8 * sum(s.weight_bytes for s in q.stages)
-    # the dense plan's fastest split gives the first worker 18 layers; all their experts would not fit its 64 GiB
-    assert q.layers == "0:18,18:36,36:45,45:48" and p.layers == "0:17,17:35,35:44,44:48"
+    # the dense plan's fastest split gives the first worker 18 layers; all their experts would not fit its 80 GiB
+    assert q.layers == "0:18,18:36,36:45,45:48" and p.layers == "0:16,16:33,33:43,43:48"
     w18 = weight_bytes(dims, resolve("fp16", dims.parameters), 18, True, False)
-    assert w18 + runtime_bytes(w18, "fp16") > 64 * GIB > p.stages[0].total_bytes
+    assert w18 + runtime_bytes(w18, "fp16", moe=True) > 80 * GIB > p.stages[0].total_bytes
 
 
 def test_a_profile_record_of_an_moe_build_takes_the_head_out_by_active_reads():
@@ -102,3 +103,26 @@ def test_int8_memory_counts_every_expert_too():
     dims = ModelDims.from_config(QWEN3_30B_A3B, "Qwen3-30B-A3B")
     stored = weight_bytes(dims, resolve("int8", dims.parameters), LAYERS, False, False)
     assert stored == pytest.approx(LAYERS * (ATTENTION + ALL_EXPERTS), rel=0.01)
+
+
+def test_an_fp16_moe_stage_counts_the_runtime_its_workers_were_measured_to_hold():
+    """Real workers of an fp16 MoE build (compiler/planner.py ``UNPACKED_COPY_MOE``: 4 Qwen3-30B-A3B-shaped layers,
+    2 stages) peaked at 14,373 MiB for a 3,757 MiB stage and 5,456 for 1,380, above the dense rule (320 MiB + 3x
+    the weights); the MoE rule holds them. int8 MoE stages (3,827 and 1,431 MiB for 1,881 and 691) keep the dense
+    rule; a dense model's plan is as it was."""
+    mib = 1 << 20
+    for stage, peak in ((3757, 14373), (1380, 5456)):
+        assert stage * mib + runtime_bytes(stage * mib, "fp16") < peak * mib
+        assert stage * mib + runtime_bytes(stage * mib, "fp16", moe=True) > peak * mib
+    for stage, peak in ((1881, 3827), (691, 1431)):
+        assert stage * mib + runtime_bytes(stage * mib, "int8", moe=True) > peak * mib
+    moe = ModelDims.from_config(QWEN3_30B_A3B, "Qwen3-30B-A3B")
+    dense = ModelDims.from_config(QWEN3_30B_A3B | {"model_type": "qwen3"}, "dense")
+    assert moe.moe and not dense.moe
+    node = [nodes_from_capacities({"pc": Capacity(256 * GIB, "CPU", 20.0)}, moe)[0]]
+    fp16, int8 = (plan(moe, node, fmt, max_context=4096, max_sessions=1) for fmt in ("fp16", "int8"))
+    assert fp16.stages[0].runtime_bytes == runtime_bytes(fp16.stages[0].weight_bytes, "fp16", moe=True)
+    assert int8.stages[0].runtime_bytes == runtime_bytes(int8.stages[0].weight_bytes, "int8")
+    assert '"weights_factor": 3.0' in fp16.to_json() and "+ 3 x weights" in report_lines(fp16)[0]
+    d = plan(dense, node, "fp16", max_context=4096, max_sessions=1)
+    assert d.stages[0].runtime_bytes == runtime_bytes(d.stages[0].weight_bytes, "fp16")
