@@ -69,6 +69,7 @@ class Registry:
         self._tasks: set[asyncio.Task] = set()
         self._heard: dict[str, list[str]] = {}  # zeroconf service names resolved -> the addresses added for them
         self._lost: dict[str, tuple[int, float, float]] = {}  # mDNS address -> (stage, dropped at, next probe)
+        self.switching = False  # a re-plan (replan.py) loads another build's stages: refusals are expected
         # called (address, seconds) when a worker answers after a longer gap than missed checks allow
         self.on_lease_gap: Callable[[str, float], None] | None = None
 
@@ -149,7 +150,9 @@ class Registry:
         refused = self._refusal(address, info)
         if refused != state.refused:
             if refused:  # a worker of another fleet on the LAN is no error; a --peer named by hand is
-                log.log(logging.ERROR if state.source == "peer" else logging.WARNING, "%s", refused)
+                level = logging.ERROR if state.source == "peer" else logging.WARNING
+                log.log(logging.INFO if self.switching else level, "%s%s", refused,
+                        " (a re-plan is switching the workers to another build)" if self.switching else "")
             state.refused = refused
         was_healthy = state.healthy
         state.healthy = refused is None

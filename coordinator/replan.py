@@ -28,7 +28,9 @@ from .errors import PipelineUnavailable
 from .planned_fleet import PlannedFleet, answering, build_for_plan, plan_fleet, ship_lines, ship_plan
 
 if TYPE_CHECKING:
-    from compiler.planner import Plan
+    from compiler.planner import ModelSource, Plan
+
+    from fleet_common.discovery import Capacity
 
     from .registry import Registry
     from .settings import CoordinatorSettings
@@ -65,6 +67,19 @@ def worth_replanning(current: Plan | None, new: Plan | None, speedup: float = SP
     return None
 
 
+def join_decision(source: ModelSource, workers: dict[str, Capacity],
+                  current: Plan | None) -> tuple[str | None, Plan | None]:
+    """A worker joined: (why to re-plan, or None to keep ``current``; the plan over ``workers``, or None when
+    the model does not fit them). ``workers``: worker id -> capacity of every empty-started worker answering
+    now, the new one included; ``current``: the plan served (None: the model did not fit the fleet before).
+    The rule is ``worth_replanning``'s: the model fits now and did not, or decode is >= ``SPEEDUP`` faster."""
+    try:
+        new = plan_fleet(source.dims, workers, weights=source.weights, kv_cache_precision=source.kv_cache_precision)
+    except ValueError:  # PlanRefused (too small), or more workers than layers
+        new = None
+    return worth_replanning(current, new), new
+
+
 class Replanner:
     """Keeps a planned fleet serving as its workers leave: detects a stage with no worker, re-plans over the
     workers still answering, builds, ships and switches the registry (module doc)."""
@@ -86,8 +101,9 @@ class Replanner:
     # -- state -------------------------------------------------------------------------------------
     def _set(self, state: FleetState, progress: str = "", reason: str | None = None) -> None:
         if state is not self.state or reason is not None:
+            why = (reason if reason is not None else self.reason) or "every stage served"
             log.log(logging.ERROR if state is FleetState.REFUSED else logging.INFO, "fleet %s: %s%s", state.value,
-                    reason if reason is not None else self.reason, f" ({progress})" if progress else "")
+                    why, f" ({progress})" if progress else "")
         self.state, self.progress, self._since = state, progress, time.monotonic()
         if reason is not None:
             self.reason = reason
@@ -217,7 +233,11 @@ class Replanner:
         cache = s.build_cache_dir or cache_home("coordinator")
         build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, cache)  # the event loop serves on
         addresses = [found[st.node.name][0] for st in p.stages]
-        reports = await self._ship(build_dir, addresses)
+        self.registry.switching = True
+        try:
+            reports = await self._ship(build_dir, addresses)
+        finally:
+            self.registry.switching = False
         for line in ship_lines(reports, addresses, build_dir):
             log.info("re-planning: %s", line)
         self._step("switching to the new build")
