@@ -227,8 +227,12 @@ class Replanner:
         if not found:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
-        p = plan_fleet(fleet.source.dims, {w: c for w, (_, c) in found.items()}, weights=fleet.source.weights,
-                       kv_cache_precision=fleet.source.kv_cache_precision)
+        try:
+            p = plan_fleet(fleet.source.dims, {w: c for w, (_, c) in found.items()}, weights=fleet.source.weights,
+                           kv_cache_precision=fleet.source.kv_cache_precision)
+        except ValueError as exc:  # PlanRefused names the worker by id: say where each one is
+            where = "; ".join(f"{w} at {a} ({c.line()})" for w, (a, c) in sorted(found.items()))
+            raise ValueError(f"{exc}\nworkers left: {where}") from exc
         self._step(f"building layers {p.layers}")
         cache = s.build_cache_dir or cache_home("coordinator")
         build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, cache)  # the event loop serves on

@@ -53,3 +53,58 @@ def test_just_under_the_threshold_keeps_the_plan():
     faster = plan_fleet(SOURCE.dims, caps(a=(BIG, 10.0 * (1 - SPEEDUP) * 0.99), b=(BIG, 10.0 * (1 - SPEEDUP) * 0.99)))
     assert worth_replanning(before, faster) is not None  # 15.85 % faster: re-planned
     assert worth_replanning(before, None) is None  # a plan that does not fit never replaces one that does
+
+
+class StandInRegistry:
+    """What ``Replanner`` reads of a ``Registry``: stage 1's worker is gone once ``lost`` is set."""
+
+    num_stages, missed_limit, health_interval_s = 2, 1, 0.05
+
+    def __init__(self) -> None:
+        self.lost = False
+        self.workers: dict = {}
+
+    def missing_stages(self) -> list[int]:
+        return [1] if self.lost else []
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        return not self.lost
+
+
+def test_a_worker_left_too_small_for_the_model_refuses_with_its_name_and_bytes(tmp_path, monkeypatch):
+    """The Info round is stood in (no workers here): the one worker left answers 1400 MiB, which the demo-shaped
+    model does not fit; the fleet stays up refusing with the planner's reason, and waits no longer."""
+    import asyncio
+
+    import pytest
+
+    from coordinator import replan
+    from coordinator.errors import PipelineUnavailable
+    from coordinator.planned_fleet import PlannedFleet
+    from coordinator.settings import CoordinatorSettings
+
+    two = caps(a=(SMALL, 10.0), b=(SMALL, 10.0))
+
+    async def answering(addresses, security, peers, model_id):  # noqa: ANN001, ANN202 - planned_fleet.answering
+        return {"a": ("127.0.0.1:1", two["a"])}, ["127.0.0.1:2: UNAVAILABLE"]
+
+    monkeypatch.setattr(replan, "answering", answering)
+
+    async def run() -> tuple[str, dict]:
+        registry = StandInRegistry()
+        fleet = PlannedFleet(tmp_path, plan_fleet(SOURCE.dims, two), SOURCE,
+                             {w: (f"127.0.0.1:{i + 1}", c) for i, (w, c) in enumerate(two.items())}, tmp_path)
+        replanner = replan.Replanner(CoordinatorSettings(model=tmp_path, health_interval_s=0.05), fleet, registry)
+        replanner.start()
+        await asyncio.sleep(0.1)  # armed: every stage served once
+        registry.lost = True
+        with pytest.raises(PipelineUnavailable) as refused:
+            await replanner.settle(30)
+        status = replanner.status()
+        await replanner.stop()
+        return refused.value.message, status
+
+    message, status = asyncio.run(run())
+    assert status["state"] == "refused" and "stage(s) 1 of 2 have no worker left" in status["reason"]
+    assert "node 'a'" in message and "MiB" in message and "short" in message, message
+    assert "workers left: a at 127.0.0.1:1 (" in message, message
