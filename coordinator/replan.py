@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPEEDUP = 0.15  # a plan replaces a working one only when its predicted ms per token is this much lower
+REFUSED_RETRY_S = 30.0  # a refused fleet tries again this often (at once when the workers answering change)
 LOAD_RETRIES = 20  # LoadStage refused while a worker still holds sessions of the old build: tries, a second apart
 
 
@@ -130,6 +131,7 @@ class Replanner:
     def start(self) -> None:
         """Begin watching the registry every health interval (``stop`` ends it)."""
         self._watch = asyncio.ensure_future(self._watching())
+        self._watch.add_done_callback(_log_failure)
 
     async def stop(self) -> None:
         """Stop watching and any re-plan under way."""
@@ -143,8 +145,9 @@ class Replanner:
                          if w.info is not None and w.missed == 0)
 
     def notice(self) -> None:
-        """Start a re-plan when a stage has no healthy worker and none runs (a refused fleet: only once the
-        workers answering changed); back to SERVING when every stage is served again."""
+        """Start a re-plan when a stage has no healthy worker and none runs (a refused fleet: once the workers
+        answering changed, or ``REFUSED_RETRY_S`` after it refused); back to SERVING when every stage is served
+        again."""
         missing = self.registry.missing_stages()
         if not self._armed or (self._task is not None and not self._task.done()):
             return
@@ -152,7 +155,8 @@ class Replanner:
             if self.state is not FleetState.SERVING:
                 self._set(FleetState.SERVING, reason="")
             return
-        if self.state is FleetState.REFUSED and self._answering_key() == self._refused_key:
+        if (self.state is FleetState.REFUSED and self._answering_key() == self._refused_key
+                and time.monotonic() - self._since < REFUSED_RETRY_S):
             return
         lost = sorted(w.address for w in self.registry.workers.values()
                       if w.info is not None and not w.healthy and w.info.stage in missing)
@@ -275,3 +279,8 @@ class Replanner:
                 self._step(f"waiting for a worker to close the old build's sessions: {exc}")
                 await asyncio.sleep(1.0)
         return await ship_plan(build_dir, addresses, self.settings.security, progress)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("watching the fleet for a stage with no worker stopped", exc_info=task.exception())
