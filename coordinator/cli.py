@@ -214,7 +214,8 @@ async def serve(settings: CoordinatorSettings) -> None:
     if planned is not None:  # a stage that loses its last worker is re-planned over the workers left
         from .replan import Replanner
 
-        engine.replan = Replanner(settings, planned, registry)
+        free = engine.prefix_cache.clear if engine.prefix_cache is not None else (lambda: None)
+        engine.replan = Replanner(settings, planned, registry, free)
     shutdown = _Shutdown(engine, settings.shutdown_grace_s)
     shutdown.install()
     local = zc = ready_task = None

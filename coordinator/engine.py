@@ -341,6 +341,8 @@ class Engine:
         planned fleet (``replan``) a stage with no worker is waited for while the fleet re-plans, ``request``
         in status REPLAN_WAIT meanwhile (its stream gets ``: replanning`` comments: completions.Generation)."""
         try:
+            if self.replan is not None and self.replan.holding:  # a worker joined: the plan is being replaced
+                raise PipelineUnavailable("the fleet is re-planning")
             pipeline = await self.registry.pipeline()
         except PipelineUnavailable:
             if self.replan is None:

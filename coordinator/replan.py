@@ -19,6 +19,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fleet_common.manifest import load_manifest
@@ -85,8 +86,11 @@ class Replanner:
     """Keeps a planned fleet serving as its workers leave: detects a stage with no worker, re-plans over the
     workers still answering, builds, ships and switches the registry (module doc)."""
 
-    def __init__(self, settings: CoordinatorSettings, fleet: PlannedFleet, registry: Registry) -> None:
+    def __init__(self, settings: CoordinatorSettings, fleet: PlannedFleet, registry: Registry,
+                 free_retained: Callable[[], None] = lambda: None) -> None:
         self.settings, self.fleet, self.registry = settings, fleet, registry
+        self.free_retained = free_retained  # frees the prefix cache's sessions (before a join's re-plan loads stages)
+        self._joins_seen: frozenset = frozenset()  # joined workers already judged by join_decision
         self.state = FleetState.SERVING
         self.reason = ""  # why it re-plans or refuses
         self.progress = ""  # what it is doing now
@@ -126,6 +130,11 @@ class Replanner:
                 "phase_s": round(time.monotonic() - self._since, 1), "layers": self.fleet.plan.layers,
                 "workers": sorted(a for a, _ in self.fleet.members.values()), "replans": self.replans,
                 "last_replan_s": self.last_replan_s}
+
+    @property
+    def holding(self) -> bool:
+        """Whether new requests wait (``settle``) rather than being placed: the fleet re-plans."""
+        return self.state is FleetState.REPLANNING
 
     # -- detection ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -178,7 +187,45 @@ class Replanner:
         self._armed = True
         while True:
             self.notice()
+            self.consider_joins()
             await asyncio.sleep(self.settings.health_interval_s)
+
+    def _joined(self) -> dict[str, tuple[str, Capacity]]:
+        """Empty workers answering the registry that the plan does not use (a --peer that came late, or one
+        heard by mDNS): worker id -> (address, capacity)."""
+        from fleet_common.discovery import Capacity
+
+        return {w.info.worker_id: (w.address, Capacity(w.info.memory_available_bytes, w.info.device, w.info.ms_per_gb))
+                for w in list(self.registry.workers.values()) if w.info is not None and w.info.empty
+                and w.missed == 0 and w.info.ms_per_gb > 0 and w.info.worker_id not in self.fleet.members}
+
+    def consider_joins(self) -> None:
+        """A serving fleet that gained empty workers re-plans over them when ``join_decision`` says it pays
+        (each set of joined workers judged once); the answers in flight finish first (``_drain``)."""
+        joined = self._joined()
+        if self.state is not FleetState.SERVING or (self._task is not None and not self._task.done()) \
+                or not joined or frozenset(joined) == self._joins_seen:
+            return
+        self._joins_seen = frozenset(joined)
+        workers = {w: c for w, (_, c) in (self.fleet.members | joined).items()}
+        why, _ = join_decision(self.fleet.source, workers, self.fleet.plan)
+        names = ", ".join(sorted(a for a, _ in joined.values()))
+        if why is None:
+            log.info("worker(s) %s joined: the plan stays (not faster by %.0f %% by the planner)", names, SPEEDUP * 100)
+            return
+        self._set(FleetState.REPLANNING, "letting the answers in flight finish", f"worker(s) {names} joined: {why}")
+        self._task = asyncio.ensure_future(self._run(None))
+        self._task.add_done_callback(self._done)
+
+    async def _drain(self) -> None:
+        """Wait (up to ``--replan-wait-s``) until this coordinator holds no session on any worker: new requests
+        wait on ``settle`` meanwhile, the prefix cache's sessions are freed."""
+        deadline = time.monotonic() + self.settings.replan_wait_s
+        while time.monotonic() < deadline:
+            self.free_retained()  # the answers finishing meanwhile are retained too
+            if not any(self.registry.load(a) for a in list(self.registry.workers)):
+                return
+            await asyncio.sleep(0.1)
 
     async def settle(self, timeout_s: float) -> None:
         """Wait while the fleet re-plans, up to ``timeout_s``; returns once it serves every stage. Raises
@@ -200,23 +247,31 @@ class Replanner:
                 raise PipelineUnavailable(f"waited {timeout_s:.0f} s for the fleet to re-plan ({self.line()})")
 
     # -- the re-plan -------------------------------------------------------------------------------
-    async def _run(self, missing_since: float) -> None:
-        """Give the lost worker the registry's missed health checks to come back, then re-plan; a plan that
-        does not fit, a failed build or shipping leave the fleet REFUSED with the reason."""
+    async def _run(self, missing_since: float | None) -> None:
+        """Give the lost worker (``missing_since``) the registry's missed health checks to come back, or (None: a
+        worker joined) let the answers in flight finish; then re-plan. A plan that does not fit, a failed build or
+        shipping leave the fleet REFUSED with the reason (a join's failure before anything was loaded: SERVING)."""
+        t0 = time.monotonic() if missing_since is None else missing_since
         grace = self.registry.missed_limit * self.registry.health_interval_s
-        while time.monotonic() - missing_since < grace:
+        while missing_since is not None and time.monotonic() - missing_since < grace:
             if not self.registry.missing_stages():
                 self._set(FleetState.SERVING, reason="")
                 return
             await asyncio.sleep(0.2)
+        if missing_since is None:
+            await self._drain()
         try:
             await self._replan()
         except (ValueError, OSError, RuntimeError) as exc:  # PlanRefused, BuildError: ValueError; ShippingError
             self._refused_key = self._answering_key()
-            self._set(FleetState.REFUSED, reason=f"{self.reason}; re-planning over the workers left: {exc}")
+            if not self.registry.missing_stages():  # a join's re-plan failed before loading anything: serve on
+                log.error("re-planning (%s) failed, serving the plan as it was: %s", self.reason, exc)
+                self._set(FleetState.SERVING, reason="")
+                return
+            self._set(FleetState.REFUSED, reason=f"{self.reason}; re-planning over the workers answering: {exc}")
             return
         self.replans += 1
-        self.last_replan_s = round(time.monotonic() - missing_since, 1)
+        self.last_replan_s = round(time.monotonic() - t0, 1)
         log.info("re-planned in %.1f s from the stage missing to serving: %s", self.last_replan_s,
                  " -> ".join(self.registry.placement()))
         self._set(FleetState.SERVING, reason="")

@@ -109,3 +109,57 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
     print(f"kill -> the in-flight answer's next token {first_after:.1f} s; kill -> the waiting request's whole "
           f"answer {waiting['done'] - killed[0]:.1f} s; coordinator's re-plan {seen[-1]['last_replan_s']} s; "
           f"phases: {[(round(s['t'] - killed[0], 1), s['progress']) for s in seen]}")
+
+
+def test_a_third_worker_joining_is_planned_in_when_the_planner_says_decode_is_faster(tmp_path, demo_hf):
+    """Three --peer addresses, two workers up (--expect-workers 2): a 2-stage plan. The third starts empty on
+    its address; with the three equally fast (one speed.json, measured once, copied into each --stages-dir) the
+    3-stage plan's slowest stage is about a third faster, so the fleet re-plans over it (replan.join_decision),
+    after the answers in flight finished, and answers the same greedy ids."""
+    import shutil
+    import socket
+
+    from bench import harness
+    from tests.conftest import EXACT_WORKER
+
+    with socket.socket() as s:  # the third worker's port, named to the coordinator before it runs
+        s.bind(("127.0.0.1", 0))
+        third = f"127.0.0.1:{s.getsockname()[1]}"
+    with ExitStack() as stack:
+        first = serving(spawn_worker(tmp_path / "w0.log", stack, "--cache-dir", str(tmp_path / "c0"),
+                                     "--stages-dir", str(tmp_path / "s0")), empty=True)
+        for i in (1, 2):
+            (tmp_path / f"s{i}").mkdir()
+            shutil.copy(tmp_path / "s0" / "speed.json", tmp_path / f"s{i}" / "speed.json")
+        second = serving(spawn_worker(tmp_path / "w1.log", stack, "--cache-dir", str(tmp_path / "c1"),
+                                      "--stages-dir", str(tmp_path / "s1")), empty=True)
+        (tmp_path / "coord").mkdir()
+        proc, url = start_coordinator(demo_hf, tmp_path / "coord", "--no-discover", "--expect-workers", "2",
+                                      *(arg for a in (first, second, third) for arg in ("--peer", a)),
+                                      "--build-cache-dir", str(tmp_path / "builds"))
+        stack.callback(proc.stop)
+        wait_ready(url, 240, proc)
+        assert httpx.get(f"{url}/health", timeout=10).json()["num_stages"] == 2
+        before = greedy_with_gaps(url, PROMPT, TOKENS)
+
+        seen: list[dict] = []
+        stop = threading.Event()
+        poller = threading.Thread(target=poll_health, args=(url, seen, stop), daemon=True)
+        poller.start()
+        t0 = time.monotonic()
+        harness.spawn([*harness.tool("fleet-worker"), "--port", third.rsplit(":", 1)[1], "--no-announce",
+                       *EXACT_WORKER, "--cache-dir", str(tmp_path / "c2"), "--stages-dir", str(tmp_path / "s2")],
+                      tmp_path / "w2.log", stack)
+        while time.monotonic() - t0 < 240 and not (seen and seen[-1]["replans"] and seen[-1]["state"] == "serving"):
+            time.sleep(0.5)
+        stop.set()
+        poller.join(10)
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        after = greedy_with_gaps(url, PROMPT, TOKENS)
+
+    assert health["num_stages"] == 3 and third in health["fleet"]["workers"], (health.get("fleet"), seen)
+    joined = [s for s in seen if s["state"] == "replanning"]
+    assert joined and all(f"worker(s) {third} joined: decode" in s["reason"] for s in joined), seen
+    assert after["ids"] == before["ids"], (after["tokens"], before["tokens"])
+    print(f"worker start -> serving over 3: {seen[-1]['t'] - t0:.1f} s; re-plan {seen[-1]['last_replan_s']} s; "
+          f"{joined[0]['reason']}")
