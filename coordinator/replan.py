@@ -9,8 +9,10 @@ bytes; requests are refused with it until a worker comes or comes back). The eng
 placement finds a stage missing: the request waits there (new ones and failed-over ones alike) instead of
 failing. The build runs in a thread, so the event loop keeps serving ``/health`` and streams meanwhile.
 
-``worth_replanning`` is the rule for a plan that may replace a working one (a worker joined): only when it
-makes the model fit or is faster by ``SPEEDUP`` by the planner's own prediction.
+A worker that joins a serving fleet (empty, answering the registry, not in the plan) is planned in only when
+``join_decision`` says so (``worth_replanning``: the model fits now and did not, or decode is faster by
+``SPEEDUP`` by the planner's own prediction); new requests then wait (``holding``) and the answers in flight
+finish (``_drain``) before the same re-plan runs.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ the demo's HF folder over them by --peer (three stages), then stage 1's worker i
 answer streams. The coordinator re-plans over the two left, builds the 2-stage plan, ships it and serves again:
 the answer in flight fails over to the new pipeline by replay and a request sent meanwhile waits (its stream
 gets ``: re-planning`` comments), and both give the greedy token ids (f32 workers) of the 3-stage fleet before
-the kill. ``/health`` is polled all along and shows ``fleet.state`` "replanning" with its progress and reason."""
+the kill. ``/health`` is polled all along and shows ``fleet.state`` "replanning" with its progress and reason.
+A third worker joining a 2-stage fleet is planned in when the planner predicts decode faster by >= 15 %."""
 
 from __future__ import annotations
 
