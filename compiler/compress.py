@@ -20,8 +20,10 @@ The builder does not hand NNCF the whole stage (its f32 temporaries of every wei
 int4 stage): int8 and int4 are written tensor by tensor with NNCF's own lowering (``int8_rows``,
 ``int4_rows``), each weight's precision picked as ``compress_weights`` picks it (``int4_plan``; below
 ratio 1.0 from ``sensitivity``'s scores), byte for byte NNCF's result on the whole stage
-(tests/unit/test_int8_builder.py, tests/unit/test_int4_builder.py). ``compress`` (NNCF on the whole
-stage) is left for int4 stages with Mixture-of-Experts layers.
+(tests/unit/test_int8_builder.py, tests/unit/test_int4_builder.py). A Mixture-of-Experts layer's stacked
+experts [E, rows, cols] too: compressed as [E * rows, cols] in blocks of rows across the experts, NNCF's
+layout for a stacked weight (compiler/export.py ``_Weights._stacked_int4``; tests/integration/test_moe_int4.py).
+``compress`` (NNCF on the whole stage) is what the tests compare against.
 
 Defaults per size class (``SIZE_CLASSES``), by the model's parameter count, for int4 (int8 is
 per-channel asymmetric at every size, measured +0.16% perplexity on the demo against +0.50%
@@ -218,7 +220,8 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
     return flat[0::2] | (flat[1::2] << 4)
 
 
-def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int) -> dict[str, np.ndarray]:
+def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int,
+              out: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """int4 of a weight [rows, cols] in groups of ``group_size`` weights along a row (-1: one group per row)
     with NNCF's own lowering (``weight_lowering.compress_weight``, what ``compress_weights`` applies to a weight
     it puts at ``int4_sym``/``int4_asym``), in blocks of rows (``row_blocks``): groups lie within a row, so the
@@ -226,7 +229,9 @@ def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int) ->
 
     ``read(start, stop)`` returns rows ``[start, stop)`` as float16. Returns ``weights``: the codes [rows, cols]
     packed (``pack_nibbles``, i4 when symmetric, else u4), ``scale`` [rows, groups] float16 and, asymmetric,
-    ``zero_point``: [rows, groups] u4 packed.
+    ``zero_point``: [rows, groups] u4 packed. ``out`` (uint8, ``rows * cols / 2`` bytes; ``cols`` even): the
+    packed codes are written there block by block and ``weights`` is ``out``, so the unpacked codes of the
+    whole tensor (a byte per weight) are never held: what a stacked Mixture-of-Experts matrix needs.
     """
     import nncf
     from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
@@ -237,23 +242,27 @@ def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int) ->
     config = WeightCompressionConfig(mode, group_size=group_size)
     rows, cols = shape
     groups = 1 if group_size == -1 else cols // group_size
-    codes = np.empty((rows, cols), np.int8 if symmetric else np.uint8)
+    if out is not None and (cols % 2 or out.size != rows * cols // 2):
+        raise ValueError(f"int4_rows: out holds {out.size} bytes, a [{rows}, {cols}] weight packs into "
+                         f"{rows * cols / 2:g} (cols must be even)")
+    codes = None if out is not None else np.empty((rows, cols), np.int8 if symmetric else np.uint8)
     scale = np.empty((rows, groups), np.float16)
     zero_point = None if symmetric else np.empty((rows, groups), np.uint8)
     for start, stop in row_blocks(rows, cols):
         cw = compress_weight(Tensor(read(start, stop)), (1,), config)
-        codes[start:stop] = np.asarray(cw.tensor.data).reshape(stop - start, cols)
+        block = np.asarray(cw.tensor.data).reshape(stop - start, cols)
+        if out is None:
+            codes[start:stop] = block
+        else:
+            out[start * cols // 2:stop * cols // 2] = pack_nibbles(block)
         scale[start:stop] = np.asarray(cw.scale.data).reshape(stop - start, groups)
         if zero_point is not None:
             zero_point[start:stop] = np.asarray(cw.zero_point.data).reshape(stop - start, groups)
-    parts = {"weights": pack_nibbles(codes), "scale": scale}
+    parts = {"weights": pack_nibbles(codes) if out is None else out, "scale": scale}
     return parts | ({} if zero_point is None else {"zero_point": pack_nibbles(zero_point)})
 
 
-def streams_int4(spec: WeightSpec, moe: bool) -> bool:
-    """Whether an int4 stage of ``spec`` is written tensor by tensor (``int4_plan``): every stage without
-    Mixture-of-Experts layers, whose stacked experts are NNCF's to lay out (``compress`` on the whole stage)."""
-    return spec.format == "int4" and not moe
+
 
 
 def sensitivity(read, shape: tuple[int, int]) -> float:
@@ -274,10 +283,16 @@ def sensitivity(read, shape: tuple[int, int]) -> float:
 
 def weight_order(model: ov.Model, names: set[str]) -> list[tuple[str, str, tuple[int, ...]]]:
     """The weights among ``names`` that ``model``'s MatMuls (input 1) and Gathers (input 0) read from a constant
-    (through Converts), in the model's topological order: (name, ``"matmul"`` or ``"gather"``, shape), one
-    entry per use. What NNCF's ``compress_weights`` walks to pick each weight's precision; nothing is read."""
+    (through Converts), in the order NNCF's ``compress_weights`` walks them to pick each weight's precision: its
+    graph's (``GraphConverter.create_nncf_graph``) ``topological_sort``, lexicographic by NNCF's node ids, which
+    need not be OpenVINO's ``get_ordered_ops`` (a Mixture-of-Experts layer's router comes after its experts in
+    OpenVINO's order, before them in NNCF's). (name, ``"matmul"`` or ``"gather"``, shape), one entry per use;
+    nothing is read."""
+    from nncf.openvino.graph.nncf_graph_builder import GraphConverter
+
+    rank = {node.node_name: i for i, node in enumerate(GraphConverter.create_nncf_graph(model).topological_sort())}
     order = []
-    for node in model.get_ordered_ops():
+    for node in sorted(model.get_ops(), key=lambda node: rank.get(node.get_friendly_name(), -1)):
         kind = {"MatMul": "matmul", "Gather": "gather"}.get(node.get_type_name())
         if kind is None:
             continue

@@ -110,6 +110,32 @@ def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ..
     return shapes
 
 
+def expert_rows(source, names: list[str],  # noqa: ANN001
+                report: Callable[[str, np.ndarray], object] | None = None) -> Callable[[int, int], np.ndarray]:
+    """``read(start, stop)``: rows ``[start, stop)`` float16 [stop - start, cols] of the experts ``names``
+    ([rows, cols] each, read from ``source``) stacked and flattened to [E * rows, cols], each expert's share
+    read on its own; ``report(name, rows)`` follows an expert's last row. ``read.shape``: (E * rows, cols)."""
+    rows, cols = source.shape(names[0])
+
+    def read(start: int, stop: int) -> np.ndarray:
+        parts = []
+        for e in range(start // rows, -(-stop // rows)):
+            a, b = max(start, e * rows) - e * rows, min(stop, (e + 1) * rows) - e * rows
+            parts.append(source.tensor(names[e], rows=(a, b)))
+            if report is not None and b == rows:
+                report(names[e], parts[-1])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    read.shape = (len(names) * rows, cols)
+    return read
+
+
+def stacked_name(names: list[str]) -> str:
+    """The stacked constant's name for the experts ``names`` (HF names of one matrix, expert 0 first):
+    ``model.layers.3.mlp.experts.gate_proj.weight``."""
+    return names[0].replace(".experts.0.", ".experts.")
+
+
 class _Weights:
     """Postponed constants (one set per tensor, shared by every use) for one stage's graph: f16, or with
     ``int8`` (a ``compress.WeightSpec``) linear and embedding weights as NNCF's per-channel int8 pattern, or
@@ -269,72 +295,42 @@ class _Weights:
         offsets = self._postponed(ov.Type.f16, [rows, groups], lambda: compute("offset"), f"{name}/offset")
         return op.convert(offsets, ov.Type.f32).output(0)
 
-    def stacked(self, names: list[str]) -> Callable[[ov.Output], ov.Output]:
+    def stacked(self, names: list[str]) -> ov.Output:
         """The weights ``names`` (a Mixture-of-Experts layer's experts' same matrix, [rows, cols] each) as one
-        constant [E, rows, cols]; returns ``take(indices)``: the f32 slices [..., rows, cols] of the experts
-        ``indices`` (i64, any shape) chose, Gathered before the decompression so that a token reads only its
-        experts' weights; ``take(None)``: all E experts [E, rows, cols], the decompression chain left whole (the
-        tiled block of compiler/layers.py ``moe``, which the CPU plugin turns into a Gather inside its kernel). f16, or with ``int8`` NNCF's per-channel int8 (codes, scale and zero point gathered
-        alike); read one expert at a time into the stacked constant when the serializer writes it."""
-        from .compress import int8_rows
-
+        constant [E, rows, cols] and its decompression chain, f32 [E, rows, cols]: the tiled block of
+        compiler/layers.py ``moe``, which the CPU plugin turns into a Gather of the chosen experts inside its
+        kernel. f16; with ``int8`` NNCF's per-channel int8 (codes [E, rows, cols], scale and zero point
+        [E, rows, 1]); in an int4 stage (``int4`` names the stacked constant, ``stacked_name``) NNCF's int4 or
+        int8 as ``compress_weights`` writes a stacked weight; a GGUF's kept blocks (``_stacked_blocks``). Read
+        one expert at a time (int4: blocks of rows across the experts) when the serializer writes it."""
         rows, cols = self.source.shape(names[0])
-        shape, per_row = [len(names), rows, cols], [len(names), rows, 1]
-        base = names[0].replace(".experts.0.", ".experts.")  # model.layers.3.mlp.experts.gate_proj.weight
-
-        def gather(node: ov.Node) -> Callable[[ov.Output | None], ov.Output]:
-            return lambda indices: node.output(0) if indices is None else op.gather(node, indices, i64(0)).output(0)
-
+        shape = [len(names), rows, cols]
+        base = stacked_name(names)
         if self.keep_blocks and self.source.kind(names[0]) not in ("f16", "f32"):
-            return self._stacked_blocks(names, base, gather)
+            return self._stacked_blocks(names, base)
+        if self.int4 is not None and base in self.int4:
+            mode, group = self.int4[base]
+            if mode.startswith("int4"):
+                return self._stacked_int4(names, base, mode.endswith("_sym"), group)
+            return self._stacked_int8(names, base, mode.endswith("_sym"))
+        if self.int8 is not None:
+            return self._stacked_int8(names, base, self.int8.symmetric)
 
-        if self.int8 is None:
-            def maker() -> ov.Tensor:
-                tensor = ov.Tensor(ov.Type.f16, ov.Shape(shape))
-                for e, name in enumerate(names):
-                    self.source.tensor(name, out=tensor.data[e])
-                    self._read(name, tensor)
-                return tensor
-
-            const = gather(self._postponed(ov.Type.f16, shape, maker, base))
-            return lambda indices: op.convert(const(indices), ov.Type.f32).output(0)
-        symmetric = self.int8.symmetric
-        wtype = ov.Type.i8 if symmetric else ov.Type.u8
-
-        def make() -> dict[str, ov.Tensor]:
-            weights = ov.Tensor(wtype, ov.Shape(shape))
-            scale, zero_point = np.empty(per_row, np.float16), np.empty(per_row, np.uint8)
+        def maker() -> ov.Tensor:
+            tensor = ov.Tensor(ov.Type.f16, ov.Shape(shape))
             for e, name in enumerate(names):
-                s, z = int8_rows(lambda a, b, name=name: self.source.tensor(name, rows=(a, b)), (rows, cols),
-                                 symmetric, weights.data[e])
-                scale[e] = s
-                if z is not None:
-                    zero_point[e] = z
-                self._read(name, weights)
-            parts = {"weights": weights, "scale": ov.Tensor(scale)}
-            return parts | ({} if symmetric else {"zero_point": ov.Tensor(zero_point)})
+                self.source.tensor(name, out=tensor.data[e])
+                self._read(name, tensor)
+            return tensor
 
-        compute = self._once(make)
-        q = gather(self._postponed(wtype, shape, lambda: compute("weights"), base))
-        zp = None if symmetric else gather(self._postponed(ov.Type.u8, per_row, lambda: compute("zero_point"),
-                                                           f"{base}/zero_point"))
-        scale = gather(self._postponed(ov.Type.f16, per_row, lambda: compute("scale"), f"{base}/scale"))
+        return op.convert(self._postponed(ov.Type.f16, shape, maker, base), ov.Type.f32).output(0)
 
-        def take(indices: ov.Output | None) -> ov.Output:
-            x = op.convert(q(indices), ov.Type.f16)
-            if zp is not None:
-                x = op.subtract(x, op.convert(zp(indices), ov.Type.f16))
-            return op.convert(op.multiply(x, scale(indices)), ov.Type.f32).output(0)
-
-        return take
-
-    def _stacked_blocks(self, names: list[str], base: str,
-                        gather: Callable[[ov.Node], Callable[[ov.Output], ov.Output]]) -> Callable[[ov.Output], ov.Output]:
+    def _stacked_blocks(self, names: list[str], base: str) -> ov.Output:
         """``stacked`` for a GGUF's experts of a kept block type (compiler/gguf_moe.py: each expert a slice of one
         stacked tensor, all of one type): codes [E, rows, cols / g, g] (``gguf.STORED``), scale and, for an offset
         type, a zero point f32 [E, rows, cols / g, 1] per group of g (``QuantRows.zero_point``: the form the
-        compressed embedding Gather takes), all Gathered by ``indices`` before ``(codes - zero point) * scale``:
-        exact to f32 rounding, and a token reads only its experts' blocks."""
+        compressed embedding Gather takes), decompressed as ``(codes - zero point) * scale`` and reshaped to
+        [E, rows, cols] f32: exact to f32 rounding."""
         from .gguf import GROUP, STORED, WITH_OFFSET, offset_group, pack_nibbles
 
         kind = self.source.kind(names[0])
@@ -359,21 +355,79 @@ class _Weights:
                 ({"zero_point": ov.Tensor(zero_point)} if offset else {})
 
         compute = self._once(make)
-        q = gather(self._postponed(wtype, shape, lambda: compute("weights"), base))
-        zp = gather(self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{base}/zero_point")) \
-            if offset else None
-        scale = gather(self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{base}/scale"))
+        x = op.convert(self._postponed(wtype, shape, lambda: compute("weights"), base), ov.Type.f32)
+        if offset:
+            x = op.subtract(x, self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{base}/zero_point"))
+        x = op.multiply(x, self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{base}/scale"))
+        return op.reshape(x, i64([experts, rows, cols]), special_zero=False).output(0)
 
-        def take(indices: ov.Output | None) -> ov.Output:
-            x = op.convert(q(indices), ov.Type.f32)
-            if zp is not None:
-                x = op.subtract(x, zp(indices))
-            x = op.multiply(x, scale(indices))
-            target = i64([experts, rows, cols]) if indices is None else \
-                op.concat([op.shape_of(indices, output_type="i64"), i64([rows, cols])], axis=0)
-            return op.reshape(x, target, special_zero=False).output(0)
+    def _stacked_int8(self, names: list[str], base: str, symmetric: bool) -> ov.Output:
+        """``stacked`` at NNCF's per-channel int8: Constant(u8 | i8 [E, rows, cols]) -> Convert(f16)
+        [-> Subtract(zero point u8 [E, rows, 1])] -> Multiply(scale f16 [E, rows, 1]) -> Convert(f32), each
+        expert compressed by ``compress.int8_rows``."""
+        from .compress import int8_rows
 
-        return take
+        rows, cols = self.source.shape(names[0])
+        shape, per_row = [len(names), rows, cols], [len(names), rows, 1]
+        wtype = ov.Type.i8 if symmetric else ov.Type.u8
+
+        def make() -> dict[str, ov.Tensor]:
+            weights = ov.Tensor(wtype, ov.Shape(shape))
+            scale, zero_point = np.empty(per_row, np.float16), np.empty(per_row, np.uint8)
+            for e, name in enumerate(names):
+                s, z = int8_rows(lambda a, b, name=name: self.source.tensor(name, rows=(a, b)), (rows, cols),
+                                 symmetric, weights.data[e])
+                scale[e] = s
+                if z is not None:
+                    zero_point[e] = z
+                self._read(name, weights)
+            parts = {"weights": weights, "scale": ov.Tensor(scale)}
+            return parts | ({} if symmetric else {"zero_point": ov.Tensor(zero_point)})
+
+        compute = self._once(make)
+        x = op.convert(self._postponed(wtype, shape, lambda: compute("weights"), base), ov.Type.f16)
+        if not symmetric:
+            zp = self._postponed(ov.Type.u8, per_row, lambda: compute("zero_point"), f"{base}/zero_point")
+            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{base}/zero_point/subtract")
+        scale = self._postponed(ov.Type.f16, per_row, lambda: compute("scale"), f"{base}/scale")
+        return op.convert(op.multiply(x, scale, name=f"{base}/fq_weights_1"), ov.Type.f32).output(0)
+
+    def _stacked_int4(self, names: list[str], base: str, symmetric: bool, group: int) -> ov.Output:
+        """``stacked`` at NNCF's int4, the layout ``compress_weights`` gives a stacked weight: Constant(i4 | u4
+        [E, rows, cols / g, g]) -> Convert(f16) [-> Subtract(zero point u4 [E, rows, cols / g, 1])] ->
+        Multiply(scale f16 [E, rows, cols / g, 1]) -> Reshape [E, rows, cols] -> Convert(f32) (``group`` -1:
+        [E, rows, cols] and [E, rows, 1], no Reshape). The groups lie within a row, so the matrix is compressed
+        as [E * rows, cols] by ``compress.int4_rows`` in blocks of rows across the experts (the kernel NNCF
+        picks for the whole stacked tensor: ``compress.row_blocks``), packed straight into the constant."""
+        from .compress import int4_rows
+
+        rows, cols = self.source.shape(names[0])
+        experts = len(names)
+        grouped, per_group = ([experts, rows, cols], [experts, rows, 1]) if group == -1 else \
+            ([experts, rows, cols // group, group], [experts, rows, cols // group, 1])
+        wtype = ov.Type.i4 if symmetric else ov.Type.u4
+        read = expert_rows(self.source, names, self._read)
+
+        def make() -> dict[str, ov.Tensor]:
+            weights = ov.Tensor(wtype, ov.Shape(grouped))
+            packed = weights.data.view(np.uint8).reshape(-1)
+            parts = int4_rows(read, (experts * rows, cols), symmetric, group, out=packed)
+            out = {"weights": weights, "scale": ov.Tensor(parts["scale"].reshape(per_group))}
+            if not symmetric:
+                out["zero_point"] = ov.Tensor(ov.Type.u4, ov.Shape(per_group))
+                out["zero_point"].data[:] = parts["zero_point"]
+            return out
+
+        compute = self._once(make)
+        x = op.convert(self._postponed(wtype, grouped, lambda: compute("weights"), base), ov.Type.f16)
+        if not symmetric:
+            zp = self._postponed(ov.Type.u4, per_group, lambda: compute("zero_point"), f"{base}/zero_point")
+            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{base}/zero_point/subtract")
+        scale = self._postponed(ov.Type.f16, per_group, lambda: compute("scale"), f"{base}/scale")
+        x = op.multiply(x, scale, name=f"{base}/fq_weights_1")
+        if group != -1:
+            x = op.reshape(x, i64([experts, rows, cols]), special_zero=False)
+        return op.convert(x, ov.Type.f32).output(0)
 
     def _int8(self, name: str, shape: list[int], symmetric: bool) -> ov.Output:
         """The three constants of one int8 weight, computed together when the serializer asks for the first
@@ -396,7 +450,6 @@ class _Weights:
             x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
         scale = self._postponed(ov.Type.f16, rows, lambda: compute("scale"), f"{name}/scale")
         return op.convert(op.multiply(x, scale, name=f"{name}/fq_weights_1"), ov.Type.f32).output(0)
-
 
     def _int4(self, name: str, shape: list[int], symmetric: bool, group: int) -> ov.Output:
         """One int4 weight [rows, cols] as NNCF writes it (its OpenVINO backend's compression subgraph):
@@ -500,7 +553,9 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     sinks: list[ov.Node] = []
     for layer in range(stage.start, stage.end):
         names = hf_weight_names(cfg, layer)
-        w = {role: weights(name, matrix=role in MATRICES) for role, name in names.items()
+        # an int4 stage compresses the router as NNCF does (int4_plan names it); otherwise it stays f16
+        w = {role: weights(name, matrix=role in MATRICES or (role == "router" and int4 is not None))
+             for role, name in names.items()
              if not role.startswith("expert.")}
         if cfg.sandwich_norms:  # Gemma 3
             here = local if cfg.sliding_layers[layer] else (rope, mask)
@@ -510,7 +565,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, rope, mask,
                                    beam_idx.output(0), batch, layer)
         x = op.add(x, h).output(0)
-        if layer in cfg.moe_layers:  # the router f16 (its picks as exact as can be), the experts stacked
+        if layer in cfg.moe_layers:  # the experts stacked
             experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
                        for part in ("gate", "up", "down")}
             x = op.add(x, moe(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, experts, cfg, layer)).output(0)

@@ -6,7 +6,6 @@ layer. ``export.py`` assembles a stage from them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,7 +187,7 @@ def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
     return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
 
 
-def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.Output | None], ov.Output]],
+def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Output],
         cfg: ModelConfig, layer: int) -> ov.Output:
     """A sparse Mixture-of-Experts MLP (Qwen3-MoE; transformers' ``Qwen3MoeSparseMoeBlock``), x [B, S, H] ->
     [B, S, H]: the router's softmax over the experts, its top ``experts_per_token`` (TopK) weights
@@ -215,9 +214,9 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, Callable[[ov.O
 
 
 def moe_tiled(flat: ov.Output, weights: ov.Output, chosen: ov.Output,
-              experts: dict[str, Callable[[ov.Output | None], ov.Output]], num_experts: int) -> ov.Output:
+              experts: dict[str, ov.Output], num_experts: int) -> ov.Output:
     """The chosen experts' SwiGLU outputs summed with their weights, flat [N, H] f32 -> [N, H] (``chosen`` [N, k]
-    i64, ``weights`` [N, k] f32; ``experts[part](None)``: all E experts' matrix [E, rows, cols] f32, its
+    i64, ``weights`` [N, k] f32; ``experts[part]``: all E experts' matrix [E, rows, cols] f32, its
     decompression chain whole), as OpenVINO's tiled MoE block (the form optimum-intel exports Qwen3-MoE in):
     the tokens tiled over all E experts [E, N, H], three batched MatMuls against the whole stacked experts,
     SwiGLU, and the outputs weighted by the routing map [E, N, 1] (the top-k weights scattered into zeros
@@ -225,10 +224,10 @@ def moe_tiled(flat: ov.Output, weights: ov.Output, chosen: ov.Output,
     runs only the chosen experts (GatherMatmul)."""
     hidden = flat.get_partial_shape()[1].get_length()
     tiled = op.reshape(op.tile(flat, i64([num_experts, 1])), i64([num_experts, -1, hidden]), special_zero=False)
-    gate = op.matmul(tiled, experts["gate"](None), transpose_a=False, transpose_b=True)  # [E, N, I]
-    up = op.matmul(tiled, experts["up"](None), transpose_a=False, transpose_b=True)
+    gate = op.matmul(tiled, experts["gate"], transpose_a=False, transpose_b=True)  # [E, N, I]
+    up = op.matmul(tiled, experts["up"], transpose_a=False, transpose_b=True)
     act = op.multiply(NodeFactory("opset4").create("Swish", [gate.output(0)], {}), up)  # one input: the pattern's
-    down = op.matmul(act, experts["down"](None), transpose_a=False, transpose_b=True)  # [E, N, H]
+    down = op.matmul(act, experts["down"], transpose_a=False, transpose_b=True)  # [E, N, H]
     down = op.reshape(down, i64([num_experts, 0, hidden]), special_zero=True)  # the Reshapes: the pattern's
     rows = op.gather(op.shape_of(chosen, output_type="i64"), i64([0]), i64(0))  # [1]: N
     zeros = op.broadcast(f32(0.0), op.concat([rows, i64([num_experts])], axis=0))  # [N, E]

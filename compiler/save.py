@@ -1,6 +1,5 @@
 """Writing one built stage (a shard or a whole-model draft) to disk: its graph from compiler/export.py saved
-tensor by tensor (int4 of Mixture-of-Experts stages compressed by NNCF afterwards), a full disk turned into a
-``BuildError``, progress on a bar.
+tensor by tensor, a full disk turned into a ``BuildError``, progress on a bar.
 
 Used by compiler/build.py (the stages) and compiler/draft.py (the drafts).
 """
@@ -15,11 +14,9 @@ from pathlib import Path
 
 import openvino as ov
 
-from fleet_common.residency import settle
-
-from .arch import ModelConfig
-from .compress import WeightSpec, compress, int4_plan, sensitivity, streams_int4, weight_order
-from .export import StageSpec, export_stage, stage_tensors
+from .arch import ModelConfig, hf_weight_names
+from .compress import WeightSpec, int4_plan, sensitivity, weight_order
+from .export import StageSpec, expert_rows, export_stage, stacked_name, stage_tensors
 
 
 class BuildError(ValueError):
@@ -61,36 +58,47 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
 
     fp16, int8 and int4 go straight from the source to the file, one tensor at a time, by NNCF's own lowering
-    in blocks of rows (compress.int8_rows, compress.int4_rows). Which weight of an int4 stage takes int4 and
-    which the int8 backup (compress.int4_plan) comes from the stage's graph before anything is read, and
-    below ratio 1.0 from each weight's score (compress.sensitivity), a first pass over the weights one at a
-    time. int4 of a Mixture-of-Experts stage (compress.streams_int4): the fp16 IR is written first, read back
-    memory-mapped and compressed by NNCF on the whole stage, the mapped pages given back while NNCF reads them
-    (fleet_common/residency.py ``settle``). Raises ``BuildError`` on a full disk."""
+    in blocks of rows (compress.int8_rows, compress.int4_rows); a Mixture-of-Experts layer's stacked experts
+    too, each stacked matrix compressed in blocks of rows across its experts. Which weight of an int4 stage
+    takes int4 and which the int8 backup (compress.int4_plan) comes from the stage's graph before anything is
+    read, and below ratio 1.0 from each weight's score (compress.sensitivity), a first pass over the weights
+    one at a time. Raises ``BuildError`` on a full disk."""
     total = stage_fp16_bytes(cfg, stage)
-    streamed = spec.format in ("fp16", "int8") or streams_int4(spec, bool(cfg.moe_layers))
-    fp16 = path if streamed else path.with_name(path.stem + ".fp16.xml")
     int4 = None
-    if spec.format == "int4" and streamed:  # the graph alone (nothing read) says which weight takes what
+    if spec.format == "int4":  # the graph alone (nothing read) says which weight takes what
         probe = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input)
-        int4 = int4_plan(weight_order(probe, set(stage_tensors(cfg, stage))), spec,
-                         lambda name: sensitivity(lambda a, b: weights.tensor(name, rows=(a, b)), weights.shape(name)))
+        reads = stacked_reads(cfg, weights, stage)
+        int4 = int4_plan(weight_order(probe, set(stage_tensors(cfg, stage)) | set(reads)), spec,
+                         lambda name: sensitivity(reads.get(name) or (lambda a, b: weights.tensor(name, rows=(a, b))),
+                                                  weight_shape(weights, reads, name)))
         del probe
     with disk_errors(path), progress.task(label, total) as on_read:
         model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,
                              on_read=on_read, int8=spec if spec.format == "int8" else None, keep_blocks=keep_blocks,
                              int4=int4)
-        ov.save_model(model, fp16, compress_to_fp16=False)
+        ov.save_model(model, path, compress_to_fp16=False)
         del model
-    if streamed:
-        return
-    with disk_errors(path):
-        compressed = []  # NNCF reads every weight of the mapped fp16 IR: its pages given back while it runs
-        settle(lambda: compressed.append(compress(ov.Core().read_model(fp16), spec)), [fp16.with_suffix(".bin")])
-        ov.save_model(compressed[0], path, compress_to_fp16=False)
-        del compressed
-    fp16.unlink()
-    fp16.with_suffix(".bin").unlink()
+
+
+def stacked_reads(cfg: ModelConfig, weights, stage: StageSpec) -> dict[str, object]:  # noqa: ANN001
+    """The stacked expert matrices of ``stage``'s Mixture-of-Experts layers (the constants export.py
+    ``_Weights.stacked`` makes, ``model.layers.N.mlp.experts.gate_proj.weight`` [E, rows, cols]), each as
+    ``read(start, stop)``: rows ``[start, stop)`` of the matrix flattened to [E * rows, cols], float16, read
+    expert by expert from ``weights`` (what compress.sensitivity and compress.int4_rows take)."""
+    reads = {}
+    for layer in cfg.moe_layers:
+        if not stage.start <= layer < stage.end:
+            continue
+        names = hf_weight_names(cfg, layer)
+        for part in ("gate", "up", "down"):
+            experts = [names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)]
+            reads[stacked_name(experts)] = expert_rows(weights, experts)
+    return reads
+
+
+def weight_shape(weights, reads: dict[str, object], name: str) -> tuple[int, int]:  # noqa: ANN001
+    """``name``'s shape as compress.sensitivity reads it: [rows, cols], or a stacked matrix's [E * rows, cols]."""
+    return reads[name].shape if name in reads else tuple(weights.shape(name))  # type: ignore[attr-defined]
 
 
 def stage_fp16_bytes(cfg: ModelConfig, stage: StageSpec) -> int:
