@@ -555,8 +555,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         names = hf_weight_names(cfg, layer)
         # an int4 stage compresses the router as NNCF does (int4_plan names it); otherwise it stays f16
         w = {role: weights(name, matrix=role in MATRICES or (role == "router" and int4 is not None))
-             for role, name in names.items()
-             if not role.startswith("expert.")}
+             for role, name in names.items() if not role.startswith("expert.")}
         if cfg.sandwich_norms:  # Gemma 3
             here = local if cfg.sliding_layers[layer] else (rope, mask)
             x, layer_sinks = gemma_layer(x, w, cfg, *here, beam_idx.output(0), batch, layer)
