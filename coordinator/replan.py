@@ -274,8 +274,8 @@ class Replanner:
             return
         self.replans += 1
         self.last_replan_s = round(time.monotonic() - t0, 1)
-        log.info("re-planned in %.1f s from the stage missing to serving: %s", self.last_replan_s,
-                 " -> ".join(self.registry.placement()))
+        log.info("re-planned in %.1f s (from the stage missing or the join to serving; %s): %s", self.last_replan_s,
+                 self.reason, " -> ".join(self.registry.placement()))
         self._set(FleetState.SERVING, reason="")
 
     async def _replan(self) -> None:
@@ -305,8 +305,9 @@ class Replanner:
             self.registry.switching = False
         for line in ship_lines(reports, addresses, build_dir):
             log.info("re-planning: %s", line)
-        self._step("switching to the new build")
-        await self.registry.use_build(load_manifest(build_dir))
+        if build_dir != fleet.build_dir:  # the same plan (a worker back after the grace): nothing to switch
+            self._step("switching to the new build")
+            await self.registry.use_build(load_manifest(build_dir))
         self.fleet = PlannedFleet(build_dir, p, fleet.source, found, fleet.source_path)
         if not await self.registry.wait_ready(s.rpc_timeout_s + 10):
             raise RuntimeError(f"stage(s) {self.registry.missing_stages()} of the new build {build_dir.name} not "
