@@ -15,10 +15,12 @@ type by ``llama-quantize``), or ``--model PATH`` (any GGUF). Per type:
   its ``-d`` crashes this build; the same core pinning), and its peak RSS: VmHWM polled while it runs (it
   memory-maps the file, as our worker maps its ``.bin``).
 
-Both sides run one after the other per cell, so load from elsewhere hits them alike; the ratio is fleet ÷
-llama.cpp of that pair.
+Both sides run one after the other per cell, ``--rounds`` times (3), the order swapped each round, so load from
+elsewhere hits them alike; the ratio is the median of the rounds' fleet ÷ llama.cpp (with its range). On a machine
+shared with other work, ``--realtime`` (root) runs the cells at SCHED_FIFO priority, so that nothing else preempts
+them on their cores (memory bandwidth is still shared).
 
-    python bench/kernel_bench.py [--model llama-3.2-1b | --model FILE.gguf] [--layers N]
+    python bench/kernel_bench.py [--model llama-3.2-1b | --model FILE.gguf] [--layers N] [--rounds 3] [--realtime]
                                  [--types Q4_0,Q4_K_M,...] [--threads 1,2] [--tokens 48] [--profile] [--json PATH]
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -131,6 +134,34 @@ def llama_cell(gguf: Path, threads: int, tokens: int) -> dict:
     return {"tok_s": rows[0]["avg_ts"], "stddev": rows[0]["stddev_ts"], "peak_rss_mib": peak[0], "command": cmd}
 
 
+def paired_cells(build: Path, gguf: Path | None, threads: int, args: argparse.Namespace) -> dict:
+    """fleet's cell (and its ``--also-precision`` ones) beside llama.cpp's (``gguf``; None: none), ``args.rounds``
+    times, the order of the two swapped every round so that load from elsewhere hits them alike. Each side's
+    tok/s is its median over rounds (``rounds_tok_s``: every round's); ``ratio`` is the median of the rounds'
+    fleet ÷ llama.cpp, ``ratio_range`` their smallest and largest."""
+    runs: dict[str, list[dict]] = {}
+    if args.realtime:  # the cells' processes inherit it (not the builds: their threads spin-wait on each other)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    for r in range(args.rounds):
+        sides = [("fleet", "auto"), *((f"fleet_{p}", p) for p in args.also_precision)]
+        if gguf is not None:
+            sides = sides[::-1] + [("llama_cpp", None)] if r % 2 else [("llama_cpp", None), *sides]
+        for key, precision in sides:
+            cell = llama_cell(gguf, threads, args.tokens) if precision is None else \
+                fleet_cell(build, threads, args.tokens, args.prompt, False, precision)
+            runs.setdefault(key, []).append({k: v for k, v in cell.items() if k != "ops"})
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    out = {}
+    for key, cells in runs.items():
+        rates = [c["tok_s"] for c in cells]
+        out[key] = {**sorted(cells, key=lambda c: c["tok_s"])[(len(cells) - 1) // 2], "rounds_tok_s": rates,
+                    "peak_rss_mib": max(c["peak_rss_mib"] for c in cells)}
+    if gguf is not None:
+        ratios = sorted(f["tok_s"] / l["tok_s"] for f, l in zip(runs["fleet"], runs["llama_cpp"]))
+        out["ratio"], out["ratio_range"] = statistics.median(ratios), [ratios[0], ratios[-1]]
+    return out
+
+
 def role(name: str) -> str:
     """The matrix role (q, k, ..., head) an FC node's name names, or ``other``."""
     return next((r for key, r in ROLES.items() if key in name), "other")
@@ -149,6 +180,14 @@ def profile_summary(ops: list) -> dict:
     return {"total_ms": sum(by_type.values()), "by_type_ms": top, "fc_by_role_ms": by_role, "fc_exec_types": execs}
 
 
+def ratio_cell(row: dict, key: str) -> str:
+    """fleet ÷ llama.cpp: the median of the rounds' ratios with their range (``key`` "fleet"), else of the medians."""
+    if key == "fleet" and "ratio" in row:
+        low, high = row["ratio_range"]
+        return f"{row['ratio']:.2f} ({low:.2f}-{high:.2f})" if low != high else f"{row['ratio']:.2f}"
+    return f"{row[key]['tok_s'] / row['llama_cpp']['tok_s']:.2f}"
+
+
 def table(rows: list[dict]) -> str:
     """One line per type and thread count (and fleet's other precisions, ``fleet_<hint>``)."""
     out = []
@@ -157,7 +196,7 @@ def table(rows: list[dict]) -> str:
         for key in [k for k in r if k == "fleet" or k.startswith("fleet_")]:
             f = r[key]
             out.append([r["type"], r["threads"], key.partition("_")[2] or "default", f"{f['tok_s']:.1f}",
-                        f"{l.get('tok_s', float('nan')):.1f}", f"{f['tok_s'] / l['tok_s']:.2f}" if l else "–",
+                        f"{l.get('tok_s', float('nan')):.1f}", ratio_cell(r, key) if l else "–",
                         f"{f['peak_rss_mib']:.0f} ({f['anon_mib']:.0f} + {f['file_mib']:.0f})",
                         f"{l.get('peak_rss_mib', float('nan')):.0f}",
                         f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–", f"{r['bin_mb']:.0f}"])
@@ -193,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--also-precision", default="", type=lambda t: [p for p in t.split(",") if p],
                         help="also run fleet at these --inference-precision settings (bf16, f32; default: auto)")
+    parser.add_argument("--rounds", type=int, default=3, help="fleet/llama.cpp pairs per cell, order swapped "
+                        "each round; the ratio is the median of the rounds'")
+    parser.add_argument("--realtime", action="store_true", help="run the cells at SCHED_FIFO priority (root): "
+                        "other processes on the pinned cores no longer preempt them")
     parser.add_argument("--cache", type=Path, default=real_gguf.CACHE)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+
     files = {}
     if Path(args.model).is_file():
         files[Path(args.model).stem] = (Path(args.model), None)
@@ -213,15 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in threads:
             row = {"type": t, "threads": n, "gguf": str(gguf), "build": str(build), "bin_mb": bin_mb,
                    "gguf_mb": gguf.stat().st_size / 1e6}
-            row["fleet"] = fleet_cell(build, n, args.tokens, args.prompt, False)
-            for precision in args.also_precision:
-                other = fleet_cell(build, n, args.tokens, args.prompt, False, precision)
-                row[f"fleet_{precision}"] = {k: v for k, v in other.items() if k != "ops"}
-            if not args.no_llama_cpp and weights is None:
-                row["llama_cpp"] = llama_cell(gguf, n, args.tokens)
+            llama = not args.no_llama_cpp and weights is None
+            row.update(paired_cells(build, gguf if llama else None, n, args))
             if args.profile and n == 1:
                 row["profile"] = profile_summary(fleet_cell(build, 1, min(args.tokens, 21), args.prompt, True)["ops"])
-            del row["fleet"]["ops"]
             rows.append(row)
             print("\n".join(table(rows[-1:]).splitlines()[2:]), flush=True)
     print(f"\nkernel bench: {args.model}, {args.tokens} greedy tokens after {args.prompt}, nproc {os.cpu_count()}")

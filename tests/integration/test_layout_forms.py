@@ -1,0 +1,37 @@
+"""The weight layouts of bench/layout_bench.py on OpenVINO's real CPU plugin, at a small shape: the forms fleet
+keeps GGUF blocks in are matched by the plugin's compressed-weight pattern (it holds their codes, not a float
+copy) and are exact at f32 with its int8 activations off; the decompression in the other order is folded into a
+float copy (why compiler/export.py writes Q4_K as codes times scale plus a second product)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import layout_bench
+
+
+@pytest.fixture(scope="module")
+def cells() -> dict[tuple[str, str], dict]:
+    args = argparse.Namespace(shape=(512, 512), threads=1, precisions=["f32"], dq=[None, 0], matmuls=1, rounds=1,
+                              calls=2, probe=False, realtime=False)
+    return {(c["form"], str(c["dq"])): c for c in layout_bench.measure(args)}
+
+
+KEPT = ("Q4_0 kept: i4/32, f32 scale", "Q4_K kept: u4/32 + offset product", "Q8_0 kept: i8/32", "i8/16")
+
+
+@pytest.mark.parametrize("form", KEPT)
+def test_kept_forms_run_on_their_codes_and_are_exact_without_int8_activations(cells, form):
+    off, on = cells[(form, "0")], cells[(form, "default")]
+    codes = next(f.codes for f in layout_bench.FORMS if f.name == form)
+    assert off["runs_weight"] == on["runs_weight"] == codes  # compressed FullyConnected, no float copy
+    assert off["rel_err"] < 1e-5  # f32 activations: the blocks' own values
+    assert on["rel_err"] < 3e-2  # int8 activations per 32 (dynamic quantization): its usual error
+
+
+def test_scale_then_offset_is_folded_into_a_float_weight(cells):
+    cell = cells[("u4/32, scale then f32 offset", "0")]
+    assert cell["runs_weight"] in ("f32", "bf16", "f16")
+    assert cell["rel_err"] < 1e-5
