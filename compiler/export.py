@@ -384,13 +384,7 @@ class _Weights:
             parts = {"weights": weights, "scale": ov.Tensor(scale)}
             return parts | ({} if symmetric else {"zero_point": ov.Tensor(zero_point)})
 
-        compute = self._once(make)
-        x = op.convert(self._postponed(wtype, shape, lambda: compute("weights"), base), ov.Type.f16)
-        if not symmetric:
-            zp = self._postponed(ov.Type.u8, per_row, lambda: compute("zero_point"), f"{base}/zero_point")
-            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{base}/zero_point/subtract")
-        scale = self._postponed(ov.Type.f16, per_row, lambda: compute("scale"), f"{base}/scale")
-        return op.convert(op.multiply(x, scale, name=f"{base}/fq_weights_1"), ov.Type.f32).output(0)
+        return self._decompressed(self._once(make), base, wtype, shape, ov.Type.u8, per_row, symmetric)
 
     def _stacked_int4(self, names: list[str], base: str, symmetric: bool, group: int) -> ov.Output:
         """``stacked`` at NNCF's int4, the layout ``compress_weights`` gives a stacked weight: Constant(i4 | u4
@@ -418,15 +412,24 @@ class _Weights:
                 out["zero_point"].data[:] = parts["zero_point"]
             return out
 
-        compute = self._once(make)
-        x = op.convert(self._postponed(wtype, grouped, lambda: compute("weights"), base), ov.Type.f16)
+        return self._decompressed(self._once(make), base, wtype, grouped, ov.Type.u4, per_group, symmetric,
+                                  None if group == -1 else [experts, rows, cols])
+
+    def _decompressed(self, compute: Callable[[str], ov.Tensor], name: str, wtype: ov.Type, shape: list[int],
+                      zp_type: ov.Type, per_group: list[int], symmetric: bool,
+                      reshape: list[int] | None = None) -> ov.Output:
+        """NNCF's decompression subgraph of a compressed weight (its OpenVINO backend's): Constant(``wtype``
+        ``shape``) -> Convert(f16) [-> Subtract(Convert(zero point ``zp_type`` ``per_group``)), unless
+        ``symmetric``] -> Multiply(scale f16 ``per_group``) [-> Reshape ``reshape``] -> Convert(f32), the
+        constants ``compute``'s "weights", "zero_point" and "scale", named after ``name``."""
+        x = op.convert(self._postponed(wtype, shape, lambda: compute("weights"), name), ov.Type.f16)
         if not symmetric:
-            zp = self._postponed(ov.Type.u4, per_group, lambda: compute("zero_point"), f"{base}/zero_point")
-            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{base}/zero_point/subtract")
-        scale = self._postponed(ov.Type.f16, per_group, lambda: compute("scale"), f"{base}/scale")
-        x = op.multiply(x, scale, name=f"{base}/fq_weights_1")
-        if group != -1:
-            x = op.reshape(x, i64([experts, rows, cols]), special_zero=False)
+            zp = self._postponed(zp_type, per_group, lambda: compute("zero_point"), f"{name}/zero_point")
+            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
+        scale = self._postponed(ov.Type.f16, per_group, lambda: compute("scale"), f"{name}/scale")
+        x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
+        if reshape is not None:
+            x = op.reshape(x, i64(reshape), special_zero=False)
         return op.convert(x, ov.Type.f32).output(0)
 
     def _int8(self, name: str, shape: list[int], symmetric: bool) -> ov.Output:
@@ -441,15 +444,8 @@ class _Weights:
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
             return parts | ({} if zero_point is None else {"zero_point": ov.Tensor(zero_point)})
 
-        compute = self._once(make)
-        rows = [shape[0], 1]
-        q = self._postponed(ov.Type.i8 if symmetric else ov.Type.u8, shape, lambda: compute("weights"), name)
-        x = op.convert(q, ov.Type.f16)
-        if not symmetric:
-            zp = self._postponed(ov.Type.u8, rows, lambda: compute("zero_point"), f"{name}/zero_point")
-            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
-        scale = self._postponed(ov.Type.f16, rows, lambda: compute("scale"), f"{name}/scale")
-        return op.convert(op.multiply(x, scale, name=f"{name}/fq_weights_1"), ov.Type.f32).output(0)
+        return self._decompressed(self._once(make), name, ov.Type.i8 if symmetric else ov.Type.u8, shape,
+                                  ov.Type.u8, [shape[0], 1], symmetric)
 
     def _int4(self, name: str, shape: list[int], symmetric: bool, group: int) -> ov.Output:
         """One int4 weight [rows, cols] as NNCF writes it (its OpenVINO backend's compression subgraph):
@@ -474,16 +470,8 @@ class _Weights:
                 out["zero_point"].data[:] = parts["zero_point"]
             return out
 
-        compute = self._once(make)
-        x = op.convert(self._postponed(wtype, grouped, lambda: compute("weights"), name), ov.Type.f16)
-        if not symmetric:
-            zp = self._postponed(ov.Type.u4, per_group, lambda: compute("zero_point"), f"{name}/zero_point")
-            x = op.subtract(x, op.convert(zp, ov.Type.f16), name=f"{name}/zero_point/subtract")
-        scale = self._postponed(ov.Type.f16, per_group, lambda: compute("scale"), f"{name}/scale")
-        x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
-        if group != -1:
-            x = op.reshape(x, i64([rows, cols]), special_zero=False)
-        return op.convert(x, ov.Type.f32).output(0)
+        return self._decompressed(self._once(make), name, wtype, grouped, ov.Type.u4, per_group, symmetric,
+                                  None if group == -1 else [rows, cols])
 
 
 def name_products(model: ov.Model) -> None:
