@@ -32,7 +32,7 @@ def raw_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.
 
 def weights_of(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFWeights:
     w = GGUFWeights.__new__(GGUFWeights)  # no file: one tensor as a reader's memory map would give it
-    w.exact, w.folder = True, None
+    w.exact, w.folder, w._files = True, None, ()  # no mapped file whose pages a read gives back
     w.tensors = {"w": GGUFTensor(raw, kind, shape, 0)}
     return w
 
