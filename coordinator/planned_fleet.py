@@ -97,13 +97,14 @@ def build_key(source_sha256: str, layer_ranges: str, weights: str, kv_cache_prec
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-async def _capacity(address: str, security: Security, model_id: str | None = None) -> tuple[str, Capacity] | str:
+async def _capacity(address: str, security: Security, model_id: str | None = None,
+                    timeout: float = INFO_TIMEOUT_S) -> tuple[str, Capacity] | str:
     """(worker id, capacity) of the worker at ``address`` if it started empty (it may serve a shipped stage
     already: its capacity is still the one measured at its start), or why it is not counted (unreachable, a
     static worker, or, given ``model_id``, a stage of another model: another fleet's worker)."""
     try:
         async with open_channel(address, security) as channel:
-            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         return f"{address}: {exc.code().name} {exc.details()}"
     if not info.empty and info.ms_per_gb <= 0:  # started with --shard/--model: it has no stage store
@@ -351,12 +352,13 @@ class PlannedFleet:
     source_path: Path  # the HF folder or GGUF file planned from
 
 
-async def answering(addresses: list[str], security: Security, peers: list[str],
-                    model_id: str | None) -> tuple[dict[str, tuple[str, Capacity]], list[str]]:
-    """One round of Info over ``addresses``: (worker id -> (address, capacity) of those that started empty,
-    why each other is not counted). An address not among ``peers`` (heard by mDNS) counts only when it is
-    empty or serves ``model_id``, as in ``collect_capacities``."""
-    answers = await asyncio.gather(*(_capacity(a, security, None if a in peers else model_id) for a in addresses))
+async def answering(addresses: list[str], security: Security, peers: list[str], model_id: str | None,
+                    timeout: float = INFO_TIMEOUT_S) -> tuple[dict[str, tuple[str, Capacity]], list[str]]:
+    """One round of Info over ``addresses`` (each call's deadline ``timeout``, seconds): (worker id -> (address,
+    capacity) of those that started empty, why each other is not counted). An address not among ``peers``
+    (heard by mDNS) counts only when it is empty or serves ``model_id``, as in ``collect_capacities``."""
+    answers = await asyncio.gather(*(_capacity(a, security, None if a in peers else model_id, timeout)
+                                     for a in addresses))
     found = {a[0]: (addr, a[1]) for addr, a in zip(addresses, answers, strict=True) if isinstance(a, tuple)}
     return found, [a for a in answers if isinstance(a, str)]
 

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 SPEEDUP = 0.15  # a plan replaces a working one only when its predicted ms per token is this much lower
 REFUSED_RETRY_S = 30.0  # a refused fleet tries again this often (at once when the workers answering change)
+# the re-plan's Info round: a worker that is only busy (its health checks late) must get to answer, or the fleet
+# re-plans around a PC it still has; a dead one on the LAN refuses the connection at once
+REPLAN_INFO_TIMEOUT_S = 10.0
 LOAD_RETRIES = 20  # LoadStage refused while a worker still holds sessions of the old build: tries, a second apart
 
 
@@ -284,7 +287,7 @@ class Replanner:
         s, fleet = self.settings, self.fleet
         self._step("asking the workers for their capacity")
         addresses = sorted({a for a, _ in fleet.members.values()} | set(self.registry.workers))
-        found, why = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id)
+        found, why = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id, REPLAN_INFO_TIMEOUT_S)
         if not found:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
