@@ -27,6 +27,7 @@ from .engine import Engine
 from .leases import LeaseCheck
 from .http_guard import ConnectionLimits, guarded_protocol
 from .pipeline import Channels
+from .planned_fleet import SourceError
 from .registry import Registry
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer
@@ -198,7 +199,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     dump_tasks_on_signal()
     planned = None  # planned_fleet.PlannedFleet of a SOURCE
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
-        from .planned_fleet import SourceError, prepare_build  # a SOURCE, not a build: plan, build and ship first
+        from .planned_fleet import prepare_build  # a SOURCE, not a build: plan, build and ship first
 
         try:
             planned = await prepare_build(settings)
@@ -276,14 +277,7 @@ class Serve(CoordinatorSettings):
         logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s coordinator %(name)s: %(message)s")
         try:
             asyncio.run(serve(CoordinatorSettings(**self.model_dump())))
-        except ManifestError as exc:
-            log.error("%s", exc)
-            sys.exit(2)
-        except RuntimeError as exc:
-            from .planned_fleet import SourceError
-
-            if not isinstance(exc, SourceError):
-                raise
+        except (ManifestError, SourceError) as exc:
             log.error("%s", exc)
             sys.exit(2)
         except KeyboardInterrupt:  # Ctrl-C before the coordinator's own handlers were installed

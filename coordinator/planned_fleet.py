@@ -97,6 +97,17 @@ def build_key(source_sha256: str, layer_ranges: str, weights: str, kv_cache_prec
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def plan_source(source: ModelSource, capacities: dict[str, Capacity]) -> Plan:
+    """``plan_fleet`` of ``source`` (its dimensions, weights and KV precision) over ``capacities`` (worker id ->
+    capacity). Raises ``PlanRefused`` (a ``ValueError``) as ``plan_fleet`` does."""
+    return plan_fleet(source.dims, capacities, weights=source.weights, kv_cache_precision=source.kv_cache_precision)
+
+
+def build_cache(settings) -> Path:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
+    """Where a SOURCE's builds are cached: ``--build-cache-dir``, else ``$XDG_CACHE_HOME/fleet/coordinator``."""
+    return settings.build_cache_dir or cache_home("coordinator")
+
+
 async def _capacity(address: str, security: Security, model_id: str | None = None,
                     timeout: float = INFO_TIMEOUT_S) -> tuple[str, Capacity] | str:
     """(worker id, capacity) of the worker at ``address`` if it started empty (it may serve a shipped stage
@@ -129,19 +140,15 @@ async def collect_capacities(addresses: list[str], security: Security, expect: i
     seen: set[str] = set()
     changed = time.monotonic()
     while True:
-        asked = sorted(set(addresses) | (heard or set()))
-        answers = await asyncio.gather(*(_capacity(a, security, None if a in addresses else model_id)
-                                         for a in asked))
-        found = {a[0]: (addr, a[1]) for addr, a in zip(asked, answers, strict=True) if isinstance(a, tuple)}
+        found, why = await answering(sorted(set(addresses) | (heard or set())), security, addresses, model_id)
         if set(found) != seen:
             seen, changed = set(found), time.monotonic()
         if (expect and len(found) >= expect) or (not expect and found and time.monotonic() - changed >= settle_s):
             return found
         if time.monotonic() >= deadline:
             names = ", ".join(f"{wid} at {addr} ({cap.line()})" for wid, (addr, cap) in found.items()) or "none"
-            why = "; ".join(a for a in answers if isinstance(a, str)) or "-"
             raise TimeoutError(f"expected {expect or 'at least 1'} empty workers, {len(found)} answered in "
-                               f"{timeout_s:.0f} s: {names}; not counted: {why}")
+                               f"{timeout_s:.0f} s: {names}; not counted: {'; '.join(why) or '-'}")
         await asyncio.sleep(POLL_S)
 
 
@@ -247,9 +254,9 @@ def source_sha256(src: Path, cache_dir: Path | None = None) -> str:
 
 def is_gguf(src: Path) -> bool:
     """Whether the source ``src`` is a GGUF file (built with its own blocks kept), not an HF folder."""
-    from compiler.gguf import is_gguf_file
+    from compiler.source import is_gguf_path
 
-    return Path(src).is_file() and (Path(src).suffix == ".gguf" or is_gguf_file(Path(src)))
+    return Path(src).is_file() and is_gguf_path(Path(src))
 
 
 def source_model(src: Path) -> ModelSource:
@@ -388,11 +395,9 @@ async def prepare_build(settings) -> PlannedFleet:  # noqa: ANN001 - coordinator
                      else f"all that answer until none is new for {SETTLE_S:.0f} s")
         found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard,
                                          model_id=source.dims.model_id)
-    p = plan_fleet(source.dims, {w: c for w, (_, c) in found.items()}, weights=source.weights,
-                   kv_cache_precision=source.kv_cache_precision)
+    p = plan_source(source, {w: c for w, (_, c) in found.items()})
     print("\n".join(planner.report_lines(p)), flush=True)
-    cache = settings.build_cache_dir or cache_home("coordinator")
-    build_dir = build_for_plan(settings.model, p, cache)
+    build_dir = build_for_plan(settings.model, p, build_cache(settings))
     addresses = [found[s.node.name][0] for s in p.stages]
     reports = await ship_plan(build_dir, addresses, settings.security)
     print("\n".join(ship_lines(reports, addresses, build_dir)), flush=True)

@@ -25,10 +25,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fleet_common.manifest import load_manifest
-from fleet_common.settings import cache_home
 
 from .errors import PipelineUnavailable
-from .planned_fleet import PlannedFleet, answering, build_for_plan, plan_fleet, ship_lines, ship_plan
+from .planned_fleet import PlannedFleet, answering, build_cache, build_for_plan, plan_source, ship_lines, ship_plan
 
 if TYPE_CHECKING:
     from compiler.planner import ModelSource, Plan
@@ -81,7 +80,7 @@ def join_decision(source: ModelSource, workers: dict[str, Capacity],
     now, the new one included; ``current``: the plan served (None: the model did not fit the fleet before).
     The rule is ``worth_replanning``'s: the model fits now and did not, or decode is >= ``SPEEDUP`` faster."""
     try:
-        new = plan_fleet(source.dims, workers, weights=source.weights, kv_cache_precision=source.kv_cache_precision)
+        new = plan_source(source, workers)
     except ValueError:  # PlanRefused (too small), or more workers than layers
         new = None
     return worth_replanning(current, new), new
@@ -292,14 +291,12 @@ class Replanner:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
         try:
-            p = plan_fleet(fleet.source.dims, {w: c for w, (_, c) in found.items()}, weights=fleet.source.weights,
-                           kv_cache_precision=fleet.source.kv_cache_precision)
+            p = plan_source(fleet.source, {w: c for w, (_, c) in found.items()})
         except ValueError as exc:  # PlanRefused names the worker by id: say where each one is
             where = "; ".join(f"{w} at {a} ({c.line()})" for w, (a, c) in sorted(found.items()))
             raise ValueError(f"{exc}\nworkers left: {where}") from exc
         self._step(f"building layers {p.layers}")
-        cache = s.build_cache_dir or cache_home("coordinator")
-        build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, cache)  # the event loop serves on
+        build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, build_cache(s))  # the loop serves on
         addresses = [found[st.node.name][0] for st in p.stages]
         self.registry.switching = True
         try:
