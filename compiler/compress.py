@@ -262,9 +262,6 @@ def int4_rows(read, shape: tuple[int, int], symmetric: bool, group_size: int,
     return parts | ({} if zero_point is None else {"zero_point": pack_nibbles(zero_point)})
 
 
-
-
-
 def sensitivity(read, shape: tuple[int, int]) -> float:
     """NNCF's data-free score of a weight [rows, cols] for ``ratio`` < 1 (``mixed_precision.DataFreeCriterion``,
     nncf 3.4): 1 / (error + float16's eps), the error being the largest over rows of the mean squared error of

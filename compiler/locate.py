@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .gguf import SPLIT_NAME, is_gguf_file
+from .source import is_gguf_path
 
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"  # name.go DefaultName
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -96,7 +97,7 @@ def _from_path(path: Path, quant: str | None) -> Located:
     if path.is_file():
         if quant is not None:
             raise LocateError(f"{path}@{quant}: a quantization is named for a folder, {path} is a file")
-        if path.suffix != ".gguf" and not is_gguf_file(path):
+        if not is_gguf_path(path):
             raise LocateError(f"{path} is not a GGUF file (it does not start with b'GGUF') nor a folder")
         return Located(path, _stem(path) if SPLIT_NAME.match(path.name) else None, "path")
     if (path / "config.json").is_file() and quant is None:

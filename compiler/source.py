@@ -60,13 +60,19 @@ class Source:
         return hasattr(self.weights, "blocks")
 
 
+def is_gguf_path(path: Path) -> bool:
+    """Whether ``path`` names a GGUF: a ``.gguf`` suffix, or GGUF's magic in a file of any name (``is_gguf_file``:
+    Ollama's blobs, ``sha256-<hex>``, have no suffix)."""
+    return Path(path).suffix == ".gguf" or is_gguf_file(path)
+
+
 def open_source(src: Path, workdir: Path) -> Source:
     """Open ``src``: an HF folder (config.json + safetensors) or a GGUF file (its config and tokenizer
     written into ``workdir``; compiler/gguf.py). Reads headers and metadata only. Raises
     ``FileNotFoundError`` / ``ValueError`` (``UnsupportedModel``, ``WeightsError``) naming the file and
     the problem."""
     src = Path(src)
-    if src.suffix == ".gguf" or is_gguf_file(src):  # an Ollama blob (sha256-<hex>) has no suffix
+    if is_gguf_path(src):
         return open_gguf(src, Path(workdir) / f"{src.stem}-tokenizer")
     config = ModelConfig.from_folder(src)  # an unsupported architecture fails here, before any weight
     weights = SafetensorsWeights(src)
