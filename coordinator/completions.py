@@ -91,23 +91,37 @@ class Generation:
             self._gone.cancel()
 
     async def events(self) -> AsyncIterator[TextDelta | str]:
-        """The deltas up to the finishing one, after ``start``; before the first, SSE progress comments."""
-        while self._pull is not None:
-            if not self._pull.done() and self.request.status is RequestStatus.PREFILL:
-                yield f": prefill {self.request.prefilled}/{len(self.request.prompt_ids)}\n\n"
-            elif not self._pull.done() and self.request.status is RequestStatus.REPLAN_WAIT and self._replan:
-                yield f": re-planning {self._replan.line()}\n\n"
-            await asyncio.wait({self._pull}, timeout=PROGRESS_INTERVAL_S)
-            if not self._pull.done():
-                continue
-            pull, self._pull = self._pull, None
+        """The deltas up to the finishing one, after ``start``. Before the first, SSE progress comments at
+        once and every ``PROGRESS_INTERVAL_S``; after it, while a delta is ``PROGRESS_INTERVAL_S`` late
+        because the request waits on a re-plan (a stage lost mid-answer: ``Engine._fail_over``) or replays
+        its tokens on the new pipeline, the same comments keep the stream alive."""
+        first = True
+        while True:
+            pull = self._pull if self._pull is not None else asyncio.ensure_future(anext(self._deltas))
+            self._pull = pull
+            if first and not pull.done() and (comment := self._progress(first)):
+                yield comment
+            while not pull.done():
+                await asyncio.wait({pull}, timeout=PROGRESS_INTERVAL_S)
+                if not pull.done() and (comment := self._progress(first)):
+                    yield comment
+            self._pull, first = None, False
             delta = pull.result()
             yield delta
             if delta.finish_reason is not None:
                 return
-        while (delta := await anext(self._deltas)).finish_reason is None:
-            yield delta
-        yield delta
+
+    def _progress(self, first: bool) -> str | None:
+        """The SSE comment for a request still waiting on its next delta: prefill progress (before the
+        first delta; after it, a failover's replay of prompt and answer), or the re-plan's
+        (``Replanner.line``); None while it decodes (a slow step needs no comment)."""
+        if self.request.status is RequestStatus.PREFILL:
+            if not first:
+                return f": replaying {self.request.prefilled} tokens on a new pipeline\n\n"
+            return f": prefill {self.request.prefilled}/{len(self.request.prompt_ids)}\n\n"
+        if self.request.status is RequestStatus.REPLAN_WAIT and self._replan:
+            return f": re-planning {self._replan.line()}\n\n"
+        return None
 
     async def deltas(self) -> list[TextDelta]:
         """Every delta (a request not streamed), after ``start``. Raises ``ClientGone`` (the request is

@@ -163,16 +163,18 @@ def _with_gaps(records: list[dict], fleet: dict, max_tokens: int) -> dict:
 
 def stream_with_gaps(url: str, content: str, max_tokens: int, on_chunk=None) -> dict:  # noqa: ANN001
     """``greedy_with_gaps`` streamed (SSE, ``include_usage``), plus "pieces" (the content deltas as they came),
-    "times" (each one's ``time.monotonic()``) and "ttft" (seconds). ``on_chunk(n)`` is called after the n-th
-    content delta. Raises AssertionError on an HTTP error or an SSE error event."""
+    "times" (each one's ``time.monotonic()``), "ttft" (seconds) and "comments" (the SSE comment lines). ``on_chunk(n)``
+    is called after the n-th content delta. Raises AssertionError on an HTTP error or an SSE error event."""
     body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": max_tokens,
             "ignore_eos": True, "logprobs": True, "top_logprobs": 2, "stream": True,
             "stream_options": {"include_usage": True}}
-    records, pieces, times, fleet = [], [], [], None
+    records, pieces, times, comments, fleet = [], [], [], [], None
     start = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
+            if line.startswith(":"):
+                comments.append(line)
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
@@ -186,7 +188,8 @@ def stream_with_gaps(url: str, content: str, max_tokens: int, on_chunk=None) -> 
                     if on_chunk is not None:
                         on_chunk(len(pieces))
     assert fleet is not None, "no usage chunk"
-    return {**_with_gaps(records, fleet, max_tokens), "pieces": pieces, "times": times, "ttft": times[0] - start}
+    return {**_with_gaps(records, fleet, max_tokens), "pieces": pieces, "times": times, "ttft": times[0] - start,
+            "comments": comments}
 
 
 def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS_NEAR_TIE) -> int | None:

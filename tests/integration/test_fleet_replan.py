@@ -101,6 +101,8 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
     assert waiting.get("status") == 200 and waiting["error"] is None, waiting
     assert waiting["ids"] == before["ids"] and after["ids"] == before["ids"]
     assert any(c.startswith(": re-planning ") for c in waiting["comments"]), waiting["comments"]
+    # the answer in flight waited on the re-plan too: its stream was kept alive by the same comments
+    assert any(c.startswith(": re-planning ") for c in in_flight["comments"]), in_flight["comments"]
     replanning = [s for s in seen if s["state"] == "replanning"]
     assert replanning and any("stage(s) 1 of 3 have no worker left" in s["reason"] for s in replanning), seen
     assert any(s["progress"].startswith("building layers") for s in replanning), [s["progress"] for s in seen]
