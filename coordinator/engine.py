@@ -63,7 +63,7 @@ class Engine:
         self._pulling: set[asyncio.Task] = set()  # tasks waiting in _next for a request's next delta
         # pipeline step wall time by chunk length and the draft's cost per token, at each load, for adaptive K
         self.step_costs = StepCostsByLoad(lambda: self.running)
-        self.scheduler = Scheduler(settings.batch_groups or self.manifest.num_stages, settings.max_batch,
+        self.scheduler = Scheduler(settings.batch_groups, settings.max_batch,
                                    settings.prefill_chunk, settings.spec_k_max + 1, settings.compact_share,
                                    settings.compact_min_slots, context_limit=self.max_context)
         self.loops: dict[int, StepLoop] = {}  # one per pipeline (by id: a pipeline is replaced, never mutated)
@@ -202,7 +202,7 @@ class Engine:
 
     def _timeout(self, tokens: int) -> float:
         s = self.settings
-        return s.rpc_timeout_s + tokens * s.per_token_timeout_s * self.manifest.num_stages
+        return s.rpc_timeout_s + tokens * s.per_token_timeout_s * self.registry.num_stages  # the build served now
 
     async def generate(self, request: Request) -> AsyncIterator[TextDelta]:
         """Run ``request`` to completion, yielding text deltas (never a split UTF-8 character).

@@ -139,7 +139,8 @@ Action = Prefill | DraftPrefill | Propose | Merge | Compact | Step | CopyOut | C
 
 class Scheduler:
     """Decides one round for a pipeline: see the module's docstring. ``groups``: batch groups to keep
-    per pipeline; ``max_rows``: sessions per group; ``prefill_chunk``: prompt tokens per prefill step;
+    per pipeline (0: one per stage of each pipeline, so a fleet re-planned to another stage count keeps
+    every stage busy); ``max_rows``: sessions per group; ``prefill_chunk``: prompt tokens per prefill step;
     the rest configures the groups it creates (``group.BatchGroup``)."""
 
     def __init__(self, groups: int, max_rows: int, prefill_chunk: int, slack: int, compact_share: float,
@@ -183,7 +184,7 @@ class Scheduler:
         the pipeline has fewer than ``groups`` or when all are full (broken and finished groups are dropped)."""
         groups[:] = [g for g in groups if g.broken is None and (g.load or g.rows or g.busy)]
         open_groups = [g for g in groups if g.open]
-        if len(groups) < self.target_groups or not open_groups:
+        if len(groups) < (self.target_groups or len(pipeline.addresses)) or not open_groups:
             group = BatchGroup(pipeline, self.slack, self.max_rows, self.compact_share, self.compact_min_slots,
                                self.context_limit)
             groups.append(group)

@@ -91,6 +91,28 @@ def test_placement_opens_one_group_per_target_then_fills_the_least_loaded():
     assert len(groups) == 3
 
 
+class StagedPipe:
+    """A pipeline of ``n`` stages (what the scheduler reads of it: ``addresses``)."""
+
+    healthy = True
+
+    def __init__(self, n: int) -> None:
+        self.addresses = [f"w{i}:1" for i in range(n)]
+
+
+def test_groups_0_keeps_one_group_per_stage_of_each_pipeline():
+    """The default (``--batch-groups 0``) follows the pipeline: after a re-plan from 3 stages to 2, a new
+    pipeline gets 2 groups, not the 3 the fleet started with."""
+    sched = scheduler(groups=0, max_rows=8)
+    for stages in (3, 2):
+        pipe, groups = StagedPipe(stages), []
+        for n in "abcdef":
+            s = seq(n, phase=Phase.PREFILLED)
+            s.pipeline = pipe
+            sched.schedule(pipe, [s], groups)
+        assert len(groups) == stages  # rows to spare (8 each): one group per stage, no more
+
+
 def test_a_group_merges_its_joiners_then_steps_when_every_member_is_ready():
     sched, groups = scheduler(groups=1), []
     a, b = seq("a", phase=Phase.PREFILLED), seq("b", prompt=6, phase=Phase.PREFILLED)
