@@ -111,15 +111,15 @@ def run(src: Path, link_name: str, workers: int, cache: Path, logs: Path) -> dic
         log = coordinator.text()
         sizes = stage_bytes(newest_build(cache))
         shipped = {int(m[0]): (m[1], int(m[2]), float(m[4]), float(m[5])) for m in SHIPPED.findall(log)}
+        crossed = {link.address: round(link.bytes / 1e6, 1) for link in links if link}  # the PC's link, both ways
         ready = [stamp(p.text(), "worker ready: empty") - wall0 for p in procs]
         built = stamp(log, "compiler.build: wrote"), stamp(log, "planned_fleet: hashed")
         row.update(empty_ready_s=round(max(ready), 1), serving_s=round(serving, 1), ttft_s=round(ttft, 2),
                    first_token_s=round(serving + ttft, 1),
                    build_s=round(built[0] - built[1], 1) if None not in built else None,
-                   stages=[{"stage": s, "to": to, "sent_mb": round(sent / 1e6, 1), "ship_s": secs,
-                            "mb_per_s": rate} for s, (to, sent, secs, rate) in sorted(shipped.items())],
-                   stage_mb=[round(b / 1e6, 1) for b in sizes],
-                   link_mb=[round(link.bytes / 1e6, 1) if link else None for link in links])
+                   stages=[{"stage": s, "to": to, "sent_mb": round(sent / 1e6, 1), "ship_s": secs, "mb_per_s": rate,
+                            "stage_mb": round(sizes[s] / 1e6, 1), "link_mb": crossed.get(to)}
+                           for s, (to, sent, secs, rate) in sorted(shipped.items())])
         row.update(replan(url, procs, links, coordinator))
     return row
 
@@ -152,8 +152,8 @@ def print_table(rows: list[dict]) -> None:
         for s in r["stages"]:
             pct = f"{s['mb_per_s'] * 8 / rate * 100:.0f}%" if rate and s["mb_per_s"] else None
             out.append((r["source"], r["link"], s["stage"], r["empty_ready_s"], r["serving_s"], r["ttft_s"],
-                        r["first_token_s"], r["build_s"], s["mb_per_s"], pct, r["link_mb"][s["stage"]],
-                        r["stage_mb"][s["stage"]], r["replan_s"], r["coordinator_replan_s"]))
+                        r["first_token_s"], r["build_s"], s["mb_per_s"], pct, s["link_mb"], s["stage_mb"],
+                        r["replan_s"], r["coordinator_replan_s"]))
     print(harness.table(("source", "link", "stage", "empty ready s", "serving s", "TTFT s", "first token s",
                          "build s", "ship MB/s", "% of link", "MB to PC", "stage MB", "re-plan s",
                          "coordinator re-plan s"), out, pad=True))
