@@ -17,9 +17,9 @@ NIC) and the coordinator, given the links' addresses by ``--peer``. Measured:
 - ``re-plan s``: one worker SIGKILLed, then the time until a greedy request answers again (the coordinator's
   own ``last_replan_s`` beside it), and the MB the re-plan sent over each remaining PC's link.
 
-The first run of a source builds its stages (in the coordinator's ``--build-cache-dir``, kept for the run's
-other links: ``build s`` is that first run's build, read from the coordinator's log); every run's workers start
-empty. Workers run at the build's default precision with ``--threads 1`` (two cores here).
+A run builds its plan's stages unless the coordinator's ``--build-cache-dir`` (one per source, kept across the
+links) holds that plan's build already (``build s``: the coordinator's own figure, in ``serving s``; ``-``: cached).
+Every run's workers start empty and measure their speed again, so two runs may plan other splits. Workers run at the build's default precision with ``--threads 1`` (two cores here).
 
     python bench/empty_fleet.py [--source demo|llama-3.2-1b:Q4_K_M|PATH.gguf] [--links loopback,1gbit,100mbit]
                                 [--workers 2] [--json PATH]
@@ -46,6 +46,7 @@ from fleet_common.manifest import load_manifest
 LINKS = {"loopback": None, "1gbit": profile("lan"), "100mbit": profile("lan", rate_mbit=100)}
 PROMPT = "Name three colours of the rainbow."
 SHIPPED = re.compile(r"stage (\d+) shipped to (\S+): (\d+) bytes sent, (\d+) held already, ([\d.]+) s \(([\d.]+) MB/s")
+BUILT = re.compile(r"planned_fleet: built layers .* in ([\d.]+) s")
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*"  # fleet's log line: asctime first
 
 
@@ -113,10 +114,9 @@ def run(src: Path, link_name: str, workers: int, cache: Path, logs: Path) -> dic
         shipped = {int(m[0]): (m[1], int(m[2]), float(m[4]), float(m[5])) for m in SHIPPED.findall(log)}
         crossed = {link.address: round(link.bytes / 1e6, 1) for link in links if link}  # the PC's link, both ways
         ready = [stamp(p.text(), "worker ready: empty") - wall0 for p in procs]
-        built = stamp(log, "compiler.build: wrote"), stamp(log, "planned_fleet: hashed")
         row.update(empty_ready_s=round(max(ready), 1), serving_s=round(serving, 1), ttft_s=round(ttft, 2),
                    first_token_s=round(serving + ttft, 1),
-                   build_s=round(built[0] - built[1], 1) if None not in built else None,
+                   build_s=float(m[1]) if (m := BUILT.search(log)) else None,
                    stages=[{"stage": s, "to": to, "sent_mb": round(sent / 1e6, 1), "ship_s": secs, "mb_per_s": rate,
                             "stage_mb": round(sizes[s] / 1e6, 1), "link_mb": crossed.get(to)}
                            for s, (to, sent, secs, rate) in sorted(shipped.items())])

@@ -296,9 +296,11 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     build(src, tmp, layers=p.layers, weights=None if gguf else p.weights, kv_cache_precision=p.kv_cache_precision)
     record_devices(tmp, tuple(s.node.device for s in p.stages))
     tmp.rename(out)
+    log.info("built layers %s of %s in %.1f s: %s", p.layers, Path(src).name, time.monotonic() - t0, out)
     return out
 
 
