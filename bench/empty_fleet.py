@@ -19,9 +19,10 @@ NIC) and the coordinator, given the links' addresses by ``--peer``. Measured:
 
 A run builds its plan's stages unless the coordinator's ``--build-cache-dir`` (one per source, kept across the
 links) holds that plan's build already (``build s``: the coordinator's own figure, in ``serving s``; ``-``: cached).
-Every run's workers start empty and measure their speed again, so two runs may plan other splits. Workers run at the build's default precision with ``--threads 1`` (two cores here).
+Every run's workers start empty and measure their speed again, so two runs may plan other splits. Workers run at
+the build's default precision with ``--threads 1`` (two cores here).
 
-    python bench/empty_fleet.py [--source demo|llama-3.2-1b:Q4_K_M|PATH.gguf] [--links loopback,1gbit,100mbit]
+    python bench/empty_fleet.py [--source demo|llama-3.2-1b:Q4_K_M|PATH] [--links loopback,1gbit,100mbit]
                                 [--workers 2] [--json PATH]
 """
 
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import clients, harness, real_gguf
+from bench import clients, harness, models, real_gguf
 from bench.wan import WanLink, profile
 from fleet_common.manifest import load_manifest
 
@@ -58,13 +59,18 @@ def stamp(log: str, pattern: str) -> float | None:
 
 
 def source_path(text: str) -> Path:
-    """``demo`` (the demo's Q4_1 GGUF), ``NAME:TYPE`` of ``real_gguf.SHAPES`` (made once), or a GGUF path."""
+    """``demo`` (the demo's Q4_1 GGUF), ``NAME:TYPE`` of ``real_gguf.SHAPES`` (made once), or a GGUF file or HF
+    folder (``models.resolve``). Raises ``models.ModelError`` for anything else (a build is not a source: its
+    stages are fixed) and ``KeyError`` for an unknown NAME or TYPE."""
     if text == "demo":
         return harness.demo_gguf(harness.demo_hf())
     if ":" in text and not Path(text).exists():
         name, qtype = text.split(":", 1)
         return real_gguf.ensure(name, qtype)
-    return Path(text)
+    model = models.resolve(text)
+    if model.kind == "build":
+        raise models.ModelError(f"{text}: a fleet build, not a model source (a GGUF or an HF folder)")
+    return model.path
 
 
 def stage_bytes(build: Path) -> list[int]:
@@ -148,7 +154,7 @@ def print_table(rows: list[dict]) -> None:
     """The runs as a markdown table, one line per run and stage."""
     out = []
     for r in rows:
-        rate = {"1gbit": 1000, "100mbit": 100}.get(r["link"])
+        rate = LINKS[r["link"]].rate_mbit if LINKS[r["link"]] else None
         for s in r["stages"]:
             pct = f"{s['mb_per_s'] * 8 / rate * 100:.0f}%" if rate and s["mb_per_s"] else None
             out.append((r["source"], r["link"], s["stage"], r["empty_ready_s"], r["serving_s"], r["ttft_s"],
@@ -182,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         logs = args.logs or Path(scratch) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for text in args.source or ["demo"]:
-            src = source_path(text)
+            try:
+                src = source_path(text)
+            except (models.ModelError, KeyError) as exc:  # resolve's message names --model: this is --source
+                parser.error(f"--source {str(exc.args[0]).removeprefix('--model ')}")
             cache = args.cache or Path(scratch) / f"builds-{src.stem}"
             for link in links:
                 print(f"{src.name} over {link} ...", flush=True)
