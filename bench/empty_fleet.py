@@ -14,6 +14,7 @@ NIC) and the coordinator, given the links' addresses by ``--peer``. Measured:
   ``StageStatus`` to the last piece written, hashed and renamed), against the link's rate;
 - ``MB to PC`` against ``stage MB``: the bytes that crossed each PC's link (both ways, so the RPCs and the
   first answer too) against its stage's files in the manifest: a PC gets its stage only;
+- ``worker peak MiB`` / ``coordinator peak MiB``: each process's peak RSS (VmHWM) once the first answer came;
 - ``re-plan s``: one worker SIGKILLed, then the time until a greedy request answers again (the coordinator's
   own ``last_replan_s`` beside it), and the MB the re-plan sent over each remaining PC's link.
 
@@ -76,7 +77,8 @@ def source_path(text: str) -> Path:
 def stage_bytes(build: Path) -> list[int]:
     """The bytes of each stage's files (those of the manifest under ``stage_N/``)."""
     m = load_manifest(build).manifest
-    return [sum((build / f).stat().st_size for f in m.files if f.startswith(f"stage_{s}/")) for s in range(m.num_stages)]
+    return [sum((build / f).stat().st_size for f in m.files if f.startswith(f"stage_{s}/"))
+            for s in range(m.num_stages)]
 
 
 def newest_build(cache: Path) -> Path:
@@ -118,13 +120,17 @@ def run(src: Path, link_name: str, workers: int, cache: Path, logs: Path) -> dic
         log = coordinator.text()
         sizes = stage_bytes(newest_build(cache))
         shipped = {int(m[0]): (m[1], int(m[2]), float(m[4]), float(m[5])) for m in SHIPPED.findall(log)}
+        peak = {peer: harness.proc_status(p.pid).get("VmHWM", 0) / (1 << 20)
+                for peer, p in zip(peers, procs, strict=True)}
         crossed = {link.address: round(link.bytes / 1e6, 1) for link in links if link}  # the PC's link, both ways
         ready = [stamp(p.text(), "worker ready: empty") - wall0 for p in procs]
         row.update(empty_ready_s=round(max(ready), 1), serving_s=round(serving, 1), ttft_s=round(ttft, 2),
                    first_token_s=round(serving + ttft, 1),
+                   coordinator_peak_mib=round(harness.proc_status(coordinator.pid).get("VmHWM", 0) / (1 << 20)),
                    build_s=float(m[1]) if (m := BUILT.search(log)) else None,
                    stages=[{"stage": s, "to": to, "sent_mb": round(sent / 1e6, 1), "ship_s": secs, "mb_per_s": rate,
-                            "stage_mb": round(sizes[s] / 1e6, 1), "link_mb": crossed.get(to)}
+                            "stage_mb": round(sizes[s] / 1e6, 1), "link_mb": crossed.get(to),
+                            "worker_peak_mib": round(peak.get(to, 0))}
                            for s, (to, sent, secs, rate) in sorted(shipped.items())])
         row.update(replan(url, procs, links, coordinator))
     return row
@@ -159,9 +165,10 @@ def print_table(rows: list[dict]) -> None:
             pct = f"{s['mb_per_s'] * 8 / rate * 100:.0f}%" if rate and s["mb_per_s"] else None
             out.append((r["source"], r["link"], s["stage"], r["empty_ready_s"], r["serving_s"], r["ttft_s"],
                         r["first_token_s"], r["build_s"], s["mb_per_s"], pct, s["link_mb"], s["stage_mb"],
-                        r["replan_s"], r["coordinator_replan_s"]))
+                        s["worker_peak_mib"], r["coordinator_peak_mib"], r["replan_s"], r["coordinator_replan_s"]))
     print(harness.table(("source", "link", "stage", "empty ready s", "serving s", "TTFT s", "first token s",
-                         "build s", "ship MB/s", "% of link", "MB to PC", "stage MB", "re-plan s",
+                         "build s", "ship MB/s", "% of link", "MB to PC", "stage MB", "worker peak MiB",
+                         "coordinator peak MiB", "re-plan s",
                          "coordinator re-plan s"), out, pad=True))
 
 
