@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ SETTLE_S = 5.0  # without --expect-workers: plan once no new empty worker has an
 RESOLVE_TIMEOUT_MS = 3000  # one zeroconf resolution of a worker's announcement
 SOURCE_HASHES = "source-hashes.json"  # in the build cache dir: source path -> stat key, sha256
 SOURCE_HASHES_KEPT = 64  # sources remembered there (the newest)
+SPEED_TOLERANCE = 0.2  # measured speeds this close are planned as equal (planning_speeds)
 
 
 class SourceError(RuntimeError):
@@ -62,13 +64,33 @@ def _planner():  # noqa: ANN202
     return planner
 
 
+def planning_speeds(ms_per_gb: dict[str, float], tolerance: float = SPEED_TOLERANCE) -> dict[str, float]:
+    """Worker id -> the ms per GB the planner takes for it: the measured figures (worker/capacity.py) in
+    groups, from the fastest, of those within ``tolerance`` (0.2: 20% slower) of the group's fastest, each
+    group at its median. Two equal PCs do not measure equal (another process on the PC, its thermal state):
+    planned as measured, two workers started together on one machine were split 13/17, 10/20 and 27/3 over
+    three starts, each split a new build shipped again. The planner's cost model (weight reads per token) is
+    not closer than 20% to a decode step's time anyway. Ties go to the order of the ids."""
+    planned: dict[str, float] = {}
+    group: list[tuple[float, str]] = []
+    for ms, name in sorted((ms, name) for name, ms in ms_per_gb.items()) + [(float("inf"), "")]:
+        if group and ms > group[0][0] * (1 + tolerance):
+            median = statistics.median(m for m, _ in group)
+            planned.update((n, median) for _, n in group)
+            group = []
+        group.append((ms, name))
+    return planned
+
+
 def nodes_from_capacities(capacities: dict[str, Capacity], dims: ModelDims) -> list[Node]:
-    """One planner ``Node`` per worker id, in sorted id order: memory = MemAvailable bytes, device as
-    announced, ``ms_per_layer`` = ms_per_gb x one layer's f16 weight bytes (2 per parameter) / 1e9."""
+    """One planner ``Node`` per worker id, in sorted id order (an empty worker keeps its id across restarts:
+    worker/identity.py): memory = MemAvailable bytes, device as announced, ``ms_per_layer`` = the
+    ``planning_speeds`` ms per GB x one layer's f16 weight bytes (2 per parameter) / 1e9."""
     from compiler.nodes import Node
 
     layer_gb = dims.layer_params * 2 / 1e9
-    return [Node(name, c.memory_available_bytes, device=c.device, ms_per_layer=c.ms_per_gb * layer_gb)
+    speeds = planning_speeds({name: c.ms_per_gb for name, c in capacities.items()})
+    return [Node(name, c.memory_available_bytes, device=c.device, ms_per_layer=speeds[name] * layer_gb)
             for name, c in sorted(capacities.items())]
 
 
@@ -318,34 +340,46 @@ async def _served(channel: grpc.aio.Channel, address: str) -> pb.InfoReply:
 async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
                     progress: bool | Callable[[int, str], Progress] = True) -> list:
     """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
-    worker lacks) and loaded there, one worker after another, with rich progress on this side when
-    ``progress`` is True (a callable: ``progress(stage, address)`` gives each stage's ``Progress`` callback).
-    A worker whose Info says it serves stage i of this build already (the same manifest sha256: a restarted
-    coordinator) is asked nothing (its report says ``already_served``); one serving another build
-    or stage is shipped and loaded over it (the worker refuses while it holds sessions: ``ShippingError``).
-    Returns the ``ShipReport`` per stage. Raises ``ShippingError`` naming the worker."""
-    from contextlib import nullcontext
+    worker lacks) and loaded there, with rich progress on this side when ``progress`` is True (a callable:
+    ``progress(stage, address)`` gives each stage's ``Progress`` callback). The stages are shipped one after
+    another (they share this PC's link, which one stream fills) and each is loaded while the next ones ship:
+    a worker's load (hashing and compiling its stage) takes none of the link. A worker whose Info says it
+    serves stage i of this build already (the same manifest sha256: a restarted coordinator) is asked nothing
+    (its report says ``already_served``); one serving another build or stage is shipped and loaded over it
+    (the worker refuses while it holds sessions: ``ShippingError``). Returns the ``ShipReport`` per stage once
+    every stage is loaded. Raises ``ShippingError`` naming the worker (the other loads still running are
+    cancelled)."""
+    from contextlib import AsyncExitStack, nullcontext
 
     from fleet_common.manifest import load_manifest
     from fleet_common.shipping import RichProgress, ShipReport, load_stage, ship_stage
 
     sha = load_manifest(build_dir).sha256
-    reports = []
-    for stage, address in enumerate(addresses):
-        async with open_channel(address, security) as channel:
-            info = await _served(channel, address)
-            if not info.empty and info.manifest_sha256 == sha and info.stage == stage:
-                reports.append(ShipReport(stage, [], already_served=True))
-                continue
-            if not info.empty:
-                log.info("worker %s serves stage %d of build %s, not stage %d of %s: shipping over it",
-                         address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
-            if callable(progress):
-                reports.append(await ship_stage(channel, build_dir, stage, progress(stage, address), address=address))
-            else:
-                with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
-                    reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
-            await load_stage(channel, build_dir, stage, address=address)
+    reports, loads = [], []
+    async with AsyncExitStack() as channels:
+        try:
+            for stage, address in enumerate(addresses):
+                channel = await channels.enter_async_context(open_channel(address, security))
+                info = await _served(channel, address)
+                if not info.empty and info.manifest_sha256 == sha and info.stage == stage:
+                    reports.append(ShipReport(stage, [], already_served=True))
+                    continue
+                if not info.empty:
+                    log.info("worker %s serves stage %d of build %s, not stage %d of %s: shipping over it",
+                             address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
+                if callable(progress):
+                    reports.append(await ship_stage(channel, build_dir, stage, progress(stage, address),
+                                                    address=address))
+                else:
+                    with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
+                        reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
+                loads.append(asyncio.ensure_future(load_stage(channel, build_dir, stage, address=address)))
+            await asyncio.gather(*loads)
+        except BaseException:
+            for task in loads:
+                task.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+            raise
     return reports
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
-import uuid
 from collections.abc import Callable
 from functools import partial
 
@@ -23,6 +23,7 @@ from fleet_common.security import open_server
 from fleet_common.wire import add_servicer
 
 from .capacity import measured_speed
+from .identity import claim
 from .loader import default_cache_dir
 from .runner import ShardRunner
 from .server import StageService, create_server
@@ -131,10 +132,12 @@ async def serve_empty(settings: WorkerSettings, ready: asyncio.Event | None = No
     """An empty worker (issue 30): it measures (or reads back) its capacity (worker/capacity.py), announces
     itself as empty with it, and serves ``fleet.v1.StageStore`` (stage files into ``--stages-dir``, then
     ``LoadStage``) beside a ``fleet.v1.Stage`` that serves the loaded stage as ``--shard N --model DIR``
-    would, re-announced as that stage. Runs until SIGINT/SIGTERM."""
+    would, re-announced as that stage. Its id is the stage cache's (worker/identity.py): raises
+    ``StagesDirInUse`` when another worker holds that folder. Runs until SIGINT/SIGTERM."""
     stages_dir = settings.stages_dir or default_stages_dir()
+    worker_id, lock_fd = claim(stages_dir)  # kept open (locked) until this process exits
     capacity = await asyncio.to_thread(measured_speed, stages_dir, settings.device, settings.threads)
-    slot = StageSlot(uuid.uuid4().hex[:12], capacity)
+    slot = StageSlot(worker_id, capacity)
     state: dict = {"announcer": None, "metrics": False}
     port = 0
 
@@ -170,6 +173,7 @@ async def serve_empty(settings: WorkerSettings, ready: asyncio.Event | None = No
         await server.stop(grace=1.0)
         if slot.service is not None:
             await slot.service.close()
+        os.close(lock_fd)  # the stage cache's lock: another worker may take the folder now
 
 
 async def _run_until_stopped(settings: WorkerSettings, current: Callable[[], StageService | None]) -> None:

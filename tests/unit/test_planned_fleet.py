@@ -97,3 +97,40 @@ def test_collect_without_expect_waits_for_one_heard_address_at_least():
     with pytest.raises(TimeoutError) as exc:
         asyncio.run(collect_capacities([], Security(), expect=0, timeout_s=0.5, heard={address}, settle_s=0.1))
     assert "expected at least 1 empty workers, 0 answered" in str(exc.value) and address in str(exc.value)
+
+
+def test_speeds_within_the_tolerance_are_planned_as_equal_and_split_evenly():
+    from coordinator.planned_fleet import planning_speeds
+
+    assert planning_speeds({"a": 10.0, "b": 11.5, "c": 30.0, "d": 35.0, "e": 100.0}) == {
+        "a": 10.75, "b": 10.75, "c": 32.5, "d": 32.5, "e": 100.0}
+    assert planning_speeds({"a": 10.0, "b": 12.1}) == {"a": 10.0, "b": 12.1}  # 21% apart: as measured
+    near = plan_fleet(DIMS, {"pc-a": Capacity(8 * 2**30, "CPU", 10.0), "pc-b": Capacity(8 * 2**30, "CPU", 11.9)})
+    same = plan_fleet(DIMS, {"pc-a": Capacity(8 * 2**30, "CPU", 11.0), "pc-b": Capacity(8 * 2**30, "CPU", 11.0)})
+    assert near.layers == same.layers
+
+
+def test_an_empty_worker_keeps_its_id_and_holds_its_stage_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from worker.identity import StagesDirInUse, claim
+
+    worker_id, fd = claim(tmp_path / "stages")
+    assert len(worker_id) == 12 and int(worker_id, 16) >= 0
+    other = subprocess.run([sys.executable, "-c", "import sys; from worker.identity import claim; claim(sys.argv[1])",
+                            str(tmp_path / "stages")], capture_output=True, text=True, cwd=os.getcwd())
+    assert other.returncode != 0 and "in use by another fleet-worker" in other.stderr, other.stderr
+    assert f"pid {os.getpid()}" in other.stderr
+    os.close(fd)
+    again, fd = claim(tmp_path / "stages")  # the lock is free again; the id is the one written at the first start
+    os.close(fd)
+    assert again == worker_id
+    (tmp_path / "stages" / "worker-id").write_text("garbage\n")
+    new, fd = claim(tmp_path / "stages")
+    os.close(fd)
+    assert new != worker_id and len(new) == 12
+    with pytest.raises(StagesDirInUse):  # flock is per open file: a second claim in one process is refused too
+        _, fd = claim(tmp_path / "stages")
+        claim(tmp_path / "stages")
