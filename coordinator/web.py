@@ -35,7 +35,7 @@ PAGE_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-T
 
 def add_web_routes(app: FastAPI) -> None:
     """Serve the chat page at ``/`` and its files under ``/static/`` (index.html, style.css, the ES modules
-    app.js, sse.js, conversation.js, request.js, tools.js, markdown.js, messages.js, fleet.js, dom.js, and the vendored
+    app.js, sse.js, conversation.js, request.js, tools.js, markdown.js, messages.js, fleet.js, fleet_state.js, dom.js, and the vendored
     vendor/markdown-it.esm.min.js). Raises ``FileNotFoundError`` when the package was installed without them."""
     index = STATIC / "index.html"
     if not index.is_file():

@@ -1,6 +1,8 @@
 // The fleet panel: the pipeline's stages and their replicas (health, device, RTT, sessions, KV held and
-// reserved) from GET /health, polled while the page is visible.
+// reserved) from GET /health, polled while the page is visible; for a planned fleet (serve --model SOURCE)
+// also its re-planning progress (fleet_state.js).
 import { $, el } from "./dom.js";
+import { plannedFleet } from "./fleet_state.js";
 
 const HEALTH_EVERY_MS = 2000;
 const MIB = 1 << 20;
@@ -52,6 +54,15 @@ export function renderFleet(h) {
   pill.textContent = h.shutting_down ? "shutting down"
     : h.ready ? "ready" : `missing stage ${(h.missing_stages || []).join(", ")}`;
   pill.className = `pill ${h.ready ? "ok" : "bad"}`;
+  const planned = plannedFleet(h.fleet);  // serve --model SOURCE: re-planning, refused or serving a plan
+  if (planned && planned.pill && !h.shutting_down) {
+    pill.textContent = planned.pill.text;
+    pill.className = `pill ${planned.pill.cls}`;
+  }
+  const line = $("fleet-plan");
+  line.textContent = planned ? planned.text : "";
+  line.hidden = !planned;
+  line.dataset.state = planned ? planned.state : "";
   if (!Array.isArray(h.workers)) {  // a coordinator with API keys names its workers only to a key
     $("fleet-summary").textContent = `${h.num_stages} stage(s) · ${h.running} running, ${h.queued} queued · ` +
       (h.workers_hidden || "workers not shown");

@@ -4,7 +4,8 @@ the demo's HF folder over them by --peer (three stages), then stage 1's worker i
 answer streams. The coordinator re-plans over the two left, builds the 2-stage plan, ships it and serves again:
 the answer in flight fails over to the new pipeline by replay and a request sent meanwhile waits (its stream
 gets ``: re-planning`` comments), and both give the greedy token ids (f32 workers) of the 3-stage fleet before
-the kill. ``/health`` is polled all along and shows ``fleet.state`` "replanning" with its progress and reason.
+the kill. ``/health`` is polled all along and shows ``fleet.state`` "replanning" with its progress and reason,
+and the chat page (headless Chromium) shows it in its fleet panel: a "re-planning" pill, then one re-plan done.
 A third worker joining a 2-stage fleet is planned in when the planner predicts decode faster by >= 15 %."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from tests.conftest import greedy_with_gaps, start_coordinator, stream_with_gaps, wait_ready
 from tests.integration.test_shipping import serving, spawn_worker
+from tests.integration.test_web_page import browser, open_page  # noqa: F401 - browser: the module's Chromium fixture
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +41,19 @@ def poll_health(url: str, seen: list[dict], stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
+PANEL = """return [document.getElementById('fleet-plan').dataset.state || '',
+                   document.getElementById('fleet-plan').textContent, document.getElementById('fleet-state').textContent];"""
+
+
+def watch_page(page, seen: list[tuple], stop: threading.Event) -> None:  # noqa: ANN001 - a Selenium driver
+    """Append each distinct (state, line, pill) of the page's planned-fleet line to ``seen`` until ``stop``."""
+    while not stop.is_set():
+        panel = tuple(page.execute_script(PANEL))
+        if panel[0] and (not seen or seen[-1] != panel):  # once the panel has read /health
+            seen.append(panel)
+        stop.wait(0.3)
+
+
 def stream_raw(url: str, out: dict) -> None:
     """A greedy streamed chat; ``out`` gets its comment lines, token ids, an error event, and when it ended."""
     body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": TOKENS,
@@ -57,7 +72,7 @@ def stream_raw(url: str, out: dict) -> None:
     out["done"] = time.monotonic()
 
 
-def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(tmp_path, demo_hf):
+def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(tmp_path, demo_hf, browser):  # noqa: F811
     with ExitStack() as stack:
         workers = [spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
                                 "--stages-dir", str(tmp_path / f"s{i}")) for i in range(3)]
@@ -72,11 +87,15 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
         assert health["num_stages"] == 3 and health["fleet"]["state"] == "serving", health
         before = greedy_with_gaps(url, PROMPT, TOKENS)
         victim = next(w["address"] for w in health["workers"] if w["stage"] == 1)
+        open_page(browser, url)
 
         seen: list[dict] = []
+        panel: list[tuple] = []
         stop = threading.Event()
         poller = threading.Thread(target=poll_health, args=(url, seen, stop), daemon=True)
         poller.start()
+        page_watch = threading.Thread(target=watch_page, args=(browser, panel, stop), daemon=True)
+        page_watch.start()
         waiting: dict = {}
         killed: list[float] = []
 
@@ -91,8 +110,10 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
         deadline = time.monotonic() + 300
         while "done" not in waiting and time.monotonic() < deadline:
             time.sleep(0.2)
+        time.sleep(2.5)  # the page polls /health every 2 s: it shows the fleet serving again
         stop.set()
         poller.join(10)
+        page_watch.join(10)
         after = greedy_with_gaps(url, PROMPT, TOKENS)
         health = httpx.get(f"{url}/health", timeout=10).json()
         log = proc.text()
@@ -109,6 +130,13 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
     assert seen[-1]["state"] == "serving" and seen[-1]["replans"] == 1, seen[-1]
     assert health["ready"] and health["num_stages"] == 2 and victim not in health["fleet"]["workers"], health
     assert "re-planned in" in log
+    # the page's fleet panel: serving the 3-stage plan, re-planning (pill and why), then serving 2 stages
+    assert panel[0][0] == "serving" and "over 3 workers" in panel[0][1], panel
+    shown = [p for p in panel if p[0] == "replanning"]
+    assert shown and all(p[2] == "re-planning" for p in shown), panel
+    assert any("stage(s) 1 of 3 have no worker left" in p[1] and "New requests wait" in p[1] for p in shown), panel
+    assert panel[-1][0] == "serving" and "over 2 workers · 1 re-plan (the last took" in panel[-1][1], panel
+    assert panel[-1][2] == "ready", panel
     print(f"kill -> the in-flight answer's next token {first_after:.1f} s; kill -> the waiting request's whole "
           f"answer {waiting['done'] - killed[0]:.1f} s; coordinator's re-plan {seen[-1]['last_replan_s']} s; "
           f"phases: {[(round(s['t'] - killed[0], 1), s['progress']) for s in seen]}")

@@ -18,7 +18,7 @@ from coordinator.web import STATIC, add_web_routes, lan_addresses, page_urls
 
 ROOT = Path(__file__).resolve().parents[2]
 # every file of the page: its ES modules (app.js imports the others), the vendored renderer and its licence
-PAGE_FILES = ("index.html", "style.css", "app.js", "conversation.js", "dom.js", "fleet.js", "markdown.js",
+PAGE_FILES = ("index.html", "style.css", "app.js", "conversation.js", "dom.js", "fleet.js", "fleet_state.js", "markdown.js",
               "messages.js", "request.js", "sse.js", "tools.js", "vendor/markdown-it.esm.min.js", "vendor/markdown-it.LICENSE")
 
 
