@@ -20,7 +20,7 @@ import grpc
 
 from fleet_common import PROTOCOL_VERSION, SERVICE_TYPE
 from fleet_common import fleet_pb2 as pb
-from fleet_common.discovery import decode_txt
+from fleet_common.discovery import EmptyWorker, decode_txt
 from fleet_common.manifest import LoadedManifest
 
 from .errors import PipelineUnavailable, StageFailure, stage_lost
@@ -313,6 +313,8 @@ class Registry:
                 return
         try:
             decode_txt(info.properties, "", info.port)
+        except EmptyWorker:
+            pass  # added: its Info says it is empty; a planned fleet (serve --model SOURCE) may plan it in
         except ValueError as exc:
             log.warning("%s (%s)", exc, name)
             return

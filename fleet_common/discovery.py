@@ -85,8 +85,8 @@ def decode_txt(props: dict[bytes, bytes | None], host: str, port: int) -> Worker
         if p.get("state") == "empty":
             capacity = Capacity(int(p["mem"]), p.get("device", ""), float(p["msgb"]))
             raise EmptyWorker(f"worker {host}:{port} (id {p.get('id', '')}) is empty ({capacity.line()}): it serves a "
-                              "stage once one is shipped to it and loaded (fleet_common/shipping.py); the coordinator "
-                              "does not plan and ship by itself yet", capacity, p.get("id", ""))
+                              "stage once one is shipped to it and loaded (fleet_common/shipping.py): a coordinator "
+                              "serving --model SOURCE plans it in", capacity, p.get("id", ""))
         start, end = (int(x) for x in p["layers"].split(":"))
         return WorkerAd(
             stage=int(p["stage"]),

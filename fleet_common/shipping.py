@@ -34,6 +34,8 @@ CHUNK_BYTES = 2 << 20  # one PutStage message: 2 MiB
 STATUS_TIMEOUT_S = 30.0  # StageStatus (the worker writes the manifest, stats the files)
 MIN_RATE_BYTES_S = 1 << 20  # a file's PutStage deadline: 30 s + its missing bytes at 1 MiB/s
 LOAD_TIMEOUT_S = 600.0  # LoadStage: hashing and compiling a stage of GBs
+RESUMES, RESUME_AFTER_S = 4, 1.0  # a cut transfer: resumed this many times, first after 1 s, doubling
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})  # the link, not the worker
 
 Progress = Callable[[str, int, int], None]
 """``progress(path, bytes done, bytes of the file)``, called after each piece sent (and once per file at
@@ -95,11 +97,44 @@ def _failed(address: str, what: str, exc: grpc.aio.AioRpcError) -> ShippingError
 
 
 async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, progress: Progress | None = None, *,
-                     address: str = "", chunk_bytes: int = CHUNK_BYTES) -> ShipReport:
+                     address: str = "", chunk_bytes: int = CHUNK_BYTES, resumes: int = RESUMES) -> ShipReport:
     """Send stage ``shard`` of the build at ``build_dir`` to the worker on ``channel`` (``address`` names it
-    in errors): only the bytes it lacks, resuming partial files (module doc). Does not load it (``load_stage``).
-    Raises ``ShippingError`` (the worker refused: a wrong hash, a full disk, a bad path; or the call failed or
-    passed its deadline), ``ManifestError`` for a bad build, ``OSError`` for an unreadable file."""
+    in errors): only the bytes it lacks, resuming partial files (module doc). A transfer cut (the call ends
+    ``RESUMABLE``: the connection lost, a deadline passed) is resumed from what the worker holds up to
+    ``resumes`` times, ``RESUME_AFTER_S`` apart and doubling (1, 2, 4, 8 s: a Wi-Fi drop, a restarted
+    router); the report then counts the bytes of every attempt. Does not load it (``load_stage``). Raises
+    ``ShippingError`` (the worker refused: a wrong hash, a full disk, a bad path; or the call failed or
+    passed its deadline ``resumes`` + 1 times), ``ManifestError`` for a bad build, ``OSError`` for an
+    unreadable file."""
+    # state["held"]: what the worker held before the first attempt; state["completed"]: files put in place so far
+    t0, sent, state = time.perf_counter(), 0, {"completed": []}
+    for attempt in range(resumes + 1):
+        counter = [0]
+        try:
+            report = await _ship_once(channel, build_dir, shard, progress, address, chunk_bytes, counter, state)
+        except ShippingError as exc:
+            sent += counter[0]
+            if exc.code not in RESUMABLE or attempt == resumes:
+                raise
+            wait = RESUME_AFTER_S * 2 ** attempt
+            log.warning("%s: %d bytes sent so far; resuming in %.0f s (attempt %d of %d)", exc, sent, wait,
+                        attempt + 2, resumes + 1)
+            await asyncio.sleep(wait)
+            continue
+        if attempt:  # the bytes that arrived in the earlier attempts are held now: they were sent by this call
+            report.sent_bytes += report.held_bytes - state["held"]
+            report.held_bytes = state["held"]
+            report.completed = list(state["completed"])
+            report.seconds = time.perf_counter() - t0
+        return report
+    raise AssertionError("unreachable")
+
+
+async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, progress: Progress | None,
+                     address: str, chunk_bytes: int, counter: list[int], state: dict) -> ShipReport:
+    """One attempt of ``ship_stage``; ``counter[0]`` counts the file bytes it sent (also when it raises),
+    ``state["held"]`` is set to the bytes the worker held at the first attempt that got its StageStatus and
+    ``state["completed"]`` gets each file put in place."""
     loaded = load_manifest(build_dir)
     manifest = loaded.manifest
     if not 0 <= shard < manifest.num_stages:
@@ -119,6 +154,7 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         sizes[held.path] = os.path.getsize(Path(build_dir) / held.path)
         report.held_bytes += held.bytes if held.complete else min(held.bytes, sizes[held.path])
         missing += 0 if held.complete else sizes[held.path] - held.bytes
+    state.setdefault("held", report.held_bytes)
     if missing > status.free_bytes:
         raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache, which "
                             f"has {status.free_bytes:,} free", grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -129,16 +165,17 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         offset = held.bytes if held.bytes <= size else 0
         if progress is not None:
             progress(held.path, offset, size)
-        counter = [0]
+        before = counter[0]
         pieces = _pieces(Path(build_dir) / held.path, held.path, manifest.model_id, loaded.sha256, offset, size,
                          chunk_bytes, progress, counter)
         try:
             reply = await stub.PutStage(pieces, timeout=30.0 + (size - offset) / MIN_RATE_BYTES_S)
         except grpc.aio.AioRpcError as exc:
-            report.sent_bytes += counter[0]
             raise _failed(address, f"PutStage of {held.path} (from byte {offset:,} of {size:,})", exc) from None
+        counter[0] = before + reply.bytes_written  # what the worker wrote, not what left this side
         report.sent_bytes += reply.bytes_written
         report.completed += list(reply.completed)
+        state["completed"] += list(reply.completed)
     report.seconds = time.perf_counter() - t0
     log.info("stage %d shipped to %s: %d bytes sent, %d held already, %.1f s (%.1f MB/s)", shard, address or "worker",
              report.sent_bytes, report.held_bytes, report.seconds, report.mb_per_s)

@@ -2,7 +2,8 @@
 build's stage 1 shipped to a ``fleet-worker`` started with neither --shard nor --model (and --secret), loaded, and
 its Forward compared with a static ``--shard 1`` worker's, and a coordinator given it by --peer before it was
 loaded uses it once it is, answering as over the static worker; a transfer cut midway resumes and sends only the rest;
-a wrong hash is refused and nothing is loaded; a restarted worker loads from its cache with nothing sent.
+a wrong hash is refused and nothing is loaded; a restarted worker loads from its cache with nothing sent; a link
+that keeps dropping is resumed over new connections until the stage arrives.
 
 Workers run with --no-announce: other tests on this machine must not find them."""
 
@@ -207,3 +208,35 @@ def test_ship_resume_load_and_restart(build_2, tmp_path):
         restarted_address = serving(restarted, empty=True)
         assert "(cached)" in restarted.text()  # the speed figure was not measured again
         asyncio.run(after_restart(restarted_address))
+
+
+def test_a_link_that_keeps_dropping_is_resumed_until_the_stage_arrives(build_2, tmp_path):
+    """Stage 1 shipped through a ``fleet-wan`` link that drops every connection after a third of the stage's
+    bytes (both directions): ``ship_stage`` resumes it over new connections from what the worker holds, each
+    attempt sending the next third, and the report counts every byte once; the stage loads (its files' hashes
+    are the manifest's)."""
+    from bench.wan import WanLink, profile
+
+    loaded = load_manifest(build_2)
+    files = [loaded.manifest.stages[1].xml, loaded.manifest.stages[1].bin]
+    total = sum((build_2 / f).stat().st_size for f in files)
+    drop_after = total // 3 + 1  # three cuts, the fourth connection completes it
+
+    async def ship(address: str) -> tuple:
+        async with open_channel(address, Security()) as channel:
+            report = await ship_stage(channel, build_2, 1, address=address, resumes=5)
+            reply = await load_stage(channel, build_2, 1, address=address)
+        return report, reply
+
+    with ExitStack() as stack:
+        worker = serving(spawn_worker(tmp_path / "empty.log", stack, "--stages-dir", str(tmp_path / "stages")),
+                         empty=True)
+        link = WanLink(worker, profile(drop_after_bytes=drop_after)).start()
+        stack.callback(link.stop)
+        report, reply = asyncio.run(ship(link.address))
+    assert 3 <= link.dropped <= 5, link.dropped
+    assert report.held_bytes == 0 and report.sent_bytes == total, report
+    assert sorted(report.completed) == sorted(files)
+    assert (reply.stage, reply.layer_start, reply.layer_end) == (1, 19, 30)
+    print(f"{link.dropped} cuts, {link.connections} connections, {report.sent_bytes / 1e6:.0f} MB in "
+          f"{report.seconds:.1f} s")

@@ -35,13 +35,16 @@ def lan(lan_ok, request) -> Lan:  # noqa: ANN001
 
 
 class LanWorker:
-    """A ``fleet-worker`` running in a PC of the LAN, bound to 0.0.0.0 there."""
+    """A ``fleet-worker`` running in a PC of the LAN, bound to 0.0.0.0 there: stage ``shard`` of ``build``, or
+    with ``build`` None an empty worker (issue 30) whose stage cache and model cache are ``extra``'s."""
 
-    def __init__(self, lan: Lan, pc: str, build: Path, shard: int, log_dir: Path, *extra: str, port: int = 0) -> None:
+    def __init__(self, lan: Lan, pc: str, build: Path | None, shard: int, log_dir: Path, *extra: str,
+                 port: int = 0, log_name: str = "") -> None:
         self.lan, self.pc, self.shard = lan, pc, shard
-        self.proc = Proc(lan.pcs[pc].cmd(str(BIN / "fleet-worker"), "--shard", str(shard), "--model", str(build),
-                                         "--host", "0.0.0.0", "--port", str(port), *WORKER_FLAGS, *extra),
-                         log_dir / f"worker-{pc}-{shard}.log")
+        what = ("--shard", str(shard), "--model", str(build)) if build is not None else ()
+        self.proc = Proc(lan.pcs[pc].cmd(str(BIN / "fleet-worker"), *what, "--host", "0.0.0.0", "--port", str(port),
+                                         *WORKER_FLAGS, *extra),
+                         log_dir / (log_name or f"worker-{pc}-{shard if build is not None else 'empty'}.log"))
         self.address = ""
 
     def ready(self, timeout: float = 180.0) -> str:
