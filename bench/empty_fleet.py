@@ -81,9 +81,11 @@ def stage_bytes(build: Path) -> list[int]:
             for s in range(m.num_stages)]
 
 
-def newest_build(cache: Path) -> Path:
-    """The build the coordinator made or took last under ``cache`` (``--build-cache-dir``)."""
-    return max((m.parent for m in (cache / "builds").glob("*/manifest.json")), key=lambda d: d.stat().st_mtime)
+def served_build(cache: Path, url: str) -> Path:
+    """The build under ``cache`` (``--build-cache-dir``) that the coordinator at ``url`` serves (its /health
+    ``manifest_sha256``): the cache holds the other runs' and re-plans' builds too."""
+    sha = httpx.get(f"{url}/health", timeout=10).json()["manifest_sha256"]
+    return next(m.parent for m in (cache / "builds").glob("*/manifest.json") if load_manifest(m.parent).sha256 == sha)
 
 
 def first_token(url: str) -> float:
@@ -118,7 +120,7 @@ def run(src: Path, link_name: str, workers: int, cache: Path, logs: Path) -> dic
         serving = time.monotonic() - t0
         ttft = first_token(url)
         log = coordinator.text()
-        sizes = stage_bytes(newest_build(cache))
+        sizes = stage_bytes(served_build(cache, url))
         shipped = {int(m[0]): (m[1], int(m[2]), float(m[4]), float(m[5])) for m in SHIPPED.findall(log)}
         peak = {peer: harness.proc_status(p.pid).get("VmHWM", 0) / (1 << 20)
                 for peer, p in zip(peers, procs, strict=True)}

@@ -410,7 +410,9 @@ def ship_lines(reports: list, addresses: list[str], build_dir: Path) -> list[str
     """One line per stage of ``ship_plan``'s reports: what was sent to whom, or that it served it already."""
     return [f"stage {stage}: {addresses[stage]} serves it already (build {build_dir.name}): nothing shipped"
             if r.already_served else f"stage {stage}: sent {r.sent_bytes / 1e6:.1f} MB ({r.mb_per_s:.0f} MB/s), "
-            f"{r.held_bytes / 1e6:.1f} MB already held" for stage, r in enumerate(reports)]
+            f"{r.held_bytes / 1e6:.1f} MB already held"
+            + (f", {r.reused_bytes / 1e6:.1f} MB copied from the stages it held" if r.reused_bytes else "")
+            for stage, r in enumerate(reports)]
 
 
 async def prepare_build(settings) -> PlannedFleet:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings

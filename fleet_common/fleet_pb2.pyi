@@ -316,6 +316,40 @@ class PutStageReply(_message.Message):
     completed: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, bytes_written: _Optional[int] = ..., completed: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class Segment(_message.Message):
+    __slots__ = ("offset", "size", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    size: int
+    sha256: bytes
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class ReuseRequest(_message.Message):
+    __slots__ = ("model_id", "manifest_sha256", "path", "size", "segments")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    manifest_sha256: str
+    path: str
+    size: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, model_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class ReuseReply(_message.Message):
+    __slots__ = ("bytes", "reused_bytes", "held")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    reused_bytes: int
+    held: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, bytes: _Optional[int] = ..., reused_bytes: _Optional[int] = ..., held: _Optional[_Iterable[bool]] = ...) -> None: ...
+
 class LoadStageRequest(_message.Message):
     __slots__ = ("model_id", "manifest_sha256", "stage")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -466,6 +466,11 @@ class StageStoreStub:
                 request_serializer=fleet__pb2.StageChunk.SerializeToString,
                 response_deserializer=fleet__pb2.PutStageReply.FromString,
                 _registered_method=True)
+        self.ReuseStage = channel.unary_unary(
+                '/fleet.v1.StageStore/ReuseStage',
+                request_serializer=fleet__pb2.ReuseRequest.SerializeToString,
+                response_deserializer=fleet__pb2.ReuseReply.FromString,
+                _registered_method=True)
         self.LoadStage = channel.unary_unary(
                 '/fleet.v1.StageStore/LoadStage',
                 request_serializer=fleet__pb2.LoadStageRequest.SerializeToString,
@@ -490,6 +495,13 @@ class StageStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReuseStage(self, request, context):
+        """(a worker before it answers UNIMPLEMENTED: ship it all)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadStage(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -508,6 +520,11 @@ def add_StageStoreServicer_to_server(servicer, server):
                     servicer.PutStage,
                     request_deserializer=fleet__pb2.StageChunk.FromString,
                     response_serializer=fleet__pb2.PutStageReply.SerializeToString,
+            ),
+            'ReuseStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReuseStage,
+                    request_deserializer=fleet__pb2.ReuseRequest.FromString,
+                    response_serializer=fleet__pb2.ReuseReply.SerializeToString,
             ),
             'LoadStage': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadStage,
@@ -571,6 +588,33 @@ class StageStore:
             '/fleet.v1.StageStore/PutStage',
             fleet__pb2.StageChunk.SerializeToString,
             fleet__pb2.PutStageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReuseStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.StageStore/ReuseStage',
+            fleet__pb2.ReuseRequest.SerializeToString,
+            fleet__pb2.ReuseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,6 +27,7 @@ import grpc
 from . import fleet_pb2 as pb
 from . import fleet_pb2_grpc as pb_grpc
 from .manifest import MANIFEST_NAME, load_manifest
+from .segments import Segment, file_segments
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ STATUS_TIMEOUT_S = 30.0  # StageStatus (the worker writes the manifest, stats th
 MIN_RATE_BYTES_S = 1 << 20  # a file's PutStage deadline: 30 s + its missing bytes at 1 MiB/s
 LOAD_TIMEOUT_S = 600.0  # LoadStage: hashing and compiling a stage of GBs
 RESUMES, RESUME_AFTER_S = 4, 1.0  # a cut transfer: resumed this many times, first after 1 s, doubling
+REUSE_RATE_BYTES_S = 100 << 20  # a ReuseStage's deadline: 30 s + the file's bytes copied at 100 MiB/s
+MIN_REUSE_BYTES = 1 << 20  # a segment the worker holds is copied there, not sent, from this size (one round trip)
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})  # the link, not the worker
 
 Progress = Callable[[str, int, int], None]
@@ -54,13 +57,14 @@ class ShippingError(RuntimeError):
 @dataclass
 class ShipReport:
     """What ``ship_stage`` did: ``sent_bytes`` (file bytes sent this time), ``held_bytes`` (already on the
-    worker before), ``files`` (the stage's files), ``completed`` (files the worker checked and put in place
+    worker before), ``reused_bytes`` (copied there from the other stages it holds), ``files`` (the stage's files), ``completed`` (files the worker checked and put in place
     this time), ``seconds``, ``already_served`` (a coordinator found it serving the stage: nothing was asked)."""
 
     stage: int
     files: list[str]
     sent_bytes: int = 0
     held_bytes: int = 0
+    reused_bytes: int = 0  # copied on the worker from the stages it holds (ReuseStage), not sent
     completed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     already_served: bool = False  # the worker served this stage of this build already: nothing shipped or loaded
@@ -72,15 +76,16 @@ class ShipReport:
 
 
 async def _pieces(path: Path, rel: str, model_id: str, sha: str, offset: int, size: int, chunk_bytes: int,
-                  progress: Progress | None, counter: list[int]) -> AsyncIterator[pb.StageChunk]:
-    """``path``'s bytes from ``offset`` as StageChunks of ``chunk_bytes``, read one at a time (off the event
-    loop: a read from disk can take milliseconds)."""
+                  progress: Progress | None, counter: list[int], end: int | None = None) -> AsyncIterator[pb.StageChunk]:
+    """``path``'s bytes from ``offset`` to ``end`` (default ``size``, the file's) as StageChunks of
+    ``chunk_bytes``, read one at a time (off the event loop: a read from disk can take milliseconds)."""
+    end = size if end is None else end
     f = await asyncio.to_thread(open, path, "rb")
     try:
         if size == 0:  # a file of 0 bytes is one empty piece (the worker checks and puts a file in place at its last)
             yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=0, data=b"", size=0)
-        while offset < size:
-            data = await asyncio.to_thread(os.pread, f.fileno(), min(chunk_bytes, size - offset), offset)
+        while offset < end:
+            data = await asyncio.to_thread(os.pread, f.fileno(), min(chunk_bytes, end - offset), offset)
             if not data:
                 raise ShippingError(f"{path} shrank while it was sent (at {offset} of {size} bytes)")
             yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=offset, data=data, size=size)
@@ -106,8 +111,9 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
     ``ShippingError`` (the worker refused: a wrong hash, a full disk, a bad path; or the call failed or
     passed its deadline ``resumes`` + 1 times), ``ManifestError`` for a bad build, ``OSError`` for an
     unreadable file."""
-    # state["held"]: what the worker held before the first attempt; state["completed"]: files put in place so far
-    t0, sent, state = time.perf_counter(), 0, {"completed": []}
+    # state["held"]: what the worker held before the first attempt; state["completed"]: files put in place so far;
+    # state["reused"]: bytes the worker copied from its stages so far; state["reuse"]: whether it has ReuseStage
+    t0, sent, state = time.perf_counter(), 0, {"completed": [], "reused": 0, "reuse": True}
     for attempt in range(resumes + 1):
         counter = [0]
         try:
@@ -122,7 +128,9 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
             await asyncio.sleep(wait)
             continue
         if attempt:  # the bytes that arrived in the earlier attempts are held now: they were sent by this call
-            report.sent_bytes += report.held_bytes - state["held"]
+            earlier_reused = state["reused"] - report.reused_bytes
+            report.sent_bytes += report.held_bytes - state["held"] - earlier_reused
+            report.reused_bytes = state["reused"]
             report.held_bytes = state["held"]
             report.completed = list(state["completed"])
             report.seconds = time.perf_counter() - t0
@@ -159,27 +167,96 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache, which "
                             f"has {status.free_bytes:,} free", grpc.StatusCode.RESOURCE_EXHAUSTED)
     for held in status.files:
-        size = sizes[held.path]
         if held.complete:
             continue
-        offset = held.bytes if held.bytes <= size else 0
-        if progress is not None:
-            progress(held.path, offset, size)
-        before = counter[0]
-        pieces = _pieces(Path(build_dir) / held.path, held.path, manifest.model_id, loaded.sha256, offset, size,
-                         chunk_bytes, progress, counter)
+        size, offset = sizes[held.path], held.bytes if held.bytes <= sizes[held.path] else 0
+        segments = _segments(Path(build_dir), manifest.stages[shard]) \
+            if held.path == manifest.stages[shard].bin and state["reuse"] else None
+        await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
+                         chunk_bytes, counter, report, state)
+    report.seconds = time.perf_counter() - t0
+    log.info("stage %d shipped to %s: %d bytes sent, %d held already, %.1f s (%.1f MB/s), %d reused from the stages "
+             "it holds", shard, address or "worker", report.sent_bytes, report.held_bytes, report.seconds,
+             report.mb_per_s, report.reused_bytes)
+    return report
+
+
+_SEGMENTS: dict[tuple, list[Segment]] = {}  # (bin path, size, mtime_ns) -> its segments: hashed once per process
+
+
+def _segments(build_dir: Path, entry) -> list[Segment] | None:  # noqa: ANN001 - fleet_common.manifest.StageEntry
+    """The segments of stage ``entry``'s ``.bin`` (fleet_common/segments.py), or None when its xml does not
+    give them (then the file is sent whole)."""
+    binary = build_dir / entry.bin
+    stat = binary.stat()
+    key = (str(binary.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _SEGMENTS:
         try:
-            reply = await stub.PutStage(pieces, timeout=30.0 + (size - offset) / MIN_RATE_BYTES_S)
+            _SEGMENTS[key] = file_segments(build_dir / entry.xml, binary)
+        except (ValueError, OSError) as exc:
+            log.warning("%s: no segments (%s): sent whole", binary, exc)
+            return None
+    return _SEGMENTS[key]
+
+
+async def _reuse(stub: pb_grpc.StageStoreStub, loaded, rel: str, size: int, segments: list[Segment],  # noqa: ANN001
+                 address: str, state: dict) -> pb.ReuseReply | None:
+    """ReuseStage of ``rel``: the worker copies what it holds from the end of its partial file; None (and
+    ``state["reuse"]`` False) from a worker without it (UNIMPLEMENTED). Raises ``ShippingError``."""
+    try:
+        return await stub.ReuseStage(pb.ReuseRequest(
+            model_id=loaded.manifest.model_id, manifest_sha256=loaded.sha256, path=rel, size=size,
+            segments=[pb.Segment(offset=s.offset, size=s.size, sha256=s.sha256) for s in segments]),
+            timeout=30.0 + size / REUSE_RATE_BYTES_S)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            log.info("worker %s cannot build files from the stages it holds (ReuseStage): sending them whole", address)
+            state["reuse"] = False
+            return None
+        raise _failed(address, f"ReuseStage of {rel}", exc) from None
+
+
+async def _send_file(stub: pb_grpc.StageStoreStub, loaded, build_dir: Path, rel: str, offset: int,  # noqa: ANN001
+                     size: int, segments: list[Segment] | None, progress: Progress | None, address: str,
+                     chunk_bytes: int, counter: list[int], report: ShipReport, state: dict) -> None:
+    """Bring ``rel`` on the worker from ``offset`` to ``size``: with ``segments``, runs the worker holds are
+    copied there (``_reuse``) and only the runs between them are sent; else it is all sent. Updates
+    ``report``, ``counter`` and ``state``. Raises ``ShippingError``."""
+    held: list[bool] = []
+    segments = segments if size else None  # a file of 0 bytes is one empty piece (_pieces)
+    first = True
+    while offset < size or first:
+        first = False
+        if segments is not None:
+            reply = await _reuse(stub, loaded, rel, size, segments, address, state)
+            if reply is None:
+                segments = None
+            else:
+                held = list(reply.held)
+                report.reused_bytes += reply.reused_bytes
+                state["reused"] += reply.reused_bytes
+                offset = reply.bytes
+                if reply.reused_bytes and progress is not None:
+                    progress(rel, offset, size)
+                if offset >= size:
+                    report.completed.append(rel)
+                    state["completed"].append(rel)
+                    return
+        # send up to the next segment the worker holds that is worth a copy (a smaller one is sent with the rest)
+        end = next((s.offset for s, h in zip(segments or [], held, strict=False)
+                    if h and s.offset > offset and s.size >= MIN_REUSE_BYTES), size)
+        before = counter[0]
+        pieces = _pieces(build_dir / rel, rel, loaded.manifest.model_id, loaded.sha256, offset, size, chunk_bytes,
+                         progress, counter, end)
+        try:
+            reply = await stub.PutStage(pieces, timeout=30.0 + (end - offset) / MIN_RATE_BYTES_S)
         except grpc.aio.AioRpcError as exc:
-            raise _failed(address, f"PutStage of {held.path} (from byte {offset:,} of {size:,})", exc) from None
+            raise _failed(address, f"PutStage of {rel} (from byte {offset:,} of {size:,})", exc) from None
         counter[0] = before + reply.bytes_written  # what the worker wrote, not what left this side
         report.sent_bytes += reply.bytes_written
         report.completed += list(reply.completed)
         state["completed"] += list(reply.completed)
-    report.seconds = time.perf_counter() - t0
-    log.info("stage %d shipped to %s: %d bytes sent, %d held already, %.1f s (%.1f MB/s)", shard, address or "worker",
-             report.sent_bytes, report.held_bytes, report.seconds, report.mb_per_s)
-    return report
+        offset = end
 
 
 async def load_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, *, address: str = "",

@@ -23,6 +23,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.manifest import LoadedManifest, ManifestError
+from fleet_common.segments import Segment
 from fleet_common.wire import Malformed
 
 from .server import StageService
@@ -174,6 +175,34 @@ class StageStoreService(pb_grpc.StageStoreServicer):
             if written:
                 log.info("stage store: %d bytes received, %d file(s) complete", written, len(completed))
         return pb.PutStageReply(bytes_written=written, completed=completed)
+
+    async def ReuseStage(self, request: pb.ReuseRequest, context: grpc.aio.ServicerContext) -> pb.ReuseReply:
+        """Extend a file's partial file with the segments this worker's stage cache holds (StageCache.reuse),
+        as one writer of that file (ABORTED while a PutStage writes it)."""
+        segments = [Segment(s.offset, s.size, s.sha256) for s in request.segments]
+        job: asyncio.Future | None = None
+        key = ""
+        try:
+            loaded = await asyncio.to_thread(self.cache.manifest, request.manifest_sha256, request.model_id)
+            key = f"{loaded.sha256}/{request.path}"
+            if key in self._writing:
+                raise StageCacheError(f"{request.path} is being written by another call", "ABORTED")
+            self._writing.add(key)
+            t0 = time.perf_counter()
+            job = asyncio.ensure_future(asyncio.to_thread(self.cache.reuse, loaded, request.path, request.size,
+                                                          segments))
+            have, copied, held = await asyncio.shield(job)  # a cancelled call: the copy still ends whole
+        except (StageCacheError, ManifestError, OSError) as exc:
+            await self._refuse(context, exc)
+        finally:
+            if job is not None and not job.done():  # the file is busy until the copy ends
+                job.add_done_callback(functools.partial(self._release, frozenset({key})))
+            elif job is not None:
+                self._writing.discard(key)
+        if copied:
+            log.info("stage store: %s: %d bytes copied from the stages held (%.2f s), %d of %d held now",
+                     request.path, copied, time.perf_counter() - t0, have, request.size)
+        return pb.ReuseReply(bytes=have, reused_bytes=copied, held=held)
 
     def _release(self, keys: frozenset[str], piece: asyncio.Future) -> None:
         """A cut PutStage's last piece is written: its files may be written again (its error was the call's)."""

@@ -240,3 +240,38 @@ def test_a_link_that_keeps_dropping_is_resumed_until_the_stage_arrives(build_2, 
     assert (reply.stage, reply.layer_start, reply.layer_end) == (1, 19, 30)
     print(f"{link.dropped} cuts, {link.connections} connections, {report.sent_bytes / 1e6:.0f} MB in "
           f"{report.seconds:.1f} s")
+
+
+def test_a_new_stage_is_built_from_the_stages_the_worker_holds(build_1, build_2, tmp_path):
+    """An empty worker holding stage 1 of the 2-stage build is shipped the 1-stage build's only stage (a
+    re-plan from two PCs to one): the tensors of layers 19-30 and the head are copied from the file it holds
+    (ReuseStage, fleet_common/segments.py), only the rest is sent, and the stage loads (every file's sha256
+    the manifest's)."""
+    from fleet_common.segments import file_segments
+
+    old, new = load_manifest(build_2), load_manifest(build_1)
+    held = {s.sha256 for s in file_segments(build_2 / old.manifest.stages[1].xml, build_2 / old.manifest.stages[1].bin)}
+    segments = file_segments(build_1 / new.manifest.stages[0].xml, build_1 / new.manifest.stages[0].bin)
+    common = sum(s.size for s in segments if s.sha256 in held)
+    total = sum((build_1 / f).stat().st_size for f in (new.manifest.stages[0].xml, new.manifest.stages[0].bin))
+    assert common > 0.4 * total  # the layers both hold: the tensors are the same bytes at other offsets
+
+    async def ship(address: str) -> tuple:
+        async with open_channel(address, Security()) as channel:
+            first = await ship_stage(channel, build_2, 1, address=address)
+            await load_stage(channel, build_2, 1, address=address)
+            report = await ship_stage(channel, build_1, 0, address=address)
+            reply = await load_stage(channel, build_1, 0, address=address)
+        return first, report, reply
+
+    with ExitStack() as stack:
+        worker = serving(spawn_worker(tmp_path / "empty.log", stack, "--stages-dir", str(tmp_path / "stages")),
+                         empty=True)
+        first, report, reply = asyncio.run(ship(worker))
+    assert first.reused_bytes == 0
+    # every byte once: copied or sent (segments under MIN_REUSE_BYTES between runs to send are sent with them)
+    assert report.sent_bytes + report.reused_bytes == total and report.held_bytes == 0, report
+    assert 0.97 * common <= report.reused_bytes <= common, (report.reused_bytes, common)
+    assert (reply.stage, reply.layer_start, reply.layer_end) == (0, 0, 30) and not reply.already_loaded
+    print(f"stage 0 of the 1-stage build: {report.sent_bytes / 1e6:.1f} MB sent, {report.reused_bytes / 1e6:.1f} MB "
+          f"copied on the worker, of {total / 1e6:.1f} MB, in {report.seconds:.2f} s")
