@@ -16,7 +16,8 @@ NIC) and the coordinator, given the links' addresses by ``--peer``. Measured:
   first answer too) against its stage's files in the manifest: a PC gets its stage only;
 - ``worker peak MiB`` / ``coordinator peak MiB``: each process's peak RSS (VmHWM) once the first answer came;
 - ``re-plan s``: one worker SIGKILLed, then the time until a greedy request answers again (the coordinator's
-  own ``last_replan_s`` beside it), and the MB the re-plan sent over each remaining PC's link.
+  own ``last_replan_s`` beside it), the MB the re-plan sent over each remaining PC's link and the MB each PC
+  copied from the stage it held instead (ReuseStage).
 
 A run builds its plan's stages unless the coordinator's ``--build-cache-dir`` (one per source, kept across the
 links) holds that plan's build already (``build s``: the coordinator's own figure, in ``serving s``; ``-``: cached).
@@ -48,6 +49,7 @@ from fleet_common.manifest import load_manifest
 LINKS = {"loopback": None, "1gbit": profile("lan"), "100mbit": profile("lan", rate_mbit=100)}
 PROMPT = "Name three colours of the rainbow."
 SHIPPED = re.compile(r"stage (\d+) shipped to (\S+): (\d+) bytes sent, (\d+) held already, ([\d.]+) s \(([\d.]+) MB/s")
+REUSED = re.compile(r"stage \d+ shipped to (\S+): .*, (\d+) reused from the stages it holds")
 BUILT = re.compile(r"planned_fleet: built layers .* in ([\d.]+) s")
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*"  # fleet's log line: asctime first
 
@@ -134,13 +136,14 @@ def run(src: Path, link_name: str, workers: int, cache: Path, logs: Path) -> dic
                             "stage_mb": round(sizes[s] / 1e6, 1), "link_mb": crossed.get(to),
                             "worker_peak_mib": round(peak.get(to, 0))}
                            for s, (to, sent, secs, rate) in sorted(shipped.items())])
-        row.update(replan(url, procs, links, coordinator))
+        row.update(replan(url, procs, links, peers, coordinator))
     return row
 
 
-def replan(url: str, procs: list, links: list, coordinator) -> dict:  # noqa: ANN001 - harness.Proc
+def replan(url: str, procs: list, links: list, peers: list[str], coordinator) -> dict:  # noqa: ANN001 - harness.Proc
     """Kill the last worker, time until a greedy request answers again; the re-plan's figures."""
     before = [link.bytes if link else 0 for link in links]
+    logged = len(coordinator.text())
     t0 = time.monotonic()
     procs[-1].kill()
     deadline = time.monotonic() + 1800
@@ -152,7 +155,9 @@ def replan(url: str, procs: list, links: list, coordinator) -> dict:  # noqa: AN
     else:
         raise TimeoutError(f"no re-plan after 1800 s:\n{coordinator.text()[-3000:]}")
     first_token(url)
+    copied = {to: int(n) for to, n in REUSED.findall(coordinator.text()[logged:])}
     return {"replan_s": round(time.monotonic() - t0, 1), "coordinator_replan_s": health["fleet"]["last_replan_s"],
+            "replan_copied_mb": [round(copied.get(peer, 0) / 1e6, 1) for peer in peers[:-1]],
             "replan_stages": health["num_stages"],
             "replan_link_mb": [round((link.bytes - b) / 1e6, 1) if link else None
                                for link, b in zip(links[:-1], before, strict=False)]}
@@ -167,11 +172,12 @@ def print_table(rows: list[dict]) -> None:
             pct = f"{s['mb_per_s'] * 8 / rate * 100:.0f}%" if rate and s["mb_per_s"] else None
             out.append((r["source"], r["link"], s["stage"], r["empty_ready_s"], r["serving_s"], r["ttft_s"],
                         r["first_token_s"], r["build_s"], s["mb_per_s"], pct, s["link_mb"], s["stage_mb"],
-                        s["worker_peak_mib"], r["coordinator_peak_mib"], r["replan_s"], r["coordinator_replan_s"]))
+                        s["worker_peak_mib"], r["coordinator_peak_mib"], r["replan_s"], r["coordinator_replan_s"],
+                        " / ".join(str(x) for x in r["replan_link_mb"]), " / ".join(str(x) for x in r["replan_copied_mb"])))
     print(harness.table(("source", "link", "stage", "empty ready s", "serving s", "TTFT s", "first token s",
                          "build s", "ship MB/s", "% of link", "MB to PC", "stage MB", "worker peak MiB",
                          "coordinator peak MiB", "re-plan s",
-                         "coordinator re-plan s"), out, pad=True))
+                         "coordinator re-plan s", "re-plan MB to PCs", "re-plan MB copied on PCs"), out, pad=True))
 
 
 def main(argv: list[str] | None = None) -> int:

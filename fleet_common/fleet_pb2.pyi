@@ -285,12 +285,14 @@ class FileHeld(_message.Message):
     def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class StageStatusReply(_message.Message):
-    __slots__ = ("files", "free_bytes")
+    __slots__ = ("files", "free_bytes", "holds_stages")
     FILES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_STAGES_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedCompositeFieldContainer[FileHeld]
     free_bytes: int
-    def __init__(self, files: _Optional[_Iterable[_Union[FileHeld, _Mapping]]] = ..., free_bytes: _Optional[int] = ...) -> None: ...
+    holds_stages: bool
+    def __init__(self, files: _Optional[_Iterable[_Union[FileHeld, _Mapping]]] = ..., free_bytes: _Optional[int] = ..., holds_stages: _Optional[bool] = ...) -> None: ...
 
 class StageChunk(_message.Message):
     __slots__ = ("model_id", "manifest_sha256", "path", "offset", "data", "size")

@@ -171,7 +171,7 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
             continue
         size, offset = sizes[held.path], held.bytes if held.bytes <= sizes[held.path] else 0
         segments = _segments(Path(build_dir), manifest.stages[shard]) \
-            if held.path == manifest.stages[shard].bin and state["reuse"] else None
+            if held.path == manifest.stages[shard].bin and state["reuse"] and status.holds_stages else None
         await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
                          chunk_bytes, counter, report, state)
     report.seconds = time.perf_counter() - t0

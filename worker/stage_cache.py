@@ -310,12 +310,8 @@ class StageCache:
                 raise StageCacheError(f"{path} in the stage cache has sha256 {actual}, the manifest {expected}: "
                                       "deleted; ship it again", "DATA_LOSS")
 
-    def segment_index(self) -> dict[bytes, tuple[Path, int, int]]:
-        """sha256 -> (file, offset, size) of every segment of every complete stage ``.bin`` (with its ``.xml``)
-        of every build in the cache: read from ``ROOT/segments``, each file not indexed yet hashed once (about
-        0.7 GB/s here). A file that cannot be indexed (an xml that does not parse) is left out with a warning."""
-        index: dict[bytes, tuple[Path, int, int]] = {}
-        folder = self.root / SEGMENTS_DIR
+    def _stage_bins(self):  # noqa: ANN202 - an iterator of (build folder, its manifest, stage entry)
+        """Each complete stage ``.bin`` (with its ``.xml``) of each build in the cache."""
         for build in sorted(p for p in self.root.iterdir() if p.is_dir() and len(p.name) == 64) \
                 if self.root.is_dir() else []:
             try:
@@ -323,12 +319,24 @@ class StageCache:
             except (StageCacheError, ManifestError, ValueError, OSError):
                 continue
             for entry in loaded.manifest.stages:
-                xml, binary = build / entry.xml, build / entry.bin
-                digest = loaded.manifest.files.get(entry.bin, "")
-                if not (xml.is_file() and binary.is_file() and len(digest) == 64):
-                    continue
-                for seg in self._segments(folder / f"{digest}.json", xml, binary):
-                    index.setdefault(seg.sha256, (binary, seg.offset, seg.size))
+                if (build / entry.xml).is_file() and (build / entry.bin).is_file():
+                    yield build, loaded, entry
+
+    def holds_stages(self) -> bool:
+        """Whether the cache holds a complete stage of any build (``reuse`` may find segments there)."""
+        return next(self._stage_bins(), None) is not None
+
+    def segment_index(self) -> dict[bytes, tuple[Path, int, int]]:
+        """sha256 -> (file, offset, size) of every segment of every complete stage ``.bin`` (with its ``.xml``)
+        of every build in the cache: read from ``ROOT/segments``, each file not indexed yet hashed once (about
+        0.7 GB/s here). A file that cannot be indexed (an xml that does not parse) is left out with a warning."""
+        index: dict[bytes, tuple[Path, int, int]] = {}
+        folder = self.root / SEGMENTS_DIR
+        for build, loaded, entry in self._stage_bins():
+            digest = loaded.manifest.files.get(entry.bin, "")
+            if len(digest) == 64:
+                for seg in self._segments(folder / f"{digest}.json", build / entry.xml, build / entry.bin):
+                    index.setdefault(seg.sha256, (build / entry.bin, seg.offset, seg.size))
         return index
 
     @staticmethod

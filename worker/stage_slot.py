@@ -119,10 +119,11 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 loaded = await asyncio.to_thread(self.cache.manifest, request.manifest_sha256, request.model_id)
             held = [self.cache.held(loaded, p) for p in stage_files(loaded.manifest, request.stage)]
             free = self.cache.free_bytes()
+            holds = await asyncio.to_thread(self.cache.holds_stages)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
         return pb.StageStatusReply(files=[pb.FileHeld(path=h.path, bytes=h.bytes, complete=h.complete) for h in held],
-                                   free_bytes=free)
+                                   free_bytes=free, holds_stages=holds)
 
     async def PutStage(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutStageReply:
         """Write the pieces streamed, each at the offset the cache holds; a file is checked and put in place
