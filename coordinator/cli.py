@@ -25,7 +25,7 @@ from fleet_common.manifest import ManifestError, load_manifest
 from .api import create_app
 from .engine import Engine
 from .leases import LeaseCheck
-from .http_guard import ConnectionLimits, guarded_protocol
+from .http_guard import ConnectionLimits, SignalFreeServer, guarded_protocol
 from .pipeline import Channels
 from .planned_fleet import SourceError
 from .registry import Registry
@@ -102,16 +102,6 @@ def _state(engine: Engine, registry: Registry) -> dict:
          "sequences": w.info.sequences, "kv_bytes": w.info.kv_bytes, "kv_reserved_bytes": w.info.kv_reserved_bytes,
          "kv_budget_bytes": w.info.kv_budget_bytes, "busy": w.info.busy}
         for w in list(registry.workers.values()) if w.info is not None]}
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server without its own signal handling: ``_Shutdown`` decides how the coordinator
-    stops. (uvicorn re-raises a caught signal once it has stopped, which turned every Ctrl-C into a
-    KeyboardInterrupt traceback and exit status 130, and waited for every stream to end by itself.)"""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # noqa: ANN201
-        yield
 
 
 class _Shutdown:
@@ -200,9 +190,11 @@ async def serve(settings: CoordinatorSettings) -> None:
     planned = None  # planned_fleet.PlannedFleet of a SOURCE
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
         from .planned_fleet import prepare_build  # a SOURCE, not a build: plan, build and ship first
+        from .preparing import Preparation, serving_while  # the page and /health show it meanwhile
 
+        prep = Preparation(str(settings.model))
         try:
-            planned = await prepare_build(settings)
+            planned = await serving_while(prep, settings, prepare_build(settings, prep))
         except (ValueError, OSError, RuntimeError) as exc:  # TimeoutError is an OSError, ShippingError a RuntimeError
             raise SourceError(f"serve --model {settings.model}: {exc}") from exc
         settings.model = planned.build_dir
@@ -234,7 +226,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                                 access_log=False, timeout_graceful_shutdown=5, http=_http_protocol(settings),
                                 timeout_keep_alive=settings.keep_alive_timeout_s)
-        server = _Server(config)
+        server = SignalFreeServer(config)
         shutdown.attach(server)
         if server.should_exit:  # signalled while starting
             return

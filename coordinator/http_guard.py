@@ -17,6 +17,7 @@ so the page's origin is then the coordinator itself and the same-origin rule hol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -26,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import h11
+import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -213,3 +215,13 @@ async def _refuse_host(host: str, send: Send) -> None:
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn's server without its own signal handling: ``_Shutdown`` decides how the coordinator
+    stops. (uvicorn re-raises a caught signal once it has stopped, which turned every Ctrl-C into a
+    KeyboardInterrupt traceback and exit status 130, and waited for every stream to end by itself.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201
+        yield

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from compiler.planner import ModelDims, ModelSource, Plan
     from fleet_common.shipping import Progress
 
+    from .preparing import Preparation
+
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 2.0  # one Info call's deadline while collecting
@@ -338,7 +340,8 @@ async def _served(channel: grpc.aio.Channel, address: str) -> pb.InfoReply:
 
 
 async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
-                    progress: bool | Callable[[int, str], Progress] = True) -> list:
+                    progress: bool | Callable[[int, str], Progress] = True,
+                    events: Callable[[str], None] | None = None) -> list:
     """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
     worker lacks) and loaded there, with rich progress on this side when ``progress`` is True (a callable:
     ``progress(stage, address)`` gives each stage's ``Progress`` callback). The stages are shipped one after
@@ -347,12 +350,12 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
     serves stage i of this build already (the same manifest sha256: a restarted coordinator) is asked nothing
     (its report says ``already_served``); one serving another build or stage is shipped and loaded over it
     (the worker refuses while it holds sessions: ``ShippingError``). Returns the ``ShipReport`` per stage once
-    every stage is loaded. Raises ``ShippingError`` naming the worker (the other loads still running are
-    cancelled)."""
+    every stage is loaded; ``events`` (if given) gets a line as each load starts and ends. Raises
+    ``ShippingError`` naming the worker (the other loads still running are cancelled)."""
     from contextlib import AsyncExitStack, nullcontext
 
     from fleet_common.manifest import load_manifest
-    from fleet_common.shipping import RichProgress, ShipReport, load_stage, ship_stage
+    from fleet_common.shipping import RichProgress, ShipReport, ship_stage
 
     sha = load_manifest(build_dir).sha256
     reports, loads = [], []
@@ -373,7 +376,7 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
                 else:
                     with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
                         reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
-                loads.append(asyncio.ensure_future(load_stage(channel, build_dir, stage, address=address)))
+                loads.append(asyncio.ensure_future(_load(channel, build_dir, stage, address, events)))
             await asyncio.gather(*loads)
         except BaseException:
             for task in loads:
@@ -381,6 +384,18 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
             await asyncio.gather(*loads, return_exceptions=True)
             raise
     return reports
+
+
+async def _load(channel: grpc.aio.Channel, build_dir: Path, stage: int, address: str,
+                events: Callable[[str], None] | None) -> None:
+    """``load_stage``, told to ``events`` as it starts and ends."""
+    from fleet_common.shipping import load_stage
+
+    if events is not None:
+        events(f"loading stage {stage} on {address}")
+    reply = await load_stage(channel, build_dir, stage, address=address)
+    if events is not None:
+        events(f"stage {stage} loaded on {address} in {reply.load_s:.1f} s")
 
 
 @dataclass
@@ -415,28 +430,47 @@ def ship_lines(reports: list, addresses: list[str], build_dir: Path) -> list[str
             for stage, r in enumerate(reports)]
 
 
-async def prepare_build(settings) -> PlannedFleet:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
+async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFleet:  # noqa: ANN001 - CoordinatorSettings
     """``serve --model SOURCE``: the empty workers collected (the --peer ones; without --peer, those zeroconf
     hears; ``--expect-workers`` of them, default every --peer, or by mDNS all that answer until none is new
-    for ``SETTLE_S``), planned over, the plan built (cached) and each stage shipped and loaded; returns the
-    build folder to serve as usual with the plan and the workers. Raises ``ValueError`` without --peer and
-    with --no-discover."""
+    for ``SETTLE_S``), planned over, the plan built (cached, in a thread) and each stage shipped and loaded;
+    returns the build folder to serve as usual with the plan and the workers. Each phase is told to ``prep``
+    (coordinator/preparing.py: the page and /health show it). Raises ``ValueError`` without --peer and with
+    --no-discover."""
     if not settings.peer and not settings.discover:
         raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer, "
                          "or let zeroconf find them (drop --no-discover)")
+    from fleet_common.shipping import RichProgress
+
+    from .preparing import Preparation
+
+    prep = prep or Preparation(str(settings.model))
     planner = _planner()  # the compile extra's clear error before any wait
     source = source_model(settings.model)  # and a bad source's
     expect = settings.expect_workers or len(settings.peer)
     async with browsing() if not settings.peer else contextlib.nullcontext(None) as heard:
-        if heard is not None:
-            log.info("browsing zeroconf for empty workers (%s)", f"{expect} expected" if expect
-                     else f"all that answer until none is new for {SETTLE_S:.0f} s")
+        waiting = f"{expect} expected" if expect else f"all that answer until none is new for {SETTLE_S:.0f} s"
+        prep.step(f"browsing zeroconf for empty workers ({waiting})" if heard is not None
+                  else f"collecting the empty --peer workers ({waiting})")
         found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard,
                                          model_id=source.dims.model_id)
+    prep.workers = sorted(a for a, _ in found.values())
     p = plan_source(source, {w: c for w, (_, c) in found.items()})
+    prep.layers = p.layers
     print("\n".join(planner.report_lines(p)), flush=True)
-    build_dir = build_for_plan(settings.model, p, build_cache(settings))
+    prep.step(f"building layers {p.layers} of {Path(settings.model).name} (a cached build is taken at once)")
+    build_dir = await asyncio.to_thread(build_for_plan, settings.model, p, build_cache(settings))
     addresses = [found[s.node.name][0] for s in p.stages]
-    reports = await ship_plan(build_dir, addresses, settings.security)
+    with RichProgress() as bars:
+        def progress(stage: int, address: str) -> Progress:
+            prep.step(f"shipping stage {stage} of {len(addresses)} to {address}")
+
+            def on_bytes(path: str, done: int, total: int) -> None:
+                bars(f"stage {stage} -> {address}: {path}", done, total)
+                prep.progress = (f"shipping stage {stage} of {len(addresses)} to {address}: {path} "
+                                 f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
+            return on_bytes
+
+        reports = await ship_plan(build_dir, addresses, settings.security, progress, events=prep.step)
     print("\n".join(ship_lines(reports, addresses, build_dir)), flush=True)
     return PlannedFleet(build_dir, p, source, found, settings.model)

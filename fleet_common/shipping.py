@@ -37,7 +37,7 @@ MIN_RATE_BYTES_S = 1 << 20  # a file's PutStage deadline: 30 s + its missing byt
 LOAD_TIMEOUT_S = 600.0  # LoadStage: hashing and compiling a stage of GBs
 RESUMES, RESUME_AFTER_S = 4, 1.0  # a cut transfer: resumed this many times, first after 1 s, doubling
 REUSE_RATE_BYTES_S = 100 << 20  # a ReuseStage's deadline: 30 s + the file's bytes copied at 100 MiB/s
-MIN_REUSE_BYTES = 1 << 20  # a segment the worker holds is copied there, not sent, from this size (one round trip)
+MIN_REUSE_BYTES = 64 << 10  # a held segment is copied there, not sent, from this size (a round trip each run)
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})  # the link, not the worker
 
 Progress = Callable[[str, int, int], None]

@@ -216,6 +216,11 @@ async function loadModel() {
     openKeyDialog(state.apiKey ? await errorMessage(response) : null);
     return;
   }
+  if (response.status === 503) {  // the fleet is being prepared (serve --model SOURCE): the fleet panel says how far
+    banner(`${await errorMessage(response)}`);
+    setTimeout(loadModel, 3000);
+    return;
+  }
   if (!response.ok) {
     banner(`/v1/models: ${await errorMessage(response)}`);
     return;

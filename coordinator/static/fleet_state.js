@@ -1,5 +1,6 @@
 // A planned fleet's state (serve --model SOURCE over empty workers) as the fleet panel shows it: the
-// `fleet` entry of GET /health (coordinator/replan.py Replanner.status), turned into one line and a pill.
+// `fleet` entry of GET /health (coordinator/replan.py Replanner.status; coordinator/preparing.py while the
+// first build is made and shipped), turned into one line and a pill.
 // Pure: no DOM, so tests/js can run it under node.
 
 function seconds(s) {
@@ -30,6 +31,12 @@ export function plannedFleet(f) {
     const since = typeof f.phase_s === "number" ? ` for ${seconds(f.phase_s)}` : "";
     return { state: f.state, pill: { text: "re-planning", cls: "busy" },
       text: `Re-planning${since}${why}${doing}. New requests wait; was ${plan}.` };
+  }
+  if (f.state === "preparing") {  // serve --model SOURCE before its first build serves (coordinator/preparing.py)
+    const since = typeof f.phase_s === "number" ? ` (${seconds(f.phase_s)} so far)` : "";
+    return { state: f.state, pill: { text: "preparing", cls: "busy" },
+      text: `Preparing the fleet${since}: ${f.progress || "starting"}. The chat answers once every stage is ` +
+        `served${f.layers ? `; the plan: ${plan}` : ""}.` };
   }
   if (f.state === "refused") {
     return { state: f.state, pill: { text: "refused", cls: "bad" },

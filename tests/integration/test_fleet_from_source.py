@@ -1,7 +1,8 @@
 """coordinator/planned_fleet.py on real processes (issue 30 item 2): two empty ``fleet-worker``s on loopback
 (--no-announce) answer Info with their capacity; collect_capacities finds both and the planner splits the
 demo-shaped model over them; the plan's build is cached; each worker is shipped only its stage; and
-``fleet-coordinator serve --model SOURCE`` over them answers, and after a restart ships nothing."""
+``fleet-coordinator serve --model SOURCE`` over them answers, and after a restart ships nothing; while it
+prepares, the chat page (headless Chromium) and /health show each phase and the API answers 503."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from compiler.planner import ModelDims
 from coordinator.planned_fleet import collect_capacities, plan_fleet
 from fleet_common.security import Security
 from tests.integration.test_shipping import serving, spawn_worker
+from tests.integration.test_web_page import browser  # noqa: F401 - the module's Chromium fixture
 from tests.unit.test_planner import CONFIG
 
 pytestmark = pytest.mark.integration
@@ -103,3 +105,63 @@ def test_serve_model_source_over_empty_workers_then_restart_ships_nothing(tmp_pa
             proc.stop()
             stack.close()
         assert texts[0] == texts[1] and texts[0]
+
+
+PANEL = """return [document.getElementById('fleet-plan').dataset.state || '',
+                   document.getElementById('fleet-plan').textContent, document.getElementById('fleet-state').textContent,
+                   document.getElementById('model-name').textContent];"""
+
+
+def test_the_page_and_health_show_the_preparation_until_the_fleet_serves(tmp_path, demo_hf, browser):  # noqa: F811
+    """While ``serve --model SOURCE`` collects, plans, builds and ships (coordinator/preparing.py), its port
+    serves the chat page and ``/health`` (503, ``fleet.state`` preparing with each phase), and the API answers
+    503 with the progress and Retry-After; then the API takes the port and the page, open all along, shows
+    the fleet serving and the model's name."""
+    import time
+
+    import httpx
+
+    from bench import harness
+    from coordinator.local import free_port
+    from tests.integration.test_web_page import wait_until
+
+    with ExitStack() as stack:
+        addresses = [serving(spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
+                                          "--stages-dir", str(tmp_path / f"s{i}")), empty=True) for i in range(2)]
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = harness.spawn([*harness.tool("fleet-coordinator"), "serve", "--model", str(demo_hf), "--port", str(port),
+                              "--no-announce", "--no-discover", "--draft", "none",
+                              *(a for p in addresses for a in ("--peer", p)), "--build-cache-dir",
+                              str(tmp_path / "builds")], tmp_path / "coordinator.log", stack)
+        health = wait_until(lambda: _health(url), timeout=60, every=0.05, what="the preparing /health")
+        assert health["fleet"]["state"] == "preparing" and not health["ready"], health
+        refused = httpx.get(f"{url}/v1/models", timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+        assert refused.json()["error"]["code"] == "fleet_preparing"
+        browser.get(url + "/")
+        phases, panel = {health["fleet"]["progress"].split(" ")[0]}, []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if (h := _health(url)) and h.get("fleet", {}).get("state") == "preparing":
+                phases.add(h["fleet"]["progress"].split(" ")[0])
+            row = tuple(browser.execute_script(PANEL))
+            if row[0] and (not panel or panel[-1] != row):
+                panel.append(row)
+            if row[0] == "serving" and row[3] not in ("", "…"):
+                break
+            time.sleep(0.1)
+        assert proc.popen.poll() is None, proc.text()[-3000:]
+    assert {"building", "shipping", "loading"} <= phases, phases  # collecting: over at once, the --peers being up
+    shown = [p for p in panel if p[0] == "preparing"]
+    assert shown and all(p[2] == "preparing" and p[1].startswith("Preparing the fleet") for p in shown), panel
+    assert panel[-1][0] == "serving" and panel[-1][2] == "ready" and panel[-1][3] == "SmolLM2-135M-Instruct", panel
+
+
+def _health(url: str) -> dict | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return None

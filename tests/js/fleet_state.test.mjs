@@ -33,3 +33,14 @@ test("refused: the planner's reason and that requests are refused", () => {
   assert.match(f.text, /cannot serve the model: node 'b' \(900 MiB\) cannot hold even one layer: short 12 MiB\. /);
   assert.match(f.text, /Requests are refused until a worker joins; was layers 0:15,15:30 over 2 workers · 1 re-plan \(the last took 20\.0 s\)\.$/);
 });
+
+test("preparing: the first build's progress with a busy pill, the plan once there is one", () => {
+  const early = plannedFleet({ state: "preparing", progress: "collecting empty workers (2 expected)", phase_s: 1.5,
+    layers: "", workers: [], replans: 0, last_replan_s: null, reason: "serve --model m.gguf" });
+  assert.deepEqual(early.pill, { text: "preparing", cls: "busy" });
+  assert.equal(early.text, "Preparing the fleet (1.5 s so far): collecting empty workers (2 expected). The chat " +
+    "answers once every stage is served.");
+  const later = plannedFleet({ ...BASE, state: "preparing", progress: "shipping stage 1 of 2 to 10.0.0.3:7070",
+    phase_s: 65 });
+  assert.match(later.text, /^Preparing the fleet \(1 min 5 s so far\): shipping stage 1 of 2 to 10\.0\.0\.3:7070\. .*; the plan: layers 0:15,15:30 over 2 workers\.$/);
+});

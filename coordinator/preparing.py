@@ -1,0 +1,97 @@
+"""The coordinator's HTTP while ``serve --model SOURCE`` prepares its fleet (issue 30): collecting the empty
+workers, planning, building and shipping take from seconds to minutes (a 1B model over 100 Mbit/s: about
+100 s), and the API cannot serve before there is a build. Meanwhile a small app on the same host and port
+serves the chat page, whose fleet panel shows what is being done, and ``/health`` with ``fleet.state``
+``preparing``, its progress and how long it has taken (503: not ready); every other path answers 503 with that
+progress and ``Retry-After``. It stops once the fleet is ready, and the coordinator's API takes the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .http_guard import HostCheck, SignalFreeServer, served_host_names
+from .settings import CoordinatorSettings
+from .web import add_web_routes
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRY_AFTER_S = 5
+
+
+class Preparation:
+    """What the coordinator does now while it prepares a planned fleet: ``step`` starts a phase
+    (``progress``), ``progress`` may be refined within it (bytes shipped); ``status()`` is ``/health``'s
+    ``fleet`` entry in the shape of coordinator/replan.py ``Replanner.status``."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.progress = "starting"
+        self.layers = ""
+        self.workers: list[str] = []
+        self._t0 = self._since = time.monotonic()
+
+    def step(self, progress: str) -> None:
+        """A new phase (collecting, planning, building, shipping stage i, loading), logged."""
+        log.info("preparing the fleet: %s", progress)
+        self.progress, self._since = progress, time.monotonic()
+
+    def status(self) -> dict:
+        """``/health``'s ``fleet`` entry: state ``preparing``, the progress, seconds since the start."""
+        return {"state": "preparing", "progress": self.progress, "reason": f"serve --model {self.source}",
+                "phase_s": round(time.monotonic() - self._t0, 1), "layers": self.layers,
+                "workers": list(self.workers), "replans": 0, "last_replan_s": None}
+
+
+def preparing_app(prep: Preparation, settings: CoordinatorSettings) -> FastAPI:
+    """The app served while ``prep`` runs: the chat page, ``/health`` (503, ``fleet`` from ``prep``) and a
+    503 naming the progress for anything else (in the OpenAI error shape)."""
+    app = FastAPI(title="fleet (preparing)", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HostCheck, names=served_host_names(settings.host, settings.allowed_host))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        fleet = prep.status()
+        if settings.allowed_api_keys:  # as the API's /health: no worker addresses without a key
+            fleet["workers"] = ["(hidden)"] * len(fleet["workers"])
+        return JSONResponse({"ready": False, "shutting_down": False, "model": prep.source, "num_stages": 0,
+                             "missing_stages": [], "queued": 0, "running": 0, "workers": [],
+                             "fleet": fleet}, status_code=503)
+
+    add_web_routes(app)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unavailable(path: str, request: Request) -> JSONResponse:
+        message = (f"the fleet is being prepared ({prep.progress}, {prep.status()['phase_s']:.0f} s so far): "
+                   f"retry in a few seconds")
+        return JSONResponse({"error": {"message": message, "type": "server_error", "code": "fleet_preparing"}},
+                            status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    return app
+
+
+async def serving_while(prep: Preparation, settings: CoordinatorSettings, work: Awaitable[T]) -> T:
+    """``work``'s result, with ``preparing_app`` served on ``settings.host``/``port`` while it runs (not at all
+    when that port cannot be bound: the error is logged and ``work`` goes on). The server is stopped before
+    this returns or raises, so the API can bind the port."""
+    config = uvicorn.Config(preparing_app(prep, settings), host=settings.host, port=settings.port,
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    server = SignalFreeServer(config)  # the coordinator's own signal handling stays
+    task = asyncio.ensure_future(server.serve())
+    try:
+        return await work
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(task, 10)
+        except (asyncio.TimeoutError, SystemExit, OSError) as exc:  # uvicorn exits when it cannot bind
+            log.warning("the preparing page stopped: %r", exc)
