@@ -303,11 +303,19 @@ def render_status(url: str, health: dict) -> str:
     """The fleet as text, from a coordinator's ``/health`` JSON: stages, their replicas, addresses,
     health, load and versions; then the workers that are no part of the pipeline: refused ones (another
     build or protocol) with the reason, and those that never answered."""
+    fleet = health.get("fleet") or {}  # serve --model SOURCE: preparing, serving, re-planning or refused
     state = "ready" if health["ready"] else f"NOT READY, missing stage(s) {health['missing_stages']}"
+    if not health["ready"] and fleet.get("state") in ("preparing", "replanning", "refused"):
+        state = f"NOT READY, {fleet['state']}"
     manifest = health.get("manifest_sha256", "?")[:12]
     lines = [f"fleet at {url}: model {health['model']}, manifest {manifest}, protocol "
              f"{health.get('protocol_version', '?')}, {state}; requests running {health.get('running', '?')}, "
              f"queued {health.get('queued', '?')}"]
+    if fleet:
+        lines.append(f"planned fleet: {fleet.get('state')} for {fleet.get('phase_s', '?')} s"
+                     + (f", {fleet['progress']}" if fleet.get("progress") else "")
+                     + (f" ({fleet['reason']})" if fleet.get("reason") else "")
+                     + f"; layers {fleet.get('layers') or '?'}, {fleet.get('replans', 0)} re-plan(s)")
     if "workers" not in health:  # a coordinator with API keys shows them only with a key (coordinator/access.py)
         return "\n".join([*lines, f"workers not shown: {health.get('workers_hidden', 'not in the answer')} "
                                    "(fleet-coordinator status --api-key KEY, or $FLEET_API_KEY)"])

@@ -73,3 +73,17 @@ def test_demo_ready_line_lists_pipeline_stages_and_refused_workers_apart():
     first, *rest = text.splitlines()
     assert first == "fleet ready: stage 0 @ 127.0.0.1:5001 -> stage 1 @ 127.0.0.1:5002", text
     assert rest == [f"refused: 10.0.0.9:7000: {REASON}", "not answering yet: 10.0.0.8:7000"], text
+
+
+def test_a_preparing_fleet_says_so_with_its_progress():
+    from coordinator.cli import render_status
+
+    health = {"ready": False, "shutting_down": False, "model": "m.gguf", "num_stages": 0, "missing_stages": [],
+              "queued": 0, "running": 0, "workers": [],
+              "fleet": {"state": "preparing", "progress": "shipping stage 1 of 2 to 10.0.0.3:7070", "phase_s": 12.5,
+                        "reason": "serve --model m.gguf", "layers": "0:15,15:30", "workers": [], "replans": 0,
+                        "last_replan_s": None}}
+    text = render_status("http://c:8000", health)
+    assert "NOT READY, preparing;" in text and "missing stage" not in text
+    assert ("planned fleet: preparing for 12.5 s, shipping stage 1 of 2 to 10.0.0.3:7070 (serve --model m.gguf); "
+            "layers 0:15,15:30, 0 re-plan(s)") in text
