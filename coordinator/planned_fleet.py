@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -148,6 +149,8 @@ async def _capacity(address: str, security: Security, model_id: str | None = Non
     if not info.empty and model_id is not None and info.model_id != model_id:
         return (f"{address}: serves stage {info.stage} of {info.model_id!r}, not of {model_id!r} (another fleet's "
                 "worker?): found by mDNS, it is not taken; name it with --peer to ship over it")
+    if not math.isfinite(info.ms_per_gb) or info.ms_per_gb <= 0:
+        return f"{address}: announces a speed of {info.ms_per_gb} ms per GB: not a measured speed, not counted"
     return info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
 
 

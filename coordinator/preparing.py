@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -79,19 +80,42 @@ def preparing_app(prep: Preparation, settings: CoordinatorSettings) -> FastAPI:
     return app
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (SO_REUSEADDR, as uvicorn's own). Raises ``OSError``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def serving_while(prep: Preparation, settings: CoordinatorSettings, work: Awaitable[T]) -> T:
-    """``work``'s result, with ``preparing_app`` served on ``settings.host``/``port`` while it runs (not at all
-    when that port cannot be bound: the error is logged and ``work`` goes on). The server is stopped before
-    this returns or raises, so the API can bind the port."""
-    config = uvicorn.Config(preparing_app(prep, settings), host=settings.host, port=settings.port,
-                            log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    """``work``'s result, with ``preparing_app`` served on ``settings.host``/``port`` while it runs. The
+    server is stopped (its socket closed) before this returns or raises, so the API can bind the port. Raises
+    ``OSError`` naming the address when it cannot be bound (before any of ``work`` runs: a port in use fails
+    at once, not after a build of minutes)."""
+    try:
+        sock = _listen(settings.host, settings.port)
+    except OSError as exc:
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise OSError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+    config = uvicorn.Config(preparing_app(prep, settings), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1)
     server = SignalFreeServer(config)  # the coordinator's own signal handling stays
-    task = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         return await work
     finally:
         server.should_exit = True
         try:
             await asyncio.wait_for(task, 10)
-        except (asyncio.TimeoutError, SystemExit, OSError) as exc:  # uvicorn exits when it cannot bind
-            log.warning("the preparing page stopped: %r", exc)
+        except asyncio.TimeoutError:
+            log.warning("the preparing page did not stop in 10 s")
+        finally:
+            sock.close()

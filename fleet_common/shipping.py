@@ -38,7 +38,8 @@ LOAD_TIMEOUT_S = 600.0  # LoadStage: hashing and compiling a stage of GBs
 RESUMES, RESUME_AFTER_S = 4, 1.0  # a cut transfer: resumed this many times, first after 1 s, doubling
 REUSE_RATE_BYTES_S = 100 << 20  # a ReuseStage's deadline: 30 s + the file's bytes copied at 100 MiB/s
 MIN_REUSE_BYTES = 64 << 10  # a held segment is copied there, not sent, from this size (a round trip each run)
-RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})  # the link, not the worker
+# the link, not the worker; ABORTED: the worker still writes the file for the call the cut ended (its last piece)
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
 Progress = Callable[[str, int, int], None]
 """``progress(path, bytes done, bytes of the file)``, called after each piece sent (and once per file at
@@ -155,6 +156,11 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
             manifest=(Path(build_dir) / MANIFEST_NAME).read_bytes()), timeout=STATUS_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         raise _failed(address, f"StageStatus of stage {shard}", exc) from None
+    wanted = [manifest.stages[shard].xml, manifest.stages[shard].bin]  # the files the sender sends: never the reply's
+    if sorted(f.path for f in status.files) != sorted(wanted):
+        raise ShippingError(f"worker {address}: StageStatus of stage {shard} names files "
+                            f"{[f.path[:200] for f in status.files][:8]}, not the stage's {wanted}: refused",
+                            grpc.StatusCode.INVALID_ARGUMENT)
     report = ShipReport(shard, [f.path for f in status.files])
     missing = 0
     sizes = {}
@@ -170,7 +176,7 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         if held.complete:
             continue
         size, offset = sizes[held.path], held.bytes if held.bytes <= sizes[held.path] else 0
-        segments = _segments(Path(build_dir), manifest.stages[shard]) \
+        segments = await asyncio.to_thread(_segments, Path(build_dir), manifest.stages[shard]) \
             if held.path == manifest.stages[shard].bin and state["reuse"] and status.holds_stages else None
         await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
                          chunk_bytes, counter, report, state)

@@ -44,6 +44,9 @@ def claim(stages_dir: Path) -> tuple[str, int]:
         os.close(fd)
         raise StagesDirInUse(f"stage cache {stages_dir} is in use by another fleet-worker (pid {holder}): give "
                              "each worker on this PC its own --stages-dir") from None
+    except OSError:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     path = stages_dir / ID_FILE
@@ -56,6 +59,9 @@ def claim(stages_dir: Path) -> tuple[str, int]:
             log.warning("%s holds %r, not a worker id: drawing a new one", path, worker_id[:40])
         worker_id = uuid.uuid4().hex[:12]
         tmp = path.with_name(ID_FILE + ".part")
-        tmp.write_text(worker_id + "\n")
+        with open(tmp, "w") as f:
+            f.write(worker_id + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # a power cut must not lose the id: its stages would be shipped again
         tmp.replace(path)
     return worker_id, fd

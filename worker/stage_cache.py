@@ -326,17 +326,18 @@ class StageCache:
         """Whether the cache holds a complete stage of any build (``reuse`` may find segments there)."""
         return next(self._stage_bins(), None) is not None
 
-    def segment_index(self) -> dict[bytes, tuple[Path, int, int]]:
-        """sha256 -> (file, offset, size) of every segment of every complete stage ``.bin`` (with its ``.xml``)
+    def segment_index(self) -> dict[bytes, tuple[Path, int, int, Path]]:
+        """sha256 -> (file, offset, size, its index file) of every segment of every complete stage ``.bin`` (with its ``.xml``)
         of every build in the cache: read from ``ROOT/segments``, each file not indexed yet hashed once (about
         0.7 GB/s here). A file that cannot be indexed (an xml that does not parse) is left out with a warning."""
-        index: dict[bytes, tuple[Path, int, int]] = {}
+        index: dict[bytes, tuple[Path, int, int, Path]] = {}
         folder = self.root / SEGMENTS_DIR
         for build, loaded, entry in self._stage_bins():
             digest = loaded.manifest.files.get(entry.bin, "")
             if len(digest) == 64:
-                for seg in self._segments(folder / f"{digest}.json", build / entry.xml, build / entry.bin):
-                    index.setdefault(seg.sha256, (build / entry.bin, seg.offset, seg.size))
+                sidecar = folder / f"{digest}.json"
+                for seg in self._segments(sidecar, build / entry.xml, build / entry.bin):
+                    index.setdefault(seg.sha256, (build / entry.bin, seg.offset, seg.size, sidecar))
         return index
 
     @staticmethod
@@ -351,10 +352,14 @@ class StageCache:
         except (ValueError, OSError) as exc:
             log.warning("stage cache: cannot index %s for reuse: %s", binary, exc)
             return []
-        sidecar.parent.mkdir(parents=True, exist_ok=True)
-        tmp = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"segments": [[s.offset, s.size, s.sha256.hex()] for s in segments]}))
-        tmp.replace(sidecar)
+        try:  # a temporary file of this call's own: two indexing at once each rename a whole one
+            sidecar.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{sidecar.name}.", dir=sidecar.parent)
+            with open(fd, "w") as f:
+                f.write(json.dumps({"segments": [[s.offset, s.size, s.sha256.hex()] for s in segments]}))
+            os.replace(tmp, sidecar)
+        except OSError as exc:  # a full disk: the index is only not kept
+            log.warning("stage cache: cannot keep the index of %s in %s: %s", binary, sidecar, exc)
         return segments
 
     def reuse(self, loaded: LoadedManifest, path: str, size: int,
@@ -373,11 +378,15 @@ class StageCache:
             at += seg.size
         if at != size:
             raise StageCacheError(f"{path}: segments end at byte {at}, the file's size is {size}")
+        self._target(loaded, path)  # a file of the build (StageCacheError) before any file is read
         index = self.segment_index()
-        held = [seg.sha256 in index for seg in segments]
+        held = [seg.sha256 in index and index[seg.sha256][2] == seg.size for seg in segments]
         state = self.held(loaded, path)
         if state.complete:
             return state.bytes, 0, held
+        if state.bytes == size:  # every byte written, not checked yet (a worker stopped before the rename)
+            self.finish(loaded, path)
+            return size, 0, held
         have, copied = state.bytes, 0
         for seg, known in zip(segments, held, strict=True):
             if seg.offset + seg.size <= have:
@@ -391,10 +400,11 @@ class StageCache:
         return have, copied, held
 
     def _copy(self, loaded: LoadedManifest, path: str, size: int, seg: Segment,
-              source: tuple[Path, int, int]) -> bool:
-        """Copy ``source`` (file, offset, size) as ``seg`` of ``path`` through ``write``; False (the partial
-        file cut back to ``seg.offset``) when the bytes read do not hash to ``seg.sha256``."""
-        src, offset, _ = source
+              source: tuple[Path, int, int, Path]) -> bool:
+        """Copy ``source`` (file, offset, size, index file) as ``seg`` of ``path`` through ``write``; False (the
+        partial file cut back to ``seg.offset``, the source's index file deleted) when the bytes read do not
+        hash to ``seg.sha256``."""
+        src, offset, _, sidecar = source
         digest, done = hashlib.sha256(), 0
         with open(src, "rb") as f:
             while done < seg.size:
@@ -415,8 +425,6 @@ class StageCache:
         if part.is_file():
             os.truncate(part, seg.offset)
         self._digests.pop(part, None)
-        (self.root / SEGMENTS_DIR).mkdir(parents=True, exist_ok=True)
-        for sidecar in (self.root / SEGMENTS_DIR).glob("*.json"):  # indexed again from the files
-            sidecar.unlink(missing_ok=True)
+        sidecar.unlink(missing_ok=True)  # that file is indexed again from its bytes
         return False
 

@@ -23,7 +23,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.manifest import LoadedManifest, ManifestError
-from fleet_common.segments import Segment
+from fleet_common.segments import MAX_SEGMENTS, Segment
 from fleet_common.wire import Malformed
 
 from .server import StageService
@@ -180,6 +180,8 @@ class StageStoreService(pb_grpc.StageStoreServicer):
     async def ReuseStage(self, request: pb.ReuseRequest, context: grpc.aio.ServicerContext) -> pb.ReuseReply:
         """Extend a file's partial file with the segments this worker's stage cache holds (StageCache.reuse),
         as one writer of that file (ABORTED while a PutStage writes it)."""
+        if len(request.segments) > MAX_SEGMENTS:
+            await self._refuse(context, StageCacheError(f"{len(request.segments)} segments: at most {MAX_SEGMENTS}"))
         segments = [Segment(s.offset, s.size, s.sha256) for s in request.segments]
         job: asyncio.Future | None = None
         key = ""

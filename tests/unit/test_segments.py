@@ -79,7 +79,22 @@ def test_a_file_is_built_from_the_segments_held_and_a_stale_one_is_not_copied(tm
     cache.write(new, "stage_0/openvino_model.bin", 5000, d, len(new_data))
     have, copied, _ = cache.reuse(new, "stage_0/openvino_model.bin", len(new_data), segments)
     assert (have, copied) == (9000, 0) and not target.exists()  # not copied; the partial file kept up to there
-    assert not list((tmp_path / SEGMENTS_DIR).glob("*.json"))  # the index is made again from the files
+    stale = tmp_path / SEGMENTS_DIR / f"{hashlib.sha256(a + b + c).hexdigest()}.json"
+    assert not stale.exists()  # that file's index is made again from its bytes
+
+
+def test_a_file_whose_bytes_are_all_written_is_finished_and_a_wrong_size_is_not_held(tmp_path):
+    a = os.urandom(3000)
+    cache = StageCache(tmp_path)
+    one_stage_build(tmp_path, "old", a, ir_xml([(0, 3000)]))
+    new = one_stage_build(tmp_path, "new", a + a, ir_xml([(0, 3000), (3000, 3000)]))
+    target = new.directory / "stage_0" / "openvino_model.bin"
+    target.rename(target.with_name(target.name + ".part"))  # all written, the worker stopped before the rename
+    sha = hashlib.sha256(a).digest()
+    assert cache.reuse(new, "stage_0/openvino_model.bin", 6000, [Segment(0, 3000, sha), Segment(3000, 3000, sha)]) \
+        == (6000, 0, [True, True])
+    assert target.read_bytes() == a + a  # checked against the manifest and put in place
+    assert cache.reuse(new, "stage_0/openvino_model.bin", 6000, [Segment(0, 6000, sha)])[2] == [False]
 
 
 def test_segments_that_do_not_tile_the_file_are_refused(tmp_path):

@@ -317,3 +317,39 @@ def test_put_stage_calls_past_the_limit_are_refused_before_they_read(tmp_path):
             assert report.held_bytes == 1000 and len(report.completed) == 2
 
     asyncio.run(run())
+
+
+def test_a_worker_naming_other_files_is_refused_and_sent_nothing(tmp_path):
+    """A StageStatus reply naming a file that is not the stage's (an absolute path on the sender's disk, from a
+    hostile or broken worker) is refused before anything is read or sent."""
+    src, _, _ = make_build(tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the worker")
+
+    class Hostile(pb_grpc.StageStoreServicer):
+        puts = 0
+
+        async def StageStatus(self, request, context):  # noqa: ANN001, ANN201
+            return pb.StageStatusReply(files=[pb.FileHeld(path=str(secret)),
+                                              pb.FileHeld(path="stage_1/openvino_model.bin")], free_bytes=1 << 40)
+
+        async def PutStage(self, request_iterator, context):  # noqa: ANN001, ANN201
+            Hostile.puts += 1
+            async for _ in request_iterator:
+                pass
+            return pb.PutStageReply()
+
+    async def run() -> None:
+        server, port = open_server("127.0.0.1:0", Security())
+        add_servicer(pb_grpc.add_StageStoreServicer_to_server, Hostile(), server)
+        await server.start()
+        try:
+            async with open_channel(f"127.0.0.1:{port}", Security()) as channel:
+                with pytest.raises(ShippingError) as exc:
+                    await ship_stage(channel, src, 1, resumes=0)
+        finally:
+            await server.stop(None)
+        assert "not the stage's" in str(exc.value) and exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert Hostile.puts == 0
+
+    asyncio.run(run())
