@@ -95,7 +95,7 @@ def coordinator(office, build_3):  # noqa: ANN001, ANN201
     lan, workers, log_dir = office
     coord = LanCoordinator(lan, "coord", build_3, log_dir, name="coordinator-mdns", announce=True)
     try:
-        coord.wait_ready(workers=len(workers))
+        coord.wait_ready(timeout=240, workers=len(workers))  # the cloned PCs: one name, resolved one at a time
         yield coord
     finally:
         coord.stop()
