@@ -343,11 +343,11 @@ async def _served(channel: grpc.aio.Channel, address: str) -> pb.InfoReply:
 
 
 async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
-                    progress: bool | Callable[[int, str], Progress] = True,
+                    progress: Callable[[int, str], Progress] | None = None,
                     events: Callable[[str], None] | None = None) -> list:
     """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
-    worker lacks) and loaded there, with rich progress on this side when ``progress`` is True (a callable:
-    ``progress(stage, address)`` gives each stage's ``Progress`` callback). The stages are shipped one after
+    worker lacks) and loaded there; ``progress(stage, address)`` (if given) gives each stage's ``Progress``
+    callback (``prepare_build`` draws rich bars with it, the re-plan its status line). The stages are shipped one after
     another (they share this PC's link, which one stream fills) and each is loaded while the next ones ship:
     a worker's load (hashing and compiling its stage) takes none of the link. A worker whose Info says it
     serves stage i of this build already (the same manifest sha256: a restarted coordinator) is asked nothing
@@ -355,10 +355,10 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
     (the worker refuses while it holds sessions: ``ShippingError``). Returns the ``ShipReport`` per stage once
     every stage is loaded; ``events`` (if given) gets a line as each load starts and ends. Raises
     ``ShippingError`` naming the worker (the other loads still running are cancelled)."""
-    from contextlib import AsyncExitStack, nullcontext
+    from contextlib import AsyncExitStack
 
     from fleet_common.manifest import load_manifest
-    from fleet_common.shipping import RichProgress, ShipReport, ship_stage
+    from fleet_common.shipping import ShipReport, ship_stage
 
     sha = load_manifest(build_dir).sha256
     reports, loads = [], []
@@ -373,12 +373,8 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
                 if not info.empty:
                     log.info("worker %s serves stage %d of build %s, not stage %d of %s: shipping over it",
                              address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
-                if callable(progress):
-                    reports.append(await ship_stage(channel, build_dir, stage, progress(stage, address),
-                                                    address=address))
-                else:
-                    with RichProgress(f"stage {stage} -> {address}") if progress else nullcontext() as bar:
-                        reports.append(await ship_stage(channel, build_dir, stage, bar, address=address))
+                reports.append(await ship_stage(channel, build_dir, stage,
+                                                progress(stage, address) if progress else None, address=address))
                 loads.append(asyncio.ensure_future(_load(channel, build_dir, stage, address, events)))
             await asyncio.gather(*loads)
         except BaseException:

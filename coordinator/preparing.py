@@ -39,12 +39,12 @@ class Preparation:
         self.progress = "starting"
         self.layers = ""
         self.workers: list[str] = []
-        self._t0 = self._since = time.monotonic()
+        self._t0 = time.monotonic()
 
     def step(self, progress: str) -> None:
         """A new phase (collecting, planning, building, shipping stage i, loading), logged."""
         log.info("preparing the fleet: %s", progress)
-        self.progress, self._since = progress, time.monotonic()
+        self.progress = progress
 
     def status(self) -> dict:
         """``/health``'s ``fleet`` entry: state ``preparing``, the progress, seconds since the start."""

@@ -58,8 +58,8 @@ class ShippingError(RuntimeError):
 @dataclass
 class ShipReport:
     """What ``ship_stage`` did: ``sent_bytes`` (file bytes sent this time), ``held_bytes`` (already on the
-    worker before), ``reused_bytes`` (copied there from the other stages it holds), ``files`` (the stage's files), ``completed`` (files the worker checked and put in place
-    this time), ``seconds``, ``already_served`` (a coordinator found it serving the stage: nothing was asked)."""
+    worker before), ``reused_bytes`` (copied there from the other stages it holds), ``files`` (the stage's
+    files), ``completed`` (files the worker checked and put in place this time), ``seconds``, ``already_served`` (a coordinator found it serving the stage: nothing was asked)."""
 
     stage: int
     files: list[str]

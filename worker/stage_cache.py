@@ -327,8 +327,8 @@ class StageCache:
         return next(self._stage_bins(), None) is not None
 
     def segment_index(self) -> dict[bytes, tuple[Path, int, int, Path]]:
-        """sha256 -> (file, offset, size, its index file) of every segment of every complete stage ``.bin`` (with its ``.xml``)
-        of every build in the cache: read from ``ROOT/segments``, each file not indexed yet hashed once (about
+        """sha256 -> (file, offset, size, its index file) of every segment of every complete stage ``.bin``
+        (with its ``.xml``) of every build in the cache: read from ``ROOT/segments``, each file not indexed yet hashed once (about
         0.7 GB/s here). A file that cannot be indexed (an xml that does not parse) is left out with a warning."""
         index: dict[bytes, tuple[Path, int, int, Path]] = {}
         folder = self.root / SEGMENTS_DIR

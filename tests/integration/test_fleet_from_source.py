@@ -68,13 +68,13 @@ def test_ship_plan_sends_each_worker_only_its_stage_then_nothing(tmp_path, demo_
         out = build_for_plan(demo_hf, p, tmp_path / "coord")
         by_id = [found[s.node.name][0] for s in p.stages]
         manifest = load_manifest(out).manifest
-        reports = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
+        reports = asyncio.run(ship_plan(out, by_id, Security()))
         for stage, report in enumerate(reports):
             assert report.sent_bytes > 0 and report.held_bytes == 0
             assert set(report.files) <= {f for f in json.loads((out / "manifest.json").read_text())["files"]}
             assert manifest.stages[stage].xml in report.files
             assert not any(s.xml in report.files for s in manifest.stages if s.index != stage)
-        again = asyncio.run(ship_plan(out, by_id, Security(), progress=False))
+        again = asyncio.run(ship_plan(out, by_id, Security()))
         assert [r.sent_bytes for r in again] == [0, 0]
         print("ship MB/s:", [round(r.mb_per_s, 1) for r in reports])
 
