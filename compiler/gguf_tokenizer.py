@@ -5,7 +5,9 @@ Two kinds of GGUF vocabularies (``tokenizer.ggml.model``), rebuilt as llama.cpp 
 
 * ``gpt2``, byte-level BPE: tokens + merges, split before BPE by the regexes of the file's pre-tokenizer
   (``tokenizer.ggml.pre``, ``BPE_PRE``), each an isolated ``Split`` ahead of ``ByteLevel`` without its own
-  regex, as the families' HF ``tokenizer.json`` files do. ``smollm`` keeps SmolLM2's own layout (``Digits``
+  regex, as the families' HF ``tokenizer.json`` files do: GPT-2's, Llama 3's (and cl100k's), Qwen2's, o200k's
+  (``gpt-4o``: Phi-4-mini, gpt-oss), Tekken's (Mistral Nemo, Small 3), and llama.cpp's ``default`` split for
+  a file that names none. ``smollm`` keeps SmolLM2's own layout (``Digits``
   then ``ByteLevel``'s GPT-2 regex: llama.cpp's ``\\p{N}`` + GPT-2 regexes) so the demo's ``tokenizer.json``
   stays byte for byte what it was. Llama 3 ignores merges when a whole word is a token
   (``BPE(ignore_merges=True)``, llama.cpp's ``ignore_merges``) and adds BOS; Qwen2's text is NFC-normalized
@@ -55,6 +57,24 @@ LLAMA3_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{
                 r"|\s+(?!\S)|\s+")
 QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# Cased words (an uppercase run ends a piece when a lowercase run follows): the o200k regex of GPT-4o's
+# tokenizer (tiktoken's o200k_base; Phi-4-mini, gpt-oss, Llama 4), its contraction a suffix of the word, and
+# Tekken's (Mistral Nemo, Small 3, Ministral; transformers' corrected Mistral regex), with no contractions and
+# single digits. As the families' tokenizer.json files write them: llama.cpp spells the same splits out for
+# its own regex engine (LLAMA_VOCAB_PRE_TYPE_GPT4O, _TEKKEN).
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+
+
+def _cased_regex(contraction: str, digits: str) -> str:
+    word = r"[^\r\n\p{L}\p{N}]?"
+    return (f"{word}{_UPPER}*{_LOWER}+{contraction}|{word}{_UPPER}+{_LOWER}*{contraction}|{digits}"
+            r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+O200K_REGEX = _cased_regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?", r"\p{N}{1,3}")
+TEKKEN_REGEX = _cased_regex("", r"\p{N}")
+# llama.cpp's split for a BPE file with no (or the "default") pre-tokenizer, as older conversions are
+DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
 @dataclass(frozen=True)
@@ -70,11 +90,18 @@ class BpePre:
 
 _LLAMA3 = BpePre((LLAMA3_REGEX,), add_bos=True, ignore_merges=True)
 _QWEN2 = BpePre((QWEN2_REGEX,), nfc=True)
+_GPT4O = BpePre((O200K_REGEX,))
+_GPT2 = BpePre((GPT2_REGEX,))
+_CL100K = BpePre((LLAMA3_REGEX,))  # Llama 3's split without its merge rule and BOS (llama.cpp's DBRX type)
 BPE_PRE = {  # tokenizer.ggml.pre -> how it splits (llama.cpp's names for the same type share one entry)
     "smollm": BpePre((r"\p{N}", GPT2_REGEX), smollm_layout=True),
-    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
-    "gpt-2": BpePre((GPT2_REGEX,)),
+    "gpt-2": _GPT2, "phi-2": _GPT2,
+    "gpt-4o": _GPT4O, "llama4": _GPT4O,
+    "tekken": BpePre((TEKKEN_REGEX,), add_bos=True, ignore_merges=True),
+    "dbrx": _CL100K, "smaug-bpe": _CL100K,
+    "default": BpePre(DEFAULT_REGEXES),
 }
 MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values: byte-level BPE, SentencePiece
 # chat turns' end tokens llama.cpp ends generation at (llama-vocab.cpp, special_eog_ids by text) that the families'
@@ -101,6 +128,10 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
     if model not in MODELS:
         raise ValueError(f"{name}: unsupported GGUF tokenizer: tokenizer.ggml.model={model!r}; fleet rebuilds "
                          "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+    if model == "gpt2" and pre is None:  # converted before GGUF named pre-tokenizers: llama.cpp's default split
+        log.warning("%s: no tokenizer.ggml.pre: splitting as llama.cpp's 'default' pre-tokenizer (llama.cpp warns "
+                    "its generation quality may be degraded; a newer conversion of the model names its own)", name)
+        pre = "default"
     if model == "gpt2" and pre not in BPE_PRE:
         raise ValueError(f"{name}: unsupported GGUF pre-tokenizer: tokenizer.ggml.pre={pre!r} "
                          f"(tokenizer.ggml.model='gpt2'); fleet rebuilds {', '.join(BPE_PRE)}")

@@ -33,6 +33,7 @@ TEXTS = [
     "Emoji 🙂🚀👍🏽 and 🇫🇷 and 👨‍👩‍👧",
     "def f(x):\n\tif x  >  1:\n\t\treturn x ** 2   # comment\n\n\n    pass\r\n}",
     "It's I'll we're they've I'd I'm DON'T 'S 'LL 'Re HE'D",
+    "HelloWorld camelCase XMLHttpRequest iPhone McDONALD'S ÉcoleNormale/path\n/usr",
     "  two leading spaces and trailing   ",
     " one leading space",
     "tabs\tand\u00a0nbsp and \u3000 ideographic\u2028line separator",
@@ -62,7 +63,19 @@ FAMILIES = {
     "llama-bpe": (["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"], "<|begin_of_text|>", "<|end_of_text|>"),
     "qwen2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|endoftext|>"),
     "gpt-2": (["<|endoftext|>"], "<|endoftext|>", "<|endoftext|>"),
+    "gpt-4o": (["<|endoftext|>", "<|user|>", "<|end|>"], None, "<|endoftext|>"),  # Phi-4-mini's
+    "tekken": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),  # Mistral Nemo's
 }
+# the families' split regexes as published: tiktoken's o200k_base pat_str (Phi-4-mini's and gpt-oss'
+# tokenizer.json), Mistral's Tekken tokenizer.json (transformers' corrected Mistral regex)
+O200K_PUBLISHED = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+TEKKEN_PUBLISHED = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+                    r"|\s+(?!\S)|\s+")
+MERGES_IGNORED = ("llama-bpe", "tekken")  # a word that is a token is not split (and BOS is added)
 
 
 def _llama3_pattern() -> str:
@@ -82,7 +95,8 @@ def _family_pre_tokenizer(pre: str) -> tuple[object | None, object]:
                                               pre_tokenizers.ByteLevel(add_prefix_space=False)])
     if pre == "gpt-2":
         return None, pre_tokenizers.ByteLevel(add_prefix_space=False)
-    pattern = _llama3_pattern() if pre == "llama-bpe" else PRETOKENIZE_REGEX
+    pattern = {"llama-bpe": _llama3_pattern(), "gpt-4o": O200K_PUBLISHED, "tekken": TEKKEN_PUBLISHED}.get(
+        pre, PRETOKENIZE_REGEX)
     split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
     return (normalizers.NFC() if pre == "qwen2" else None), pre_tokenizers.Sequence([split, byte_level])
 
@@ -110,13 +124,13 @@ def hf_reference(pre: str):  # noqa: ANN201 - a transformers tokenizer
         return ref
     if pre == "gpt-2":
         return GPT2Tokenizer(vocab=vocab, merges=merges)
-    if pre == "llama-bpe":  # Llama 3's BPE ignores merges for a word that is a token: drop the last merge so
+    if pre in MERGES_IGNORED:  # Llama 3's BPE ignores merges for a word that is a token: drop the last merge so
         tok = Tokenizer(BPE(vocab, merges[:-1], ignore_merges=True))  # that its word is one only this way
         tok.pre_tokenizer = pre_tokenizer
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    if pre == "llama-bpe":  # tokenizer.json of Llama 3 adds BOS
+    if pre in MERGES_IGNORED:  # tokenizer.json of Llama 3 (and Tekken) adds BOS
         tok.post_processor = processors.Sequence([tok.post_processor, processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
@@ -185,8 +199,9 @@ def test_bpe_gguf_tokenizer_equals_the_hf_tokenizer_and_round_trips(pre, tmp_pat
         expected = unicodedata.normalize("NFC", text) if pre == "qwen2" else text  # Qwen2 NFC-normalizes
         assert ours.decode(ids, skip_special_tokens=False) == expected, (pre, text)
     digits = [piece for piece, _ in ours.pre_tokenizer.pre_tokenize_str("1234567")]
-    assert digits == {"llama-bpe": ["123", "456", "7"], "gpt-2": ["1234567"]}.get(pre, list("1234567")), digits
-    if pre == "llama-bpe":  # a word that is a token but no merge makes: one token, as Llama 3's tokenizer gives
+    grouped = ["123", "456", "7"]
+    assert digits == {"llama-bpe": grouped, "gpt-4o": grouped, "gpt-2": ["1234567"]}.get(pre, list("1234567")), digits
+    if pre in MERGES_IGNORED:  # a word that is a token but no merge makes: one token, as Llama 3's tokenizer gives
         word, token = unmerged_word(ref)
         assert ours.encode(word, add_special_tokens=False).ids == ref.encode(word, add_special_tokens=False) == [token]
     # transformers reads the files fleet wrote (tokenizer_config.json) to the same ids, BOS included
@@ -194,7 +209,7 @@ def test_bpe_gguf_tokenizer_equals_the_hf_tokenizer_and_round_trips(pre, tmp_pat
     for text in TEXTS:
         assert loaded.encode(text) == ref.encode(text), (pre, text)
     config = json.loads((tmp_path / "fleet" / "tokenizer_config.json").read_text())
-    assert (config["add_bos_token"], config["eos_token"]) == (pre == "llama-bpe", eos)
+    assert (config["add_bos_token"], config["eos_token"]) == (pre in MERGES_IGNORED, eos)
 
 
 SPM_CONTROLS = ["[INST]", "[/INST]"]  # Mistral v0.3 keeps its instruction markers as control pieces
@@ -265,10 +280,11 @@ def test_sentencepiece_gguf_tokenizer_equals_sentencepiece_and_transformers(spm_
     assert ours.encode("[INST]", add_special_tokens=False).ids == [sp.PieceToId("[INST]")]
 
 
-def _tiny_tokenizer_gguf(path: Path, model: str, pre: str) -> Path:
+def _tiny_tokenizer_gguf(path: Path, model: str, pre: str | None) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre(pre)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(["a", "b", "ab"])
     writer.add_token_merges(["a b"])
     writer.add_token_types([1, 1, 1])
@@ -281,7 +297,7 @@ def _tiny_tokenizer_gguf(path: Path, model: str, pre: str) -> Path:
 
 
 @pytest.mark.parametrize(("model", "pre", "named"), [("gpt2", "jais", "tokenizer.ggml.pre='jais'"),
-                                                     ("gpt2", "default", "tokenizer.ggml.pre='default'"),
+                                                     ("gpt2", "kimi-k2", "tokenizer.ggml.pre='kimi-k2'"),
                                                      ("rwkv", "default", "tokenizer.ggml.model='rwkv'")])
 def test_unknown_pre_tokenizer_or_model_is_refused_naming_the_file_and_field(model, pre, named, tmp_path):
     path = _tiny_tokenizer_gguf(tmp_path / f"{model}-{pre}.gguf", model, pre)
@@ -290,3 +306,14 @@ def test_unknown_pre_tokenizer_or_model_is_refused_naming_the_file_and_field(mod
     assert str(exc.value).startswith(path.name) and named in str(exc.value), exc.value
     ok = _tiny_tokenizer_gguf(tmp_path / "ok.gguf", "gpt2", "gpt-2")
     assert read_tokenizer(gguf.GGUFReader(str(ok)), ok)["merges"] == ["a b"]
+
+
+def test_a_bpe_file_without_a_pre_tokenizer_splits_as_llama_cpp_default_with_a_warning(tmp_path, caplog):
+    """Files converted before GGUF named pre-tokenizers: llama.cpp warns and splits by its 'default' regexes
+    (punctuation runs, GPT-2's, digit runs, then threes), each applied to the pieces the one before left."""
+    path = _tiny_tokenizer_gguf(tmp_path / "old.gguf", "gpt2", None)
+    with caplog.at_level("WARNING"):
+        ours = fleet_tokenizer(path, tmp_path / "fleet")
+    assert "no tokenizer.ggml.pre" in caplog.text
+    pieces = [piece for piece, _ in ours.pre_tokenizer.pre_tokenize_str("Hello, world 1234")]
+    assert pieces == ["Hello", ",", "Ġworld", "Ġ", "123", "4"], pieces
