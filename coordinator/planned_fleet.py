@@ -128,6 +128,19 @@ def plan_source(source: ModelSource, capacities: dict[str, Capacity]) -> Plan:
     return plan_fleet(source.dims, capacities, weights=source.weights, kv_cache_precision=source.kv_cache_precision)
 
 
+def plan_workers(source: ModelSource, found: dict[str, tuple[str, Capacity]], label: str = "workers") -> Plan:
+    """``plan_source`` over ``found`` (worker id -> (address, capacity)). Raises ``ValueError`` (the planner's
+    ``PlanRefused``: a worker too small for any plan, a model too big for the whole fleet; or more workers
+    than layers) whose message, after the planner's reason (which names a worker by its id, the MiB it has and
+    the MiB it lacks), names each worker by id, address and capacity: ``\n<label>: ID at HOST:PORT (N MiB
+    available, ...); ...``."""
+    try:
+        return plan_source(source, {w: c for w, (_, c) in found.items()})
+    except ValueError as exc:
+        where = "; ".join(f"{w} at {a} ({c.line()})" for w, (a, c) in sorted(found.items()))
+        raise ValueError(f"{exc}\n{label}: {where}") from exc
+
+
 def build_cache(settings) -> Path:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
     """Where a SOURCE's builds are cached: ``--build-cache-dir``, else ``$XDG_CACHE_HOME/fleet/coordinator``."""
     return settings.build_cache_dir or cache_home("coordinator")
@@ -454,7 +467,7 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
         found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard,
                                          model_id=source.dims.model_id)
     prep.workers = sorted(a for a, _ in found.values())
-    p = plan_source(source, {w: c for w, (_, c) in found.items()})
+    p = plan_workers(source, found)
     prep.layers = p.layers
     print("\n".join(planner.report_lines(p)), flush=True)
     prep.step(f"building layers {p.layers} of {Path(settings.model).name} (a cached build is taken at once)")

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 from fleet_common.manifest import load_manifest
 
 from .errors import PipelineUnavailable
-from .planned_fleet import PlannedFleet, answering, build_cache, build_for_plan, plan_source, ship_lines, ship_plan
+from .planned_fleet import (PlannedFleet, answering, build_cache, build_for_plan, plan_source, plan_workers, ship_lines,
+                            ship_plan)
 
 if TYPE_CHECKING:
     from compiler.planner import ModelSource, Plan
@@ -290,11 +291,7 @@ class Replanner:
         if not found:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
-        try:
-            p = plan_source(fleet.source, {w: c for w, (_, c) in found.items()})
-        except ValueError as exc:  # PlanRefused names the worker by id: say where each one is
-            where = "; ".join(f"{w} at {a} ({c.line()})" for w, (a, c) in sorted(found.items()))
-            raise ValueError(f"{exc}\nworkers left: {where}") from exc
+        p = plan_workers(fleet.source, found, "workers left")  # PlanRefused, naming each by address too
         self._step(f"building layers {p.layers}")
         build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, build_cache(s))  # the loop serves on
         addresses = [found[st.node.name][0] for st in p.stages]

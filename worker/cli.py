@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -38,6 +39,13 @@ log = logging.getLogger(__name__)
 def available_memory() -> int:
     """Memory available to new processes in bytes (psutil: MemAvailable on Linux)."""
     return psutil.virtual_memory().available
+
+
+def offered(capacity: Capacity, memory_mb: int) -> Capacity:
+    """``capacity`` with its memory capped at ``memory_mb`` MiB (``--memory-mb``; 0: as measured)."""
+    if not memory_mb:
+        return capacity
+    return dataclasses.replace(capacity, memory_available_bytes=min(capacity.memory_available_bytes, memory_mb << 20))
 
 
 def _kv_budget(settings: WorkerSettings) -> int:
@@ -136,7 +144,8 @@ async def serve_empty(settings: WorkerSettings, ready: asyncio.Event | None = No
     ``StagesDirInUse`` when another worker holds that folder. Runs until SIGINT/SIGTERM."""
     stages_dir = settings.stages_dir or default_stages_dir()
     worker_id, lock_fd = claim(stages_dir)  # kept open (locked) until this process exits
-    capacity = await asyncio.to_thread(measured_speed, stages_dir, settings.device, settings.threads)
+    capacity = offered(await asyncio.to_thread(measured_speed, stages_dir, settings.device, settings.threads),
+                       settings.memory_mb)
     slot = StageSlot(worker_id, capacity)
     state: dict = {"announcer": None, "metrics": False}
     port = 0
