@@ -278,9 +278,8 @@ async def load_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, *, 
 
 
 class RichProgress:
-    """A ``Progress`` callback drawing one rich bar per file (rich ships with the ``compile`` extra, which a
-    coordinator that builds stages has; without rich it logs each file's start and end). Use as a context
-    manager around ``ship_stage``."""
+    """A ``Progress`` callback drawing one rich bar per file (rich is a runtime dependency; where it cannot be
+    imported it logs each file's start and end). Use as a context manager around ``ship_stage``."""
 
     def __init__(self, label: str = "") -> None:
         self.label = label

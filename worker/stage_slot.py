@@ -26,6 +26,7 @@ from fleet_common.manifest import LoadedManifest, ManifestError
 from fleet_common.segments import MAX_SEGMENTS, Segment
 from fleet_common.wire import Malformed
 
+from .receiving import ReceiveBars
 from .server import StageService
 from .stage_cache import StageCache, StageCacheError, stage_files
 
@@ -93,10 +94,12 @@ Loader = Callable[[LoadedManifest, int], Awaitable[StageService]]
 class StageStoreService(pb_grpc.StageStoreServicer):
     """``fleet.v1.StageStore``: a stage's files into ``cache`` and loaded into ``slot`` by ``load`` (which
     opens the stage's ``StageService`` and announces it; worker/cli.py). One load at a time; a stage loaded
-    again is a no-op, another one replaces it only when it holds no session."""
+    again is a no-op, another one replaces it only when it holds no session. Each file received shows as a
+    bar of ``bars`` (worker/receiving.py; default: rich bars on stderr)."""
 
-    def __init__(self, cache: StageCache, slot: StageSlot, load: Loader) -> None:
+    def __init__(self, cache: StageCache, slot: StageSlot, load: Loader, bars: ReceiveBars | None = None) -> None:
         self.cache, self.slot, self.load = cache, slot, load
+        self.bars = bars or ReceiveBars()
         self._loading = asyncio.Lock()
         self._writing: set[str] = set()  # files a PutStage is writing now: one writer per file
         self.piece_timeout_s, self.max_puts = PIECE_TIMEOUT_S, MAX_PUTS
@@ -165,6 +168,8 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 if await asyncio.shield(pending):
                     completed.append(chunk.path)
                 written += len(chunk.data)
+                self.bars.update(key, f"{chunk.path} of build {loaded.sha256[:12]}", chunk.offset + len(chunk.data),
+                                 chunk.size)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
         finally:
@@ -172,6 +177,8 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 pending.add_done_callback(functools.partial(self._release, frozenset(mine)))
             else:
                 self._writing -= mine
+            for key in mine:
+                self.bars.end(key)
             self._puts -= 1
             if written:
                 log.info("stage store: %d bytes received, %d file(s) complete", written, len(completed))
@@ -195,6 +202,9 @@ class StageStoreService(pb_grpc.StageStoreServicer):
             job = asyncio.ensure_future(asyncio.to_thread(self.cache.reuse, loaded, request.path, request.size,
                                                           segments))
             have, copied, held = await asyncio.shield(job)  # a cancelled call: the copy still ends whole
+            if copied:
+                self.bars.update(key, f"{request.path} of build {loaded.sha256[:12]} (copied here)", have, request.size)
+                self.bars.end(key)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
         finally:

@@ -9,12 +9,14 @@ import contextlib
 import hashlib
 import json
 import os
+import io
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from rich.console import Console
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
@@ -23,6 +25,7 @@ from fleet_common.manifest import Architecture, Manifest, StageEntry, build_iden
 from fleet_common.security import Security, open_channel, open_server
 from fleet_common.shipping import ShippingError, ship_stage
 from fleet_common.wire import add_servicer
+from worker.receiving import ReceiveBars
 from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError, safe_relative, stage_files
 from worker.stage_slot import StageSlot, StageStoreService
 
@@ -228,10 +231,12 @@ async def _not_loaded(loaded, stage):
 
 
 @contextlib.asynccontextmanager
-async def _store_channel(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4):
-    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``;
-    the server stops on exit."""
-    store = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), _not_loaded)
+async def _store_channel(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4,
+                         bars: ReceiveBars | None = None):
+    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``
+    (its progress bars ``bars``); the server stops on exit."""
+    store = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), _not_loaded,
+                              bars)
     store.piece_timeout_s, store.max_puts = piece_timeout_s, max_puts
     server, port = open_server("127.0.0.1:0", Security())
     add_servicer(pb_grpc.add_StageStoreServicer_to_server, store, server)
@@ -268,6 +273,29 @@ def test_a_silent_put_stage_is_ended_and_frees_its_file_for_another_sender(tmp_p
 
     asyncio.run(run())
 
+
+
+def test_the_worker_draws_a_bar_per_file_it_receives_and_closes_it_after(tmp_path):
+    """The worker's side of a transfer shows as rich bars (worker/receiving.py): into a file (not a terminal)
+    each file's last state is printed once the transfer ends, with the bytes received of its size."""
+    src, _, sha = make_build(tmp_path)
+    out = io.StringIO()
+    bars = ReceiveBars(Console(file=out, force_terminal=False, width=200))
+
+    async def run() -> None:
+        async with _store_channel(tmp_path / "cache", bars=bars) as channel:
+            report = await ship_stage(channel, src, 1, chunk_bytes=64 << 10)
+            assert len(report.completed) == 2
+            for _ in range(100):  # the call's end closes the bars just after its reply
+                if bars._progress is None:
+                    break
+                await asyncio.sleep(0.02)
+
+    asyncio.run(run())
+    text = out.getvalue()
+    assert bars._progress is None and not bars._tasks, text  # nothing stays open between transfers
+    assert f"receiving stage_1/openvino_model.bin of build {sha[:12]}" in text and "300.0/300.0 kB" in text, text
+    assert f"receiving stage_1/openvino_model.xml of build {sha[:12]}" in text, text
 
 
 def test_a_file_of_0_bytes_is_shipped(tmp_path):
