@@ -20,7 +20,10 @@ class ReceiveBars:
     worker updates it from its event loop; rich redraws from its own thread)."""
 
     def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        if console is None:  # a log file is not a terminal: rich would wrap its lines at 80 columns
+            console = Console(stderr=True)
+            console = console if console.is_terminal else Console(stderr=True, width=160)
+        self.console = console
         self._lock = threading.Lock()
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
