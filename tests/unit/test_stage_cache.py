@@ -298,6 +298,31 @@ def test_the_worker_draws_a_bar_per_file_it_receives_and_closes_it_after(tmp_pat
     assert f"receiving stage_1/openvino_model.xml of build {sha[:12]}" in text, text
 
 
+def test_load_stage_refuses_a_cached_file_changed_on_disk_and_loads_nothing(tmp_path):
+    """A stage shipped whole, then a byte of its .bin changed on the worker's disk: LoadStage over gRPC answers
+    DATA_LOSS naming both hashes and deletes the file; the stage's loader is never called (it would fail the
+    call with UNKNOWN)."""
+    src, _, sha = make_build(tmp_path)
+    rel = "stage_1/openvino_model.bin"
+
+    async def run() -> grpc.aio.AioRpcError:
+        async with _store_channel(tmp_path / "cache") as channel:
+            await ship_stage(channel, src, 1)
+            with open(tmp_path / "cache" / sha / rel, "r+b") as f:
+                f.seek(1234)
+                f.write(bytes([f.read(1)[0] ^ 1]))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb_grpc.StageStoreStub(channel).LoadStage(pb.LoadStageRequest(
+                    model_id="tiny", manifest_sha256=sha, stage=1), timeout=30)
+            return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.DATA_LOSS, refused
+    expected = json.loads((tmp_path / "build" / "manifest.json").read_text())["files"][rel]
+    assert f"{rel} in the stage cache has sha256" in refused.details() and expected in refused.details()
+    assert not (tmp_path / "cache" / sha / rel).exists()
+
+
 def test_a_file_of_0_bytes_is_shipped(tmp_path):
     src, _, sha = make_build(tmp_path, sizes=(0, 1000))
 
