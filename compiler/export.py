@@ -69,6 +69,7 @@ MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a
 # on small matrices (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster:
 # kernel_bench.py)
 OFFSET_FORM_MIN_WEIGHTS = 1 << 21
+CODE_TYPES = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4, "f4e2m1": ov.Type.f4e2m1}
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,9 @@ class _Weights:
         """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|u8|i4|u4 [rows, cols/g, g],
         ``gguf.STORED``) -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32
         (16 for exact Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
-        weights, with int8 activations: "dynamic quantization").
+        weights, with int8 activations: "dynamic quantization"). MXFP4: Constant(f4e2m1, the file's E2M1 codes)
+        -> Convert(f32) -> Multiply(Convert(f32) of Constant(f8e8m0, its scale bytes)) -> Reshape, which the plugin
+        runs on its f4e2m1 kernel (its activations stay f32).
 
         The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K; w = q * scale + offset) come back as
         an ``OffsetWeight`` whose offsets (per ``gguf.offset_group``: g, or Q2_K's 16) ``linear`` adds as a
@@ -234,20 +237,20 @@ class _Weights:
         og = offset_group(kind) if offset else GROUP[kind]  # weights per offset
         g = og if zero_point else GROUP[kind]  # the zero-point form: codes, scale and zero point per offset group
         groups, per_offset = [rows, cols // g, 1], [rows, cols // og, 1]
-        wtype = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
-        nibbles = STORED[kind] in ("i4", "u4")
+        wtype = CODE_TYPES[STORED[kind]]
+        nibbles, fp4 = STORED[kind] in ("i4", "u4", "f4e2m1"), STORED[kind] == "f4e2m1"
         part = "zero_point" if zero_point else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
-            scale, extra = np.empty(groups, np.float32), np.empty(per_offset, np.float32)
+            scale, extra = np.empty(groups, np.uint8 if fp4 else np.float32), np.empty(per_offset, np.float32)
             codes, dmin = np.empty((rows, cols // og), np.uint8), np.empty((rows, cols // QK_K), np.float32)
             raw = weights.data.view(np.int8 if wtype == ov.Type.i8 else np.uint8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
                 b = min(rows, a + step)
                 q = self.source.blocks(name, (a, b))
-                values, scales = q.values, q.scale
+                values, scales = (q.e2m1, q.e8m0) if fp4 else (q.values, q.scale)
                 if offset and zero_point:
                     values, extra[a:b, :, 0], scales = q.zero_point()
                 elif offset:
@@ -257,6 +260,9 @@ class _Weights:
                 raw[a:b] = (pack_nibbles(values) if nibbles else values).reshape(b - a, -1)
                 scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
+            if fp4:  # the E8M0 bytes as OpenVINO's f8e8m0 (the same encoding)
+                parts["scale"] = ov.Tensor(ov.Type.f8e8m0, ov.Shape(groups))
+                parts["scale"].data.view(np.uint8)[...] = scale
             if zero_point:
                 return parts | ({part: ov.Tensor(extra)} if offset else {})
             if kind in CODED_OFFSET:  # the offsets as their integers times -dmin per 256: exact, a quarter the bytes
@@ -270,7 +276,11 @@ class _Weights:
         if offset and zero_point:
             zp = self._postponed(ov.Type.f32, groups, lambda: compute(part), f"{name}/zero_point")
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
-        scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
+        if fp4:
+            scale = op.convert(self._postponed(ov.Type.f8e8m0, groups, lambda: compute("scale"), f"{name}/scale"),
+                               ov.Type.f32)
+        else:
+            scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
         x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
         weight = op.reshape(x, i64([rows, cols]), special_zero=False).output(0)
         if not offset or zero_point:
@@ -337,7 +347,7 @@ class _Weights:
         (rows, cols), experts, offset = self.source.shape(names[0]), len(names), kind in WITH_OFFSET
         g = offset_group(kind) if offset else GROUP[kind]
         shape, groups = [experts, rows, cols // g, g], [experts, rows, cols // g, 1]
-        wtype = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4}[STORED[kind]]
+        wtype = CODE_TYPES[STORED[kind]]
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape(shape))

@@ -31,7 +31,11 @@ Q2_K   256: 16 x 4-bit (sc, m), 2-bit q, f16 d, dmin:   u8 sc q (0..45) per 32 x
        w = d sc q - dmin m, per 16
 Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc (exact); by default
        w = d sc (q - 32)                                re-quantized to i8 per 32 x max|w|/127 f32
+MXFP4  32: u8 e (E8M0), 16 B of E2M1 nibbles:           f4e2m1 codes x f8e8m0 e (the bytes as they
+       w = E2M1(q) 2^(e - 127)                          are); experts, embedding: i8 2 E2M1 x 2^(e-128)
 =====  ===============================================  ======================================
+
+MXFP4: compiler/gguf_mxfp4.py.
 
 Q6_K's groups of 16 are too small for the CPU plugin's fast kernels (those need groups of 32 or more): kept
 exactly they ran ~1.3x slower per weight than i8 per 32 (bench/kernel_bench.py). By default (``exact=False``,
@@ -41,7 +45,7 @@ measured error).
 
 GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
-Every other type (F16, BF16, IQ*, TQ*, MXFP4, ...) is dequantized by gguf-py (``gguf.quants``) and stored
+Every other type (F16, BF16, IQ*, TQ*, NVFP4, ...) is dequantized by gguf-py (``gguf.quants``) and stored
 as fp16 (``tensor``; a warning names the quantized ones); F32 tensors (norms, biases) stay f32.
 
 Split files (llama.cpp's ``gguf-split``: ``<prefix>-00001-of-0000N.gguf``, ..., the name pattern of llama.h's
@@ -63,7 +67,9 @@ import numpy as np
 
 from fleet_common.residency import release
 
+from .arch import EMBEDDING
 from .gguf_moe import ROUTER, expert_slices, is_expert_tensor, is_moe, moe_config, router_name
+from .gguf_mxfp4 import MXFP4_I8, mxfp4_blocks
 from .weights import WeightsError, check_f16_range, check_shapes
 
 log = logging.getLogger(__name__)
@@ -86,13 +92,13 @@ GEMMA3_LAYER_TO_HF = {  # gemma3's four norms a layer (llama.cpp's Gemma3Model):
 }
 GEMMA3_SWA_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0  # what llama.cpp's llama-model.cpp fixes for gemma3 files
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # RoPE's, not weights
-KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")
+KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "MXFP4")
 NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
 GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32, "Q5_0": 32, "Q5_1": 32,
-         "Q5_K": 32, "Q3_K": 32, "Q2_K": 32}  # weights per scale
+         "Q5_K": 32, "Q3_K": 32, "Q2_K": 32, "MXFP4": 32, "MXFP4/i8": 32}  # weights per scale
 OFFSET_GROUP = {"Q2_K": 16}  # weights per offset where finer than per scale (``offset_group``)
 STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q6_K~i8g32": "i8", "Q5_0": "i8",
-          "Q5_1": "u8", "Q5_K": "u8", "Q3_K": "i8", "Q2_K": "u8"}  # OpenVINO types
+          "Q5_1": "u8", "Q5_K": "u8", "Q3_K": "i8", "Q2_K": "u8", "MXFP4": "f4e2m1", "MXFP4/i8": "i8"}  # OpenVINO
 WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a second product)
 CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
@@ -127,7 +133,8 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 class QuantRows:
     """Rows of a kept quantized weight: ``values`` [rows, groups, GROUP[kind]] (int8 for Q8_0, Q6_K, Q5_0 and
     Q3_K, i4 values -8..7 as int8 for Q4_0, u4 values 0..15 as uint8 for Q4_1 and Q4_K, u5 values 0..31 as
-    uint8 for Q5_1 and Q5_K, sc q 0..45 as uint8 for Q2_K), ``scale`` [rows, groups] f32 and ``offset`` [rows,
+    uint8 for Q5_1 and Q5_K, sc q 0..45 as uint8 for Q2_K, the doubled E2M1 values -12..12 as int8 for MXFP4),
+    ``scale`` [rows, groups] f32 and ``offset`` [rows,
     cols / offset_group(kind)] f32 (``WITH_OFFSET``; else None; per group but Q2_K's, per 16): weight = values *
     scale + offset."""
 
@@ -137,6 +144,8 @@ class QuantRows:
     offset: np.ndarray | None
     offset_codes: np.ndarray | None = None  # CODED_OFFSET: offset = offset_codes * offset_step, u8 like offset
     offset_step: np.ndarray | None = None  # CODED_OFFSET: -dmin per super-block of 256, f32 [rows, cols / 256]
+    e2m1: np.ndarray | None = None  # MXFP4: the E2M1 codes, uint8 0..15 [rows, groups, 32] (values = 2 E2M1)
+    e8m0: np.ndarray | None = None  # MXFP4: the scale bytes, uint8 [rows, groups] (scale = 2^(e8m0 - 128))
 
     def zero_point(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same weights as ``(values' - zero_point) * scale'`` (values', zero_point, scale', all per group of
@@ -214,10 +223,12 @@ class GGUFWeights:
 
     def kind(self, name: str) -> str:
         """How the builder stores ``name``: a kept block type (``KEPT``), its near-exact form (``NEAR``, unless
-        ``exact``), ``"f32"`` or ``"f16"``."""
+        ``exact``), MXFP4's i8 form for the experts and the embedding (``MXFP4_I8``), ``"f32"`` or ``"f16"``."""
         qtype = self.tensors[name].qtype
         if self.tensors[name].expert and qtype not in KEPT:  # stacked experts: their blocks, or fp16
             return "f16"
+        if qtype == "MXFP4" and (self.tensors[name].expert or name == EMBEDDING):  # folded as f4e2m1 there
+            return MXFP4_I8
         if qtype in NEAR and not self.exact:
             return NEAR[qtype]
         return qtype if qtype in KEPT else "f32" if qtype == "F32" else "f16"
@@ -327,7 +338,11 @@ class GGUFWeights:
             if self.exact:
                 return QuantRows("Q6_K", q, scale, None)
             return requantize_i8(NEAR["Q6_K"], q.astype(np.float32) * scale[..., None], GROUP[NEAR["Q6_K"]])
+        if t.qtype == "MXFP4":
+            values, scale, codes, e = mxfp4_blocks(self.kind(name), raw.reshape(n, -1, 17), name)
+            return QuantRows(self.kind(name), values, scale, None, e2m1=codes, e8m0=e)
         raise WeightsError(f"{name}: {t.qtype} blocks are not kept (only {', '.join(KEPT)})")
+
 
 
 def offset_group(kind: str) -> int:

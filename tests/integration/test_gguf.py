@@ -21,6 +21,7 @@ measured <= 2.2e-4 on the demo's logits (magnitude ~30), 1e-5 on the tiny model;
 from __future__ import annotations
 
 import functools
+from collections import Counter
 import json
 import subprocess
 from functools import cache
@@ -309,6 +310,35 @@ def test_tiny_gguf_of_the_5_3_and_2_bit_types_matches_transformers(offset_form, 
         assert kinds == {"Q5_0": 3 * LAYERS - 1, "Q5_1": 3 * LAYERS + 2, "Q5_K": LAYERS - 2, "Q3_K": 1, "Q2_K": 1,
                          "f16": 1, "f32": 2 * LAYERS + 1}, kinds
         check_blocks_against_gguf_py(path, ("Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"))
+    assert_matches_transformers(tmp_path / "build", path)
+
+
+def test_tiny_gguf_of_mxfp4_matches_transformers(demo_gguf, tmp_path):
+    """MXFP4 (gguf-py's quantizer) in every layer matrix, the embedding and the head is kept, not dequantized: the
+    layer matrices and the head as the file's E2M1 codes times its E8M0 bytes (``MXFP4`` in the manifest), which
+    the CPU plugin's FullyConnected runs on their f4e2m1 codes, the embedding (a Gather, which folds f4e2m1) as i8
+    per 32 (``MXFP4/i8``); transformers' f32 logits (its GGUF loader: gguf-py's dequantization) within 1e-4."""
+    from fleet_common.runtime import compile_ir
+
+    path = tmp_path / "tiny.gguf"
+    mxfp4 = dict.fromkeys(KINDS, "MXFP4")
+    write_tiny_gguf(path, demo_gguf, kinds=mxfp4, down={}, embedding="MXFP4", output="MXFP4")
+    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:4")
+    kinds = {}
+    for stage in manifest["stages"]:
+        assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
+        for kind, n in stage["compression"]["tensors"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    assert kinds == {"MXFP4": 7 * LAYERS - 1 + 1, "MXFP4/i8": 1, "f16": 1, "f32": 2 * LAYERS + 1}, kinds
+    check_blocks_against_gguf_py(path, ("MXFP4", "MXFP4/i8"))
+    for stage in manifest["stages"]:
+        compiled = compile_ir(tmp_path / "build" / stage["xml"], threads=1, inference_precision="f32")[0]
+        weights = Counter(str(node.input(1).get_source_output().get_element_type().get_type_name())
+                          for node in compiled.get_runtime_model().get_ordered_ops()
+                          if node.get_rt_info()["layerType"].astype(str) == "FullyConnected")
+        want = {"f4e2m1": 7 * (stage["end"] - stage["start"]) - (stage["index"] == 1) + (stage["index"] == 1),
+                "f32": stage["index"] == 1}  # stage 1: layer 1's F16 ffn_up (an f32 copy), the head
+        assert weights == Counter({k: n for k, n in want.items() if n}), weights
     assert_matches_transformers(tmp_path / "build", path)
 
 

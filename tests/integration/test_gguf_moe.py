@@ -8,7 +8,9 @@ tensor_mapping): each layer's experts stacked into ``blk.N.ffn_gate_exps`` / ``f
 ``ffn_down_exps`` [E, H, I] (numpy order), the router ``blk.N.ffn_gate_inp`` [E, H] F32, ``{arch}.expert_count``,
 ``.expert_used_count`` (and qwen3moe's ``.expert_feed_forward_length``); the llama file's Q/K rows permuted
 (``permute``). Attention matrices Q8_0 / Q4_0 / Q4_1, experts (``EXPERT_KINDS``) Q4_0, Q4_1, Q8_0 (qwen3moe) and
-Q8_0, Q5_1, F16 (mixtral): gguf-py ``gguf.quants``.
+Q8_0, Q5_1, F16 (mixtral): gguf-py ``gguf.quants``. A third, "qwen3moe-mxfp4", has its attention matrices, head
+and experts in MXFP4 (gpt-oss's type): the experts kept as i8 per 32 (the CPU plugin's GatherMatmul folds f4e2m1
+into an f32 copy), the rest as f4e2m1.
 
 The reference is transformers' model of the HF config with every weight the file's value as gguf-py dequantizes it
 (Q/K rows put back by this module's own inverse of the permutation): the build keeps every block, the stacked
@@ -83,10 +85,12 @@ def make_moe_model(name: str, folder: Path, demo_hf: Path) -> Path:
     return path
 
 
-def write_moe_gguf(hf: Path, path: Path, demo: Path, expert_count: int | None = None, legacy: bool = False) -> None:
+def write_moe_gguf(hf: Path, path: Path, demo: Path, expert_count: int | None = None, legacy: bool = False,
+                   mxfp4: bool = False) -> None:
     """The f32 HF folder ``hf`` as llama.cpp's converter writes it (module docstring); ``expert_count`` written
     instead of the true one when given (a broken file); with ``legacy`` one tensor per expert,
-    ``blk.N.ffn_gate.E.weight``, as converters wrote Mixtral before stacking."""
+    ``blk.N.ffn_gate.E.weight``, as converters wrote Mixtral before stacking; with ``mxfp4`` every matrix but the
+    embedding (and the F32 router) MXFP4."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -117,6 +121,8 @@ def write_moe_gguf(hf: Path, path: Path, demo: Path, expert_count: int | None = 
     add_demo_tokenizer(writer, (tokens, merges, types, template))
 
     def add(gguf_name: str, w: np.ndarray, kind: str = "F32") -> None:
+        if mxfp4 and kind != "F32" and gguf_name != "token_embd.weight":
+            kind = "MXFP4"
         if kind == "F32":
             writer.add_tensor(gguf_name, w.astype(np.float32))
         elif kind == "F16":
@@ -224,7 +230,8 @@ class Zoo:
         """The GGUF of ``case``: a ``MODELS`` name, or "mixtral-legacy" (one tensor per expert)."""
         path = self.root / case / f"{case}.gguf"
         path.parent.mkdir(parents=True)
-        write_moe_gguf(self.hf(case.split("-")[0]), path, self.demo, legacy=case.endswith("-legacy"))
+        write_moe_gguf(self.hf(case.split("-")[0]), path, self.demo, legacy=case.endswith("-legacy"),
+                       mxfp4=case.endswith("-mxfp4"))
         return path
 
     @cache  # noqa: B019
@@ -237,11 +244,12 @@ def zoo(tmp_path_factory, demo_hf, demo_gguf) -> Zoo:  # noqa: F811 - demo_gguf 
     return Zoo(tmp_path_factory.mktemp("gguf-moe"), demo_hf, demo_gguf)
 
 
-def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_blocks: bool) -> None:  # noqa: ANN001
+def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_blocks: bool) -> Counter:  # noqa: ANN001
     """The whole model of ``cfg`` as one stage from ``weights`` (f32 inference) against the transformers model
     ``reference`` on ``ids``: logits at every position within ``ATOL`` with the same argmax, and each layer's TopK
     picks, for every token, the top-k of transformers' router (``output_router_logits``); every expert is picked
-    somewhere, so each one's slice of the stacked constants is checked."""
+    somewhere, so each one's slice of the stacked constants is checked. Returns the element types the compiled
+    model's FullyConnected and GatherMatmul nodes hold their weights in, ``Counter`` of (layer type, type name)."""
     import openvino as ov
     import torch
 
@@ -277,13 +285,18 @@ def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_bl
         assert not wrong.size, f"{name} layer {layer}: other experts at positions {wrong.tolist()}"
         used.update(np.unique(picked).tolist())
     assert used == set(range(EXPERTS))
+    return Counter((kind, node.input(1).get_source_output().get_element_type().get_type_name())
+                   for node in compiled.get_runtime_model().get_ordered_ops()
+                   if (kind := node.get_rt_info()["layerType"].astype(str)) in ("FullyConnected", "GatherMatmul"))
 
 
-@pytest.mark.parametrize("case", [*MODELS, "mixtral-legacy"])
+@pytest.mark.parametrize("case", [*MODELS, "mixtral-legacy", "qwen3moe-mxfp4"])
 def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
     """The GGUF's config is the HF folder's (experts, top-k, expert width, sparse layers, renormalised), and the
     whole model as one stage (every block kept, the experts' stacked) gives transformers' logits on the
-    file's values and its router's picks (``check_one_stage``); also for a Mixtral file of one tensor per expert."""
+    file's values and its router's picks (``check_one_stage``); also for a Mixtral file of one tensor per expert,
+    and for a qwen3moe file in MXFP4, whose experts the plugin's GatherMatmul reads as i8 codes and whose other
+    matrices its FullyConnected reads as f4e2m1 codes (the router F32)."""
     from compiler.arch import ModelConfig
     from compiler.source import open_source
 
@@ -300,7 +313,10 @@ def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
         ((0, 1, 2, 3), EXPERTS, TOP_K, WIDTH, True)
     assert cfg.head_dim == hf.head_dim and cfg.qk_norm == (name == "qwen3moe")
     source.weights.exact = True
-    check_one_stage(case, cfg, source.weights, zoo.reference(case), zoo.ids, keep_blocks=True)
+    weights = check_one_stage(case, cfg, source.weights, zoo.reference(case), zoo.ids, keep_blocks=True)
+    if case.endswith("-mxfp4"):  # q, k, v, o a layer and the head; the router's f32 (F32)
+        assert weights == {("GatherMatmul", "i8"): 3 * cfg.num_layers, ("FullyConnected", "f4e2m1"):
+                           4 * cfg.num_layers + 1, ("FullyConnected", "f32"): cfg.num_layers}, weights
 
 
 def test_mixtral_hf_folder_matches_transformers(zoo):
