@@ -1,5 +1,5 @@
 """Every GGUF block type the builder keeps (compiler/gguf.py ``KEPT``: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1,
-Q5_K, Q3_K, Q2_K), side by side on the
+Q5_K, Q3_K, Q2_K, MXFP4), side by side on the
 demo model, against the fp16 build of its HF folder: size, stored forms, decode speed, worker memory, quality.
 
 The GGUFs are made here, nothing is downloaded. The source is the demo's Q4_1 GGUF that ``fetch_demo`` keeps
@@ -8,7 +8,7 @@ already holds llama.cpp's Q/K row order and the tokenizer metadata). Each made f
 has every layer matrix (``blk.N.attn_q/k/v/output``, ``ffn_gate/up/down``) in one type; the token embedding
 (the tied head) stays Q8_0 as in the demo's file, norms F32:
 
-* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's ``gguf.quants.quantize`` of the f32 dequantization (Q4_1 gives the
+* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4: gguf-py's ``gguf.quants.quantize`` of the f32 dequantization (Q4_1 gives the
   demo's own blocks back, byte for byte: checked, ``same_as_demo``);
 * Q4_K, Q6_K, Q5_K, Q3_K, Q2_K: llama.cpp's ``llama-quantize --pure --token-embedding-type q8_0`` (every tensor
   that type, no k-quant mixture) of an F32 GGUF written as above (``bench/build_llama_cpp.sh`` builds it).
@@ -54,14 +54,14 @@ import numpy as np
 from bench import harness
 from bench.decoding import WARM_UP_STEPS, Whole, load_kv, prefill, step
 
-FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")
+FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "MXFP4")
 BY_LLAMA_QUANTIZE = ("Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_K", "Q3_K", "Q2_K")  # gguf-py has no quantizer for k-quants
 # A k-quant block holds 256 weights of a row; the demo's rows of 576 (hidden size) do not divide, so
 # llama-quantize falls back there (llama-quant.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q3_K/Q2_K -> Q4_0, all
 # kept) and only ffn_down (rows of 1536) is a k-quant. "Q4_K+Q4_1" asks for Q4_1 in those matrices instead.
 NARROW = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")  # rows of hidden_size
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-FILE_TYPE = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}  # gguf.LlamaFileType
+FILE_TYPE = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "MXFP4": 38}  # gguf.LlamaFileType
 PRECISIONS = ("auto", "f32")
 CONTEXT = 128
 REFERENCE = "fp16"
@@ -78,7 +78,7 @@ def is_layer_matrix(name: str) -> bool:
 
 def write_gguf(source: Path, out: Path, matrix_type: str) -> Path:
     """Write ``out``: ``source``'s metadata (``general.file_type`` set for ``matrix_type``) and tensors, every
-    layer matrix re-quantized with gguf-py to ``matrix_type`` ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") or
+    layer matrix re-quantized with gguf-py to ``matrix_type`` ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4") or
     dequantized to "F32"; with "F32" every other quantized tensor is dequantized to f32 too (llama-quantize's
     input), else the others are copied as they are. Written beside ``out`` and renamed when complete. Returns
     ``out``."""
