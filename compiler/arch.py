@@ -21,7 +21,17 @@ mixtral    no          no              Mixtral 8x7B/8x22B: llama's attention; ev
                                        (``block_sparse_moe.gate``) and ``num_local_experts`` SwiGLU experts
                                        (``w1`` gate, ``w3`` up, ``w2`` down) of ``intermediate_size``, top-k
                                        renormalised (transformers' ``MixtralSparseMoeBlock``)
+gpt_oss    q/k/v/o     no              gpt-oss (20b, 120b): attention sinks (a learned logit per head beside the
+                                       keys), ``layer_types`` alternating sliding-window and full layers, YaRN
+                                       RoPE; every MLP a biased router (top-k of its logits, then softmax
+                                       over those) and experts with biases and the clamped SwiGLU
+                                       (compiler/gpt_oss.py)
 =========  ==========  ==============  =======================================================
+
+YaRN (Peng et al. 2023, arXiv 2309.00071; transformers ``_compute_yarn_parameters``): each frequency a blend of
+itself and itself / ``factor`` along a linear ramp between the dims that turn ``beta_fast`` and ``beta_slow``
+times over ``original_max_position_embeddings``, cos and sin times ``attention_factor`` (default 0.1 ln(factor) +
+1): fixed frequencies, so exact at every position.
 
 LongRoPE (Ding et al. 2024, arXiv 2402.13753; transformers ``_compute_longrope_parameters``): each rotary
 frequency divided by its own factor, one list for contexts up to ``original_max_position_embeddings`` (short)
@@ -63,15 +73,16 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
-QKV_BIAS = {"qwen2"}
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gpt_oss")
+QKV_BIAS = {"qwen2", "gpt_oss"}
+GPT_OSS = {"gpt_oss"}  # o_proj bias, attention sinks, sliding layers, its own router and experts (compiler/gpt_oss.py)
 QK_NORM = {"qwen3", "qwen3_moe"}
-MOE = {"qwen3_moe", "mixtral"}  # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
+MOE = {"qwen3_moe", "mixtral", "gpt_oss"}  # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
 MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}  # mixtral's names: block_sparse_moe.experts.{e}.w1 ...
 FUSED = {"phi3"}  # one qkv_proj [q + 2 kv, H] and one gate_up_proj [2 I, H] per layer (source.py splits them)
 PARTIAL_ROTARY = {"phi3"}  # partial_rotary_factor < 1: RoPE on the first dims of each head only
 SLIDING = {"mistral", "phi3"}  # sliding_window applies without use_sliding_window
-ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")  # yarn: gpt_oss only (tested there)
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # layer_types the Llama decoder's attention covers
 GEMMA = {"gemma3_text"}  # Gemma 3's text decoder (module docstring; ModelConfig.from_hf: _gemma3)
 SUPPORTED_ARCHITECTURES += tuple(sorted(GEMMA))
@@ -174,6 +185,9 @@ class ModelConfig:
     sliding_window: int = 0  # local layers see keys fewer than this many logical positions back (0: none)
     sliding_layers: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
     local_inv_freq: tuple[float, ...] = ()  # the local layers' RoPE frequencies (their own base, no scaling)
+    # gpt-oss (compiler/gpt_oss.py): o_proj's bias, a sink logit per head, its MoE (biased router, top-k then
+    # softmax, experts of one interleaved gate_up and down with biases, clamped SwiGLU)
+    gpt_oss: bool = False
 
     @property
     def read_intermediate_size(self) -> int:
@@ -233,6 +247,8 @@ class ModelConfig:
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"{where}: head_dim {head_dim} must be even (rotary embeddings rotate pairs)")
         gemma = _gemma3(config, head_dim, where) if model_type in GEMMA else {}
+        if model_type in GPT_OSS:
+            gemma = _gpt_oss(config, where)
         act = "silu" if gemma else config.get("hidden_act", "silu")  # _gemma3 checks Gemma's GELU
         if act != "silu":
             raise UnsupportedModel(f"{where}: MLP activation {act!r} is not supported (silu only)")
@@ -248,13 +264,16 @@ class ModelConfig:
             max_context = int(window)
         inv_freq, rope_scale, rope_context = rope_parameters(gemma.pop("global_rope", config), head_dim, where)
         dims |= gemma
+        if model_type in GPT_OSS:  # one RoPE for both kinds of layer
+            dims |= dict(local_inv_freq=tuple(inv_freq))
         if rope_context < max_context:  # LongRoPE: exact up to the original context (module docstring)
             log.warning("%s: LongRoPE built with its short factors: context %d tokens (original_max_position_"
                         "embeddings), not %d", where, rope_context, max_context)
             max_context = rope_context
         eos = config.get("eos_token_id")
         if model_type in MOE:
-            dims |= moe_dims(config, dims["num_layers"], where)
+            dims |= moe_dims(config | ({"moe_intermediate_size": config["intermediate_size"]} if model_type in GPT_OSS
+                                       else {}), dims["num_layers"], where)
         return cls(model_type=model_type, **dims, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                    max_context=max_context, inv_freq=tuple(inv_freq), rope_scale=rope_scale,
                    qkv_bias=model_type in QKV_BIAS, qk_norm=model_type in QK_NORM, fused=model_type in FUSED,
@@ -320,6 +339,23 @@ def moe_widths(num_layers: int, hidden: int, dense_intermediate: int, moe: dict)
     active = (sparse * k * inter + (num_layers - sparse) * dense_intermediate) // num_layers
     idle = sparse * hidden * ((e - k) * 3 * inter + e) // num_layers
     return active, idle
+
+
+def _gpt_oss(config: dict, where: str) -> dict:
+    """The gpt-oss fields of ``ModelConfig`` from its HF config (transformers ``GptOssConfig``): the sliding
+    (``sliding_attention``) layers of ``layer_types`` (default: every other one from layer 0, as ``GptOssConfig``
+    makes them) and their ``sliding_window``, the flag for its attention and MLP. ``ValueError`` for sliding
+    layers without a positive window."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(layers)]
+    if len(types) != layers:
+        raise ValueError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    window = config.get("sliding_window")
+    if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where}: sliding_attention layers need a positive sliding_window, not {window!r}")
+    return dict(gpt_oss=True, sliding_window=int(window) if any(sliding) else 0, sliding_layers=sliding)
 
 
 def _gemma3(config: dict, head_dim: int, where: str) -> dict:
@@ -388,8 +424,9 @@ def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> 
     ``_compute_longrope_parameters``): frequencies / ``short_factor`` [rotary_dim / 2], cos and sin times
     ``attention_factor`` (default sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings /
     original_max_position_embeddings), exact up to ``original_max_position_embeddings`` (module docstring:
-    why not the long factors). phi3's legacy ``su``/``yarn`` types are longrope (transformers'
-    ``Phi3Config``). Others (yarn, dynamic, ...) raise ``UnsupportedModel`` naming the type.
+    why not the long factors); for gpt_oss ``yarn`` (module docstring, ``_yarn``). phi3's legacy ``su``/``yarn``
+    types are longrope (transformers' ``Phi3Config``). Others (yarn elsewhere, dynamic, ...) raise
+    ``UnsupportedModel`` naming the type.
     """
     scaling = dict(config.get("rope_scaling") or {})  # replaces rope_parameters when given, as in transformers 5
     params = scaling or dict(config.get("rope_parameters") or {})
@@ -402,9 +439,9 @@ def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> 
     if partial != 1.0 and model_type not in PARTIAL_ROTARY:
         raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported for {model_type} "
                                f"(only {', '.join(sorted(PARTIAL_ROTARY))})")
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in ROPE_TYPES or (rope_type == "yarn" and model_type not in GPT_OSS):
         raise UnsupportedModel(f"{where}: rope scaling {rope_type!r} is not supported (supported: "
-                               f"{', '.join(ROPE_TYPES)})")
+                               f"{', '.join(ROPE_TYPES[:-1])}; yarn for gpt_oss)")
     dim = int(head_dim * float(partial))
     if dim < 2 or dim % 2 or dim > head_dim:
         raise UnsupportedModel(f"{where}: partial_rotary_factor {partial} gives {dim} rotary dims of head_dim "
@@ -418,6 +455,8 @@ def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> 
         return inv / float(params["factor"]), 1.0, context
     if rope_type == "longrope":
         return _longrope(config, params, powers, where)
+    if rope_type == "yarn":
+        return _yarn(config, params, powers, dim), _yarn_attention(params), context
     factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
     old_context = float(params["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old_context / low, old_context / high
@@ -450,6 +489,47 @@ def _longrope(config: dict, params: dict, powers: np.ndarray, where: str) -> tup
     inv = (1.0 / (np.asarray(short, np.float32) * powers)).astype(np.float64)
     return inv, float(attention), min(original, max_positions)
 
+def _yarn(config: dict, params: dict, powers: np.ndarray, dim: int) -> np.ndarray:
+    """YaRN's frequencies (module docstring; transformers ``_compute_yarn_parameters``, in f32 as it computes them)
+    [dim / 2] float64 from ``powers`` [dim / 2] f32 = theta ** (2i / dim)."""
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    # as transformers' standardize_rope_params: the config's own field first, else the max context
+    original = float(config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                     or config["max_position_embeddings"])
+    factor = params.get("factor") or config["max_position_embeddings"] / original
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in original
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(fast), correction(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp).astype(np.float32)
+    inv = (np.float32(1) / powers).astype(np.float32)
+    interpolation = (np.float32(1) / (np.float32(factor) * powers)).astype(np.float32)
+    return (interpolation * (np.float32(1) - extrapolation) + inv * extrapolation).astype(np.float64)
+
+
+def _yarn_attention(params: dict) -> float:
+    """YaRN's cos/sin scale: ``attention_factor``, else from ``factor`` (and ``mscale``/``mscale_all_dim``) as
+    transformers' ``get_mscale``: 0.1 m ln(factor) + 1 (1 for factor <= 1)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return float(mscale(params["mscale"]) / mscale(params["mscale_all_dim"]))
+    return mscale()
+
+
 def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     """HF tensor names of decoder layer ``layer``, by role (the same for every supported family)."""
     p = f"model.layers.{layer}."
@@ -462,7 +542,11 @@ def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     }
     if layer in cfg.moe_layers:  # a router and experts instead of the MLP: roles "router", "expert.{e}.{gate,up,down}"
         del names["gate"], names["up"], names["down"]
-        if cfg.model_type == "mixtral":
+        if cfg.gpt_oss:  # experts.{e}.gate_up_proj/down_proj: compiler/gpt_oss.py's views of the stacked tensors
+            from .gpt_oss import weight_names
+
+            names |= weight_names(cfg, p)
+        elif cfg.model_type == "mixtral":
             names["router"] = p + "block_sparse_moe.gate.weight"
             for e in range(cfg.num_experts):
                 names |= {f"expert.{e}.{part}": p + f"block_sparse_moe.experts.{e}.{w}.weight"
@@ -491,7 +575,9 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
               "gate": (i, h), "up": (i, h), "down": (h, i), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
               "q_norm": (d,), "k_norm": (d,), "pre_ff_norm": (h,), "post_ff_norm": (h,), "router": (cfg.num_experts, h)}
     e = cfg.moe_intermediate_size
-    expert = {"gate": (e, h), "up": (e, h), "down": (h, e)}
+    expert = {"gate": (e, h), "up": (e, h), "down": (h, e), "gate_up": (2 * e, h)}
+    shapes |= {"o_bias": (h,), "sinks": (cfg.num_heads,), "router_bias": (cfg.num_experts,),
+               "experts.gate_up_bias": (cfg.num_experts, 1, 2 * e), "experts.down_bias": (cfg.num_experts, 1, h)}
     return {name: shapes[role] if role in shapes else expert[role.rsplit(".", 1)[1]]
             for role, name in hf_weight_names(cfg, layer).items()}
 

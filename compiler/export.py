@@ -45,6 +45,7 @@ from openvino import opset13 as op
 from openvino.utils.postponed_constant import make_postponed_constant
 
 from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
+from .gpt_oss import gpt_oss_moe
 from .layers import (
     OffsetWeight,
     attention,
@@ -545,9 +546,10 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     seq = op.gather(first_shape, i64(1), i64(0)).output(0)
     mask = visibility_mask(attention_mask.output(0), seq)
     rope = rope_tables(position_ids.output(0), cfg)
-    if any(cfg.sliding_layers[stage.start:stage.end]):  # Gemma 3's local layers: their RoPE base and window
-        local = (rope_tables(position_ids.output(0), cfg, cfg.local_inv_freq),
-                 window_mask(attention_mask.output(0), seq, mask, cfg.sliding_window))
+    if any(cfg.sliding_layers[stage.start:stage.end]):  # Gemma 3's, gpt-oss's local layers: RoPE base, window
+        local_rope = rope if cfg.local_inv_freq == cfg.inv_freq else \
+            rope_tables(position_ids.output(0), cfg, cfg.local_inv_freq)
+        local = (local_rope, window_mask(attention_mask.output(0), seq, mask, cfg.sliding_window))
     sinks: list[ov.Node] = []
     for layer in range(stage.start, stage.end):
         names = hf_weight_names(cfg, layer)
@@ -559,13 +561,16 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
             x, layer_sinks = gemma_layer(x, w, cfg, *here, beam_idx.output(0), batch, layer)
             sinks += layer_sinks
             continue
-        h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, rope, mask,
+        here = local if cfg.sliding_layers and cfg.sliding_layers[layer] else (rope, mask)  # gpt-oss's local layers
+        h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, *here,
                                    beam_idx.output(0), batch, layer)
         x = op.add(x, h).output(0)
         if layer in cfg.moe_layers:  # the experts stacked
+            parts = ("gate_up", "down") if cfg.gpt_oss else ("gate", "up", "down")
             experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
-                       for part in ("gate", "up", "down")}
-            x = op.add(x, moe(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, experts, cfg, layer)).output(0)
+                       for part in parts}
+            h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
+            x = op.add(x, gpt_oss_moe(h, w, experts, cfg, layer) if cfg.gpt_oss else moe(h, w, experts, cfg, layer)).output(0)
         else:
             x = op.add(x, mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w)).output(0)
         sinks += layer_sinks

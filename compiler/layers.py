@@ -19,6 +19,7 @@ from .arch import ModelConfig
 
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
 ROUTER_SOFTMAX = "/router_softmax"  # the name's end of a Mixture-of-Experts router's Softmax (``moe``)
+SINK_SOFTMAX = "/sink_softmax"  # the name's end of an attention-with-sinks Softmax (compiler/gpt_oss.py)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ def repeat_kv(x: ov.Output, groups: int, heads: int, head_dim: int) -> ov.Output
 
 def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
               mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
-    """Self-attention of one layer over its KV state: x [B, S, H] -> [B, S, H], plus the two Assign sinks."""
+    """Self-attention of one layer over its KV state: x [B, S, H] -> [B, S, H], plus the two Assign sinks; with
+    ``w["sinks"]`` gpt-oss's attention with sinks (compiler/gpt_oss.py), with ``w["o_bias"]`` o_proj's bias."""
     d = cfg.head_dim
     q, k, v = linears(x, [w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])
     q = _heads(q, cfg.num_heads, d, w.get("q_norm"), cfg.rms_norm_eps)
@@ -173,12 +175,16 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     q, k = apply_rope(q, cos, sin, d, cfg.rotary_dim), apply_rope(k, cos, sin, d, cfg.rotary_dim)
     keys, k_sink = kv_cache(k, beam_idx, cfg, f"past_key_values.{layer}.keypresent.{layer}.key", batch)
     values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
-    out = op.scaled_dot_product_attention(q, repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d),
-                                          repeat_kv(values, cfg.kv_groups, cfg.num_heads, d),
-                                          mask, f32(d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale),
-                                          causal=False)  # [B, heads, S, D]
+    keys, values = repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d), repeat_kv(values, cfg.kv_groups, cfg.num_heads, d)
+    scale = d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
+    if "sinks" in w:  # gpt-oss: a sink logit per head, which SDPA has no input for
+        from .gpt_oss import sink_attention
+
+        out = sink_attention(q, keys, values, mask, scale, w["sinks"], layer)
+    else:
+        out = op.scaled_dot_product_attention(q, keys, values, mask, f32(scale), causal=False)  # [B, heads, S, D]
     out = op.reshape(op.transpose(out, i64([0, 2, 1, 3])), i64([0, 0, cfg.num_heads * d]), special_zero=True)
-    return linear(out.output(0), w["o"]), [k_sink, v_sink]
+    return linear(out.output(0), w["o"], w.get("o_bias")), [k_sink, v_sink]
 
 
 def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:

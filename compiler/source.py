@@ -78,6 +78,10 @@ def open_source(src: Path, workdir: Path) -> Source:
     weights = SafetensorsWeights(src)
     if config.fused:
         split_fused(weights, config)
+    if config.gpt_oss:  # its stacked experts as the builder reads experts (compiler/gpt_oss.py)
+        from .gpt_oss import GptOssWeights
+
+        weights = GptOssWeights(weights, config.num_layers)
     return Source(config, weights, src)
 
 

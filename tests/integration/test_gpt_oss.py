@@ -1,0 +1,221 @@
+"""gpt-oss (``gpt_oss``, compiler/gpt_oss.py) built from an HF folder, against transformers in f32.
+
+A tiny random ``GptOssForCausalLM`` made by transformers (4 layers alternating sliding-window and full attention,
+window 16 so that 64 tokens cross it, 4 query / 2 KV heads of 16, 8 experts of 32, top 4, YaRN RoPE as
+gpt-oss-20b's: factor 32, beta 32 / 1, original context 4096, theta 150000, not truncated), weights ~N(0,
+WEIGHT_STD), norms 1 + N(0, 0.2), biases and sinks N(0, 0.5), saved in bf16 (as gpt-oss's checkpoints hold
+everything but the experts) with the demo tokenizer. The reference is transformers' model of that folder in f32,
+every parameter rounded to fp16 and back (the values the build stores: test_architectures.reference_model).
+
+* Config: YaRN's frequencies and attention factor are transformers' (``rotary_emb.inv_freq``,
+  ``attention_scaling``); the sliding layers and window are the config's.
+* 1, 2 and 3 stages chained in this process (f32 inference), the 64 tokens fed as a prefill and chunks with
+  rejected draft tokens between them (test_architectures.chained_logits): transformers' logits within ``ATOL``,
+  the same argmax everywhere; each layer's TopK picks for every token are the top 4 of transformers' router.
+* 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id.
+* ``fleet-compiler inspect`` passes the build, its layers counted as attention with sinks.
+
+Measured (2 stages): max |error| 5.2e-6 on logits |max| 6.2 (smallest top-2 gap of the reference 3.3e-4);
+``ATOL`` is ~20x that. Setting the sinks to 0 in the reference moves its logits by 1.47. The CPU plugin runs the
+experts as GatherMatmul nodes (two a layer: gate_up and down).
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .test_architectures import (
+    COMMON,
+    MAX_POSITIONS,
+    NEW_TOKENS,
+    PROMPT,
+    SEED,
+    SEQ,
+    STAGE_SPECS,
+    TOKENIZER,
+    WEIGHT_STD,
+    chained_logits,
+    fleet_greedy,
+    hf_greedy,
+    reference_model,
+)
+
+pytestmark = pytest.mark.integration
+
+ATOL = 1e-4
+EXPERTS, TOP_K, WINDOW = 8, 4, 16
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096}  # gpt-oss-20b's
+
+
+def make_gpt_oss(folder: Path, demo_hf: Path) -> Path:
+    """The tiny random gpt-oss of the module docstring, saved in bf16 as ``folder/gpt-oss-bf16``."""
+    import torch
+    import transformers
+
+    config = transformers.GptOssConfig(**{**COMMON, "intermediate_size": 32, "head_dim": 16,
+                                          "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K,
+                                          "sliding_window": WINDOW, "rope_parameters": YARN})
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1 and not name.endswith("_bias"):
+                p.normal_(0.0, WEIGHT_STD)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:  # biases (the experts' [E, n] too) and sinks
+                p.copy_(0.5 * torch.randn_like(p))
+    path = folder / "gpt-oss-bf16"
+    model.to(torch.bfloat16).save_pretrained(path)
+    for file in TOKENIZER:
+        shutil.copy(demo_hf / file, path / file)
+    return path
+
+
+class Zoo:
+    """The module's model, reference and builds, each made once, on first use."""
+
+    def __init__(self, root: Path, demo_hf: Path) -> None:
+        self.root, self.demo_hf = root, demo_hf
+        rng = np.random.default_rng(SEED)
+        self.ids = rng.integers(3, COMMON["vocab_size"], SEQ)
+        self.garbage = rng.integers(3, COMMON["vocab_size"], 8)
+
+    @cache  # noqa: B019 - one Zoo per module
+    def source(self) -> Path:
+        return make_gpt_oss(self.root / "hf", self.demo_hf)
+
+    @cache  # noqa: B019
+    def reference(self):  # noqa: ANN201 - a transformers model
+        return reference_model(self.source())
+
+    @cache  # noqa: B019
+    def build(self, stages: int) -> Path:
+        from compiler.build import build
+
+        out = self.root / "builds" / f"gpt-oss-{stages}"
+        build(self.source(), out, **STAGE_SPECS[stages])
+        return out
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory, demo_hf) -> Zoo:
+    return Zoo(tmp_path_factory.mktemp("gpt-oss"), demo_hf)
+
+
+def test_config_is_transformers(zoo):
+    """YaRN's frequencies and attention factor, the sliding layers and their window, as transformers has them."""
+    from compiler.arch import ModelConfig
+
+    cfg = ModelConfig.from_folder(zoo.source())
+    rotary = zoo.reference().model.rotary_emb
+    np.testing.assert_allclose(cfg.inv_freq, rotary.inv_freq.numpy(), rtol=1e-6)
+    assert cfg.rope_scale == pytest.approx(rotary.attention_scaling, rel=1e-12) and cfg.rope_scale > 1.3
+    plain = 1 / 150000.0 ** (np.arange(0, 16, 2) / 16)
+    assert (np.abs(np.asarray(cfg.inv_freq) / plain - 1) > 0.1).sum() >= 2  # YaRN moved some, kept others
+    assert (np.abs(np.asarray(cfg.inv_freq) / plain - 1) < 1e-6).sum() >= 2
+    assert cfg.sliding_layers == (True, False, True, False) and cfg.sliding_window == WINDOW < SEQ
+    assert (cfg.gpt_oss, cfg.moe_layers, cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size,
+            cfg.max_context) == (True, (0, 1, 2, 3), EXPERTS, TOP_K, 32, MAX_POSITIONS)
+
+
+@pytest.mark.parametrize("rope", [
+    YARN, YARN | {"truncate": True}, YARN | {"factor": 4.0, "beta_fast": 16.0, "original_max_position_embeddings": 64},
+    YARN | {"attention_factor": 1.1}, YARN | {"mscale": 1.0, "mscale_all_dim": 0.5},
+])
+def test_yarn_is_transformers(rope):
+    """compiler/arch.py's YaRN frequencies and attention factor are transformers' ``_compute_yarn_parameters`` for
+    gpt-oss's parameters and variants of them (truncated ramp, other factor, beta and original context, an explicit
+    attention factor, mscale / mscale_all_dim)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from compiler.arch import rope_parameters
+
+    config = transformers.GptOssConfig(**{**COMMON, "head_dim": 16, "rope_parameters": dict(rope)})
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours, our_scale, context = rope_parameters(config.to_dict() | {"model_type": "gpt_oss"}, 16)
+    np.testing.assert_allclose(ours, inv.numpy(), rtol=1e-6)
+    assert our_scale == pytest.approx(scale, rel=1e-12) and context == MAX_POSITIONS
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_stage_logits_match_transformers(stages, zoo):
+    """Logits at all 64 positions through the chained stages, with rejected slots between chunks: transformers'
+    f32 logits within ``ATOL``, the same argmax at every position."""
+    import torch
+
+    with torch.no_grad():
+        expected = zoo.reference()(torch.from_numpy(zoo.ids)[None]).logits[0].numpy()
+    got = chained_logits(zoo.build(stages), zoo.ids, zoo.garbage)
+    err = np.abs(got - expected).max(axis=-1)
+    assert err.max() < ATOL, f"{stages} stage(s): max |error| {err.max():.3g} at position {int(err.argmax())} " \
+                             f"(logits |max| {np.abs(expected).max():.3g})"
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_router_picks_match_transformers(zoo):
+    """The experts each layer's TopK picks (the whole model as one stage, f32 inference) are, for every token, the
+    top 4 of transformers' router logits; every expert is picked somewhere."""
+    import openvino as ov
+    import torch
+
+    from compiler.export import StageSpec, export_stage
+    from compiler.source import open_source
+    from fleet_common.runtime import compile_config
+
+    source = open_source(zoo.source(), zoo.root / "work")
+    cfg = source.config
+    model = export_stage(cfg, source.weights, StageSpec(0, 0, cfg.num_layers, cfg.num_layers))
+    topks = [node for node in model.get_ordered_ops() if node.get_type_name() == "TopK"]
+    assert len(topks) == cfg.num_layers
+    model.add_outputs([node.output(1) for node in topks])
+    compiled = ov.Core().compile_model(model, "CPU", compile_config(threads=1, inference_precision="f32"))
+    batch = zoo.ids[None].astype(np.int64)
+    out = compiled.create_infer_request().infer({"input_ids": batch, "attention_mask": np.ones_like(batch),
+                                                 "position_ids": np.arange(SEQ)[None], "beam_idx": np.zeros(1, np.int32),
+                                                 "logits_index": np.arange(SEQ)})
+    with torch.no_grad():
+        ref = zoo.reference()(torch.from_numpy(zoo.ids)[None], output_router_logits=True)
+    used: set[int] = set()
+    for layer, logits in enumerate(ref.router_logits):
+        picked = np.sort(out[compiled.outputs[1 + layer]], axis=-1)
+        want = np.sort(torch.topk(logits.float(), TOP_K, dim=-1).indices.numpy(), axis=-1)
+        wrong = np.flatnonzero((picked != want).any(-1))
+        assert not wrong.size, f"layer {layer}: other experts at positions {wrong.tolist()}"
+        used.update(np.unique(picked).tolist())
+    assert used == set(range(EXPERTS))
+
+
+def test_fleet_greedy_matches_transformers(zoo, tmp_path):
+    """A real 2-stage fleet (worker processes in f32, coordinator) answers the chat prompt with transformers'
+    greedy tokens, id for id."""
+    from coordinator.tokenizer import ChatTokenizer
+
+    build = zoo.build(2)
+    prompt = ChatTokenizer(build).encode_chat([{"role": "user", "content": PROMPT}])
+    assert len(prompt) + NEW_TOKENS <= MAX_POSITIONS
+    expected = hf_greedy(zoo.reference(), prompt, NEW_TOKENS)
+    assert fleet_greedy(build, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
+
+
+def test_inspect_counts_attention_with_sinks(zoo):
+    """``fleet-compiler inspect`` passes both stages of the 2-stage build: every layer's attention has its sinks
+    (MatMul + Softmax, no SDPA), and no other Softmax is left (the routers' are named as theirs)."""
+    import subprocess
+
+    from tests.conftest import BIN
+
+    out = subprocess.run([str(BIN / "fleet-compiler"), "inspect", str(zoo.build(2))], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 2 and [row.split("  ")[-1] for row in rows] == \
+        ["ok (3 with sinks: no SDPA)", "ok (1 with sinks: no SDPA)"], out.stdout
+    assert "inspect: OK" in out.stdout
