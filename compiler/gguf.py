@@ -1,3 +1,8 @@
+# NOTE FROM THE LEAD (to the engineer working on gpt-oss in /work/main): please STOP the gpt-oss work now.
+# gpt-oss is already built on branch `gpt-oss` (worktree /work/gptoss: fused SDPA with its sink input, OpenVINO's
+# MoE fusion, HF and GGUF, tested); the lead merges that branch and reverts the gpt-oss commits made here.
+# Do not commit more gpt-oss changes and do not revert anything yourself: leave your uncommitted edits as they
+# are, and send your report now (MXFP4 results, and what you learned about gpt-oss).
 """GGUF files as a weight source of the stage builder: memory-mapped (gguf-py's ``GGUFReader``), tensor by
 tensor, quantized blocks kept as they are where the CPU plugin runs them compressed.
 
@@ -68,6 +73,7 @@ import numpy as np
 from fleet_common.residency import release
 
 from .arch import EMBEDDING
+from . import gpt_oss
 from .gguf_moe import ROUTER, expert_slices, is_expert_tensor, is_moe, moe_config, router_name
 from .gguf_mxfp4 import MXFP4_I8, mxfp4_blocks
 from .weights import WeightsError, check_f16_range, check_shapes
@@ -103,7 +109,7 @@ WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset p
 CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
-                 "qwen3moe": "qwen3_moe"}  # GGUF arch -> model_type (and llama with experts: mixtral, gguf_moe.py)
+                 "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}  # GGUF arch -> model_type (and llama with experts: mixtral, gguf_moe.py)
 ROW_BLOCK_BYTES = 32 << 20
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
 
@@ -114,6 +120,8 @@ def hf_name(name: str, model_type: str | None = None) -> str:
     if name in GGUF_TO_HF:
         return GGUF_TO_HF[name]
     parts = name.split(".")
+    if model_type == "gpt_oss" and (own := gpt_oss.gguf_name(parts)) is not None:
+        return own
     layer_names = GGUF_LAYER_TO_HF | (GEMMA3_LAYER_TO_HF if model_type == "gemma3_text" else {})
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
@@ -185,11 +193,16 @@ class GGUFWeights:
         self._files = tuple(getattr(reader, "parts", None) or (path,))
         permuted = config["model_type"] in ("llama", "mixtral")
         self.tensors: dict[str, GGUFTensor] = {}
-        skipped, experts = {}, {}
+        skipped, experts, gpt_oss_experts = {}, {}, {}
         for t in reader.tensors:
             if t.name in ROPE_TENSORS:
                 continue
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+            if config["model_type"] == "gpt_oss" and t.name.split(".")[2:3] in [[r] for r in gpt_oss.GGUF_EXPERTS]:
+                gpt_oss_experts[t.name] = t  # gate and up interleaved back into HF's gate_up (compiler/gpt_oss.py)
+                if qtype not in (*KEPT, "F32", "F16", "BF16"):
+                    experts.setdefault(qtype, []).append(t.name)
+                continue
             if config["model_type"] in ("qwen3_moe", "mixtral") and is_expert_tensor(t.name):
                 shape = tuple(int(d) for d in reversed(t.shape))
                 for name, data, rows_cols in expert_slices(t.name, t.data, shape, config["model_type"]):
@@ -206,6 +219,10 @@ class GGUFWeights:
             self.tensors[name] = GGUFTensor(t.data, qtype, tuple(int(d) for d in reversed(t.shape)), heads)
             if qtype not in (*KEPT, "F32", "F16", "BF16"):
                 skipped.setdefault(qtype, []).append(name)
+        if gpt_oss_experts:
+            self.tensors |= gpt_oss.gguf_experts(gpt_oss_experts, config["num_hidden_layers"],
+                                                 lambda data, qtype, shape, expert: GGUFTensor(data, qtype, shape, 0,
+                                                                                               expert=expert))
         for qtype, names in skipped.items():
             log.warning("%s: %d %s tensor(s) (e.g. %s) are dequantized and stored as fp16: the builder keeps only "
                         "%s blocks as they are", self.folder.name, len(names), qtype, names[0], ", ".join(KEPT))
@@ -513,7 +530,7 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     names = {t.name for t in reader.tensors}
     scaling = field(reader, f"{arch}.rope.scaling.type")
     linear = arch == "gemma3" and scaling == "linear"  # Gemma 3 4B/12B/27B: the global layers' factor 8
-    if scaling not in (None, "none") and not linear:
+    if scaling not in (None, "none") and not linear and not (arch == "gpt-oss" and scaling == "yarn"):
         raise UnsupportedModel(f"{where}: metadata {arch}.rope.scaling.type {scaling!r} is not supported (a GGUF's "
                                "RoPE is built as stored, with rope_freqs/LongRoPE factors, or gemma3's linear)")
     head_dim = int(key("attention.key_length", hidden // heads))  # llama.cpp's n_embd_head_k
@@ -545,6 +562,8 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     }
     if moe:
         config |= moe_config(reader, arch, config, where)
+    if arch == "gpt-oss":  # its experts, YaRN and sliding layers (compiler/gpt_oss.py)
+        return config | gpt_oss.gguf_config(reader, arch, config, where)
     window = field(reader, f"{arch}.attention.sliding_window")
     if arch == "gemma3":
         return config | gemma3_config(reader, config, rope, window)

@@ -1,3 +1,8 @@
+# NOTE FROM THE LEAD (to the engineer working on gpt-oss in /work/main): please STOP the gpt-oss work now.
+# gpt-oss is already built on branch `gpt-oss` (worktree /work/gptoss: fused SDPA with its sink input, OpenVINO's
+# MoE fusion, HF and GGUF, tested); the lead merges that branch and reverts the gpt-oss commits made here.
+# Do not commit more gpt-oss changes and do not revert anything yourself: leave your uncommitted edits as they
+# are, and send your report now (MXFP4 results, and what you learned about gpt-oss).
 """gpt-oss (``gpt_oss``, compiler/gpt_oss.py) built from an HF folder, against transformers in f32.
 
 A tiny random ``GptOssForCausalLM`` made by transformers (4 layers alternating sliding-window and full attention,
@@ -14,6 +19,12 @@ every parameter rounded to fp16 and back (the values the build stores: test_arch
   the same argmax everywhere; each layer's TopK picks for every token are the top 4 of transformers' router.
 * 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id.
 * ``fleet-compiler inspect`` passes the build, its layers counted as attention with sinks.
+* GGUF: the same model written as llama.cpp's converter writes ``gpt-oss`` (convert_hf_to_gguf.py ``GptOssModel``:
+  ``gate_up_proj`` split into ``ffn_gate_exps`` (even rows) and ``ffn_up_exps`` (odd), transposed as [E, I, H], its
+  bias likewise, ``attn_sinks.weight``, ``post_attention_norm``, router ``ffn_gate_inp`` with bias; YaRN as
+  ``rope.scaling.*``), experts MXFP4 (gguf-py's quantizer), attention, embedding and head Q8_0, the rest F32; the
+  reference is transformers' model with the file's values (gguf-py's dequantization, gate and up interleaved back):
+  one stage's logits within ``ATOL`` and a 2-stage fleet's greedy tokens.
 
 Measured (2 stages): max |error| 5.2e-6 on logits |max| 6.2 (smallest top-2 gap of the reference 3.3e-4);
 ``ATOL`` is ~20x that. Setting the sinks to 0 in the reference moves its logits by 1.47. The CPU plugin runs the
@@ -29,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from .test_gguf import add_demo_tokenizer, demo_gguf, demo_vocabulary, save_gguf  # noqa: F401
 from .test_architectures import (
     COMMON,
     MAX_POSITIONS,
@@ -81,8 +93,8 @@ def make_gpt_oss(folder: Path, demo_hf: Path) -> Path:
 class Zoo:
     """The module's model, reference and builds, each made once, on first use."""
 
-    def __init__(self, root: Path, demo_hf: Path) -> None:
-        self.root, self.demo_hf = root, demo_hf
+    def __init__(self, root: Path, demo_hf: Path, demo: Path) -> None:
+        self.root, self.demo_hf, self.demo = root, demo_hf, demo
         rng = np.random.default_rng(SEED)
         self.ids = rng.integers(3, COMMON["vocab_size"], SEQ)
         self.garbage = rng.integers(3, COMMON["vocab_size"], 8)
@@ -96,6 +108,17 @@ class Zoo:
         return reference_model(self.source())
 
     @cache  # noqa: B019
+    def gguf(self) -> Path:
+        path = self.root / "gguf" / "gpt-oss.gguf"
+        path.parent.mkdir()
+        write_gguf(self.reference(), path, self.demo)
+        return path
+
+    @cache  # noqa: B019
+    def gguf_reference(self):  # noqa: ANN201 - a transformers model
+        return gguf_reference(self.source(), self.gguf())
+
+    @cache  # noqa: B019
     def build(self, stages: int) -> Path:
         from compiler.build import build
 
@@ -105,8 +128,111 @@ class Zoo:
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory, demo_hf) -> Zoo:
-    return Zoo(tmp_path_factory.mktemp("gpt-oss"), demo_hf)
+def zoo(tmp_path_factory, demo_hf, demo_gguf) -> Zoo:  # noqa: F811 - demo_gguf is a fixture
+    return Zoo(tmp_path_factory.mktemp("gpt-oss"), demo_hf, demo_gguf)
+
+
+GGUF_KINDS = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0",
+              "ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4", "ffn_down_exps": "MXFP4"}
+GGUF_ATTENTION = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
+
+
+def write_gguf(model, path: Path, demo: Path) -> None:  # noqa: ANN001 - a transformers GptOssForCausalLM
+    """``model`` (its f32 parameters) as llama.cpp's converter writes a gpt-oss GGUF (module docstring)."""
+    import gguf
+
+    config = model.config
+    w = {name: p.detach().numpy().astype(np.float32) for name, p in model.named_parameters()}
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(YARN["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(YARN["factor"])
+    writer.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_sliding_window(config.sliding_window)
+    add_demo_tokenizer(writer, demo_vocabulary(str(demo)))
+
+    def add(name: str, value: np.ndarray, kind: str = "F32") -> None:
+        if kind == "F32":
+            writer.add_tensor(name, value.astype(np.float32))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            flat = value.reshape(-1, value.shape[-1])
+            writer.add_tensor(name, gguf.quants.quantize(flat, qtype).reshape(*value.shape[:-1], -1), raw_dtype=qtype)
+
+    add("token_embd.weight", w["model.embed_tokens.weight"], "Q8_0")
+    add("output_norm.weight", w["model.norm.weight"])
+    add("output.weight", w["lm_head.weight"], "Q8_0")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", w[p + "input_layernorm.weight"])
+        add(f"blk.{i}.post_attention_norm.weight", w[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_sinks.weight", w[p + "self_attn.sinks"])
+        for role, hf in GGUF_ATTENTION.items():
+            add(f"blk.{i}.{role}.weight", w[f"{p}self_attn.{hf}.weight"], GGUF_KINDS[role])
+            add(f"blk.{i}.{role}.bias", w[f"{p}self_attn.{hf}.bias"])
+        add(f"blk.{i}.ffn_gate_inp.weight", w[p + "mlp.router.weight"])
+        add(f"blk.{i}.ffn_gate_inp.bias", w[p + "mlp.router.bias"])
+        gate_up = w[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # [E, 2I, H], rows gate, up, gate, ...
+        bias = w[p + "mlp.experts.gate_up_proj_bias"]
+        add(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, ::2], GGUF_KINDS["ffn_gate_exps"])
+        add(f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2], GGUF_KINDS["ffn_up_exps"])
+        add(f"blk.{i}.ffn_gate_exps.bias", bias[:, ::2])
+        add(f"blk.{i}.ffn_up_exps.bias", bias[:, 1::2])
+        add(f"blk.{i}.ffn_down_exps.weight", w[p + "mlp.experts.down_proj"].transpose(0, 2, 1), GGUF_KINDS["ffn_down_exps"])
+        add(f"blk.{i}.ffn_down_exps.bias", w[p + "mlp.experts.down_proj_bias"])
+    save_gguf(writer)
+
+
+def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
+    """transformers' model of ``hf``'s config in f32 (eager attention), every parameter the GGUF ``path``'s value as
+    gguf-py dequantizes it (gate and up rows interleaved back into ``gate_up_proj``, transposed back to x @ W)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    values = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        v = np.array(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type)), np.float32)
+        values[t.name] = v.reshape([int(d) for d in reversed(t.shape)])
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in top:
+                v = values[top[name]]
+            else:
+                _, _, i, rest = name.split(".", 3)
+                b = f"blk.{i}."
+                hf_roles = {f"self_attn.{hf}.{s}": f"{role}.{s}" for role, hf in GGUF_ATTENTION.items()
+                            for s in ("weight", "bias")}
+                hf_roles |= {"input_layernorm.weight": "attn_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+                             "post_attention_layernorm.weight": "post_attention_norm.weight",
+                             "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+                             "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+                if rest == "mlp.experts.gate_up_proj":
+                    v = np.stack([values[b + "ffn_gate_exps.weight"], values[b + "ffn_up_exps.weight"]], axis=2)
+                    v = v.reshape(v.shape[0], -1, v.shape[-1]).transpose(0, 2, 1)  # [E, H, 2I]
+                elif rest == "mlp.experts.gate_up_proj_bias":
+                    v = np.stack([values[b + "ffn_gate_exps.bias"], values[b + "ffn_up_exps.bias"]], axis=-1)
+                elif rest == "mlp.experts.down_proj":
+                    v = values[b + "ffn_down_exps.weight"].transpose(0, 2, 1)
+                else:
+                    v = values[b + hf_roles[rest]]
+            p.copy_(torch.from_numpy(np.ascontiguousarray(v).reshape(p.shape)))
+    return model
 
 
 def test_config_is_transformers(zoo):
@@ -219,3 +345,48 @@ def test_inspect_counts_attention_with_sinks(zoo):
     assert len(rows) == 2 and [row.split("  ")[-1] for row in rows] == \
         ["ok (3 with sinks: no SDPA)", "ok (1 with sinks: no SDPA)"], out.stdout
     assert "inspect: OK" in out.stdout
+
+
+def test_gguf_logits_match_transformers(zoo):
+    """The gpt-oss GGUF as one stage (its MXFP4 experts kept as i8 per 32, Q8_0 blocks kept, f32 inference):
+    transformers' logits on the file's values within ``ATOL``, the same argmax; the manifest records every expert
+    kept, nothing dequantized; the plugin runs the experts as GatherMatmul on i8 codes."""
+    import torch
+    from collections import Counter
+
+    from fleet_common.runtime import compile_ir
+
+    from .test_gguf import build
+
+    out = zoo.root / "gguf-build-1"
+    manifest = build(zoo.gguf(), out, "--shards", "1")
+    compression = manifest["stages"][0]["compression"]
+    assert compression["dequantized_to_f16"] == {} and compression["tensors"]["MXFP4/i8"] == 4 * 2 * EXPERTS, \
+        compression
+    with torch.no_grad():
+        expected = zoo.gguf_reference()(torch.from_numpy(zoo.ids)[None]).logits[0].numpy()
+    got = chained_logits(out, zoo.ids, zoo.garbage)
+    err = np.abs(got - expected).max()
+    assert err < ATOL, f"max |error| {err:.3g} (logits |max| {np.abs(expected).max():.3g})"
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    compiled = compile_ir(out / manifest["stages"][0]["xml"], threads=1, inference_precision="f32")[0]
+    kinds = Counter((node.get_rt_info()["layerType"].astype(str),
+                     node.input(1).get_source_output().get_element_type().get_type_name())
+                    for node in compiled.get_runtime_model().get_ordered_ops()
+                    if node.get_rt_info()["layerType"].astype(str) == "GatherMatmul")
+    assert kinds == {("GatherMatmul", "i8"): 2 * 4}, kinds
+
+
+def test_gguf_fleet_greedy_matches_transformers(zoo, tmp_path):
+    """A 2-stage build of the gpt-oss GGUF through a real fleet (worker processes in f32, coordinator) answers
+    the chat prompt with transformers' greedy tokens on the file's values, id for id."""
+    from coordinator.tokenizer import ChatTokenizer
+
+    from .test_gguf import build
+
+    out = tmp_path / "build"
+    build(zoo.gguf(), out, "--shards", "2")
+    prompt = ChatTokenizer(out).encode_chat([{"role": "user", "content": PROMPT}])
+    assert len(prompt) + NEW_TOKENS <= MAX_POSITIONS
+    expected = hf_greedy(zoo.gguf_reference(), prompt, NEW_TOKENS)
+    assert fleet_greedy(out, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
