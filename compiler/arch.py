@@ -77,7 +77,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_
 QKV_BIAS = {"qwen2", "gpt_oss"}
 GPT_OSS = {"gpt_oss"}  # o_proj bias, attention sinks, sliding layers, its own router and experts (compiler/gpt_oss.py)
 QK_NORM = {"qwen3", "qwen3_moe"}
-MOE = {"qwen3_moe", "mixtral", "gpt_oss"}  # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
+# sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
+MOE = {"qwen3_moe", "mixtral", "gpt_oss"}
 MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}  # mixtral's names: block_sparse_moe.experts.{e}.w1 ...
 FUSED = {"phi3"}  # one qkv_proj [q + 2 kv, H] and one gate_up_proj [2 I, H] per layer (source.py splits them)
 PARTIAL_ROTARY = {"phi3"}  # partial_rotary_factor < 1: RoPE on the first dims of each head only

@@ -570,7 +570,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
             experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
                        for part in parts}
             h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            x = op.add(x, gpt_oss_moe(h, w, experts, cfg, layer) if cfg.gpt_oss else moe(h, w, experts, cfg, layer)).output(0)
+            h = gpt_oss_moe(h, w, experts, cfg, layer) if cfg.gpt_oss else moe(h, w, experts, cfg, layer)
+            x = op.add(x, h).output(0)
         else:
             x = op.add(x, mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w)).output(0)
         sinks += layer_sinks

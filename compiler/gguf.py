@@ -108,8 +108,9 @@ STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", 
 WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a second product)
 CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
+# GGUF arch -> model_type (and llama with experts: mixtral, gguf_moe.py)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
-                 "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}  # GGUF arch -> model_type (and llama with experts: mixtral, gguf_moe.py)
+                 "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 ROW_BLOCK_BYTES = 32 << 20
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp llama_split_path
 

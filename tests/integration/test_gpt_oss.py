@@ -190,7 +190,8 @@ def write_gguf(model, path: Path, demo: Path) -> None:  # noqa: ANN001 - a trans
         add(f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2], GGUF_KINDS["ffn_up_exps"])
         add(f"blk.{i}.ffn_gate_exps.bias", bias[:, ::2])
         add(f"blk.{i}.ffn_up_exps.bias", bias[:, 1::2])
-        add(f"blk.{i}.ffn_down_exps.weight", w[p + "mlp.experts.down_proj"].transpose(0, 2, 1), GGUF_KINDS["ffn_down_exps"])
+        down = w[p + "mlp.experts.down_proj"].transpose(0, 2, 1)  # [E, H, I]
+        add(f"blk.{i}.ffn_down_exps.weight", down, GGUF_KINDS["ffn_down_exps"])
         add(f"blk.{i}.ffn_down_exps.bias", w[p + "mlp.experts.down_proj_bias"])
     save_gguf(writer)
 
@@ -304,9 +305,9 @@ def test_router_picks_match_transformers(zoo):
     model.add_outputs([node.output(1) for node in topks])
     compiled = ov.Core().compile_model(model, "CPU", compile_config(threads=1, inference_precision="f32"))
     batch = zoo.ids[None].astype(np.int64)
-    out = compiled.create_infer_request().infer({"input_ids": batch, "attention_mask": np.ones_like(batch),
-                                                 "position_ids": np.arange(SEQ)[None], "beam_idx": np.zeros(1, np.int32),
-                                                 "logits_index": np.arange(SEQ)})
+    out = compiled.create_infer_request().infer({
+        "input_ids": batch, "attention_mask": np.ones_like(batch), "position_ids": np.arange(SEQ)[None],
+        "beam_idx": np.zeros(1, np.int32), "logits_index": np.arange(SEQ)})
     with torch.no_grad():
         ref = zoo.reference()(torch.from_numpy(zoo.ids)[None], output_router_logits=True)
     used: set[int] = set()

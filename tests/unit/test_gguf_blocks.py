@@ -27,7 +27,8 @@ Q = gguf.GGMLQuantizationType
 K_FIELDS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,)),
             "Q2_K": (84, (80, 82))}  # block bytes, where its f16 d (and dmin) are
 RANGE = {"i8": (-128, 127), "u8": (0, 255), "i4": (-8, 7), "u4": (0, 15), "f4e2m1": (-12, 12)}  # MXFP4: 2 E2M1
-BITS = {"MXFP4": (-12, 12), "Q5_0": (-16, 15), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q3_K": (-128, 124), "Q2_K": (0, 45)}  # own code ranges
+# own code ranges (MXFP4: its doubled E2M1 values)
+BITS = {"MXFP4": (-12, 12), "Q5_0": (-16, 15), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q3_K": (-128, 124), "Q2_K": (0, 45)}
 
 
 def raw_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
