@@ -1,8 +1,3 @@
-# NOTE FROM THE LEAD (to the engineer working on gpt-oss in /work/main): please STOP the gpt-oss work now.
-# gpt-oss is already built on branch `gpt-oss` (worktree /work/gptoss: fused SDPA with its sink input, OpenVINO's
-# MoE fusion, HF and GGUF, tested); the lead merges that branch and reverts the gpt-oss commits made here.
-# Do not commit more gpt-oss changes and do not revert anything yourself: leave your uncommitted edits as they
-# are, and send your report now (MXFP4 results, and what you learned about gpt-oss).
 """gpt-oss (OpenAI's gpt-oss-20b and -120b; transformers ``modeling_gpt_oss.py``, HF ``model_type`` ``gpt_oss``) as
 the stage builder makes it: what differs from the Llama decoder of compiler/layers.py.
 

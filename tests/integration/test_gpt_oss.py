@@ -1,8 +1,3 @@
-# NOTE FROM THE LEAD (to the engineer working on gpt-oss in /work/main): please STOP the gpt-oss work now.
-# gpt-oss is already built on branch `gpt-oss` (worktree /work/gptoss: fused SDPA with its sink input, OpenVINO's
-# MoE fusion, HF and GGUF, tested); the lead merges that branch and reverts the gpt-oss commits made here.
-# Do not commit more gpt-oss changes and do not revert anything yourself: leave your uncommitted edits as they
-# are, and send your report now (MXFP4 results, and what you learned about gpt-oss).
 """gpt-oss (``gpt_oss``, compiler/gpt_oss.py) built from an HF folder, against transformers in f32.
 
 A tiny random ``GptOssForCausalLM`` made by transformers (4 layers alternating sliding-window and full attention,
