@@ -2,9 +2,9 @@
 the stage builder makes it: what differs from the Llama decoder of compiler/layers.py.
 
 * Attention: q/k/v/o biases, and a learned "sink" logit per head (``self_attn.sinks`` [heads]) that joins every
-  query's softmax as one more column and is dropped after it (``sink_attention``): the weights of the real keys
-  sum to less than 1. OpenVINO's ScaledDotProductAttention has no such input, so these layers compute attention
-  as MatMul, Softmax, MatMul (the KV state's ReadValue -> Gather -> Concat chain is kept).
+  query's softmax as one more column and is dropped after it (``sdpa_with_sinks``): the weights of the real keys
+  sum to less than 1. OpenVINO's ScaledDotProductAttention takes the sinks as an input, so these layers stay one
+  fused stateful SDPA on the CPU plugin (the KV state's ReadValue -> Gather -> Concat chain is kept).
 * ``layer_types`` alternates sliding-window (``sliding_window``, 128) and full layers: a sliding layer's keys
   ``sliding_window`` or more logical positions back are hidden (compiler/layers.py ``window_mask``, as Gemma 3's).
 * YaRN RoPE (compiler/arch.py ``_yarn``): fixed frequencies and an attention factor on cos and sin.
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 from openvino import opset13 as op
+from openvino.utils.node_factory import NodeFactory
 
-from .layers import ROUTER_SOFTMAX, SINK_SOFTMAX, f32, i64
+from .layers import ROUTER_SOFTMAX, f32, i64
 from .weights import WeightsError, check_shapes
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # transformers' GptOssExperts.alpha, .limit
@@ -125,21 +126,18 @@ class GptOssWeights:
         return out
 
 
-def sink_attention(q: ov.Output, keys: ov.Output, values: ov.Output, mask: ov.Output, scale: float,
-                   sinks: ov.Output, layer: int) -> ov.Output:
-    """Attention with a sink logit per head (transformers' gpt-oss ``eager_attention_forward``): q [B, heads, S,
-    D], keys and values [B, heads, T, D] (KV heads repeated), mask [B, 1, S, T] additive, sinks [heads] f32 ->
-    [B, heads, S, D]: ``softmax([q k^T scale + mask, sink])`` without its last column, times the values. The
-    Softmax is named ``model.layers.{layer}.self_attn/sink_softmax`` (``SINK_SOFTMAX``: compiler/inspect.py counts
-    these layers as attention with sinks, not as attention the plugin failed to fuse)."""
-    scores = op.add(op.multiply(op.matmul(q, keys, transpose_a=False, transpose_b=True), f32(scale)), mask)
-    shape = op.shape_of(scores, output_type="i64")  # [B, heads, S, T]
-    column = op.concat([op.slice(shape, i64([0]), i64([3]), i64([1])), i64([1])], axis=0)  # [B, heads, S, 1]
-    sink = op.broadcast(op.reshape(sinks, i64([1, -1, 1, 1]), special_zero=False), column)
-    probs = op.softmax(op.concat([scores, sink], axis=-1), -1, name=f"model.layers.{layer}.self_attn{SINK_SOFTMAX}")
-    total = op.gather(shape, i64([3]), i64(0))  # [1]: T, the sink's column dropped
-    probs = op.slice(probs, i64([0]), total, i64([1]), i64([3]))
-    return op.matmul(probs, values, transpose_a=False, transpose_b=False).output(0)
+def sdpa_with_sinks(q: ov.Output, keys: ov.Output, values: ov.Output, mask: ov.Output, scale: float,
+                    sinks: ov.Output) -> ov.Output:
+    """Attention with a sink logit per head (transformers' gpt-oss ``eager_attention_forward``; Xiao et al. 2023,
+    "Efficient Streaming Language Models with Attention Sinks"): q [B, heads, S, D], keys and values [B, heads, T,
+    D] (KV heads repeated), mask [B, 1, S, T] additive, sinks [heads] f32 -> [B, heads, S, D]. OpenVINO's
+    ``ScaledDotProductAttention`` (opset13) takes the sinks as its sixth input, [1, heads, 1, 1]: its spec
+    concatenates the sink to each row of scores before the softmax and drops that column after, exactly
+    ``softmax([q k^T scale + mask, sink])[..., :T] @ V``. The CPU plugin keeps it one fused stateful SDPA that reads
+    the KV cache from its state, as for every other architecture (``fleet-compiler inspect`` counts it so)."""
+    sink = op.reshape(sinks, i64([1, -1, 1, 1]), special_zero=False)
+    return NodeFactory("opset13").create("ScaledDotProductAttention", [q, keys, values, mask, f32(scale),
+                                                                       sink.output(0)], {"causal": False}).output(0)
 
 
 def gpt_oss_moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Output], cfg,  # noqa: ANN001

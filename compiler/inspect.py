@@ -10,7 +10,7 @@ import openvino as ov
 
 from fleet_common.manifest import load_manifest, verify_files
 
-from .layers import ROUTER_SOFTMAX, SINK_SOFTMAX
+from .layers import ROUTER_SOFTMAX
 
 
 @dataclass(frozen=True)
@@ -22,13 +22,11 @@ class StageReport:
     sdpa_with_kv: int  # SDPA nodes reading the KV cache straight from state (MemoryInput)
     softmax: int  # unfused attention leaves Softmax nodes behind (a MoE router's own are not counted)
     compile_s: float
-    sink_attention: int = 0  # gpt-oss's attention with sinks: MatMul + Softmax by design (SDPA has no sink input)
 
     @property
     def fused(self) -> bool:
-        """True when every layer's attention is one SDPA fed by in-state KV (or attention with sinks, which no
-        SDPA computes) and no other Softmax is left."""
-        return self.sdpa_with_kv + self.sink_attention == self.layers[1] - self.layers[0] and self.softmax == 0
+        """True when every layer's attention is one SDPA fed by in-state KV and no Softmax is left."""
+        return self.sdpa_with_kv == self.layers[1] - self.layers[0] and self.softmax == 0
 
 
 def fusion_report(xml: Path, index: int, layers: tuple[int, int], device: str = "CPU") -> StageReport:
@@ -52,8 +50,7 @@ def fusion_report(xml: Path, index: int, layers: tuple[int, int], device: str = 
         and any(layer_type(i.get_source_output().get_node()) == "MemoryInput" for i in op.inputs())
     )
     routers = sum(1 for op in ops if layer_type(op) == "Softmax" and ROUTER_SOFTMAX in op.get_friendly_name())
-    sinks = sum(1 for op in ops if layer_type(op) == "Softmax" and SINK_SOFTMAX in op.get_friendly_name())
-    return StageReport(index, layers, with_kv, kinds.get("Softmax", 0) - routers - sinks, elapsed, sinks)
+    return StageReport(index, layers, with_kv, kinds.get("Softmax", 0) - routers, elapsed)
 
 
 def inspect(model_dir: Path, device: str = "CPU") -> tuple[list[str], list[StageReport]]:

@@ -19,7 +19,6 @@ from .arch import ModelConfig
 
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
 ROUTER_SOFTMAX = "/router_softmax"  # the name's end of a Mixture-of-Experts router's Softmax (``moe``)
-SINK_SOFTMAX = "/sink_softmax"  # the name's end of an attention-with-sinks Softmax (compiler/gpt_oss.py)
 
 
 @dataclass(frozen=True)
@@ -177,10 +176,10 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
     keys, values = repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d), repeat_kv(values, cfg.kv_groups, cfg.num_heads, d)
     scale = d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
-    if "sinks" in w:  # gpt-oss: a sink logit per head, which SDPA has no input for
-        from .gpt_oss import sink_attention
+    if "sinks" in w:  # gpt-oss: a sink logit per head, SDPA's sixth input
+        from .gpt_oss import sdpa_with_sinks  # (gpt_oss imports this module)
 
-        out = sink_attention(q, keys, values, mask, scale, w["sinks"], layer)
+        out = sdpa_with_sinks(q, keys, values, mask, scale, w["sinks"])
     else:
         out = op.scaled_dot_product_attention(q, keys, values, mask, f32(scale), causal=False)  # [B, heads, S, D]
     out = op.reshape(op.transpose(out, i64([0, 2, 1, 3])), i64([0, 0, cfg.num_heads * d]), special_zero=True)

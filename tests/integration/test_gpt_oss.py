@@ -13,7 +13,7 @@ every parameter rounded to fp16 and back (the values the build stores: test_arch
   rejected draft tokens between them (test_architectures.chained_logits): transformers' logits within ``ATOL``,
   the same argmax everywhere; each layer's TopK picks for every token are the top 4 of transformers' router.
 * 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id.
-* ``fleet-compiler inspect`` passes the build, its layers counted as attention with sinks.
+* ``fleet-compiler inspect`` passes the build: each layer's attention, sinks included, one fused stateful SDPA.
 * GGUF: the same model written as llama.cpp's converter writes ``gpt-oss`` (convert_hf_to_gguf.py ``GptOssModel``:
   ``gate_up_proj`` split into ``ffn_gate_exps`` (even rows) and ``ffn_up_exps`` (odd), transposed as [E, I, H], its
   bias likewise, ``attn_sinks.weight``, ``post_attention_norm``, router ``ffn_gate_inp`` with bias; YaRN as
@@ -327,9 +327,10 @@ def test_fleet_greedy_matches_transformers(zoo, tmp_path):
     assert fleet_greedy(build, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
 
 
-def test_inspect_counts_attention_with_sinks(zoo):
-    """``fleet-compiler inspect`` passes both stages of the 2-stage build: every layer's attention has its sinks
-    (MatMul + Softmax, no SDPA), and no other Softmax is left (the routers' are named as theirs)."""
+def test_inspect_finds_every_layer_one_fused_sdpa_with_its_sinks(zoo):
+    """``fleet-compiler inspect`` passes both stages of the 2-stage build: every layer's attention, sinks included,
+    is one SDPA reading its KV from the state (3 and 1 layers), and no Softmax is left (the routers' are named as
+    theirs)."""
     import subprocess
 
     from tests.conftest import BIN
@@ -338,8 +339,8 @@ def test_inspect_counts_attention_with_sinks(zoo):
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert len(rows) == 2 and [row.split("  ")[-1] for row in rows] == \
-        ["ok (3 with sinks: no SDPA)", "ok (1 with sinks: no SDPA)"], out.stdout
+    assert len(rows) == 2 and [row.split()[-1] for row in rows] == ["ok", "ok"], out.stdout
+    assert [int(row.split()[3]) for row in rows] == [3, 1], out.stdout  # fused SDPA+KV per stage: every layer
     assert "inspect: OK" in out.stdout
 
 
