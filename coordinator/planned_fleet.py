@@ -169,18 +169,22 @@ async def _capacity(address: str, security: Security, model_id: str | None = Non
 
 async def collect_capacities(addresses: list[str], security: Security, expect: int, timeout_s: float,
                              heard: set[str] | None = None, settle_s: float = SETTLE_S,
-                             model_id: str | None = None) -> dict[str, tuple[str, Capacity]]:
+                             model_id: str | None = None,
+                             on_round: Callable[[dict, list[str]], None] | None = None) -> dict[str, tuple[str, Capacity]]:
     """worker id -> (address, capacity) of the workers among ``addresses`` (--peers) and ``heard`` (addresses
     zeroconf adds while this waits: ``browsing``) that started empty, once ``expect`` of them answer Info
     (empty, or serving a stage shipped to them: a restarted coordinator finds them so); with ``expect`` 0, those
     that answer once no new one has turned up for ``settle_s`` (at least one). A heard worker serving a stage
     counts only when it serves ``model_id`` (if given): mDNS does not take another fleet's workers. Raises
-    ``TimeoutError`` after ``timeout_s`` naming what was found and why each other address is not counted."""
+    ``TimeoutError`` after ``timeout_s`` naming what was found and why each other address is not counted.
+    ``on_round(found, why)`` (if given) gets each round's answers (``/health`` shows them while preparing)."""
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
     changed = time.monotonic()
     while True:
         found, why = await answering(sorted(set(addresses) | (heard or set())), security, addresses, model_id)
+        if on_round is not None:
+            on_round(found, why)
         if set(found) != seen:
             seen, changed = set(found), time.monotonic()
         if (expect and len(found) >= expect) or (not expect and found and time.monotonic() - changed >= settle_s):
@@ -465,7 +469,7 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
         prep.step(f"browsing zeroconf for empty workers ({waiting})" if heard is not None
                   else f"collecting the empty --peer workers ({waiting})")
         found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard,
-                                         model_id=source.dims.model_id)
+                                         model_id=source.dims.model_id, on_round=prep.heard)
     prep.workers = sorted(a for a, _ in found.values())
     p = plan_workers(source, found)
     prep.layers = p.layers

@@ -39,7 +39,19 @@ class Preparation:
         self.progress = "starting"
         self.layers = ""
         self.workers: list[str] = []
+        self.candidates: list[dict] = []  # while collecting: every worker address asked, counted or why not
         self._t0 = time.monotonic()
+
+    def heard(self, found: dict, why: list[str]) -> None:
+        """A round of Info calls while collecting (planned_fleet.collect_capacities' ``on_round``): ``found``
+        (worker id -> (address, capacity)) are counted, each line of ``why`` (``ADDRESS: reason``) names one that
+        is not (unreachable, refusing this coordinator's --secret, a static worker, another fleet's)."""
+        self.workers = sorted(address for address, _ in found.values())
+        counted = [{"address": a, "worker_id": w, "counted": True, "why": None}
+                   for w, (a, _) in sorted(found.items(), key=lambda item: item[1][0])]
+        refused = [{"address": line.split(": ", 1)[0], "worker_id": None, "counted": False,
+                    "why": line.split(": ", 1)[-1]} for line in why]
+        self.candidates = counted + refused
 
     def step(self, progress: str) -> None:
         """A new phase (collecting, planning, building, shipping stage i, loading), logged."""
@@ -50,7 +62,8 @@ class Preparation:
         """``/health``'s ``fleet`` entry: state ``preparing``, the progress, seconds since the start."""
         return {"state": "preparing", "progress": self.progress, "reason": f"serve --model {self.source}",
                 "phase_s": round(time.monotonic() - self._t0, 1), "layers": self.layers,
-                "workers": list(self.workers), "replans": 0, "last_replan_s": None}
+                "workers": list(self.workers), "candidates": [dict(c) for c in self.candidates], "replans": 0,
+                "last_replan_s": None}
 
 
 def preparing_app(prep: Preparation, settings: CoordinatorSettings) -> FastAPI:
@@ -64,6 +77,8 @@ def preparing_app(prep: Preparation, settings: CoordinatorSettings) -> FastAPI:
         fleet = prep.status()
         if settings.allowed_api_keys:  # as the API's /health: no worker addresses without a key
             fleet["workers"] = ["(hidden)"] * len(fleet["workers"])
+            fleet["candidates"] = [{"address": "(hidden)", "counted": c["counted"],
+                                    "why": c["why"] and "(hidden)"} for c in fleet["candidates"]]
         return JSONResponse({"ready": False, "shutting_down": False, "model": prep.source, "num_stages": 0,
                              "missing_stages": [], "queued": 0, "running": 0, "workers": [],
                              "fleet": fleet}, status_code=503)

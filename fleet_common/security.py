@@ -170,11 +170,14 @@ class Security:
 
 # -- clients -----------------------------------------------------------------------------------
 class _Refusals:
-    """Logs why the worker at one address refused this role's credentials, at most once per status every 10 s."""
+    """Logs why the worker at one address refused this role's credentials, at most once per status every
+    ``_LOG_EVERY_S`` for that address (over every channel to it: a coordinator collecting empty workers opens one
+    per round of Info calls), with the refusals left unlogged meanwhile counted in the next line."""
+
+    _last: dict[tuple[str, str], tuple[float, int]] = {}  # (address, status) -> (last logged, refusals since)
 
     def __init__(self, address: str, tls: bool) -> None:
         self.address, self.tls = address, tls
-        self._last: dict[str, float] = {}
 
     def done(self, call: grpc.aio.Call) -> None:
         """A call's done callback: look at its status (a coroutine in grpc.aio) on the loop."""
@@ -195,10 +198,14 @@ class _Refusals:
                       f"certificates signed by the same --tls-ca, and does its certificate name that address?)")
         else:
             return
-        now = time.monotonic()
-        if now - self._last.get(code.name, -_LOG_EVERY_S) >= _LOG_EVERY_S:
-            self._last[code.name] = now
-            log.error("%s", reason)
+        key, now = (self.address, code.name), time.monotonic()
+        last, unlogged = self._last.get(key, (-_LOG_EVERY_S, 0))
+        if now - last < _LOG_EVERY_S:
+            self._last[key] = (last, unlogged + 1)
+            return
+        self._last[key] = (now, 0)
+        more = f" (and {unlogged} more refused calls since the last report)" if unlogged else ""
+        log.error("%s%s", reason, more)
 
 
 _reports: set[asyncio.Task] = set()
