@@ -11,6 +11,8 @@ import contextlib
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -241,10 +243,70 @@ class CallPrinter:
                 print(f"{self.style[0]}{arguments}{self.style[1]}", end="", flush=True)
 
 
+class StatusLine:
+    """A transient status line on stderr (what the coordinator is doing while no token comes: preparing the
+    fleet, re-planning, replaying a failed-over request): on a terminal one line rewritten in place and
+    cleared by ``clear``; into a pipe or file, a line per new status (a status that differs only in its
+    numbers, e.g. the seconds waited, at most every ``PIPE_EVERY_S``). Never written to stdout, so the
+    answer's text stays as the model wrote it."""
+
+    PIPE_EVERY_S = 10.0
+
+    def __init__(self, stream=None) -> None:  # noqa: ANN001 - a text stream, default sys.stderr
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = False  # a line is on the terminal
+        self._last, self._last_t = "", -math.inf
+
+    def show(self, text: str, mid_line: bool = False) -> None:
+        """Show ``text`` (one line) as the status; ``mid_line``: the answer printed so far does not end its
+        line (the status then starts on a line of its own)."""
+        text = " ".join(text.split())
+        if self.tty:
+            width = max(20, shutil.get_terminal_size((100, 20)).columns - 1)
+            lead = "\n" if mid_line and not self.shown else "\r\x1b[K"
+            self.stream.write(f"{lead}{text[:width]}")
+            self.stream.flush()
+            self.shown = True
+            return
+        shape = re.sub(r"[0-9.]+", "#", text)
+        if shape != self._last or time.monotonic() - self._last_t >= self.PIPE_EVERY_S:
+            self._last, self._last_t = shape, time.monotonic()
+            print(("\n" if mid_line and not self.shown else "") + text, file=self.stream, flush=True)
+            self.shown = True
+
+    def clear(self) -> None:
+        """Remove the status from the terminal (tokens flow again); nothing to do in a pipe."""
+        if self.shown and self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        self.shown, self._last = False, ""
+
+
+def sse_status(line: str) -> str | None:
+    """The status an SSE comment line of the coordinator carries (``: re-planning ...``, ``: replaying N tokens
+    on a new pipeline``; ``: prefill i/n`` as ``prefill i/n``), or None for any other line."""
+    if not line.startswith(":"):
+        return None
+    text = line[1:].strip()
+    return text or None
+
+
 def _stream(client: httpx.Client, url: str, body: dict, parts: list[str]) -> dict:
-    """``stream_reply``'s request: the answer's pieces go to ``parts`` as they arrive."""
-    usage, finish, t0, t_first = None, None, time.perf_counter(), None
-    calls = CallPrinter()
+    """``stream_reply``'s request: the answer's pieces go to ``parts`` as they arrive; the coordinator's SSE
+    comments (a re-plan's progress, a failover's replay) show on a ``StatusLine`` until tokens flow again."""
+    t0 = time.perf_counter()
+    calls, status = CallPrinter(), StatusLine()
+    try:
+        return _read_stream(client, url, body, parts, calls, status, t0)
+    finally:
+        status.clear()
+
+
+def _read_stream(client: httpx.Client, url: str, body: dict, parts: list[str], calls: CallPrinter,
+                 status: StatusLine, t0: float) -> dict:
+    """``_stream``'s request and its events: the answer printed, the coordinator's comments on ``status``."""
+    usage, finish, t_first = None, None, None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -257,8 +319,12 @@ def _stream(client: httpx.Client, url: str, body: dict, parts: list[str]) -> dic
             raise ChatError(str(error.get("message")), f"HTTP {response.status_code}, code {error.get('code')}"
                             + (f": {error['detail']}" if error.get("detail") else ""))
         for line in response.iter_lines():
+            if (comment := sse_status(line)) is not None:
+                status.show(comment, mid_line=bool(parts) and not parts[-1].endswith("\n"))
+                continue
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            status.clear()
             event = json.loads(line[6:])
             if "error" in event:
                 error = event["error"]
@@ -331,6 +397,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--api-key", help="API key of a coordinator started with --api-key-file (default: "
                         "$FLEET_API_KEY; else $OPENAI_API_KEY, but only with --url: a key for another service is "
                         "never sent to a coordinator found by zeroconf, which anyone on the LAN can announce)")
+    parser.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S, help="how long to wait for a coordinator "
+                        "that is still preparing its fleet (serve --model SOURCE: collecting workers, building, "
+                        f"shipping), its progress shown meanwhile (default {DEFAULT_WAIT_S:.0f}; Ctrl-C stops)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print the technical details of errors too")
     args = parser.parse_args(argv)
     if args.api_key is None:
@@ -344,13 +413,89 @@ def _report(error: ChatError, args: argparse.Namespace) -> None:
         print(f"fleet-chat: details: {error.detail}", file=sys.stderr)
 
 
-def served_model(client: httpx.Client, url: str) -> tuple[str, dict]:
-    """The model the coordinator at ``url`` serves and the sampling to send when the user sets none (its
-    ``fallback_sampling``, {} when absent); raises ``ChatError`` when it does not answer as a coordinator."""
+PREPARING_CODES = ("fleet_preparing",)
+"""503 codes of a coordinator that will serve soon (``serve --model SOURCE`` planning, building, shipping:
+coordinator/preparing.py): fleet-chat waits, as their Retry-After says, instead of giving up."""
+DEFAULT_WAIT_S = 600.0  # --wait-s: how long fleet-chat waits for a fleet being prepared
+
+
+def preparing_status(response: httpx.Response) -> str | None:
+    """What a coordinator that is preparing its fleet says it does (its 503 ``fleet_preparing`` body's message,
+    without the advice to retry), or None when ``response`` is no such answer."""
+    if response.status_code != 503:
+        return None
     try:
-        response = client.get(f"{url}/v1/models")
-    except httpx.HTTPError as exc:
-        raise transport_error(exc, url) from None
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(error, dict) or error.get("code") not in PREPARING_CODES:
+        return None
+    return re.sub(r":? *retry in a few seconds\.?$", "", str(error.get("message") or "preparing")).strip()
+
+
+def _health_progress(client: httpx.Client, url: str) -> str | None:
+    """``/health``'s ``fleet`` progress of a preparing coordinator (``progress, N s so far; workers heard: ...``),
+    or None when it does not say."""
+    try:
+        fleet = client.get(f"{url}/health", timeout=5.0).json().get("fleet") or {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if not isinstance(fleet, dict) or not fleet.get("progress"):
+        return None
+    line = f"{fleet['progress']}, {fleet.get('phase_s', 0):.0f} s so far"
+    refused = [f"{c.get('address')}: {c.get('why')}" for c in fleet.get("candidates") or []
+               if isinstance(c, dict) and c.get("why")]
+    return line + (f"; not counted: {'; '.join(refused)}" if refused else "")
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """The response's Retry-After in seconds (a number; 5 when absent or a date), kept within 0.5..30 s."""
+    try:
+        return min(30.0, max(0.5, float(response.headers.get("retry-after", "5"))))
+    except ValueError:
+        return 5.0
+
+
+def wait_for_fleet(client: httpx.Client, url: str, wait_s: float, status: StatusLine | None = None) -> httpx.Response:
+    """``/v1/models`` of the coordinator at ``url``, waiting while it prepares its fleet (503 ``fleet_preparing``):
+    its progress (``/health``'s, else the 503's) on ``status``, the next try after its Retry-After; once it was
+    seen preparing, a refused connection is the port passing from the preparing page to the API and is tried
+    again too. Raises ``ChatError`` after ``wait_s`` seconds, or for no answer at all; Ctrl-C raises
+    ``KeyboardInterrupt`` (the status line cleared)."""
+    status = status or StatusLine()
+    deadline, seen = time.monotonic() + wait_s, None
+    try:
+        while True:
+            try:
+                response = client.get(f"{url}/v1/models")
+            except httpx.ConnectError as exc:
+                if seen is None or time.monotonic() >= deadline:
+                    raise transport_error(exc, url) from None
+                status.show(f"fleet-chat: {url} is switching from preparing to serving")
+                time.sleep(1.0)
+                continue
+            except httpx.HTTPError as exc:
+                raise transport_error(exc, url) from None
+            said = preparing_status(response)
+            if said is None:
+                return response
+            seen = _health_progress(client, url) or said
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChatError(f"the fleet at {url} is still being prepared after {wait_s:.0f} s ({seen}); wait "
+                                "longer with --wait-s, or look at the coordinator's log")
+            pause = min(_retry_after(response), left)
+            status.show(f"fleet-chat: waiting for the fleet at {url} to be ready: {seen} (next try in {pause:.0f} s)")
+            time.sleep(pause)
+    finally:
+        status.clear()
+
+
+def served_model(client: httpx.Client, url: str, wait_s: float = 0.0) -> tuple[str, dict]:
+    """The model the coordinator at ``url`` serves and the sampling to send when the user sets none (its
+    ``fallback_sampling``, {} when absent), after waiting up to ``wait_s`` for a fleet being prepared
+    (``wait_for_fleet``); raises ``ChatError`` when it does not answer as a coordinator."""
+    response = wait_for_fleet(client, url, wait_s)
     try:
         if response.status_code == 401:
             raise ChatError(f"{url} refused the API key: {response.json()['error']['message']}")
@@ -461,10 +606,13 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), headers=headers) as client:
         try:
-            model, fallback = served_model(client, url)
+            model, fallback = served_model(client, url, args.wait_s)
         except ChatError as exc:
             _report(exc, args)
             return 2
+        except KeyboardInterrupt:
+            print("fleet-chat: interrupted while waiting for the fleet", file=sys.stderr)
+            return 130
         args.sampling = sampling_fields(args, fallback)
         try:
             args.tool_fields = tool_fields(args)
