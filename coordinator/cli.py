@@ -53,6 +53,22 @@ async def _announce_api(host: str, port: int, model_id: str):  # noqa: ANN202
     return zc, info
 
 
+def _source_model_name(settings: CoordinatorSettings) -> str:
+    """The model name a SOURCE's build will be served under (``--served-model-name``, else the manifest's
+    ``model_id`` as compiler/build.py writes it: a GGUF file's stem, an HF folder's name)."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    source = settings.model
+    return source.stem if source.suffix == ".gguf" else source.resolve().name
+
+
+async def _withdraw(zc) -> None:  # noqa: ANN001 - (AsyncZeroconf, AsyncServiceInfo) of _announce_api, or None
+    """Withdraw the API's announcement (nothing when ``zc`` is None)."""
+    if zc is not None:
+        await zc[0].async_unregister_service(zc[1])
+        await zc[0].async_close()
+
+
 def _worker_health(registry: Registry, w, now: float) -> dict:  # noqa: ANN001 - registry.WorkerState
     """One worker in ``/health``."""
     entry = {"address": w.address, "source": w.source, "healthy": w.healthy, "refused": w.refused,
@@ -193,11 +209,21 @@ async def serve(settings: CoordinatorSettings) -> None:
         from .preparing import Preparation, serving_while  # the page and /health show it meanwhile
 
         prep = Preparation(str(settings.model))
+        # announced while it prepares too (fleet-chat finds it and waits on its 503 fleet_preparing), under the
+        # name the build's manifest will carry (compiler/build.py: a GGUF's stem, an HF folder's name)
+        zc = await _announce_api(settings.host, settings.port, _source_model_name(settings)) \
+            if settings.announce else None
         try:
             planned = await serving_while(prep, settings, prepare_build(settings, prep))
         except (ValueError, OSError, RuntimeError) as exc:  # TimeoutError is an OSError, ShippingError a RuntimeError
+            await _withdraw(zc)
             raise SourceError(f"serve --model {settings.model}: {exc}") from exc
+        except BaseException:
+            await _withdraw(zc)
+            raise
         settings.model = planned.build_dir
+    else:
+        zc = None
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)
@@ -211,7 +237,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         engine.replan = Replanner(settings, planned, registry, free)
     shutdown = _Shutdown(engine, settings.shutdown_grace_s)
     shutdown.install()
-    local = zc = ready_task = None
+    local = ready_task = None
     try:
         if settings.local_workers:
             local = await _start_local_workers(settings, loaded, registry)
@@ -231,7 +257,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         if server.should_exit:  # signalled while starting
             return
         ready_task = asyncio.gather(_report_ready(registry, loaded), print_page_urls(server, settings.host))
-        if settings.announce:
+        if settings.announce and zc is None:
             zc = await _announce_api(settings.host, settings.port, engine.model_name)
         await server.serve()
         await shutdown.wait()
@@ -248,9 +274,7 @@ async def _stop(zc, registry: Registry, local, channels: Channels, engine: Engin
     try:
         if engine.replan is not None:
             await engine.replan.stop()
-        if zc is not None:
-            await zc[0].async_unregister_service(zc[1])
-            await zc[0].async_close()
+        await _withdraw(zc)
         await registry.stop()
     finally:
         try:

@@ -1,21 +1,32 @@
 """A ``serve --model SOURCE`` coordinator before its fleet is ready (real processes, real mDNS on loopback, real
 HTTP): a worker started with another ``--secret`` is named in ``/health``'s preparing state with its refusal, and
-the coordinator logs that refusal once per 10 s (counting the others), not at every 0.5 s round of Info calls."""
+the coordinator logs that refusal once per 10 s (counting the others), not at every 0.5 s round of Info calls; the
+coordinator is announced by zeroconf while it prepares, so ``fleet-chat`` without ``--url`` finds it and waits."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
+import time
+import uuid
 from contextlib import ExitStack
+from pathlib import Path
 
+import httpx
 import pytest
 
+from bench import harness
+from coordinator.local import free_port
 from coordinator.planned_fleet import collect_capacities
 from coordinator.preparing import Preparation
 from fleet_common.security import Security
 from tests.integration.test_shipping import serving, spawn_worker
 
 pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
 
 
 def test_a_worker_refusing_the_secret_is_logged_once_per_10_s_and_named_in_health(tmp_path, caplog):
@@ -35,3 +46,26 @@ def test_a_worker_refusing_the_secret_is_logged_once_per_10_s_and_named_in_healt
                                             "why": prep.candidates[0]["why"]}]
     assert "UNAUTHENTICATED" in prep.candidates[0]["why"], prep.candidates
 
+
+def test_a_preparing_coordinator_is_found_by_zeroconf_and_fleet_chat_waits(tmp_path, demo_hf):
+    name = f"preparing-{uuid.uuid4().hex[:8]}"  # a name no other coordinator announces
+    nobody = f"127.0.0.1:{free_port()}"  # the one --peer never answers: the coordinator stays collecting
+    port, stack = free_port(), ExitStack()
+    proc = harness.spawn([*harness.tool("fleet-coordinator"), "serve", "--model", str(harness.demo_gguf(demo_hf)),
+                          "--port", str(port), "--announce", "--no-discover", "--peer", nobody, "--served-model-name",
+                          name, "--workers-timeout-s", "120", "--build-cache-dir", str(tmp_path / "builds")],
+                         tmp_path / "coordinator.log", stack)
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_for(r"announced the API", 60)  # while it prepares (collecting: no --peer answers)
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health", timeout=5).json().get("fleet", {}).get("state") != "preparing":
+            assert time.monotonic() < deadline, "the coordinator never said it prepares"
+            time.sleep(0.5)
+        run = subprocess.run([str(BIN / "fleet-chat"), "--model", name, "--wait-s", "3", "-p", "hi"],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        stack.close()
+    assert "no coordinator" not in run.stderr, run.stderr
+    assert run.returncode == 2 and f"the fleet at {url} is still being prepared after 3 s" in run.stderr, run.stderr
+    assert f"waiting for the fleet at {url}" in run.stderr and "collecting the empty --peer workers" in run.stderr
