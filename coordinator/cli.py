@@ -228,6 +228,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)
     registry = Registry(loaded, channels, settings.health_interval_s, settings.missed_health_checks)
+    registry.planned = planned is not None
     engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
     registry.on_lease_gap = LeaseCheck(engine.prefix_cache, settings.rpc_timeout_s)
     if planned is not None:  # a stage that loses its last worker is re-planned over the workers left

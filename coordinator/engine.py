@@ -426,8 +426,9 @@ class Engine:
         # the stages then hold the prompt and the output but its newest token, which the next step feeds;
         # without output yet, the prompt is prefilled again in full
         visible = request.prompt_ids + request.output_ids[:-1]
-        log.warning("%s: %s; failing over to %s, prefilling its %d visible tokens again", request.request_id,
-                    failure.message, " -> ".join(new.addresses), len(visible))
+        # the summary, not the message: the request goes on there, nobody needs to send it again
+        log.warning("%s: %s; failing over to %s, prefilling its %d visible tokens again (the request goes on)",
+                    request.request_id, failure.summary, " -> ".join(new.addresses), len(visible))
         try:
             await self._open_session(new, session, seq.slots)
         except asyncio.CancelledError:

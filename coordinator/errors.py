@@ -93,6 +93,13 @@ class StageFailure(FleetError):
                             summary=self.summary)
 
 
+def stages_phrase(stages: list[int], num_stages: int) -> str:
+    """Stage indices for a person, unambiguous about what the numbers are: ``stage 1 (of stages 0..2)``,
+    ``stages 0, 2 (of stages 0..3)`` (a stage is named by its index from 0 everywhere: logs, /health, errors)."""
+    names = f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
+    return f"{names} (of stages 0..{num_stages - 1})"
+
+
 def _retry_advice(stage: int) -> str:
     return (f"send the request again; if this keeps happening, look at that worker's log or restart it "
             f"(`fleet-worker --shard {stage}`)")

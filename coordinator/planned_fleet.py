@@ -158,7 +158,7 @@ async def _capacity(address: str, security: Security, model_id: str | None = Non
         return f"{address}: {exc.code().name} {exc.details()}"
     if not info.empty and info.ms_per_gb <= 0:  # started with --shard/--model: it has no stage store
         return (f"{address}: a static worker (--shard/--model) serving stage {info.stage} of {info.model_id!r} "
-                f"(build {info.manifest_sha256[:12]}): it takes no shipped stage")
+                f"(manifest {info.manifest_sha256[:12]}): it takes no shipped stage")
     if not info.empty and model_id is not None and info.model_id != model_id:
         return (f"{address}: serves stage {info.stage} of {info.model_id!r}, not of {model_id!r} (another fleet's "
                 "worker?): found by mDNS, it is not taken; name it with --peer to ship over it")
@@ -344,7 +344,8 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     build(src, tmp, layers=p.layers, weights=None if gguf else p.weights, kv_cache_precision=p.kv_cache_precision)
     record_devices(tmp, tuple(s.node.device for s in p.stages))
     tmp.rename(out)
-    log.info("built layers %s of %s in %.1f s: %s", p.layers, Path(src).name, time.monotonic() - t0, out)
+    log.info("built layers %s of %s in %.1f s: build key %s (%s)", p.layers, Path(src).name, time.monotonic() - t0,
+             out.name, out)
     return out
 
 
@@ -388,7 +389,7 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
                     reports.append(ShipReport(stage, [], already_served=True))
                     continue
                 if not info.empty:
-                    log.info("worker %s serves stage %d of build %s, not stage %d of %s: shipping over it",
+                    log.info("worker %s serves stage %d of manifest %s, not stage %d of manifest %s: shipping over it",
                              address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
                 reports.append(await ship_stage(channel, build_dir, stage,
                                                 progress(stage, address) if progress else None, address=address))
@@ -439,7 +440,7 @@ async def answering(addresses: list[str], security: Security, peers: list[str], 
 
 def ship_lines(reports: list, addresses: list[str], build_dir: Path) -> list[str]:
     """One line per stage of ``ship_plan``'s reports: what was sent to whom, or that it served it already."""
-    return [f"stage {stage}: {addresses[stage]} serves it already (build {build_dir.name}): nothing shipped"
+    return [f"stage {stage}: {addresses[stage]} serves it already (build key {build_dir.name}): nothing shipped"
             if r.already_served else f"stage {stage}: sent {r.sent_bytes / 1e6:.1f} MB ({r.mb_per_s:.0f} MB/s), "
             f"{r.held_bytes / 1e6:.1f} MB already held"
             + (f", {r.reused_bytes / 1e6:.1f} MB copied from the stages it held" if r.reused_bytes else "")
@@ -458,6 +459,7 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
                          "or let zeroconf find them (drop --no-discover)")
     from fleet_common.shipping import RichProgress
 
+    from .errors import stages_phrase
     from .preparing import Preparation
 
     prep = prep or Preparation(str(settings.model))
@@ -479,11 +481,11 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
     addresses = [found[s.node.name][0] for s in p.stages]
     with RichProgress() as bars:
         def progress(stage: int, address: str) -> Progress:
-            prep.step(f"shipping stage {stage} of {len(addresses)} to {address}")
+            prep.step(f"shipping {stages_phrase([stage], len(addresses))} to {address}")
 
             def on_bytes(path: str, done: int, total: int) -> None:
                 bars(f"stage {stage} -> {address}: {path}", done, total)
-                prep.progress = (f"shipping stage {stage} of {len(addresses)} to {address}: {path} "
+                prep.progress = (f"shipping {stages_phrase([stage], len(addresses))} to {address}: {path} "
                                  f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
             return on_bytes
 

@@ -23,7 +23,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common.discovery import EmptyWorker, decode_txt
 from fleet_common.manifest import LoadedManifest
 
-from .errors import PipelineUnavailable, StageFailure, stage_lost
+from .errors import PipelineUnavailable, StageFailure, stage_lost, stages_phrase
 from .pipeline import Channels, Pipeline
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class Registry:
         self._heard: dict[str, list[str]] = {}  # zeroconf service names resolved -> the addresses added for them
         self._lost: dict[str, tuple[int, float, float]] = {}  # mDNS address -> (stage, dropped at, next probe)
         self.switching = False  # a re-plan (replan.py) loads another build's stages: refusals are expected
+        self.planned = False  # serve --model SOURCE: empty workers are planned in, lost stages re-planned (replan.py)
         # called (address, seconds) when a worker answers after a longer gap than missed checks allow
         self.on_lease_gap: Callable[[str, float], None] | None = None
 
@@ -90,9 +91,12 @@ class Registry:
             refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
                        f"coordinator speaks {PROTOCOL_VERSION}")
         elif info.empty:  # an empty worker (issue 30): joins once a stage of this build is shipped to it and loaded
-            refused = (f"worker {address} is empty ({info.memory_available_bytes / 2**30:.1f} GiB available, "
-                       f"{info.device}, {info.ms_per_gb:.1f} ms per GB): not used until a stage of this build is "
-                       "shipped to it and loaded (fleet_common/shipping.py; serve --model SOURCE ships)")
+            capacity = (f"{info.memory_available_bytes / 2**30:.1f} GiB available, {info.device}, "
+                        f"{info.ms_per_gb:.1f} ms per GB")
+            refused = (f"worker {address} is empty ({capacity}): the re-planner plans it in when the model fits only "
+                       "with it or decode gets faster (a stage is shipped to it then)" if self.planned else
+                       f"worker {address} is empty ({capacity}): not used until a stage of this build is shipped to it "
+                       "and loaded (fleet_common/shipping.py; serve --model SOURCE ships)")
         elif info.manifest_sha256 != self.loaded.sha256:
             refused = (f"refusing worker {address} (stage {info.stage}, model {info.model_id!r}): its manifest "
                        f"{info.manifest_sha256[:12]} differs from the coordinator's {self.loaded.sha256[:12]} "
@@ -151,6 +155,7 @@ class Registry:
         if refused != state.refused:
             if refused:  # a worker of another fleet on the LAN is no error; a --peer named by hand is
                 level = logging.ERROR if state.source == "peer" else logging.WARNING
+                level = logging.INFO if info.empty and self.planned else level  # planned in (replan.py)
                 log.log(logging.INFO if self.switching else level, "%s%s", refused,
                         " (a re-plan is switching the workers to another build)" if self.switching else "")
             state.refused = refused
@@ -223,12 +228,15 @@ class Registry:
 
     def missing_message(self, missing: list[int]) -> str:
         """What a user should do about ``missing`` stages, in one sentence."""
-        stages = f"stage {missing[0]}" if len(missing) == 1 else "stages " + ", ".join(map(str, missing))
-        commands = " and ".join(f"`fleet-worker --shard {s} --model <build>`" for s in missing)
+        stages = stages_phrase(missing, self.num_stages)
         last_seen = [f"{w.address}" for w in self.workers.values()
                      if w.info is not None and w.info.stage in missing and not w.refused]
         seen = f" (last seen at {', '.join(sorted(last_seen))})" if last_seen else ""
-        return (f"no healthy worker serves {stages} of {self.num_stages}{seen}: start {commands} on a PC of "
+        if self.planned:  # serve --model SOURCE: the stage comes back by a re-plan, not by a --shard worker
+            return (f"no healthy worker serves {stages}{seen}: the coordinator re-plans over the workers answering "
+                    "(start an empty `fleet-worker` on a PC if too few are left), then send the request again")
+        commands = " and ".join(f"`fleet-worker --shard {s} --model <build>`" for s in missing)
+        return (f"no healthy worker serves {stages}{seen}: start {commands} on a PC of "
                 "the fleet (or pass its host:port with --peer), then send the request again")
 
     async def pipeline(self) -> Pipeline:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from fleet_common.manifest import load_manifest
 
-from .errors import PipelineUnavailable
+from .errors import PipelineUnavailable, stages_phrase
 from .planned_fleet import (PlannedFleet, answering, build_cache, build_for_plan, plan_source, plan_workers, ship_lines,
                             ship_plan)
 
@@ -175,7 +175,8 @@ class Replanner:
         lost = sorted(w.address for w in self.registry.workers.values()
                       if w.info is not None and not w.healthy and w.info.stage in missing)
         self._set(FleetState.REPLANNING, "waiting for the worker to come back",
-                  f"stage(s) {', '.join(map(str, missing))} of {self.registry.num_stages} have no worker left"
+                  f"{stages_phrase(missing, self.registry.num_stages)} {'has' if len(missing) == 1 else 'have'} "
+                  "no worker left"
                   + (f" (last at {', '.join(lost)})" if lost else ""))
         self._task = asyncio.ensure_future(self._run(time.monotonic()))
         self._task.add_done_callback(self._done)
@@ -188,7 +189,8 @@ class Replanner:
 
     async def _watching(self) -> None:
         while not await self.registry.wait_ready(60):  # the start: workers joining is no stage lost
-            log.warning("re-planning not armed: stage(s) %s not served yet", self.registry.missing_stages())
+            log.warning("re-planning not armed: %s not served yet",
+                        stages_phrase(self.registry.missing_stages(), self.registry.num_stages))
         self._armed = True
         while True:
             self.notice()
@@ -307,8 +309,8 @@ class Replanner:
             await self.registry.use_build(load_manifest(build_dir))
         self.fleet = PlannedFleet(build_dir, p, fleet.source, found, fleet.source_path)
         if not await self.registry.wait_ready(s.rpc_timeout_s + 10):
-            raise RuntimeError(f"stage(s) {self.registry.missing_stages()} of the new build {build_dir.name} not "
-                               "served after shipping")
+            raise RuntimeError(f"{stages_phrase(self.registry.missing_stages(), self.registry.num_stages)} of the new "
+                               f"build (build key {build_dir.name}) not served after shipping")
 
     async def _ship(self, build_dir, addresses: list[str]) -> list:  # noqa: ANN001 - Path
         """``ship_plan`` with its progress in ``progress``; a worker still closing the old build's sessions
@@ -318,10 +320,10 @@ class Replanner:
         from fleet_common.shipping import ShippingError
 
         def progress(stage: int, address: str):  # noqa: ANN202 - fleet_common.shipping.Progress
-            self._step(f"shipping stage {stage} of {len(addresses)} to {address}")
+            self._step(f"shipping {stages_phrase([stage], len(addresses))} to {address}")
 
             def on_bytes(path: str, done: int, total: int) -> None:
-                self.progress = (f"shipping stage {stage} of {len(addresses)} to {address}: {path} "
+                self.progress = (f"shipping {stages_phrase([stage], len(addresses))} to {address}: {path} "
                                  f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
             return on_bytes
 

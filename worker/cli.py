@@ -26,6 +26,7 @@ from fleet_common.wire import add_servicer
 from .capacity import measured_speed
 from .identity import claim
 from .loader import default_cache_dir
+from .log_role import RoleFilter, set_role
 from .runner import ShardRunner
 from .server import StageService, create_server
 from .sessions import SessionStore
@@ -220,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"fleet-worker: error: {describe_validation_error(exc)}", file=sys.stderr)
         return 2
+    set_role("empty" if settings.shard is None else str(settings.shard))  # an empty one's: the stage it loads
     logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s worker[{'empty' if settings.shard is None else settings.shard}] "
-                               "%(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s worker[%(worker_role)s] %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RoleFilter())
     try:
         asyncio.run(serve(settings))
     except (ManifestError, ValueError, RuntimeError) as exc:

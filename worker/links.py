@@ -44,6 +44,7 @@ class Downlink:
         self.address = address
         self.upstreams: set[Upstream] = set()  # upstreams that forwarded through this link (told if it breaks)
         self.broken: str | None = None
+        self.closing = False  # close() was called: the stream's end is expected, not a broken link
         self._relay, self._on_broken = relay, on_broken
         self._link = StreamWriter(stub.Link())
         self._reader = asyncio.ensure_future(self._read())
@@ -78,11 +79,15 @@ class Downlink:
         if self.broken is None:
             self.broken = reason
             self._link.call.cancel()
-            log.warning("link to the next stage at %s broke: %s", self.address, reason)
+            if self.closing:  # this stage closed it (a reload, a shutdown): expected
+                log.info("link to the next stage at %s closed", self.address)
+            else:
+                log.warning("link to the next stage at %s broke: %s", self.address, reason)
             self._on_broken(self, reason)
 
     async def close(self) -> None:
-        """End the stream and stop its reader."""
+        """End the stream and stop its reader (logged as closed, not as broken)."""
+        self.closing = True
         self._link.call.cancel()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)

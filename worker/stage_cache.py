@@ -205,7 +205,7 @@ class StageCache:
         rel = safe_relative(path)
         expected = loaded.manifest.files.get(path)
         if expected is None:
-            raise StageCacheError(f"path {path!r} is not a file of build {loaded.sha256[:12]}")
+            raise StageCacheError(f"path {path!r} is not a file of manifest {loaded.sha256[:12]}")
         return loaded.directory / rel, expected
 
     def held(self, loaded: LoadedManifest, path: str) -> Held:
@@ -291,7 +291,7 @@ class StageCache:
             os.fsync(dir_fd)  # the rename itself survives a power cut
         finally:
             os.close(dir_fd)
-        log.info("stage cache: %s of build %s complete (%d bytes, sha256 checked)", path, loaded.sha256[:12],
+        log.info("stage cache: %s of manifest %s complete (%d bytes, sha256 checked)", path, loaded.sha256[:12],
                  final.stat().st_size)
 
     def verify_stage(self, loaded: LoadedManifest, stage: int) -> None:
@@ -301,7 +301,7 @@ class StageCache:
         files = stage_files(loaded.manifest, stage)
         missing = [p for p in files if not self._target(loaded, p)[0].is_file()]
         if missing:
-            raise StageCacheError(f"stage {stage} of build {loaded.sha256[:12]} is not in the cache: missing "
+            raise StageCacheError(f"stage {stage} of manifest {loaded.sha256[:12]} is not in the cache: missing "
                                   f"{', '.join(missing)} (ship it first)", "FAILED_PRECONDITION")
         for path in files:
             final, expected = self._target(loaded, path)

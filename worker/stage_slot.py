@@ -26,6 +26,7 @@ from fleet_common.manifest import LoadedManifest, ManifestError
 from fleet_common.segments import MAX_SEGMENTS, Segment
 from fleet_common.wire import Malformed
 
+from .log_role import set_role
 from .receiving import ReceiveBars
 from .server import StageService
 from .stage_cache import StageCache, StageCacheError, stage_files
@@ -168,7 +169,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 if await asyncio.shield(pending):
                     completed.append(chunk.path)
                 written += len(chunk.data)
-                self.bars.update(key, f"{chunk.path} of build {loaded.sha256[:12]}", chunk.offset + len(chunk.data),
+                self.bars.update(key, f"{chunk.path} of manifest {loaded.sha256[:12]}", chunk.offset + len(chunk.data),
                                  chunk.size)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
@@ -203,7 +204,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                                                           segments))
             have, copied, held = await asyncio.shield(job)  # a cancelled call: the copy still ends whole
             if copied:
-                self.bars.update(key, f"{request.path} of build {loaded.sha256[:12]} (copied here)", have, request.size)
+                self.bars.update(key, f"{request.path} of manifest {loaded.sha256[:12]} (copied here)", have, request.size)
                 self.bars.end(key)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
@@ -236,7 +237,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                     return pb.LoadStageReply(stage=request.stage, layer_start=entry.start, layer_end=entry.end,
                                              load_source=self.slot.service.runner.load.source, already_loaded=True)
                 if self.slot.service is not None and (held := len(self.slot.service.store.sessions())):
-                    raise StageCacheError(f"this worker serves stage {self.loaded[1]} of build {self.loaded[0][:12]} "
+                    raise StageCacheError(f"this worker serves stage {self.loaded[1]} of manifest {self.loaded[0][:12]} "
                                           f"with {held} session(s) open: close them first", "FAILED_PRECONDITION")
                 await asyncio.to_thread(self.cache.verify_stage, loaded, request.stage)
                 service = await self.load(loaded, request.stage)
@@ -244,10 +245,11 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 await self._refuse(context, exc)
             old, self.slot.service = self.slot.service, service
             self.loaded = (loaded.sha256, request.stage)
+            set_role(str(request.stage))  # its log lines name the stage it serves now, not "empty"
             if old is not None:
                 await old.close()
             seconds = time.perf_counter() - t0
-            log.info("stage store: loaded stage %d (layers [%d, %d)) of build %s from the cache in %.2f s",
+            log.info("stage store: loaded stage %d (layers [%d, %d)) of manifest %s from the cache in %.2f s",
                      request.stage, entry.start, entry.end, loaded.sha256[:12], seconds)
             return pb.LoadStageReply(stage=request.stage, layer_start=entry.start, layer_end=entry.end,
                                      load_source=service.runner.load.source, load_s=seconds)

@@ -125,7 +125,7 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
     # the answer in flight waited on the re-plan too: its stream was kept alive by the same comments
     assert any(c.startswith(": re-planning ") for c in in_flight["comments"]), in_flight["comments"]
     replanning = [s for s in seen if s["state"] == "replanning"]
-    assert replanning and any("stage(s) 1 of 3 have no worker left" in s["reason"] for s in replanning), seen
+    assert replanning and any("stage 1 (of stages 0..2) has no worker left" in s["reason"] for s in replanning), seen
     assert any(s["progress"].startswith("building layers") for s in replanning), [s["progress"] for s in seen]
     assert seen[-1]["state"] == "serving" and seen[-1]["replans"] == 1, seen[-1]
     assert health["ready"] and health["num_stages"] == 2 and victim not in health["fleet"]["workers"], health
@@ -134,7 +134,7 @@ def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(t
     assert panel[0][0] == "serving" and "over 3 workers" in panel[0][1], panel
     shown = [p for p in panel if p[0] == "replanning"]
     assert shown and all(p[2] == "re-planning" for p in shown), panel
-    assert any("stage(s) 1 of 3 have no worker left" in p[1] and "New requests wait" in p[1] for p in shown), panel
+    assert any("stage 1 (of stages 0..2) has no worker left" in p[1] and "New requests wait" in p[1] for p in shown), panel
     assert panel[-1][0] == "serving" and "over 2 workers · 1 re-plan (the last took" in panel[-1][1], panel
     assert panel[-1][2] == "ready", panel
     print(f"kill -> the in-flight answer's next token {first_after:.1f} s; kill -> the waiting request's whole "

@@ -105,6 +105,6 @@ def test_a_worker_left_too_small_for_the_model_refuses_with_its_name_and_bytes(t
         return refused.value.message, status
 
     message, status = asyncio.run(run())
-    assert status["state"] == "refused" and "stage(s) 1 of 2 have no worker left" in status["reason"]
+    assert status["state"] == "refused" and "stage 1 (of stages 0..1) has no worker left" in status["reason"]
     assert "node 'a'" in message and "MiB" in message and "short" in message, message
     assert "workers left: a at 127.0.0.1:1 (" in message, message

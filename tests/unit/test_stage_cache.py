@@ -294,8 +294,8 @@ def test_the_worker_draws_a_bar_per_file_it_receives_and_closes_it_after(tmp_pat
     asyncio.run(run())
     text = out.getvalue()
     assert bars._progress is None and not bars._tasks, text  # nothing stays open between transfers
-    assert f"receiving stage_1/openvino_model.bin of build {sha[:12]}" in text and "300.0/300.0 kB" in text, text
-    assert f"receiving stage_1/openvino_model.xml of build {sha[:12]}" in text, text
+    assert f"receiving stage_1/openvino_model.bin of manifest {sha[:12]}" in text and "300.0/300.0 kB" in text, text
+    assert f"receiving stage_1/openvino_model.xml of manifest {sha[:12]}" in text, text
 
 
 def test_load_stage_refuses_a_cached_file_changed_on_disk_and_loads_nothing(tmp_path):
