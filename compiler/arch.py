@@ -49,7 +49,7 @@ their own), q/k RMSNorm per head, GeGLU with tanh GELU, softmax scale ``query_pr
 local (``sliding_attention``) layers interleaved with global ones: a local layer sees keys fewer than
 ``sliding_window`` logical positions back (from the visibility mask, compiler/export.py) and has its own RoPE
 base (``rope_local_base_freq``), the global ones ``rope_theta`` and ``rope_scaling``. Logit softcapping (Gemma 2)
-is refused. A GGUF's norms are 1 + w already (compiler/gguf.py ``gemma3_config``).
+is refused. A GGUF's norms are 1 + w already (compiler/gguf_families.py ``gemma3_config``).
 
 Refused, naming what is missing (``UnsupportedModel``): a vision or audio tower (``vision_config``, ...),
 layers that are not attention (``layer_types`` with ``linear_attention``: Qwen3-Next/Qwen3.5's gated delta
@@ -398,7 +398,7 @@ def _gemma3(config: dict, head_dim: int, where: str) -> dict:
         raise UnsupportedModel(f"{where}: the sliding layers' rope {local!r} is not supported")
     # transformers multiplies in the embedding's dtype at run time: f32 here (the graph's), as llama.cpp does
     embed_scale = float(np.float32(math.sqrt(int(config["hidden_size"]))))
-    # a GGUF's norms are 1 + w already (llama.cpp's converter adds the 1: compiler/gguf.py gemma3_config)
+    # a GGUF's norms are 1 + w already (llama.cpp's converter adds the 1: compiler/gguf_families.py gemma3_config)
     offset = 0.0 if config.get("gguf_norms_plus_one") else 1.0
     return dict(global_rope=base | {"rope_parameters": full}, norm_offset=offset, embed_scale=embed_scale,
                 mlp_act="gelu_tanh", sandwich_norms=True, attn_scale=float(config.get("query_pre_attn_scalar", 256))
@@ -531,6 +531,20 @@ def _yarn_attention(params: dict) -> float:
     return mscale()
 
 
+def _gpt_oss_names(cfg: ModelConfig, p: str) -> dict[str, str]:
+    """The gpt-oss roles of decoder layer prefix ``p`` ("model.layers.3."): o_proj's bias, the sinks, the router
+    and its bias, each expert's ``gate_up`` and ``down`` (compiler/gpt_oss.py ``GptOssWeights``' views) and the experts' biases."""
+    names = {"o_bias": p + "self_attn.o_proj.bias", "sinks": p + "self_attn.sinks",
+             "router": p + "mlp.router.weight", "router_bias": p + "mlp.router.bias",
+             "experts.gate_up_bias": p + "mlp.experts.gate_up_proj.bias",
+             "experts.down_bias": p + "mlp.experts.down_proj.bias"}
+    for e in range(cfg.num_experts):
+        names |= {f"expert.{e}.gate_up": p + f"mlp.experts.{e}.gate_up_proj.weight",
+                  f"expert.{e}.down": p + f"mlp.experts.{e}.down_proj.weight"}
+    return names
+
+
+
 def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     """HF tensor names of decoder layer ``layer``, by role (the same for every supported family)."""
     p = f"model.layers.{layer}."
@@ -544,9 +558,7 @@ def hf_weight_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     if layer in cfg.moe_layers:  # a router and experts instead of the MLP: roles "router", "expert.{e}.{gate,up,down}"
         del names["gate"], names["up"], names["down"]
         if cfg.gpt_oss:  # experts.{e}.gate_up_proj/down_proj: compiler/gpt_oss.py's views of the stacked tensors
-            from .gpt_oss import weight_names
-
-            names |= weight_names(cfg, p)
+            names |= _gpt_oss_names(cfg, p)
         elif cfg.model_type == "mixtral":
             names["router"] = p + "block_sparse_moe.gate.weight"
             for e in range(cfg.num_experts):

@@ -505,6 +505,19 @@ def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
     return param
 
 
+def _feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], weights: _Weights, cfg: ModelConfig,
+                  layer: int) -> ov.Output:
+    """A layer's MLP on its normed input x [B, S, H] -> [B, S, H]: SwiGLU, or in a Mixture-of-Experts layer its
+    router and experts, each matrix stacked over the experts (gpt-oss's biased ``gate_up``/``down``, or
+    ``gate``/``up``/``down``)."""
+    if layer not in cfg.moe_layers:
+        return mlp(x, w)
+    parts = ("gate_up", "down") if cfg.gpt_oss else ("gate", "up", "down")
+    experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
+               for part in parts}
+    return gpt_oss_moe(x, w, experts, cfg, layer) if cfg.gpt_oss else moe(x, w, experts, cfg, layer)
+
+
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
                  int8=None, keep_blocks: bool = False,
@@ -565,15 +578,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, *here,
                                    beam_idx.output(0), batch, layer)
         x = op.add(x, h).output(0)
-        if layer in cfg.moe_layers:  # the experts stacked
-            parts = ("gate_up", "down") if cfg.gpt_oss else ("gate", "up", "down")
-            experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
-                       for part in parts}
-            h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            h = gpt_oss_moe(h, w, experts, cfg, layer) if cfg.gpt_oss else moe(h, w, experts, cfg, layer)
-            x = op.add(x, h).output(0)
-        else:
-            x = op.add(x, mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w)).output(0)
+        x = op.add(x, _feed_forward(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, names, weights, cfg,
+                                    layer)).output(0)
         sinks += layer_sinks
     if stage.last:
         if logits_index_input:

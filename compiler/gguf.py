@@ -68,7 +68,8 @@ import numpy as np
 from fleet_common.residency import release
 
 from .arch import EMBEDDING
-from . import gpt_oss
+from . import gguf_gpt_oss as gpt_oss
+from .gguf_families import ROPE_TENSORS, gemma3_config, phi3_rope
 from .gguf_moe import ROUTER, expert_slices, is_expert_tensor, is_moe, moe_config, router_name
 from .gguf_mxfp4 import MXFP4_I8, mxfp4_blocks
 from .weights import WeightsError, check_f16_range, check_shapes
@@ -91,8 +92,6 @@ GEMMA3_LAYER_TO_HF = {  # gemma3's four norms a layer (llama.cpp's Gemma3Model):
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-GEMMA3_SWA_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0  # what llama.cpp's llama-model.cpp fixes for gemma3 files
-ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # RoPE's, not weights
 KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "MXFP4")
 NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
 GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32, "Q5_0": 32, "Q5_1": 32,
@@ -195,7 +194,7 @@ class GGUFWeights:
                 continue
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
             if config["model_type"] == "gpt_oss" and t.name.split(".")[2:3] in [[r] for r in gpt_oss.GGUF_EXPERTS]:
-                gpt_oss_experts[t.name] = t  # gate and up interleaved back into HF's gate_up (compiler/gpt_oss.py)
+                gpt_oss_experts[t.name] = t  # gate and up interleaved back into HF's gate_up (compiler/gguf_gpt_oss.py)
                 if qtype not in (*KEPT, "F32", "F16", "BF16"):
                     experts.setdefault(qtype, []).append(t.name)
                 continue
@@ -558,7 +557,7 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     }
     if moe:
         config |= moe_config(reader, arch, config, where)
-    if arch == "gpt-oss":  # its experts, YaRN and sliding layers (compiler/gpt_oss.py)
+    if arch == "gpt-oss":  # its experts, YaRN and sliding layers (compiler/gguf_gpt_oss.py)
         return config | gpt_oss.gguf_config(reader, arch, config, where)
     window = field(reader, f"{arch}.attention.sliding_window")
     if arch == "gemma3":
@@ -566,57 +565,6 @@ def gguf_config(reader, where: str) -> dict:  # noqa: ANN001
     if window:  # exact while the context fits the window: arch.py serves no more than that
         config |= {"sliding_window": int(window), "use_sliding_window": True}
     return config
-
-
-def gemma3_config(reader, config: dict, rope: dict, window: int | None) -> dict:  # noqa: ANN001
-    """The Gemma 3 part of a gemma3 GGUF's HF config, as llama.cpp reads the file (llama-model.cpp): local layers
-    ``GEMMA3_SWA_PATTERN`` (every 6th global) unless ``gemma3.attention.sliding_window_pattern`` says otherwise, the
-    window ``gemma3.attention.sliding_window``, the local RoPE base ``GEMMA3_LOCAL_THETA`` unscaled, the global one
-    the file's ``rope.freq_base`` and linear scaling; the softmax scale head_dim ** -0.5 (hidden / heads for the
-    27B's 62 layers: llama.cpp's ``f_attention_scale``, the file has no query_pre_attn_scalar); tanh GELU; the norms
-    stored as 1 + w (the converter adds the 1), so arch.py adds none (``gguf_norms_plus_one``)."""
-    layers = config["num_hidden_layers"]
-    pattern = field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
-    if isinstance(pattern, (list, tuple)):  # per layer: true for a local layer
-        local = [bool(v) for v in pattern]
-    else:
-        local = [bool((i + 1) % int(pattern)) for i in range(layers)]
-    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
-    return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": int(window or 0) or None,
-            "layer_types": ["sliding_attention" if v else "full_attention" for v in local],
-            "rope_parameters": {"full_attention": rope,
-                                "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}},
-            "query_pre_attn_scalar": scalar, "gguf_norms_plus_one": True,
-            "architectures": ["Gemma3ForCausalLM"]}
-
-
-def phi3_rope(reader, arch: str, head_dim: int, where: str) -> dict:  # noqa: ANN001
-    """The HF ``rope_parameters`` of a phi3 GGUF beyond theta, as llama.cpp's converter writes them
-    (convert_hf_to_gguf.py ``Phi3MiniModel``): ``partial_rotary_factor`` = ``{arch}.rope.dimension_count`` /
-    head_dim, and for a LongRoPE model (Ding et al. 2024) ``rope_factors_short.weight`` and
-    ``rope_factors_long.weight`` [rotary dims / 2] f32 with ``{arch}.rope.scaling.attn_factor`` and
-    ``.original_context_length``: the ``longrope`` parameters compiler/arch.py reads. ``ValueError`` naming the
-    file when one of the two factor tensors or the original context is missing."""
-    rope: dict = {}
-    dims = field(reader, f"{arch}.rope.dimension_count")
-    if dims is not None and int(dims) != head_dim:
-        rope["partial_rotary_factor"] = int(dims) / head_dim
-    factors = {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS[1:]}
-    if not factors:
-        return rope
-    if len(factors) != 2:
-        raise ValueError(f"{where}: LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight, "
-                         f"the file has only {', '.join(factors)}")
-    original = field(reader, f"{arch}.rope.scaling.original_context_length")
-    if original is None:
-        raise ValueError(f"{where}: metadata {arch}.rope.scaling.original_context_length missing (LongRoPE)")
-    rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original),
-             "short_factor": np.asarray(factors["rope_factors_short.weight"].data, np.float64).tolist(),
-             "long_factor": np.asarray(factors["rope_factors_long.weight"].data, np.float64).tolist()}
-    attention = field(reader, f"{arch}.rope.scaling.attn_factor")
-    if attention is not None:
-        rope["attention_factor"] = float(attention)
-    return rope
 
 
 def rope_freqs(reader) -> np.ndarray | None:  # noqa: ANN001

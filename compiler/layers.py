@@ -177,13 +177,25 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     keys, values = repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d), repeat_kv(values, cfg.kv_groups, cfg.num_heads, d)
     scale = d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
     if "sinks" in w:  # gpt-oss: a sink logit per head, SDPA's sixth input
-        from .gpt_oss import sdpa_with_sinks  # (gpt_oss imports this module)
-
         out = sdpa_with_sinks(q, keys, values, mask, scale, w["sinks"])
     else:
         out = op.scaled_dot_product_attention(q, keys, values, mask, f32(scale), causal=False)  # [B, heads, S, D]
     out = op.reshape(op.transpose(out, i64([0, 2, 1, 3])), i64([0, 0, cfg.num_heads * d]), special_zero=True)
     return linear(out.output(0), w["o"], w.get("o_bias")), [k_sink, v_sink]
+
+
+def sdpa_with_sinks(q: ov.Output, keys: ov.Output, values: ov.Output, mask: ov.Output, scale: float,
+                    sinks: ov.Output) -> ov.Output:
+    """Attention with a sink logit per head (transformers' gpt-oss ``eager_attention_forward``; Xiao et al. 2023,
+    "Efficient Streaming Language Models with Attention Sinks"): q [B, heads, S, D], keys and values [B, heads, T,
+    D] (KV heads repeated), mask [B, 1, S, T] additive, sinks [heads] f32 -> [B, heads, S, D]. OpenVINO's
+    ``ScaledDotProductAttention`` (opset13) takes the sinks as its sixth input, [1, heads, 1, 1]: its spec
+    concatenates the sink to each row of scores before the softmax and drops that column after, exactly
+    ``softmax([q k^T scale + mask, sink])[..., :T] @ V``. The CPU plugin keeps it one fused stateful SDPA that reads
+    the KV cache from its state, as for every other architecture (``fleet-compiler inspect`` counts it so)."""
+    sink = op.reshape(sinks, i64([1, -1, 1, 1]), special_zero=False)
+    return NodeFactory("opset13").create("ScaledDotProductAttention", [q, keys, values, mask, f32(scale),
+                                                                       sink.output(0)], {"causal": False}).output(0)
 
 
 def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:

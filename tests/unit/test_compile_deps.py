@@ -20,7 +20,7 @@ def _name(requirement: str) -> str:
     return re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
 
 
-def _closure(requirements: list[str]) -> set[str]:
+def dependency_closure(requirements: list[str]) -> set[str]:
     """Every distribution ``requirements`` pull in, from this environment's installed metadata (extras of
     the dependencies are not followed, as pip does not install them unless asked)."""
     seen: set[str] = set()
@@ -42,7 +42,7 @@ def test_compile_extra_pulls_no_torch():
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    closure = _closure([*project["dependencies"], *project["optional-dependencies"]["compile"]])
+    closure = dependency_closure([*project["dependencies"], *project["optional-dependencies"]["compile"]])
     assert "openvino" in closure and "nncf" in closure and "safetensors" in closure
     assert not closure & FORBIDDEN, sorted(closure & FORBIDDEN)
 

@@ -60,7 +60,7 @@ def test_an_unknown_architecture_lists_the_ones_built(tmp_path):
     path = tmp_path / "falcon.gguf"
     write(path, "falcon")
     with pytest.raises(UnsupportedModel, match=r"GGUF architecture 'falcon' is not supported; the builder makes "
-                                               r"llama, qwen2, qwen3, phi3, gemma3, qwen3moe GGUF files"):
+                                               r"llama, qwen2, qwen3, phi3, gemma3, qwen3moe, gpt-oss GGUF files"):
         gguf_config(open_reader(path), str(path))
 
 

@@ -18,7 +18,7 @@ from bench import harness
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.security import Security, open_channel
-from tests.unit.test_compile_deps import FORBIDDEN, _closure
+from tests.unit.test_compile_deps import FORBIDDEN, dependency_closure
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPILE_ONLY = {"nncf", "safetensors", "gguf"}  # the compile extra's own packages
@@ -38,7 +38,7 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_worker_pc_installs_neither_torch_nor_the_compile_extra():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    closure = _closure(project["dependencies"])
+    closure = dependency_closure(project["dependencies"])
     assert {"openvino", "grpcio", "rich", "zeroconf"} <= closure, sorted(closure)
     assert not closure & (FORBIDDEN | COMPILE_ONLY), sorted(closure & (FORBIDDEN | COMPILE_ONLY))
 
