@@ -290,8 +290,10 @@ class RichProgress:
         try:
             from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+            from .console import bar_console
+
             self._bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn())
+                                 TransferSpeedColumn(), console=bar_console())  # into a log: not wrapped at 80
             self._bar.__enter__()
         except ImportError:
             self._bar = None

@@ -14,16 +14,15 @@ import threading
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 
+from fleet_common.console import bar_console
+
 
 class ReceiveBars:
     """The bars of the files a worker is receiving, by key (``<build sha256>/<path>``). Thread-safe (the
     worker updates it from its event loop; rich redraws from its own thread)."""
 
     def __init__(self, console: Console | None = None) -> None:
-        if console is None:  # a log file is not a terminal: rich would wrap its lines at 80 columns
-            console = Console(stderr=True)
-            console = console if console.is_terminal else Console(stderr=True, width=160)
-        self.console = console
+        self.console = console or bar_console(stderr=True)  # into a log file: wide, not wrapped at 80 columns
         self._lock = threading.Lock()
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
