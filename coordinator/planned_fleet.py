@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -29,7 +28,7 @@ import grpc
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.discovery import Capacity
+from fleet_common.discovery import Capacity, implausible, printable
 from fleet_common.security import Security, open_channel
 from fleet_common.settings import cache_home
 
@@ -76,12 +75,12 @@ def planning_speeds(ms_per_gb: dict[str, float], tolerance: float = SPEED_TOLERA
     not closer than 20% to a decode step's time anyway. Ties go to the order of the ids."""
     planned: dict[str, float] = {}
     group: list[tuple[float, str]] = []
-    for ms, name in sorted((ms, name) for name, ms in ms_per_gb.items()) + [(float("inf"), "")]:
+    for ms, name in sorted((ms, name) for name, ms in ms_per_gb.items()):
         if group and ms > group[0][0] * (1 + tolerance):
-            median = statistics.median(m for m, _ in group)
-            planned.update((n, median) for _, n in group)
+            planned.update((n, statistics.median(m for m, _ in group)) for _, n in group)
             group = []
         group.append((ms, name))
+    planned.update((n, statistics.median(m for m, _ in group)) for _, n in group)  # the last group, whatever its speed
     return planned
 
 
@@ -162,9 +161,10 @@ async def _capacity(address: str, security: Security, model_id: str | None = Non
     if not info.empty and model_id is not None and info.model_id != model_id:
         return (f"{address}: serves stage {info.stage} of {info.model_id!r}, not of {model_id!r} (another fleet's "
                 "worker?): found by mDNS, it is not taken; name it with --peer to ship over it")
-    if not math.isfinite(info.ms_per_gb) or info.ms_per_gb <= 0:
-        return f"{address}: announces a speed of {info.ms_per_gb} ms per GB: not a measured speed, not counted"
-    return info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
+    worker, capacity = info.worker_id or address, Capacity(info.memory_available_bytes, info.device, info.ms_per_gb)
+    if (odd := implausible(capacity)) is not None:
+        return f"{address} (worker {printable(worker)}): announces {odd}: not a measured capacity, not counted"
+    return worker, capacity
 
 
 async def collect_capacities(addresses: list[str], security: Security, expect: int, timeout_s: float,

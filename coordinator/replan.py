@@ -96,6 +96,7 @@ class Replanner:
         self.settings, self.fleet, self.registry = settings, fleet, registry
         self.free_retained = free_retained  # frees the prefix cache's sessions (before a join's re-plan loads stages)
         self._joins_seen: frozenset = frozenset()  # joined workers already judged by join_decision
+        self._odd_seen: set[tuple[str, str]] = set()  # (address, why) of joined workers left out, each said once
         self.state = FleetState.SERVING
         self.reason = ""  # why it re-plans or refuses
         self.progress = ""  # what it is doing now
@@ -193,18 +194,30 @@ class Replanner:
                         stages_phrase(self.registry.missing_stages(), self.registry.num_stages))
         self._armed = True
         while True:
-            self.notice()
-            self.consider_joins()
+            try:
+                self.notice()
+                self.consider_joins()
+            except Exception:  # a bug or a worker's odd answer: said, and the fleet is watched on (never left unwatched)
+                log.exception("watching the fleet: this round failed; watching on")
             await asyncio.sleep(self.settings.health_interval_s)
 
     def _joined(self) -> dict[str, tuple[str, Capacity]]:
         """Empty workers answering the registry that the plan does not use (a --peer that came late, or one
         heard by mDNS): worker id -> (address, capacity)."""
-        from fleet_common.discovery import Capacity
+        from fleet_common.discovery import Capacity, implausible, printable
 
-        return {w.info.worker_id: (w.address, Capacity(w.info.memory_available_bytes, w.info.device, w.info.ms_per_gb))
-                for w in list(self.registry.workers.values()) if w.info is not None and w.info.empty
-                and w.missed == 0 and w.info.ms_per_gb > 0 and w.info.worker_id not in self.fleet.members}
+        joined = {}
+        for w in list(self.registry.workers.values()):
+            if w.info is None or not w.info.empty or w.missed or w.info.worker_id in self.fleet.members:
+                continue
+            capacity = Capacity(w.info.memory_available_bytes, w.info.device, w.info.ms_per_gb)
+            if (odd := implausible(capacity)) is None:
+                joined[w.info.worker_id] = (w.address, capacity)
+            elif (w.address, odd) not in self._odd_seen:
+                self._odd_seen.add((w.address, odd))
+                log.warning("worker %s at %s announces %s: not a measured capacity, not planned over",
+                            printable(w.info.worker_id), w.address, odd)
+        return joined
 
     def consider_joins(self) -> None:
         """A serving fleet that gained empty workers re-plans over them when ``join_decision`` says it pays

@@ -26,6 +26,29 @@ class Capacity:
                 f"GB of f16 weights ({'cached' if self.cached else 'measured'})")
 
 
+MIN_MS_PER_GB, MAX_MS_PER_GB = 0.01, 1e5  # 100 TB/s .. 10 MB/s of weights read: beyond either, not a measurement
+MAX_MEMORY_BYTES = 1 << 50  # 1 PiB: no PC of a LAN fleet has more
+
+
+def printable(text: str, limit: int = 80) -> str:
+    """``text`` from another PC (a device name, a worker id) as it may be printed: control characters (an ANSI
+    escape, a newline) escaped, cut at ``limit`` characters."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)[:limit])
+    return shown + ("..." if len(str(text)) > limit else "")
+
+
+def implausible(capacity: Capacity) -> str | None:
+    """Why ``capacity`` (as a worker announced it) cannot be a measured one, or None: a speed not finite or
+    outside ``MIN_MS_PER_GB``..``MAX_MS_PER_GB`` ms per GB, a memory not in 1..``MAX_MEMORY_BYTES`` bytes."""
+    ms, memory = capacity.ms_per_gb, capacity.memory_available_bytes
+    if not isinstance(ms, (int, float)) or not MIN_MS_PER_GB <= ms <= MAX_MS_PER_GB:  # NaN and inf fail too
+        return (f"a speed of {ms!r} ms per GB of weights (a measured one is {MIN_MS_PER_GB:g}..{MAX_MS_PER_GB:g}: "
+                "100 TB/s..10 MB/s)")
+    if not isinstance(memory, int) or not 0 < memory <= MAX_MEMORY_BYTES:
+        return f"{memory!r} bytes of memory available (a PC has 1..{MAX_MEMORY_BYTES:,})"
+    return None
+
+
 class EmptyWorker(ValueError):
     """The TXT record of an empty worker (no stage yet; fleet-worker without --shard/--model): ``capacity``."""
 

@@ -1,0 +1,56 @@
+"""Workers the coordinator must not plan over, on real gRPC on loopback (worker/stage_slot.py's ``StageSlot``
+answering Info as an empty worker does, with the capacity given): an implausible speed or memory (one odd answer
+must not stop re-planning for good: issue 30, the empty fleet's hardening), a worker too small to take a layer
+left out of a re-plan, two PCs with one worker id (a cloned disk)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from coordinator.planned_fleet import answering, planning_speeds
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.discovery import Capacity
+from fleet_common.security import Security, open_server
+from fleet_common.wire import add_servicer
+from worker.stage_slot import StageSlot
+
+GIB = 1 << 30
+
+
+@contextlib.asynccontextmanager
+async def slots(*workers: tuple[str, Capacity]):
+    """The addresses of real gRPC servers on loopback, one ``StageSlot`` (an empty worker) per (id, capacity)."""
+    servers, addresses = [], []
+    for worker_id, capacity in workers:
+        server, port = open_server("127.0.0.1:0", Security())
+        add_servicer(pb_grpc.add_StageServicer_to_server, StageSlot(worker_id, capacity), server)
+        await server.start()
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    try:
+        yield addresses
+    finally:
+        await asyncio.gather(*(s.stop(None) for s in servers))
+
+
+def test_implausible_capacities_are_not_counted_and_are_named():
+    async def run():
+        async with slots(("good", Capacity(8 * GIB, "CPU", 30.0)), ("fast", Capacity(8 * GIB, "CPU", 1.7e308)),
+                         ("tiny", Capacity(8 * GIB, "CPU", 1e-300)), ("huge", Capacity(1 << 62, "CPU", 30.0))) as addrs:
+            return addrs, await answering(addrs, Security(), addrs, None)
+
+    addresses, (found, why) = asyncio.run(run())
+    assert list(found) == ["good"] and found["good"][0] == addresses[0]
+    assert len(why) == 3, why
+    for address, worker, what in zip(addresses[1:], ("fast", "tiny", "huge"), ("1.7e+308", "1e-300", "bytes of memory"),
+                                     strict=True):
+        line = next(w for w in why if w.startswith(f"{address} (worker {worker})"))
+        assert what in line and "not counted" in line, line
+
+
+def test_every_worker_gets_a_planning_speed_whatever_its_figure():
+    speeds = planning_speeds({"a": 30.0, "b": 31.0, "c": 1.7e308})  # 1.7e308 * 1.2 overflows to inf
+    assert speeds == {"a": 30.5, "b": 30.5, "c": 1.7e308}
