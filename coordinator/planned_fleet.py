@@ -140,6 +140,29 @@ def plan_workers(source: ModelSource, found: dict[str, tuple[str, Capacity]], la
         raise ValueError(f"{exc}\n{label}: {where}") from exc
 
 
+ONE_LAYER = "cannot hold even one layer"  # the planner's refusal of a node too small for any stage
+
+
+def plan_without_small(source: ModelSource, found: dict[str, tuple[str, Capacity]],
+                       label: str = "workers") -> tuple[Plan, dict[str, tuple[str, Capacity]], list[str]]:
+    """``plan_workers`` over ``found`` less each worker the planner refuses as too small for even one layer (a PC
+    keeping its memory for other work, one announcing 0 bytes), as long as one worker is left: (the plan, the
+    workers kept, one line per worker left out naming its id, address, capacity and the planner's reason). For a
+    re-plan, and a start-up by mDNS, where any PC may announce itself. Raises ``ValueError`` as ``plan_workers``."""
+    kept, left_out = dict(found), []
+    while len(kept) > 1:
+        try:
+            plan_source(source, {w: c for w, (_, c) in kept.items()})
+            break
+        except ValueError as exc:
+            node = getattr(exc, "node", None)
+            if ONE_LAYER not in str(exc) or node not in kept:
+                break
+            address, capacity = kept.pop(node)
+            left_out.append(f"{printable(node)} at {address} ({capacity.line()}): {exc}")
+    return plan_workers(source, kept, label), kept, left_out
+
+
 def build_cache(settings) -> Path:  # noqa: ANN001 - coordinator.settings.CoordinatorSettings
     """Where a SOURCE's builds are cached: ``--build-cache-dir``, else ``$XDG_CACHE_HOME/fleet/coordinator``."""
     return settings.build_cache_dir or cache_home("coordinator")
@@ -472,8 +495,13 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
                   else f"collecting the empty --peer workers ({waiting})")
         found = await collect_capacities(settings.peer, settings.security, expect, settings.workers_timeout_s, heard,
                                          model_id=source.dims.model_id, on_round=prep.heard)
+    if heard is None:
+        p = plan_workers(source, found)  # the --peers named: one too small is the user's to hear of (exit 2)
+    else:  # mDNS: any PC may announce itself
+        p, found, left_out = plan_without_small(source, found)
+        for line in left_out:
+            log.warning("left out of the plan: %s", line)
     prep.workers = sorted(a for a, _ in found.values())
-    p = plan_workers(source, found)
     prep.layers = p.layers
     print("\n".join(planner.report_lines(p)), flush=True)
     prep.step(f"building layers {p.layers} of {Path(settings.model).name} (a cached build is taken at once)")

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from fleet_common.manifest import load_manifest
 
 from .errors import PipelineUnavailable, stages_phrase
-from .planned_fleet import (PlannedFleet, answering, build_cache, build_for_plan, plan_source, plan_workers, ship_lines,
-                            ship_plan)
+from .planned_fleet import (PlannedFleet, answering, build_cache, build_for_plan, plan_source, plan_without_small,
+                            ship_lines, ship_plan)
 
 if TYPE_CHECKING:
     from compiler.planner import ModelSource, Plan
@@ -174,7 +174,7 @@ class Replanner:
                 and time.monotonic() - self._since < REFUSED_RETRY_S):
             return
         lost = sorted(w.address for w in self.registry.workers.values()
-                      if w.info is not None and not w.healthy and w.info.stage in missing)
+                      if w.info is not None and not w.info.empty and not w.healthy and w.info.stage in missing)
         self._set(FleetState.REPLANNING, "waiting for the worker to come back",
                   f"{stages_phrase(missing, self.registry.num_stages)} {'has' if len(missing) == 1 else 'have'} "
                   "no worker left"
@@ -306,7 +306,9 @@ class Replanner:
         if not found:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
-        p = plan_workers(fleet.source, found, "workers left")  # PlanRefused, naming each by address too
+        p, found, left_out = plan_without_small(fleet.source, found, "workers left")  # PlanRefused, naming each
+        for line in left_out:
+            log.warning("re-planning: left out of the plan: %s", line)
         self._step(f"building layers {p.layers}")
         build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, build_cache(s))  # the loop serves on
         addresses = [found[st.node.name][0] for st in p.stages]

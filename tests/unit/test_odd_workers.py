@@ -54,3 +54,23 @@ def test_implausible_capacities_are_not_counted_and_are_named():
 def test_every_worker_gets_a_planning_speed_whatever_its_figure():
     speeds = planning_speeds({"a": 30.0, "b": 31.0, "c": 1.7e308})  # 1.7e308 * 1.2 overflows to inf
     assert speeds == {"a": 30.5, "b": 30.5, "c": 1.7e308}
+
+
+def test_a_worker_too_small_for_one_layer_is_left_out_of_a_replan_and_named():
+    from compiler.planner import ModelDims, ModelSource
+    from coordinator.planned_fleet import plan_without_small
+    from tests.unit.test_planner import CONFIG
+
+    source = ModelSource(ModelDims.from_config(CONFIG, "m"), "fp16", "f16")
+
+    async def run():
+        async with slots(("big", Capacity(8 * GIB, "CPU", 30.0)), ("small", Capacity(64 << 20, "CPU", 30.0))) as addrs:
+            return addrs, (await answering(addrs, Security(), addrs, None))[0]
+
+    (big, small), found = asyncio.run(run())
+    plan, kept, left_out = plan_without_small(source, found, "workers left")
+    assert [s.node.name for s in plan.stages] == ["big"] and list(kept) == ["big"]
+    assert len(left_out) == 1 and left_out[0].startswith(f"small at {small} (64 MiB available"), left_out
+    assert "cannot hold even one layer" in left_out[0]
+    with pytest.raises(ValueError, match="cannot hold even one layer"):  # the last worker is never left out
+        plan_without_small(source, {"small": found["small"]})
