@@ -106,8 +106,12 @@ BPE_PRE = {  # tokenizer.ggml.pre -> how it splits (llama.cpp's names for the sa
 MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values: byte-level BPE, SentencePiece
 # chat turns' end tokens llama.cpp ends generation at (llama-vocab.cpp, special_eog_ids by text) that the families'
 # HF generation_config.json lists beside eos too (Llama 3, Qwen, Phi-3, Gemma); document ends (<|endoftext|>) are
-# left to the file's eos id
-END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+# left to the file's eos id. gpt-oss's harmony format ends a message with <|end|> but the answer with <|return|> (or
+# a tool call with <|call|>): a vocabulary with both of those keeps <|end|> out (llama.cpp's o200k_harmony rule)
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|return|>", "<|call|>")
+HARMONY_ENDS, HARMONY_MESSAGE_END = ("<|return|>", "<|call|>"), "<|end|>"
+# harmony's structure markers, which llama.cpp always renders (user-defined: matched in input, kept in output text)
+HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
 def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
@@ -145,7 +149,8 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
         raise ValueError(f"{name}: tokenizer.ggml.tokens has duplicate tokens")
     arch = field(reader, "general.architecture", "llama")
     meta: dict[str, Any] = {
-        "model": model, "pre": pre, "tokens": tokens, "types": [int(t) for t in types],
+        "model": model, "pre": pre, "tokens": tokens,
+        "types": [USER_DEFINED if text in HARMONY_MARKERS else int(t) for text, t in zip(tokens, types)],
         "chat_template": field(reader, "tokenizer.chat_template"), "architecture": arch,
         "context_length": int(field(reader, f"{arch}.context_length", 2048)),
     }
@@ -175,10 +180,15 @@ def read_tokenizer(reader: Any, gguf_path: Path) -> dict[str, Any]:
 
 def end_of_turn_ids(reader: Any, tokens: list[str], eos_id: int) -> list[int]:
     """Ids that end generation beside eos, as llama.cpp's: ``tokenizer.ggml.eot_token_id`` and
-    ``eom_token_id`` when the file has them, and the ``END_OF_TURN`` tokens by their text (sorted, eos left out)."""
+    ``eom_token_id`` when the file has them, and the ``END_OF_TURN`` tokens by their text (sorted, eos left out),
+    but for a harmony vocabulary (gpt-oss: ``<|return|>`` and ``<|call|>``) not ``<|end|>``, which ends each of its
+    messages (the reasoning's too), not the answer."""
     ids = {int(v) for v in (field(reader, "tokenizer.ggml.eot_token_id"), field(reader, "tokenizer.ggml.eom_token_id"))
            if v is not None and 0 <= int(v) < len(tokens)}
     ids |= {i for i, text in enumerate(tokens) if text in END_OF_TURN}
+    texts = {tokens[i] for i in ids}
+    if all(end in texts for end in HARMONY_ENDS):  # harmony: a message's end is not the answer's
+        ids -= {i for i in ids if tokens[i] == HARMONY_MESSAGE_END}
     return sorted(ids - {eos_id})
 
 

@@ -317,3 +317,39 @@ def test_a_bpe_file_without_a_pre_tokenizer_splits_as_llama_cpp_default_with_a_w
     assert "no tokenizer.ggml.pre" in caplog.text
     pieces = [piece for piece, _ in ours.pre_tokenizer.pre_tokenize_str("Hello, world 1234")]
     assert pieces == ["Hello", ",", "Ġworld", "Ġ", "123", "4"], pieces
+
+
+def _vocab_gguf(path: Path, tokens: list[str], types: list[int]) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["a b"])
+    writer.add_token_types(types)
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_harmony_vocabulary_ends_at_return_and_call_not_at_end_and_shows_its_markers(tmp_path):
+    """gpt-oss (o200k_harmony) ends every message, the reasoning's too, with <|end|> and the answer with <|return|>
+    (a tool call with <|call|>): as llama.cpp, generation stops at those two and <|end|> only where they are absent
+    (Phi-3's vocabulary); harmony's markers are rendered in the output (user-defined), as llama.cpp renders them."""
+    control = gguf.TokenType.CONTROL
+    harmony = ["a", "b", "ab", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+               "<|call|>"]
+    p = _vocab_gguf(tmp_path / "h.gguf", harmony, [1, 1, 1] + [control] * 7)
+    meta = read_tokenizer(gguf.GGUFReader(str(p)), p)
+    assert [harmony[i] for i in meta["eog_ids"]] == ["<|return|>", "<|call|>"], meta["eog_ids"]
+    marked = {harmony[i] for i, kind in enumerate(meta["types"]) if kind == gguf.TokenType.USER_DEFINED}
+    assert marked == {"<|start|>", "<|message|>", "<|channel|>"}, marked
+    ours = fleet_tokenizer(p, tmp_path / "fleet")
+    ids = ours.encode("<|channel|>ab<|message|>a", add_special_tokens=False).ids
+    assert ids == [7, 2, 6, 0] and ours.decode(ids, skip_special_tokens=True) == "<|channel|>ab<|message|>a"
+    phi3 = ["a", "b", "ab", "<|endoftext|>", "<|end|>"]
+    p = _vocab_gguf(tmp_path / "p.gguf", phi3, [1, 1, 1, control, control])
+    meta = read_tokenizer(gguf.GGUFReader(str(p)), p)
+    assert [phi3[i] for i in meta["eog_ids"]] == ["<|end|>"]
