@@ -83,8 +83,9 @@ async def _pieces(path: Path, rel: str, model_id: str, sha: str, offset: int, si
     end = size if end is None else end
     f = await asyncio.to_thread(open, path, "rb")
     try:
-        if size == 0:  # a file of 0 bytes is one empty piece (the worker checks and puts a file in place at its last)
-            yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=0, data=b"", size=0)
+        if offset == end == size:  # one empty piece at the end: a file of 0 bytes, or one the worker holds every
+            # byte of unchecked (stopped before its rename): the worker checks and puts a file in place at its last
+            yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=size, data=b"", size=size)
         while offset < end:
             data = await asyncio.to_thread(os.pread, f.fileno(), min(chunk_bytes, end - offset), offset)
             if not data:
@@ -175,11 +176,21 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
     for held in status.files:
         if held.complete:
             continue
-        size, offset = sizes[held.path], held.bytes if held.bytes <= sizes[held.path] else 0
+        size, offset = sizes[held.path], held.bytes if held.bytes <= sizes[held.path] else 0  # longer: restarted
         segments = await asyncio.to_thread(_segments, Path(build_dir), manifest.stages[shard]) \
             if held.path == manifest.stages[shard].bin and state["reuse"] and status.holds_stages else None
-        await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
-                         chunk_bytes, counter, report, state)
+        try:
+            await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
+                             chunk_bytes, counter, report, state)
+        except ShippingError as exc:  # every byte held but not the file's: the worker deleted it, sent again whole
+            if offset != size or exc.code != grpc.StatusCode.DATA_LOSS:
+                raise
+            log.warning("%s: sending it again from byte 0", exc)
+            await _send_file(stub, loaded, Path(build_dir), held.path, 0, size, segments, progress, address,
+                             chunk_bytes, counter, report, state)
+        if held.path not in report.completed:  # never a success without the file in place
+            raise ShippingError(f"worker {address}: {held.path} of stage {shard} was sent up to byte {size:,} but the "
+                                "worker did not put it in place", grpc.StatusCode.DATA_LOSS)
     report.seconds = time.perf_counter() - t0
     log.info("stage %d shipped to %s: %d bytes sent, %d held already, %.1f s (%.1f MB/s), %d reused from the stages "
              "it holds", shard, address or "worker", report.sent_bytes, report.held_bytes, report.seconds,

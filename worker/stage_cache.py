@@ -237,6 +237,8 @@ class StageCache:
         part = final.with_name(final.name + PART_SUFFIX)
         part.parent.mkdir(parents=True, exist_ok=True)
         have = part.stat().st_size if part.is_file() else 0
+        if have and (offset == 0 or have > size):
+            have = self._restart(part, path, offset, have, size)
         if (known := self._sizes.get(part)) is not None and known != size and have:
             raise StageCacheError(f"{path}: piece gives the file's size as {size:,} bytes, its earlier pieces "
                                   f"{known:,}: refused, the {have:,} bytes held are kept")
@@ -268,6 +270,36 @@ class StageCache:
         self.finish(loaded, path)
         return True
 
+    def _restart(self, part: Path, path: str, offset: int, have: int, size: int) -> int:
+        """A piece at offset 0, or a partial file longer than the file's ``size`` (left by another build of that
+        path, a sender that lied): the partial file is emptied (0 bytes held, returned). A piece elsewhere while
+        the partial file is longer than ``size`` is refused (FAILED_PRECONDITION, resume at 0)."""
+        if offset:
+            raise StageCacheError(f"{path}: the partial file holds {have:,} bytes, more than the file's size {size:,}: "
+                                  "resume at 0 (a piece at offset 0 restarts it)", "FAILED_PRECONDITION")
+        log.info("stage cache: %s: restarting its partial file (%d bytes held, a piece at offset 0 of %d bytes)",
+                 path, have, size)
+        os.truncate(part, 0)
+        self._digests.pop(part, None)
+        self._sizes.pop(part, None)
+        return 0
+
+    def settle(self, loaded: LoadedManifest, path: str) -> bool:
+        """Whether ``path`` is complete, after putting in place its partial file when that hashes to the
+        manifest's sha256 (every byte written, the worker stopped before the rename); a partial file that
+        does not is kept as it is (a transfer resumes it), its running hash kept for that."""
+        final, expected = self._target(loaded, path)
+        part = final.with_name(final.name + PART_SUFFIX)
+        if final.is_file() or not part.is_file():
+            return final.is_file()
+        size = part.stat().st_size
+        digest = self._running(part, size)
+        self._digests[part] = (size, digest)
+        if digest.hexdigest() != expected:
+            return False
+        self.finish(loaded, path)
+        return True
+
     def finish(self, loaded: LoadedManifest, path: str) -> None:
         """fsync ``path``'s partial file, hash it whole and rename it into place when its sha256 equals the
         manifest's; else delete it and raise ``StageCacheError`` (DATA_LOSS) naming the file and both hashes."""
@@ -295,11 +327,11 @@ class StageCache:
                  final.stat().st_size)
 
     def verify_stage(self, loaded: LoadedManifest, stage: int) -> None:
-        """Hash ``stage``'s files in the cache against the manifest. Raises ``StageCacheError``
-        (FAILED_PRECONDITION) naming the files missing, or (DATA_LOSS) a file whose sha256 differs (it is
+        """Hash ``stage``'s files in the cache against the manifest (a partial file that hashes to it is put in
+        place first: ``settle``). Raises ``StageCacheError`` (FAILED_PRECONDITION) naming the files missing, or (DATA_LOSS) a file whose sha256 differs (it is
         deleted, so that shipping it again replaces it; the message names both hashes)."""
         files = stage_files(loaded.manifest, stage)
-        missing = [p for p in files if not self._target(loaded, p)[0].is_file()]
+        missing = [p for p in files if not self.settle(loaded, p)]
         if missing:
             raise StageCacheError(f"stage {stage} of manifest {loaded.sha256[:12]} is not in the cache: missing "
                                   f"{', '.join(missing)} (ship it first)", "FAILED_PRECONDITION")

@@ -76,7 +76,7 @@ def test_a_file_is_put_in_place_only_with_its_hash_and_resumes(tmp_path):
     assert (held.bytes, held.complete) == (100_000, False)
     assert not (loaded.directory / rel).exists()  # nothing that looks complete
     with pytest.raises(StageCacheError, match="resume at 100000") as refused:
-        cache.write(loaded, rel, 0, body[:10], len(body))
+        cache.write(loaded, rel, 50, body[50:60], len(body))  # (a piece at 0 restarts it)
     assert refused.value.code == "FAILED_PRECONDITION"
     cache = StageCache(tmp_path / "cache")  # a restarted worker: the bytes held are hashed from the file
     assert not cache.write(loaded, rel, 100_000, body[100_000:200_000], len(body))

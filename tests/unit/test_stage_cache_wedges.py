@@ -1,0 +1,130 @@
+"""A worker's stage cache must never wedge a file (worker/stage_cache.py, worker/stage_slot.py; issue 30, the empty
+fleet's hardening), on a real gRPC server on loopback: a partial file of every byte left by a worker stopped before
+its rename is checked and put in place (or sent again), a partial file longer than the file is restarted, a
+damaged cached manifest is replaced by the one sent, manifests are bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from fleet_common import fleet_pb2 as pb
+from fleet_common import fleet_pb2_grpc as pb_grpc
+from fleet_common.discovery import Capacity
+from fleet_common.security import Security, open_channel, open_server
+from fleet_common.shipping import ship_stage
+from fleet_common.wire import add_servicer
+from tests.unit.test_stage_cache import make_build
+from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError
+from worker.stage_slot import StageSlot, StageStoreService
+
+FILES = ("stage_1/openvino_model.xml", "stage_1/openvino_model.bin")
+
+
+async def never_loaded(loaded, stage):  # noqa: ANN001, ANN201 - the store's Loader
+    raise AssertionError("LoadStage was not called")
+
+
+@contextlib.asynccontextmanager
+async def store(cache_root):
+    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``."""
+    service = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), never_loaded)
+    server, port = open_server("127.0.0.1:0", Security())
+    add_servicer(pb_grpc.add_StageStoreServicer_to_server, service, server)
+    await server.start()
+    try:
+        async with open_channel(f"127.0.0.1:{port}", Security()) as channel:
+            yield channel
+    finally:
+        await server.stop(None)
+
+
+def test_every_byte_written_but_not_renamed_is_checked_and_put_in_place(tmp_path):
+    """A worker killed after a file's last byte but before its rename: shipping again puts both files in place
+    (it sent 0 bytes and reported success, and LoadStage said 'missing ... ship it first', for ever)."""
+    src, _, sha = make_build(tmp_path)
+
+    async def run() -> None:
+        async with store(tmp_path / "cache") as channel:
+            await ship_stage(channel, src, 1)
+        for rel in FILES:
+            final = tmp_path / "cache" / sha / rel
+            final.rename(final.with_name(final.name + PART_SUFFIX))
+        async with store(tmp_path / "cache") as channel:  # the worker restarted
+            report = await ship_stage(channel, src, 1)
+            assert sorted(report.completed) == sorted(FILES) and report.sent_bytes == 0, report
+
+    asyncio.run(run())
+    for rel in FILES:
+        assert (tmp_path / "cache" / sha / rel).read_bytes() == (src / rel).read_bytes()
+        assert not (tmp_path / "cache" / sha / (rel + PART_SUFFIX)).exists()
+
+
+def test_load_stage_puts_in_place_a_partial_file_that_hashes_right(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    loaded = cache.put_manifest(sha, data)
+    for rel in FILES:
+        (loaded.directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        (loaded.directory / (rel + PART_SUFFIX)).write_bytes((src / rel).read_bytes())
+    cache.verify_stage(loaded, 1)  # was FAILED_PRECONDITION 'missing ... (ship it first)'
+    assert all((loaded.directory / rel).is_file() for rel in FILES)
+
+
+def test_a_full_size_partial_file_with_wrong_bytes_is_sent_again(tmp_path):
+    src, _, sha = make_build(tmp_path)
+    rel = FILES[1]
+    body = (src / rel).read_bytes()
+    part = tmp_path / "cache" / sha / (rel + PART_SUFFIX)
+
+    async def run() -> None:
+        async with store(tmp_path / "cache") as channel:
+            await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
+                model_id="tiny", manifest_sha256=sha, stage=1, manifest=(src / "manifest.json").read_bytes()),
+                timeout=10)
+            part.parent.mkdir(parents=True, exist_ok=True)
+            part.write_bytes(bytes(len(body)))  # every byte, all wrong
+            report = await ship_stage(channel, src, 1)
+            assert sorted(report.completed) == sorted(FILES), report
+
+    asyncio.run(run())
+    assert (tmp_path / "cache" / sha / rel).read_bytes() == body
+
+
+@pytest.mark.parametrize("extra", [1, 100_000])
+def test_a_partial_file_longer_than_the_file_is_restarted(tmp_path, extra):
+    src, _, sha = make_build(tmp_path)
+    rel = FILES[1]
+    body = (src / rel).read_bytes()
+    part = tmp_path / "cache" / sha / (rel + PART_SUFFIX)
+
+    async def run() -> None:
+        async with store(tmp_path / "cache") as channel:
+            await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
+                model_id="tiny", manifest_sha256=sha, stage=1, manifest=(src / "manifest.json").read_bytes()),
+                timeout=10)
+            part.parent.mkdir(parents=True, exist_ok=True)
+            part.write_bytes(body + bytes(extra))
+            report = await ship_stage(channel, src, 1)
+            assert sorted(report.completed) == sorted(FILES), report
+
+    asyncio.run(run())
+    assert (tmp_path / "cache" / sha / rel).read_bytes() == body and not part.exists()
+
+
+def test_a_piece_at_offset_0_restarts_the_partial_file(tmp_path):
+    src, data, sha = make_build(tmp_path)
+    cache = StageCache(tmp_path / "cache")
+    loaded = cache.put_manifest(sha, data)
+    rel = FILES[1]
+    body = (src / rel).read_bytes()
+    assert not cache.write(loaded, rel, 0, bytes(5000), len(body))  # wrong bytes, a cut transfer
+    assert not cache.write(loaded, rel, 0, body[:1000], len(body))  # restarted: was 'resume at 5000' for ever
+    assert cache.held(loaded, rel).bytes == 1000
+    assert cache.write(loaded, rel, 1000, body[1000:], len(body))
+    assert (loaded.directory / rel).read_bytes() == body
+    with pytest.raises(StageCacheError, match="complete in the cache already"):
+        cache.write(loaded, rel, 0, body[:10], len(body))
