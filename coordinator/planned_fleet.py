@@ -56,6 +56,10 @@ class SourceError(RuntimeError):
     the numbers and the cause (a timeout, ``PlanRefused``, ``BuildError``, ``ShippingError``, ...)."""
 
 
+class DuplicateWorkerId(ValueError):
+    """Two addresses answer Info with one worker id (a cloned disk): the message names both and the fix."""
+
+
 def _planner():  # noqa: ANN202
     """compiler.planner, or ``RuntimeError`` naming the extra to install."""
     try:
@@ -454,10 +458,19 @@ async def answering(addresses: list[str], security: Security, peers: list[str], 
                     timeout: float = INFO_TIMEOUT_S) -> tuple[dict[str, tuple[str, Capacity]], list[str]]:
     """One round of Info over ``addresses`` (each call's deadline ``timeout``, seconds): (worker id -> (address,
     capacity) of those that started empty, why each other is not counted). An address not among ``peers``
-    (heard by mDNS) counts only when it is empty or serves ``model_id``, as in ``collect_capacities``."""
+    (heard by mDNS) counts only when it is empty or serves ``model_id``, as in ``collect_capacities``. Raises
+    ``DuplicateWorkerId`` (a ``ValueError``) when two addresses answer with one worker id."""
     answers = await asyncio.gather(*(_capacity(a, security, None if a in peers else model_id, timeout)
                                      for a in addresses))
-    found = {a[0]: (addr, a[1]) for addr, a in zip(addresses, answers, strict=True) if isinstance(a, tuple)}
+    found: dict[str, tuple[str, Capacity]] = {}
+    for addr, a in zip(addresses, answers, strict=True):
+        if isinstance(a, tuple) and a[0] in found:
+            raise DuplicateWorkerId(
+                f"two workers answer with the worker id {printable(a[0])}: {found[a[0]][0]} and {addr} (a cloned disk "
+                "or a copied stage cache?): delete <stages-dir>/worker-id on one of them (fleet-worker --stages-dir, "
+                "default ~/.cache/fleet/stages) and restart it; it makes itself a new id")
+        if isinstance(a, tuple):
+            found[a[0]] = (addr, a[1])
     return found, [a for a in answers if isinstance(a, str)]
 
 

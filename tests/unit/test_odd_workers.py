@@ -74,3 +74,18 @@ def test_a_worker_too_small_for_one_layer_is_left_out_of_a_replan_and_named():
     assert "cannot hold even one layer" in left_out[0]
     with pytest.raises(ValueError, match="cannot hold even one layer"):  # the last worker is never left out
         plan_without_small(source, {"small": found["small"]})
+
+
+def test_two_pcs_with_one_worker_id_are_a_clear_error_naming_both():
+    from coordinator.planned_fleet import DuplicateWorkerId
+
+    async def run():
+        async with slots(("0123456789ab", Capacity(8 * GIB, "CPU", 30.0)),
+                         ("0123456789ab", Capacity(4 * GIB, "CPU", 40.0))) as addrs:
+            with pytest.raises(DuplicateWorkerId) as twice:  # was: silently counted as one
+                await answering(addrs, Security(), addrs, None)
+            return addrs, str(twice.value)
+
+    (first, second), message = asyncio.run(run())
+    assert "0123456789ab" in message and first in message and second in message, message
+    assert "delete <stages-dir>/worker-id on one of them" in message
