@@ -39,6 +39,7 @@ from fleet_common.settings import cache_home
 log = logging.getLogger(__name__)
 
 PART_SUFFIX = ".part"
+MAX_MANIFEST_BYTES = 1 << 20  # a build's manifest.json is KBs (a 3-stage build of a 30-layer model: 3 KB); 1 MiB
 SEGMENTS_DIR = "segments"  # ROOT/segments/<a .bin's sha256>.json: its segments (StageCache.segment_index)
 
 
@@ -163,8 +164,14 @@ class StageCache:
         if not path.is_file():
             raise StageCacheError(f"no manifest {manifest_sha256[:12]} in the stage cache {self.root}: send it with "
                                   "StageStatus first", "FAILED_PRECONDITION")
-        data = path.read_bytes()
-        manifest = Manifest.from_json(data.decode())
+        try:
+            if path.stat().st_size > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{path.stat().st_size:,} bytes, over the {MAX_MANIFEST_BYTES:,} a manifest may have")
+            manifest = Manifest.from_json(path.read_bytes().decode())
+            check_stage_paths(manifest)
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError, ManifestError) as exc:
+            raise StageCacheError(f"the stage cache's {path} is damaged ({str(exc)[:200]}): the coordinator's next "
+                                  "StageStatus replaces it with the manifest it sends", "FAILED_PRECONDITION") from None
         if model_id and manifest.model_id != model_id:
             raise StageCacheError(f"manifest {manifest_sha256[:12]} is of model {manifest.model_id!r}, not {model_id!r}")
         return LoadedManifest(manifest, folder, manifest_sha256)
@@ -174,31 +181,53 @@ class StageCache:
         ``StageCacheError`` when they are not a manifest, their identity is not ``manifest_sha256`` or the
         model id is not ``model_id`` (when given)."""
         folder = self.build_dir(manifest_sha256)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise StageCacheError(f"the manifest sent has {len(data):,} bytes: at most {MAX_MANIFEST_BYTES:,} (a build's "
+                                  "manifest is KBs)")
         if (folder / MANIFEST_NAME).is_file():
-            return self.manifest(manifest_sha256, model_id)
+            try:
+                return self.manifest(manifest_sha256, model_id)
+            except StageCacheError as exc:
+                if exc.code != "FAILED_PRECONDITION":  # another model's: refused as it is
+                    raise
+                log.warning("%s: replacing it with the manifest sent, once that checks out", exc)
         try:
             identity = build_identity(data)
             raw = json.loads(data)
             check_stage_paths(Manifest.from_json(data.decode()))
+        except RecursionError:
+            raise StageCacheError("the manifest sent nests too deep to be a fleet manifest") from None
         except (ValueError, TypeError, AttributeError, ManifestError) as exc:  # JSON not an object: Type/AttributeError
             raise StageCacheError(f"the manifest sent is not a fleet manifest: {exc}") from None
         if identity != manifest_sha256:
             raise StageCacheError(f"the manifest sent has identity {identity[:12]}, not {manifest_sha256[:12]}")
         raw.pop("blobs", None)
-        folder.mkdir(parents=True, exist_ok=True)
-        # a temporary file of this call's own: two StageStatus calls storing the manifest at once each rename a whole one
-        fd, tmp = tempfile.mkstemp(prefix=MANIFEST_NAME + ".", suffix=PART_SUFFIX, dir=folder)
+        self._store_manifest(folder, json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        return self.manifest(manifest_sha256, model_id)
+
+    def _store_manifest(self, folder: Path, text: str) -> None:
+        """``text`` as ``folder/manifest.json``, through a temporary file of this call's own (two StageStatus calls
+        storing it at once each rename a whole one). A full disk is ``StageCacheError`` (RESOURCE_EXHAUSTED) naming
+        the file and the bytes free and needed; nothing is left behind."""
+        tmp = None
         try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=MANIFEST_NAME + ".", suffix=PART_SUFFIX, dir=folder)
             with open(fd, "w") as f:
-                f.write(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
             os.replace(tmp, folder / MANIFEST_NAME)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except BaseException as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StageCacheError(
+                    f"disk full in the stage cache {self.root} storing {folder / MANIFEST_NAME} "
+                    f"({shutil.disk_usage(self.root).free:,} bytes free, {len(text.encode()):,} needed): free space or "
+                    "give fleet-worker another --stages-dir", "RESOURCE_EXHAUSTED") from None
             raise
-        return self.manifest(manifest_sha256, model_id)
 
     def _target(self, loaded: LoadedManifest, path: str) -> tuple[Path, str]:
         """(final path, manifest sha256) of ``path``, a file the build lists. Raises ``StageCacheError``."""
@@ -355,8 +384,10 @@ class StageCache:
                     yield build, loaded, entry
 
     def holds_stages(self) -> bool:
-        """Whether the cache holds a complete stage of any build (``reuse`` may find segments there)."""
-        return next(self._stage_bins(), None) is not None
+        """Whether the cache holds a complete ``.bin`` of any build (``reuse`` may find segments there): file
+        names only, no manifest read (StageStatus asks this each time; stored manifests may be many)."""
+        builds = [p for p in self.root.iterdir() if p.is_dir() and len(p.name) == 64] if self.root.is_dir() else []
+        return any(f.is_file() for build in builds for f in build.rglob("*.bin"))
 
     def segment_index(self) -> dict[bytes, tuple[Path, int, int, Path]]:
         """sha256 -> (file, offset, size, its index file) of every segment of every complete stage ``.bin``

@@ -29,10 +29,11 @@ from fleet_common.wire import Malformed
 from .log_role import set_role
 from .receiving import ReceiveBars
 from .server import StageService
-from .stage_cache import StageCache, StageCacheError, stage_files
+from .stage_cache import MAX_MANIFEST_BYTES, StageCache, StageCacheError, stage_files
 
 log = logging.getLogger(__name__)
 
+MAX_STATUSES = 4  # StageStatus calls at once: each may hold a manifest of up to MAX_MANIFEST_BYTES being parsed
 MAX_PUTS = 4  # PutStage calls at once: each holds up to a few pieces of up to 64 MiB (the gRPC message cap)
 PIECE_TIMEOUT_S = 60.0  # a PutStage that sends no piece for this long is ended (its files freed for another sender)
 EMPTY = "this worker serves no stage yet (an empty worker): ship it a stage (StageStore.PutStage) and LoadStage it"
@@ -103,8 +104,9 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         self.bars = bars or ReceiveBars()
         self._loading = asyncio.Lock()
         self._writing: set[str] = set()  # files a PutStage is writing now: one writer per file
-        self.piece_timeout_s, self.max_puts = PIECE_TIMEOUT_S, MAX_PUTS
+        self.piece_timeout_s, self.max_puts, self.max_statuses = PIECE_TIMEOUT_S, MAX_PUTS, MAX_STATUSES
         self._puts = 0  # PutStage calls running
+        self._statuses = 0  # StageStatus calls running
         self.loaded: tuple[str, int] | None = None  # (manifest sha256, stage) served
 
     @staticmethod
@@ -114,7 +116,23 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         await context.abort(code, str(exc))
 
     async def StageStatus(self, request: pb.StageStatusRequest, context: grpc.aio.ServicerContext) -> pb.StageStatusReply:
-        """Store the manifest when sent (and new), then say how much of each of the stage's files is here."""
+        """Store the manifest when sent (and new), then say how much of each of the stage's files is here. A
+        manifest over ``MAX_MANIFEST_BYTES`` is refused unread; past ``max_statuses`` calls at once
+        (``MAX_STATUSES``) a call is refused with RESOURCE_EXHAUSTED (memory stays bounded)."""
+        if len(request.manifest) > MAX_MANIFEST_BYTES:
+            await self._refuse(context, StageCacheError(f"the manifest sent has {len(request.manifest):,} bytes: at "
+                                                        f"most {MAX_MANIFEST_BYTES:,} (a build's manifest is KBs)"))
+        if self._statuses >= self.max_statuses:
+            await self._refuse(context, StageCacheError(
+                f"{self._statuses} StageStatus calls are running on this worker (at most {self.max_statuses} at once): "
+                "retry when one has ended", "RESOURCE_EXHAUSTED"))
+        self._statuses += 1
+        try:
+            return await self._status(request, context)
+        finally:
+            self._statuses -= 1
+
+    async def _status(self, request: pb.StageStatusRequest, context: grpc.aio.ServicerContext) -> pb.StageStatusReply:
         try:
             if request.manifest:
                 loaded = await asyncio.to_thread(self.cache.put_manifest, request.manifest_sha256, request.manifest,

@@ -128,3 +128,35 @@ def test_a_piece_at_offset_0_restarts_the_partial_file(tmp_path):
     assert (loaded.directory / rel).read_bytes() == body
     with pytest.raises(StageCacheError, match="complete in the cache already"):
         cache.write(loaded, rel, 0, body[:10], len(body))
+
+
+def test_a_damaged_cached_manifest_is_named_and_replaced_by_the_one_sent(tmp_path):
+    src, _, sha = make_build(tmp_path)
+    cached = tmp_path / "cache" / sha / "manifest.json"
+
+    async def run() -> None:
+        async with store(tmp_path / "cache") as channel:
+            await ship_stage(channel, src, 1)
+            cached.write_bytes(cached.read_bytes()[:300])  # a truncated copy (a disk error)
+            with pytest.raises(StageCacheError, match=f"the stage cache's {cached} is damaged") as damaged:
+                StageCache(tmp_path / "cache").manifest(sha)
+            assert damaged.value.code == "FAILED_PRECONDITION"
+            report = await ship_stage(channel, src, 1)  # was INVALID_ARGUMENT for ever (the damaged copy was kept)
+            assert report.held_bytes == sum((src / rel).stat().st_size for rel in FILES), report
+
+    asyncio.run(run())
+    assert StageCache(tmp_path / "cache").manifest(sha).sha256 == sha
+
+
+@pytest.mark.parametrize(("manifest", "says"), [(b" " * ((1 << 20) + 1), "at most 1,048,576"),
+                                                (b"[" * 200_000 + b"]" * 200_000, "nests too deep")])
+def test_a_manifest_too_big_or_nested_too_deep_is_refused_clearly(tmp_path, manifest, says):
+    async def run() -> grpc.aio.AioRpcError:
+        async with store(tmp_path / "cache") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
+                    model_id="tiny", manifest_sha256="a" * 64, stage=1, manifest=manifest), timeout=30)
+            return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.details(), refused
