@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from fleet_common.discovery import Capacity
+from fleet_common.discovery import Capacity, implausible
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def time_synthetic_matmul(device: str = "CPU", threads: int = 0) -> float:
     return min(times) / (SYNTHETIC_BYTES / 1e9)
 
 
-def _key(device: str, threads: int) -> str:
+def speed_key(device: str, threads: int) -> str:
+    """speed.json's key of a figure: this machine, its processor, ``device``, ``threads`` and the OpenVINO version."""
     import openvino as ov
 
     return f"{platform.node()}|{platform.processor() or platform.machine()}|{device}|{threads}|{ov.get_version()}"
@@ -75,16 +76,23 @@ def _key(device: str, threads: int) -> str:
 def measured_speed(cache_dir: Path | None, device: str = "CPU", threads: int = 0) -> Capacity:
     """This worker's capacity: its speed read from ``cache_dir/speed.json`` when measured there before for
     this machine, device, threads and OpenVINO version, else measured (``time_synthetic_matmul``) and
-    written there (None: not cached). An unreadable cache file is measured over, never an error."""
+    written there (None: not cached). An unreadable cache file (not JSON, not an object, no figure) or an
+    implausible figure (NaN, negative, 1e-300: ``fleet_common.discovery.implausible``) is measured over, never an
+    error."""
     memory = psutil.virtual_memory().available
-    key = _key(device, threads)
+    key = speed_key(device, threads)
     path = Path(cache_dir) / SPEED_FILE if cache_dir is not None else None
     known: dict = {}
     if path is not None and path.is_file():
         try:
             known = json.loads(path.read_text())
+            if not isinstance(known, dict):
+                raise TypeError(f"a JSON {type(known).__name__}, not an object")
             if key in known:
-                return Capacity(memory, device, float(known[key]["ms_per_gb"]), cached=True)
+                cached = Capacity(memory, device, float(known[key]["ms_per_gb"]), cached=True)
+                if (odd := implausible(cached)) is None:
+                    return cached
+                log.warning("speed cache %s gives %s: measuring again", path, odd)
         except (ValueError, KeyError, TypeError, OSError) as exc:
             log.warning("speed cache %s unreadable (%r): measuring again", path, exc)
             known = {}

@@ -40,3 +40,19 @@ def test_the_speed_figure_is_measured_once_and_cached(tmp_path):
     (tmp_path / "speed.json").write_text("{not json")
     assert not measured_speed(tmp_path, "CPU", 1).cached  # an unreadable cache is measured over
     assert ms_per_layer(200.0, 5_000_000) == pytest.approx(1.0)  # 5 MB of weights at 200 ms/GB
+
+
+@pytest.mark.parametrize("content", ["[]", '"x"', "null", "{KEY: {}}", '{KEY: {"ms_per_gb": NaN}}',
+                                     '{KEY: {"ms_per_gb": -5}}', '{KEY: {"ms_per_gb": 1e-300}}', '{KEY: 7}'])
+def test_a_corrupt_or_implausible_speed_cache_is_measured_over(tmp_path, content):
+    """speed.json of the wrong shape crashed the worker at its start ([] and "x"); NaN, -5 or 1e-300 ms per GB
+    were announced as they were."""
+    import json
+
+    from worker.capacity import SPEED_FILE, speed_key
+
+    (tmp_path / SPEED_FILE).write_text(content.replace("KEY", json.dumps(speed_key("CPU", 1))))
+    capacity = measured_speed(tmp_path, "CPU", 1)
+    assert not capacity.cached and 0.01 < capacity.ms_per_gb < 10_000
+    again = measured_speed(tmp_path, "CPU", 1)  # the figure measured over replaced the bad one
+    assert again.cached and again.ms_per_gb == capacity.ms_per_gb
