@@ -84,7 +84,7 @@ class Registry:
             log.info("worker candidate %s (%s)", address, source)
         self._spawn(self._check(address))
 
-    def _refusal(self, address: str, info: pb.InfoReply) -> str | None:
+    def refusal(self, address: str, info: pb.InfoReply) -> str | None:
         """Why the worker at ``address`` answering ``info`` cannot serve this coordinator's build, or None."""
         refused = None
         if info.protocol_version != PROTOCOL_VERSION:
@@ -151,7 +151,7 @@ class Registry:
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
         if gap > self.missed_limit * self.health_interval_s + 1.0 and self.on_lease_gap is not None:
             self.on_lease_gap(address, gap)  # this coordinator stood still: the worker may have freed its sessions
-        refused = self._refusal(address, info)
+        refused = self.refusal(address, info)
         if refused != state.refused:
             if refused:  # a worker of another fleet on the LAN is no error; a --peer named by hand is
                 level = logging.ERROR if state.source == "peer" else logging.WARNING

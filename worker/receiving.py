@@ -39,6 +39,11 @@ class ReceiveBars:
                 self._tasks[key] = self._progress.add_task(label, total=total, completed=done)
             self._progress.update(self._tasks[key], completed=done, total=total)
 
+    @property
+    def active(self) -> bool:
+        """Whether a bar is shown (a file is being received)."""
+        return self._progress is not None or bool(self._tasks)
+
     def end(self, key: str) -> None:
         """The file ``key`` is no longer being received (complete, or its call ended): its bar's last state is
         kept on screen; the display closes once no file is received."""

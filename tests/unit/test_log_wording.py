@@ -37,10 +37,10 @@ def registry():
 def test_an_empty_worker_and_a_missing_stage_are_worded_per_mode(registry):
     empty = pb.InfoReply(protocol_version=PROTOCOL_VERSION, empty=True, memory_available_bytes=4 << 30,
                          device="CPU", ms_per_gb=5.0)
-    assert "not used until a stage of this build is shipped" in registry._refusal("10.0.0.2:50051", empty)
+    assert "not used until a stage of this build is shipped" in registry.refusal("10.0.0.2:50051", empty)
     assert "fleet-worker --shard 1" in registry.missing_message([1])
     registry.planned = True
-    assert "plans it in" in registry._refusal("10.0.0.2:50051", empty)
+    assert "plans it in" in registry.refusal("10.0.0.2:50051", empty)
     message = registry.missing_message([1])
     assert "stage 1 (of stages 0..1)" in message and "--shard" not in message and "re-plans" in message
 

@@ -287,13 +287,13 @@ def test_the_worker_draws_a_bar_per_file_it_receives_and_closes_it_after(tmp_pat
             report = await ship_stage(channel, src, 1, chunk_bytes=64 << 10)
             assert len(report.completed) == 2
             for _ in range(100):  # the call's end closes the bars just after its reply
-                if bars._progress is None:
+                if not bars.active:
                     break
                 await asyncio.sleep(0.02)
 
     asyncio.run(run())
     text = out.getvalue()
-    assert bars._progress is None and not bars._tasks, text  # nothing stays open between transfers
+    assert not bars.active, text  # nothing stays open between transfers
     assert f"receiving stage_1/openvino_model.bin of manifest {sha[:12]}" in text and "300.0/300.0 kB" in text, text
     assert f"receiving stage_1/openvino_model.xml of manifest {sha[:12]}" in text, text
 
