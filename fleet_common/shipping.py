@@ -41,6 +41,9 @@ MIN_REUSE_BYTES = 64 << 10  # a held segment is copied there, not sent, from thi
 # the link, not the worker; ABORTED: the worker still writes the file for the call the cut ended (its last piece)
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
+BUSY = "retry when one has ended"  # in a worker's RESOURCE_EXHAUSTED for its busy slots (worker/stage_slot.py):
+# retried as a cut transfer is; its other RESOURCE_EXHAUSTED (a full disk) is not
+
 Progress = Callable[[str, int, int], None]
 """``progress(path, bytes done, bytes of the file)``, called after each piece sent (and once per file at
 its start, with the bytes the worker already held)."""
@@ -122,7 +125,8 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
             report = await _ship_once(channel, build_dir, shard, progress, address, chunk_bytes, counter, state)
         except ShippingError as exc:
             sent += counter[0]
-            if exc.code not in RESUMABLE or attempt == resumes:
+            busy = exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED and BUSY in str(exc)
+            if (exc.code not in RESUMABLE and not busy) or attempt == resumes:
                 raise
             wait = RESUME_AFTER_S * 2 ** attempt
             log.warning("%s: %d bytes sent so far; resuming in %.0f s (attempt %d of %d)", exc, sent, wait,

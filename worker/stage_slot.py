@@ -24,6 +24,7 @@ from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.manifest import LoadedManifest, ManifestError
 from fleet_common.segments import MAX_SEGMENTS, Segment
+from fleet_common.shipping import BUSY
 from fleet_common.wire import Malformed
 
 from .log_role import set_role
@@ -125,7 +126,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         if self._statuses >= self.max_statuses:
             await self._refuse(context, StageCacheError(
                 f"{self._statuses} StageStatus calls are running on this worker (at most {self.max_statuses} at once): "
-                "retry when one has ended", "RESOURCE_EXHAUSTED"))
+                + BUSY, "RESOURCE_EXHAUSTED"))
         self._statuses += 1
         try:
             return await self._status(request, context)
@@ -155,7 +156,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         if self._puts >= self.max_puts:
             await self._refuse(context, StageCacheError(
                 f"{self._puts} PutStage calls are running on this worker (at most {self.max_puts} at once, so that the "
-                "pieces they hold stay within bounded memory): retry when one has ended", "RESOURCE_EXHAUSTED"))
+                "pieces they hold stay within bounded memory): " + BUSY, "RESOURCE_EXHAUSTED"))
         self._puts += 1
         written, completed, mine = 0, [], set()
         loaded: LoadedManifest | None = None

@@ -29,9 +29,11 @@ async def never_loaded(loaded, stage):  # noqa: ANN001, ANN201 - the store's Loa
 
 
 @contextlib.asynccontextmanager
-async def store(cache_root):
-    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``."""
+async def store(cache_root, max_puts: int = 4):
+    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``
+    (at most ``max_puts`` PutStage calls at once)."""
     service = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), never_loaded)
+    service.max_puts = max_puts
     server, port = open_server("127.0.0.1:0", Security())
     add_servicer(pb_grpc.add_StageStoreServicer_to_server, service, server)
     await server.start()
@@ -160,3 +162,29 @@ def test_a_manifest_too_big_or_nested_too_deep_is_refused_clearly(tmp_path, mani
 
     refused = asyncio.run(run())
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.details(), refused
+
+
+def test_a_worker_busy_with_another_sender_is_asked_again_not_given_up_on(tmp_path):
+    """RESOURCE_EXHAUSTED for the worker's busy PutStage slots is retried as a cut transfer is (1 s, doubling)."""
+    src, data, sha = make_build(tmp_path)
+    rel = FILES[1]
+    body = (src / rel).read_bytes()
+
+    async def run() -> None:
+        async with store(tmp_path / "cache", max_puts=1) as channel:
+            stub = pb_grpc.StageStoreStub(channel)
+            request = pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data, stage=1)
+            await stub.StageStatus(request, timeout=10)
+
+            async def one_then_silent():
+                yield pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, data=body[:1000], size=len(body))
+                await asyncio.sleep(3600)
+
+            other = stub.PutStage(one_then_silent(), timeout=30)  # another sender holds the one slot
+            while (await stub.StageStatus(request, timeout=10)).files[1].bytes < 1000:
+                await asyncio.sleep(0.02)
+            asyncio.get_running_loop().call_later(0.5, other.cancel)
+            report = await ship_stage(channel, src, 1)  # was ShippingError RESOURCE_EXHAUSTED at once
+            assert sorted(report.completed) == sorted(FILES), report
+
+    asyncio.run(run())
