@@ -20,7 +20,7 @@ import grpc
 
 from fleet_common import PROTOCOL_VERSION, SERVICE_TYPE
 from fleet_common import fleet_pb2 as pb
-from fleet_common.discovery import EmptyWorker, decode_txt
+from fleet_common.discovery import EmptyWorker, decode_txt, printable
 from fleet_common.manifest import LoadedManifest
 
 from .errors import PipelineUnavailable, StageFailure, stage_lost, stages_phrase
@@ -91,7 +91,7 @@ class Registry:
             refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
                        f"coordinator speaks {PROTOCOL_VERSION}")
         elif info.empty:  # an empty worker (issue 30): joins once a stage of this build is shipped to it and loaded
-            capacity = (f"{info.memory_available_bytes / 2**30:.1f} GiB available, {info.device}, "
+            capacity = (f"{info.memory_available_bytes / 2**30:.1f} GiB available, {printable(info.device)}, "
                         f"{info.ms_per_gb:.1f} ms per GB")
             refused = (f"worker {address} is empty ({capacity}): the re-planner plans it in when the model fits only "
                        "with it or decode gets faster (a stage is shipped to it then)" if self.planned else
@@ -134,14 +134,15 @@ class Registry:
             return
         if state.info is not None and state.info.worker_id != info.worker_id and state.healthy:
             log.warning("worker %s restarted (was %s, now %s): its sessions are gone", address,
-                        state.info.worker_id, info.worker_id)
+                        printable(state.info.worker_id), printable(info.worker_id))
             await self._invalidate_if_uses(address, stage_lost(
-                info.stage, address, f"worker id {state.info.worker_id} -> {info.worker_id}",
+                info.stage, address, f"worker id {printable(state.info.worker_id)} -> {printable(info.worker_id)}",
                 how="restarted and lost this request's state"))
         alias = next((w for w in self.workers.values() if w is not state and w.healthy and w.info is not None
                       and w.info.worker_id == info.worker_id), None)
         if alias is not None and address not in self._static:  # one worker, two of its addresses announced
-            log.info("worker %s is %s (worker id %s): one entry kept", address, alias.address, info.worker_id)
+            log.info("worker %s is %s (worker id %s): one entry kept", address, alias.address,
+                     printable(info.worker_id))
             self.workers.pop(address, None)
             await self.channels.drop(address)
             return
@@ -163,7 +164,7 @@ class Registry:
         state.healthy = refused is None
         if state.healthy and not was_healthy:
             log.info("worker %s joined: stage %d layers [%d, %d) on %s (id %s)", address, info.stage,
-                     info.layer_start, info.layer_end, info.device, info.worker_id)
+                     info.layer_start, info.layer_end, printable(info.device), printable(info.worker_id))
             host = address.rsplit(":", 1)[0]
             for ghost in [w for w in self.workers.values() if w is not state and not w.healthy and w.info is not None
                           and w.info.stage == info.stage and w.address.rsplit(":", 1)[0] == host

@@ -22,7 +22,8 @@ class Capacity:
     def line(self) -> str:
         """For logs and errors: ``12,595 MiB available, CPU, 4.21 ms per GB of f16 weights (measured)`` (MiB: the
         planner's unit)."""
-        return (f"{self.memory_available_bytes / 2**20:,.0f} MiB available, {self.device}, {self.ms_per_gb:.2f} ms per "
+        return (f"{self.memory_available_bytes / 2**20:,.0f} MiB available, {printable(self.device)}, "
+                f"{self.ms_per_gb:.2f} ms per "
                 f"GB of f16 weights ({'cached' if self.cached else 'measured'})")
 
 

@@ -89,3 +89,13 @@ def test_two_pcs_with_one_worker_id_are_a_clear_error_naming_both():
     (first, second), message = asyncio.run(run())
     assert "0123456789ab" in message and first in message and second in message, message
     assert "delete <stages-dir>/worker-id on one of them" in message
+
+
+def test_strings_a_worker_sends_are_printed_with_control_characters_escaped():
+    async def run():
+        async with slots(("\x1b[2Jid\nX", Capacity(0, "CPU\x1b[31m\r", 30.0))) as addrs:
+            return await answering(addrs, Security(), addrs, None)
+
+    found, (why,) = asyncio.run(run())
+    assert not found and "\x1b" not in why and "\n" not in why and "\\x1b[2Jid\\nX" in why, why
+    assert Capacity(1 << 30, "CPU\x1b[31m", 30.0).line().startswith("1,024 MiB available, CPU\\x1b[31m, 30.00 ms")
