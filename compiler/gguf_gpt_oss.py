@@ -30,8 +30,9 @@ def gguf_config(reader, arch: str, config: dict, where: str) -> dict:  # noqa: A
     ``gguf_config``'s): experts, top-k and their width (``expert_count``, ``expert_used_count``,
     ``expert_feed_forward_length``), the sliding window of every other layer from layer 0 (llama.cpp's
     ``set_swa_pattern(2)``, transformers' default ``layer_types``), and YaRN from ``rope.scaling.factor`` and
-    ``.original_context_length`` with beta 32 / 1 and the ramp not truncated, as the HF config of gpt-oss has it
-    (llama.cpp's ``ggml_rope_yarn_corr_dims`` rounds the ramp's ends: its frequencies differ slightly).
+    ``.original_context_length`` with beta 32 / 1 and the ramp's ends rounded to whole dims (transformers'
+    ``truncate``) as llama.cpp's ``ggml_rope_yarn_corr_dims`` rounds them: a GGUF is answered as llama.cpp answers
+    it (the HF config of gpt-oss, like OpenAI's reference, does not round; its frequencies differ slightly).
     ``ValueError`` naming the file and the key when one is missing."""
     def key(name: str) -> object:
         value = field(reader, f"{arch}.{name}")
@@ -41,7 +42,7 @@ def gguf_config(reader, arch: str, config: dict, where: str) -> dict:  # noqa: A
 
     rope = dict(config["rope_parameters"]) | {
         "rope_type": "yarn", "factor": float(key("rope.scaling.factor")), "beta_fast": 32.0, "beta_slow": 1.0,
-        "original_max_position_embeddings": int(key("rope.scaling.original_context_length")), "truncate": False}
+        "original_max_position_embeddings": int(key("rope.scaling.original_context_length")), "truncate": True}
     layers = config["num_hidden_layers"]
     return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "attention_bias": True,
             "num_local_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),

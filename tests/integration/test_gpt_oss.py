@@ -193,12 +193,16 @@ def write_gguf(model, path: Path, demo: Path) -> None:  # noqa: ANN001 - a trans
 
 def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
     """transformers' model of ``hf``'s config in f32 (eager attention), every parameter the GGUF ``path``'s value as
-    gguf-py dequantizes it (gate and up rows interleaved back into ``gate_up_proj``, transposed back to x @ W)."""
+    gguf-py dequantizes it (gate and up rows interleaved back into ``gate_up_proj``, transposed back to x @ W), and
+    YaRN's ramp ends rounded (``truncate``), as llama.cpp runs a GGUF (compiler/gguf_gpt_oss.py)."""
     import gguf
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    config = AutoConfig.from_pretrained(hf)
+    config.rope_parameters = dict(config.rope_parameters) | {"truncate": True}
+    model = AutoModelForCausalLM.from_pretrained(hf, config=config, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
     values = {}
     for t in gguf.GGUFReader(str(path)).tensors:
         v = np.array(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type)), np.float32)
