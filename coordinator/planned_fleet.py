@@ -177,11 +177,15 @@ async def _capacity(address: str, security: Security, model_id: str | None = Non
     """(worker id, capacity) of the worker at ``address`` if it started empty (it may serve a shipped stage
     already: its capacity is still the one measured at its start), or why it is not counted (unreachable, a
     static worker, or, given ``model_id``, a stage of another model: another fleet's worker)."""
+    challenge = security.challenge()
     try:
         async with open_channel(address, security) as channel:
-            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=timeout)
+            info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(challenge=challenge), timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         return f"{address}: {exc.code().name} {exc.details()}"
+    if not security.proven(challenge, info.worker_id, info.proof):
+        return (f"{address} (worker {printable(info.worker_id or '?')}): does not hold this fleet's --secret (its "
+                "Info answer proves no key): not counted, nothing is shipped to it")
     if not info.empty and info.ms_per_gb <= 0:  # started with --shard/--model: it has no stage store
         return (f"{address}: a static worker (--shard/--model) serving stage {info.stage} of {info.model_id!r} "
                 f"(manifest {info.manifest_sha256[:12]}): it takes no shipped stage")
@@ -376,15 +380,21 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     return out
 
 
-async def _served(channel: grpc.aio.Channel, address: str) -> pb.InfoReply:
-    """The worker's Info (what it serves now); ``ShippingError`` naming it when the call fails."""
+async def _served(channel: grpc.aio.Channel, address: str, security: Security) -> pb.InfoReply:
+    """The worker's Info (what it serves now); ``ShippingError`` naming it when the call fails or, with a
+    secret, the worker does not prove it holds it (nothing is shipped to a host without the fleet's key)."""
     from fleet_common.shipping import ShippingError
 
+    challenge = security.challenge()
     try:
-        return await pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+        info = await pb_grpc.StageStub(channel).Info(pb.InfoRequest(challenge=challenge), timeout=INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         raise ShippingError(f"worker {address}: Info failed before shipping: {exc.code().name} {exc.details()}",
                             exc.code()) from None
+    if not security.proven(challenge, info.worker_id, info.proof):
+        raise ShippingError(f"worker {address}: does not hold this fleet's --secret (its Info answer proves no "
+                            "key): nothing shipped to it", grpc.StatusCode.UNAUTHENTICATED)
+    return info
 
 
 async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
@@ -411,7 +421,7 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
         try:
             for stage, address in enumerate(addresses):
                 channel = await channels.enter_async_context(open_channel(address, security))
-                info = await _served(channel, address)
+                info = await _served(channel, address, security)
                 if not info.empty and info.manifest_sha256 == sha and info.stage == stage:
                     reports.append(ShipReport(stage, [], already_served=True))
                     continue

@@ -84,10 +84,14 @@ class Registry:
             log.info("worker candidate %s (%s)", address, source)
         self._spawn(self._check(address))
 
-    def refusal(self, address: str, info: pb.InfoReply) -> str | None:
-        """Why the worker at ``address`` answering ``info`` cannot serve this coordinator's build, or None."""
+    def refusal(self, address: str, info: pb.InfoReply, proven: bool = True) -> str | None:
+        """Why the worker at ``address`` answering ``info`` cannot serve this coordinator's build, or None;
+        ``proven`` False: its answer did not prove it holds the fleet's --secret (``Security.proven``)."""
         refused = None
-        if info.protocol_version != PROTOCOL_VERSION:
+        if not proven:
+            refused = (f"refusing worker {address}: it does not hold this fleet's --secret (its Info answer proves "
+                       "no key): no request goes through it")
+        elif info.protocol_version != PROTOCOL_VERSION:
             refused = (f"refusing worker {address}: protocol version {info.protocol_version}, "
                        f"coordinator speaks {PROTOCOL_VERSION}")
         elif info.empty:  # an empty worker (issue 30): joins once a stage of this build is shipped to it and loaded
@@ -109,10 +113,11 @@ class Registry:
         state = self.workers.get(address)
         if state is None:
             return
-        sent = time.perf_counter()
+        sent, challenge = time.perf_counter(), self.channels.security.challenge()
         try:  # a slow but healthy link gets a longer deadline (its measured round trip, with margin)
+            ask = pb.InfoRequest(owner=self.channels.owner, challenge=challenge)
             info = await self.channels.stub(address).Info(
-                pb.InfoRequest(owner=self.channels.owner), timeout=max(1.0, self.health_interval_s, 5 * state.rtt_s))
+                ask, timeout=max(1.0, self.health_interval_s, 5 * state.rtt_s))
         except grpc.aio.AioRpcError as exc:
             state.missed += 1
             if state.healthy:
@@ -152,7 +157,7 @@ class Registry:
         state.info, state.missed, state.last_seen = info, 0, time.monotonic()
         if gap > self.missed_limit * self.health_interval_s + 1.0 and self.on_lease_gap is not None:
             self.on_lease_gap(address, gap)  # this coordinator stood still: the worker may have freed its sessions
-        refused = self.refusal(address, info)
+        refused = self.refusal(address, info, self.channels.security.proven(challenge, info.worker_id, info.proof))
         if refused != state.refused:
             if refused:  # a worker of another fleet on the LAN is no error; a --peer named by hand is
                 level = logging.ERROR if state.source == "peer" else logging.WARNING

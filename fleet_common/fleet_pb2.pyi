@@ -205,13 +205,15 @@ class StepResult(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., top_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., handle_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("owner",)
+    __slots__ = ("owner", "challenge")
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     owner: str
-    def __init__(self, owner: _Optional[str] = ...) -> None: ...
+    challenge: str
+    def __init__(self, owner: _Optional[str] = ..., challenge: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences", "load_source", "load_s", "load_detail", "empty", "memory_available_bytes", "ms_per_gb")
+    __slots__ = ("worker_id", "stage", "num_stages", "layer_start", "layer_end", "manifest_sha256", "protocol_version", "model_id", "device", "sessions", "max_sessions", "kv_bytes", "busy", "openvino_version", "compactions", "kv_reserved_bytes", "kv_budget_bytes", "sequences", "load_source", "load_s", "load_detail", "empty", "memory_available_bytes", "ms_per_gb", "proof")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +238,7 @@ class InfoReply(_message.Message):
     EMPTY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MS_PER_GB_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     stage: int
     num_stages: int
@@ -260,7 +263,8 @@ class InfoReply(_message.Message):
     empty: bool
     memory_available_bytes: int
     ms_per_gb: float
-    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_source: _Optional[str] = ..., load_s: _Optional[float] = ..., load_detail: _Optional[str] = ..., empty: _Optional[bool] = ..., memory_available_bytes: _Optional[int] = ..., ms_per_gb: _Optional[float] = ...) -> None: ...
+    proof: str
+    def __init__(self, worker_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., device: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy: _Optional[int] = ..., openvino_version: _Optional[str] = ..., compactions: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_source: _Optional[str] = ..., load_s: _Optional[float] = ..., load_detail: _Optional[str] = ..., empty: _Optional[bool] = ..., memory_available_bytes: _Optional[int] = ..., ms_per_gb: _Optional[float] = ..., proof: _Optional[str] = ...) -> None: ...
 
 class StageStatusRequest(_message.Message):
     __slots__ = ("model_id", "manifest_sha256", "manifest", "stage")

@@ -89,6 +89,15 @@ def check_token(secret: bytes, method: str, value: str | None, now: float | None
 
 
 # -- configuration -----------------------------------------------------------------------------
+def worker_proof(secret: bytes, challenge: str, worker_id: str) -> str:
+    """A worker's answer to a coordinator's Info ``challenge``: hex HMAC-SHA256(secret, ``worker-proof \n
+    challenge \n worker_id``). Call tokens prove the caller holds the secret; this proves the worker does, so a
+    host on the LAN without it is never shipped a stage's weights nor sent anyone's hidden states. Bound to the
+    worker's id: one relaying another worker's proof answers with that worker's id, which the coordinator then
+    hears twice (a refused duplicate). Mutual TLS (``--tls-ca``) authenticates both ends by certificate."""
+    return hmac.new(secret, f"worker-proof\n{challenge}\n{worker_id}".encode(), hashlib.sha256).hexdigest()
+
+
 def _read(path: Path, flag: str) -> bytes:
     try:
         data = Path(path).read_bytes()
@@ -149,6 +158,21 @@ class Security:
     @property
     def tls(self) -> bool:
         return self.cert_pem is not None
+
+    def challenge(self) -> str:
+        """A fresh Info challenge (32 hex digits) when this role has a secret, else "" (nothing to prove)."""
+        return secrets.token_hex(16) if self.secret else ""
+
+    def prove(self, challenge: str, worker_id: str) -> str:
+        """The worker's ``InfoReply.proof`` for ``challenge`` ("" without a secret or a challenge)."""
+        return worker_proof(self.secret, challenge, worker_id) if self.secret and challenge else ""
+
+    def proven(self, challenge: str, worker_id: str, proof: str) -> bool:
+        """Whether a worker answering ``challenge`` as ``worker_id`` with ``proof`` holds this role's secret
+        (always true without a secret: there is nothing to check)."""
+        if not self.secret:
+            return True
+        return hmac.compare_digest(proof.encode(), worker_proof(self.secret, challenge, worker_id).encode())
 
     def describe(self) -> str:
         """For logs: ``HMAC tokens, mutual TLS``, ``plaintext, no authentication``, ..."""

@@ -147,7 +147,7 @@ async def serve_empty(settings: WorkerSettings, ready: asyncio.Event | None = No
     worker_id, lock_fd = claim(stages_dir)  # kept open (locked) until this process exits
     capacity = offered(await asyncio.to_thread(measured_speed, stages_dir, settings.device, settings.threads),
                        settings.memory_mb)
-    slot = StageSlot(worker_id, capacity)
+    slot = StageSlot(worker_id, capacity, settings.security)
     state: dict = {"announcer": None, "metrics": False}
     port = 0
 

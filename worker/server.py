@@ -451,6 +451,7 @@ class StageService(pb_grpc.StageServicer):
             load_source=self.runner.load.source,
             load_s=self.runner.load.seconds,
             load_detail=self.runner.load.detail,
+            proof=self.security.prove(request.challenge, self.worker_id),
             **self._load(),
         )
 

@@ -23,6 +23,7 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.manifest import LoadedManifest, ManifestError
+from fleet_common.security import Security
 from fleet_common.segments import MAX_SEGMENTS, Segment
 from fleet_common.shipping import BUSY
 from fleet_common.wire import Malformed
@@ -44,8 +45,9 @@ class StageSlot(pb_grpc.StageServicer):
     """The Stage service of a worker that may serve nothing yet: ``service`` (None until a stage is loaded)
     answers every call; without one, calls get UNAVAILABLE and ``Info`` the worker's ``capacity``."""
 
-    def __init__(self, worker_id: str, capacity: Capacity) -> None:
+    def __init__(self, worker_id: str, capacity: Capacity, security: Security | None = None) -> None:
         self.worker_id, self.capacity = worker_id, capacity
+        self.security = security if security is not None else Security()  # to prove the fleet secret in Info
         self.service: StageService | None = None
 
     async def _serving(self, context: grpc.aio.ServicerContext) -> StageService:
@@ -85,7 +87,8 @@ class StageSlot(pb_grpc.StageServicer):
             reply = await self.service.Info(request, context)
         else:
             reply = pb.InfoReply(worker_id=self.worker_id, protocol_version=PROTOCOL_VERSION, empty=True,
-                                 device=self.capacity.device)
+                                 device=self.capacity.device, proof=self.security.prove(request.challenge,
+                                                                                        self.worker_id))
         reply.memory_available_bytes = self.capacity.memory_available_bytes
         reply.ms_per_gb = self.capacity.ms_per_gb
         return reply

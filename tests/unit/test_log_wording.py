@@ -60,3 +60,12 @@ def test_a_workers_log_lines_name_the_stage_it_loaded():
     finally:
         log.removeHandler(handler)
     assert out.getvalue().splitlines() == ["worker[empty] before", "worker[1] after"]
+
+
+def test_a_worker_that_does_not_prove_the_secret_is_refused_by_the_health_check(registry):
+    """With --secret the health check's Info carries a challenge; a worker whose answer proves no key (any host
+    on the LAN without it, static or empty) is refused: no request goes through it."""
+    served = pb.InfoReply(protocol_version=PROTOCOL_VERSION, manifest_sha256=registry.loaded.sha256, stage=0)
+    assert registry.refusal("10.0.0.3:50051", served, proven=True) is None
+    refused = registry.refusal("10.0.0.3:50051", served, proven=False)
+    assert "10.0.0.3:50051" in refused and "does not hold this fleet's --secret" in refused

@@ -99,3 +99,41 @@ def test_strings_a_worker_sends_are_printed_with_control_characters_escaped():
     found, (why,) = asyncio.run(run())
     assert not found and "\x1b" not in why and "\n" not in why and "\\x1b[2Jid\\nX" in why, why
     assert Capacity(1 << 30, "CPU\x1b[31m", 30.0).line().startswith("1,024 MiB available, CPU\\x1b[31m, 30.00 ms")
+
+
+def test_with_a_secret_only_workers_proving_it_are_counted_or_shipped_to(tmp_path):
+    """A coordinator with --secret plans, ships and serves only through workers that hold the key: an empty
+    worker without it (anyone on the LAN, heard by mDNS) answers Info, but its answer carries no proof of the key
+    (fleet_common/security.py ``worker_proof`` over the coordinator's challenge), so it is named and not counted,
+    ``ship_plan`` ships it nothing, and the health check refuses it; a worker with the key proves it."""
+    from coordinator.planned_fleet import ship_plan
+    from fleet_common.shipping import ShippingError
+    from tests.unit.test_stage_cache import make_build
+
+    (tmp_path / "key").write_text("the fleet's key\n")
+    ours = Security.load(tmp_path / "key")
+    build, _, _ = make_build(tmp_path)
+
+    async def run():
+        servers, addresses = [], []
+        for worker_id, security in (("keyed", ours), ("rogue", Security())):
+            server, port = open_server("127.0.0.1:0", security)
+            add_servicer(pb_grpc.add_StageServicer_to_server,
+                         StageSlot(worker_id, Capacity(8 * GIB, "CPU", 30.0), security), server)
+            await server.start()
+            servers.append(server)
+            addresses.append(f"127.0.0.1:{port}")
+        try:
+            counted = await answering(addresses, ours, addresses, None)
+            with pytest.raises(ShippingError) as shipped:
+                await ship_plan(build, [addresses[1]], ours)
+            return addresses, counted, shipped.value
+        finally:
+            await asyncio.gather(*(s.stop(None) for s in servers))
+
+    addresses, (found, why), refused = asyncio.run(run())
+    assert list(found) == ["keyed"], (found, why)
+    assert len(why) == 1 and why[0].startswith(f"{addresses[1]} (worker rogue)") and "--secret" in why[0], why
+    assert "does not hold this fleet's --secret" in str(refused) and addresses[1] in str(refused), refused
+    assert ours.proven("c", "w", ours.prove("c", "w")) and not ours.proven("c", "w", Security().prove("c", "w"))
+    assert not ours.proven("c", "other", ours.prove("c", "w"))  # bound to the worker's id
