@@ -231,7 +231,7 @@ async def _not_loaded(loaded, stage):
 
 
 @contextlib.asynccontextmanager
-async def _store_channel(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4,
+async def store_channel(cache_root, piece_timeout_s: float = 60.0, max_puts: int = 4,
                          bars: ReceiveBars | None = None):
     """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``
     (its progress bars ``bars``); the server stops on exit."""
@@ -254,7 +254,7 @@ def test_a_silent_put_stage_is_ended_and_frees_its_file_for_another_sender(tmp_p
     body = (src / rel).read_bytes()
 
     async def run() -> None:
-        async with _store_channel(tmp_path / "cache", piece_timeout_s=1.0) as channel:
+        async with store_channel(tmp_path / "cache", piece_timeout_s=1.0) as channel:
             stub = pb_grpc.StageStoreStub(channel)
             await stub.StageStatus(pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data,
                                                          stage=1), timeout=10)
@@ -283,7 +283,7 @@ def test_the_worker_draws_a_bar_per_file_it_receives_and_closes_it_after(tmp_pat
     bars = ReceiveBars(Console(file=out, force_terminal=False, width=200))
 
     async def run() -> None:
-        async with _store_channel(tmp_path / "cache", bars=bars) as channel:
+        async with store_channel(tmp_path / "cache", bars=bars) as channel:
             report = await ship_stage(channel, src, 1, chunk_bytes=64 << 10)
             assert len(report.completed) == 2
             for _ in range(100):  # the call's end closes the bars just after its reply
@@ -306,7 +306,7 @@ def test_load_stage_refuses_a_cached_file_changed_on_disk_and_loads_nothing(tmp_
     rel = "stage_1/openvino_model.bin"
 
     async def run() -> grpc.aio.AioRpcError:
-        async with _store_channel(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             await ship_stage(channel, src, 1)
             with open(tmp_path / "cache" / sha / rel, "r+b") as f:
                 f.seek(1234)
@@ -327,7 +327,7 @@ def test_a_file_of_0_bytes_is_shipped(tmp_path):
     src, _, sha = make_build(tmp_path, sizes=(0, 1000))
 
     async def run() -> None:
-        async with _store_channel(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             report = await ship_stage(channel, src, 1)  # its sender sent no piece of it: never complete
             assert sorted(report.completed) == ["stage_1/openvino_model.bin", "stage_1/openvino_model.xml"]
 
@@ -341,7 +341,7 @@ def test_put_stage_calls_past_the_limit_are_refused_before_they_read(tmp_path):
     body = (src / rel).read_bytes()
 
     async def run() -> None:
-        async with _store_channel(tmp_path / "cache", max_puts=1) as channel:
+        async with store_channel(tmp_path / "cache", max_puts=1) as channel:
             stub = pb_grpc.StageStoreStub(channel)
             request = pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data, stage=1)
             await stub.StageStatus(request, timeout=10)

@@ -6,42 +6,17 @@ damaged cached manifest is replaced by the one sent, manifests are bounded."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.discovery import Capacity
-from fleet_common.security import Security, open_channel, open_server
 from fleet_common.shipping import ship_stage
-from fleet_common.wire import add_servicer
-from tests.unit.test_stage_cache import make_build
+from tests.unit.test_stage_cache import make_build, store_channel
 from worker.stage_cache import PART_SUFFIX, StageCache, StageCacheError
-from worker.stage_slot import StageSlot, StageStoreService
 
 FILES = ("stage_1/openvino_model.xml", "stage_1/openvino_model.bin")
-
-
-async def never_loaded(loaded, stage):  # noqa: ANN001, ANN201 - the store's Loader
-    raise AssertionError("LoadStage was not called")
-
-
-@contextlib.asynccontextmanager
-async def store(cache_root, max_puts: int = 4):
-    """A channel to a real gRPC server on loopback serving ``StageStoreService`` over a cache at ``cache_root``
-    (at most ``max_puts`` PutStage calls at once)."""
-    service = StageStoreService(StageCache(cache_root), StageSlot("w", Capacity(1 << 30, "CPU", 1.0)), never_loaded)
-    service.max_puts = max_puts
-    server, port = open_server("127.0.0.1:0", Security())
-    add_servicer(pb_grpc.add_StageStoreServicer_to_server, service, server)
-    await server.start()
-    try:
-        async with open_channel(f"127.0.0.1:{port}", Security()) as channel:
-            yield channel
-    finally:
-        await server.stop(None)
 
 
 def test_every_byte_written_but_not_renamed_is_checked_and_put_in_place(tmp_path):
@@ -50,12 +25,12 @@ def test_every_byte_written_but_not_renamed_is_checked_and_put_in_place(tmp_path
     src, _, sha = make_build(tmp_path)
 
     async def run() -> None:
-        async with store(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             await ship_stage(channel, src, 1)
         for rel in FILES:
             final = tmp_path / "cache" / sha / rel
             final.rename(final.with_name(final.name + PART_SUFFIX))
-        async with store(tmp_path / "cache") as channel:  # the worker restarted
+        async with store_channel(tmp_path / "cache") as channel:  # the worker restarted
             report = await ship_stage(channel, src, 1)
             assert sorted(report.completed) == sorted(FILES) and report.sent_bytes == 0, report
 
@@ -83,7 +58,7 @@ def test_a_full_size_partial_file_with_wrong_bytes_is_sent_again(tmp_path):
     part = tmp_path / "cache" / sha / (rel + PART_SUFFIX)
 
     async def run() -> None:
-        async with store(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
                 model_id="tiny", manifest_sha256=sha, stage=1, manifest=(src / "manifest.json").read_bytes()),
                 timeout=10)
@@ -104,7 +79,7 @@ def test_a_partial_file_longer_than_the_file_is_restarted(tmp_path, extra):
     part = tmp_path / "cache" / sha / (rel + PART_SUFFIX)
 
     async def run() -> None:
-        async with store(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
                 model_id="tiny", manifest_sha256=sha, stage=1, manifest=(src / "manifest.json").read_bytes()),
                 timeout=10)
@@ -137,7 +112,7 @@ def test_a_damaged_cached_manifest_is_named_and_replaced_by_the_one_sent(tmp_pat
     cached = tmp_path / "cache" / sha / "manifest.json"
 
     async def run() -> None:
-        async with store(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             await ship_stage(channel, src, 1)
             cached.write_bytes(cached.read_bytes()[:300])  # a truncated copy (a disk error)
             with pytest.raises(StageCacheError, match=f"the stage cache's {cached} is damaged") as damaged:
@@ -154,7 +129,7 @@ def test_a_damaged_cached_manifest_is_named_and_replaced_by_the_one_sent(tmp_pat
                                                 (b"[" * 200_000 + b"]" * 200_000, "nests too deep")])
 def test_a_manifest_too_big_or_nested_too_deep_is_refused_clearly(tmp_path, manifest, says):
     async def run() -> grpc.aio.AioRpcError:
-        async with store(tmp_path / "cache") as channel:
+        async with store_channel(tmp_path / "cache") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
                     model_id="tiny", manifest_sha256="a" * 64, stage=1, manifest=manifest), timeout=30)
@@ -171,7 +146,7 @@ def test_a_worker_busy_with_another_sender_is_asked_again_not_given_up_on(tmp_pa
     body = (src / rel).read_bytes()
 
     async def run() -> None:
-        async with store(tmp_path / "cache", max_puts=1) as channel:
+        async with store_channel(tmp_path / "cache", max_puts=1) as channel:
             stub = pb_grpc.StageStoreStub(channel)
             request = pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data, stage=1)
             await stub.StageStatus(request, timeout=10)
