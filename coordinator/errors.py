@@ -102,7 +102,8 @@ def stages_phrase(stages: list[int], num_stages: int) -> str:
 
 def _retry_advice(stage: int) -> str:
     return (f"send the request again; if this keeps happening, look at that worker's log or restart it "
-            f"(`fleet-worker --shard {stage}`)")
+            f"(a static fleet's `fleet-worker --shard {stage}`; a fleet served from `serve --model SOURCE` re-plans "
+            "around a worker that is gone)")
 
 
 def stage_failed(stage: int, address: str, what: str, detail: str | None = None) -> StageFailure:
