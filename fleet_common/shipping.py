@@ -43,6 +43,19 @@ RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 BUSY = "retry when one has ended"  # in a worker's RESOURCE_EXHAUSTED for its busy slots (worker/stage_slot.py):
 # retried as a cut transfer is; its other RESOURCE_EXHAUSTED (a full disk) is not
+CORE_CUT = "Internal error from Core"  # gRPC's own INTERNAL when the connection dies under a stream's write (seen
+# on a fleet-wan link cut mid-PutStage): a cut, not the worker's answer (a worker's INTERNAL says what failed)
+
+
+def resumable(exc: ShippingError) -> bool:
+    """Whether a failed attempt is a cut link or a busy worker, so ``ship_stage`` resumes it from what the worker
+    holds (``RESUMABLE``, a busy worker's RESOURCE_EXHAUSTED, gRPC core's INTERNAL of a cut connection), not a
+    refusal (a wrong hash, a full disk, a bad path), which a resumed attempt would only repeat."""
+    if exc.code in RESUMABLE:
+        return True
+    if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return BUSY in str(exc)
+    return exc.code is grpc.StatusCode.INTERNAL and CORE_CUT in str(exc)
 
 Progress = Callable[[str, int, int], None]
 """``progress(path, bytes done, bytes of the file)``, called after each piece sent (and once per file at
@@ -125,8 +138,7 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
             report = await _ship_once(channel, build_dir, shard, progress, address, chunk_bytes, counter, state)
         except ShippingError as exc:
             sent += counter[0]
-            busy = exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED and BUSY in str(exc)
-            if (exc.code not in RESUMABLE and not busy) or attempt == resumes:
+            if not resumable(exc) or attempt == resumes:
                 raise
             wait = RESUME_AFTER_S * 2 ** attempt
             log.warning("%s: %d bytes sent so far; resuming in %.0f s (attempt %d of %d)", exc, sent, wait,

@@ -163,3 +163,24 @@ def test_a_worker_busy_with_another_sender_is_asked_again_not_given_up_on(tmp_pa
             assert sorted(report.completed) == sorted(FILES), report
 
     asyncio.run(run())
+
+
+def test_a_cut_link_is_resumed_and_a_refusal_is_not():
+    """What ``ship_stage`` resumes: a cut link (UNAVAILABLE, a deadline, ABORTED), a worker whose transfer slots
+    are busy, and gRPC core's own INTERNAL of a connection that died under a stream's write (the rehearsal's
+    fleet-wan cut gave 'INTERNAL: Internal error from Core' once in two runs); never the worker's refusals."""
+    from fleet_common.shipping import BUSY, CORE_CUT, ShippingError, resumable
+
+    def error(code: grpc.StatusCode, text: str) -> ShippingError:
+        return ShippingError(f"worker 127.0.0.1:1: PutStage of stage_1/openvino_model.bin: {code.name}: {text}", code)
+
+    for code, text in ((grpc.StatusCode.UNAVAILABLE, "Stream removed"), (grpc.StatusCode.DEADLINE_EXCEEDED, ""),
+                       (grpc.StatusCode.ABORTED, "being written by another PutStage"),
+                       (grpc.StatusCode.RESOURCE_EXHAUSTED, f"4 transfers at once: {BUSY}"),
+                       (grpc.StatusCode.INTERNAL, CORE_CUT)):
+        assert resumable(error(code, text)), (code, text)
+    for code, text in ((grpc.StatusCode.RESOURCE_EXHAUSTED, "no space left: 12 MB free, 80 MB needed"),
+                       (grpc.StatusCode.DATA_LOSS, "sha256 differs from the manifest's"),
+                       (grpc.StatusCode.INTERNAL, "the stage failed to compile"),
+                       (grpc.StatusCode.INVALID_ARGUMENT, "bad path")):
+        assert not resumable(error(code, text)), (code, text)
