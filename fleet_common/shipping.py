@@ -123,8 +123,8 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
                      address: str = "", chunk_bytes: int = CHUNK_BYTES, resumes: int = RESUMES) -> ShipReport:
     """Send stage ``shard`` of the build at ``build_dir`` to the worker on ``channel`` (``address`` names it
     in errors): only the bytes it lacks, resuming partial files (module doc). A transfer cut or a busy worker
-    (``resumable``: the connection lost, a deadline passed, every slot taken) is resumed from what the worker holds up to
-    ``resumes`` times, ``RESUME_AFTER_S`` apart and doubling (1, 2, 4, 8 s: a Wi-Fi drop, a restarted
+    (``resumable``: the connection lost, a deadline passed, every slot taken) is resumed from what the worker
+    holds up to ``resumes`` times, ``RESUME_AFTER_S`` apart and doubling (1, 2, 4, 8 s: a Wi-Fi drop, a restarted
     router); the report then counts the bytes of every attempt. Does not load it (``load_stage``). Raises
     ``ShippingError`` (the worker refused: a wrong hash, a full disk, a bad path; or the call failed or
     passed its deadline ``resumes`` + 1 times), ``ManifestError`` for a bad build, ``OSError`` for an
