@@ -569,14 +569,14 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         # an int4 stage compresses the router as NNCF does (int4_plan names it); otherwise it stays f16
         w = {role: weights(name, matrix=role in MATRICES or (role == "router" and int4 is not None))
              for role, name in names.items() if not role.startswith("expert.")}
+        sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[layer]  # Gemma 3's, gpt-oss's local layers
+        here = local if sliding else (rope, mask)
         if cfg.sandwich_norms:  # Gemma 3
-            here = local if cfg.sliding_layers[layer] else (rope, mask)
-            x, layer_sinks = gemma_layer(x, w, cfg, *here, beam_idx.output(0), batch, layer)
+            x, layer_sinks = gemma_layer(x, w, cfg, *here, beam_idx.output(0), batch, layer, sliding)
             sinks += layer_sinks
             continue
-        here = local if cfg.sliding_layers and cfg.sliding_layers[layer] else (rope, mask)  # gpt-oss's local layers
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, *here,
-                                   beam_idx.output(0), batch, layer)
+                                   beam_idx.output(0), batch, layer, sliding)
         x = op.add(x, h).output(0)
         x = op.add(x, _feed_forward(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, names, weights, cfg,
                                     layer)).output(0)

@@ -15,6 +15,8 @@ from openvino import opset13 as op
 from openvino.op.util import Variable, VariableInfo
 from openvino.utils.node_factory import NodeFactory
 
+from fleet_common.sliding_kv import kv_state_names
+
 from .arch import ModelConfig
 
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask of hidden slots (transformers' choice)
@@ -162,9 +164,14 @@ def repeat_kv(x: ov.Output, groups: int, heads: int, head_dim: int) -> ov.Output
 
 
 def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
-              mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
+              mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int,
+              window_kv: bool = False) -> tuple[ov.Output, list[ov.Node]]:
     """Self-attention of one layer over its KV state: x [B, S, H] -> [B, S, H], plus the two Assign sinks; with
-    ``w["sinks"]`` gpt-oss's attention with sinks (compiler/gpt_oss.py), with ``w["o_bias"]`` o_proj's bias."""
+    ``w["sinks"]`` gpt-oss's attention with sinks (compiler/gpt_oss.py), with ``w["o_bias"]`` o_proj's bias.
+
+    ``window_kv`` (a sliding-window layer): its KV state may hold only the *last* physical slots (the runtime
+    drops the older ones, which the window hides anyway: fleet_common/runtime.py ``SlidingKV``), so the mask
+    [B, 1, S, T] is cut to its last P' + S columns, P' the slots the state holds."""
     d = cfg.head_dim
     q, k, v = linears(x, [w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])
     q = _heads(q, cfg.num_heads, d, w.get("q_norm"), cfg.rms_norm_eps)
@@ -172,8 +179,12 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     v = _heads(v, cfg.num_kv_heads, d, None, cfg.rms_norm_eps)
     cos, sin = rope
     q, k = apply_rope(q, cos, sin, d, cfg.rotary_dim), apply_rope(k, cos, sin, d, cfg.rotary_dim)
-    keys, k_sink = kv_cache(k, beam_idx, cfg, f"past_key_values.{layer}.keypresent.{layer}.key", batch)
-    values, v_sink = kv_cache(v, beam_idx, cfg, f"past_key_values.{layer}.valuepresent.{layer}.value", batch)
+    key_state, value_state = kv_state_names(layer)
+    keys, k_sink = kv_cache(k, beam_idx, cfg, key_state, batch)
+    values, v_sink = kv_cache(v, beam_idx, cfg, value_state, batch)
+    if window_kv:
+        held = op.gather(op.shape_of(keys, output_type="i64"), i64([2]), i64(0))  # [1]: P' + S
+        mask = op.slice(mask, op.negative(held), i64([np.iinfo(np.int64).max]), i64([1]), i64([3])).output(0)
     keys, values = repeat_kv(keys, cfg.kv_groups, cfg.num_heads, d), repeat_kv(values, cfg.kv_groups, cfg.num_heads, d)
     scale = d ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
     if "sinks" in w:  # gpt-oss: a sink logit per head, SDPA's sixth input
@@ -293,12 +304,13 @@ def norm_weight(weight: ov.Output, cfg: ModelConfig) -> ov.Output:
 
 
 def gemma_layer(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tuple[ov.Output, ov.Output],
-                mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int) -> tuple[ov.Output, list[ov.Node]]:
+                mask: ov.Output, beam_idx: ov.Output, batch: ov.Output, layer: int,
+                window_kv: bool = False) -> tuple[ov.Output, list[ov.Node]]:
     """One Gemma 3 decoder layer (transformers' ``Gemma3DecoderLayer``): ``x + post_norm(attention(input_norm(x)))``,
     then ``+ post_ff_norm(geglu(pre_ff_norm(x)))``; every norm (q/k's too) times ``1 + w`` as ``norm_weight``."""
     w = dict(w) | {role: norm_weight(w[role], cfg) for role in w if role.endswith("norm")}
     eps = cfg.rms_norm_eps
-    h, sinks = attention(rms_norm(x, w["input_norm"], eps), w, cfg, rope, mask, beam_idx, batch, layer)
+    h, sinks = attention(rms_norm(x, w["input_norm"], eps), w, cfg, rope, mask, beam_idx, batch, layer, window_kv)
     x = op.add(x, rms_norm(h, w["post_norm"], eps)).output(0)
     h = geglu(rms_norm(x, w["pre_ff_norm"], eps), w)
     return op.add(x, rms_norm(h, w["post_ff_norm"], eps)).output(0), sinks

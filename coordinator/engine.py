@@ -20,7 +20,7 @@ from fleet_common.manifest import LoadedManifest
 
 from .constraint import Grammars
 from .draft import DraftModel
-from .errors import ContextLengthExceeded, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown, StageFailure
+from .errors import ContextLengthExceeded, CopyRefused, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown, StageFailure
 from .loop import LoopContext, Moved, StepLoop
 from .metrics import CoordinatorMetrics
 from .output import OutputProcessor
@@ -386,6 +386,10 @@ class Engine:
             else:
                 await self._admitted(session, lambda: entry.pipeline.copy(session, entry.session_id, 0, hit.tokens,
                                                                           slots, timeout_s))
+        except CopyRefused as exc:  # the entry is intact: only this prefix is not held (sliding-window layers)
+            log.info("%s: %d cached tokens of %s cannot be copied (%s); prefilling the whole prompt",
+                     request.request_id, hit.tokens, entry.session_id, exc)
+            return None
         except Exception as exc:
             if hit.take or not isinstance(exc, Overloaded):  # a failed copy too: its KV may be gone at a stage
                 self.prefix_cache.discard(entry)

@@ -65,6 +65,12 @@ class Overloaded(FleetError):
     code = "overloaded"
 
 
+class CopyRefused(Exception):
+    """A stage cannot copy a retained session's prefix because its sliding-window layers no longer hold the
+    end of it (fleet_common/runtime.py ``PrefixNotHeld``): the prompt is prefilled in full, the retained session
+    stays for its own conversation. Never shown to a client."""
+
+
 class PipelineUnavailable(FleetError):
     """No complete pipeline: some stage has no healthy worker."""
 

@@ -24,7 +24,7 @@ from fleet_common.channels import ChannelCache, StreamClosed, StreamWriter, desc
 from fleet_common.security import Security
 from fleet_common.wire import from_tensor, to_tensor
 
-from .errors import InvalidRequest, Overloaded, StageFailure, stage_failed, stage_lost
+from .errors import CopyRefused, InvalidRequest, Overloaded, StageFailure, stage_failed, stage_lost
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class Pipeline:
         """Make ``session_id`` on every stage from the first ``tokens`` visible slots of ``row`` of
         ``source`` (the ``Copy`` RPC; ``source`` is untouched; ``detach``: the row is leaving it and its
         reservation moves to the copy). Raises ``Overloaded`` when a stage has no
-        room, ``StageFailure`` otherwise; the copy is closed again on every stage on failure."""
+        room, ``CopyRefused`` when a stage no longer holds that prefix, ``StageFailure`` otherwise; the copy is closed again on every stage on failure."""
         self.sessions.add(session_id)
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
                                  max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach,
@@ -232,6 +232,8 @@ class Pipeline:
             address, exc = errors[0]
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise Overloaded(f"worker {address} has no room for the copy: {exc.details()}")
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                raise CopyRefused(f"worker {address}: {exc.details()}")
             raise _failure(self.addresses.index(address), address, "to copy a retained session's KV", exc)
 
     async def compact(self, session_id: str, past_length: int, hide_slots: list[int], timeout_s: float,

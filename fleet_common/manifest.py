@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .sliding_kv import SlidingKV, sliding_kv
+
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2  # 2: per-stage and per-draft weight format + compression parameters
 DEVICES_FORMAT = 3  # 3: a stage names the device it was planned and compiled for (written only when not CPU)
@@ -35,6 +37,10 @@ class Architecture:
     head_dim: int
     vocab_size: int
     max_context: int  # max_position_embeddings: the longest sequence the model was trained for
+    # Gemma 3's, gpt-oss's local layers: they see keys fewer than ``sliding_window`` logical positions back, and
+    # their KV states may drop older slots (fleet_common/runtime.py ``SlidingKV``); 0 and () for other models
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()  # indices of the local layers
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,12 @@ class Manifest:
         a = self.architecture
         return 2 * self.stages[stage].num_layers * a.num_key_value_heads * a.head_dim * bytes_per_value
 
+    def sliding_kv(self, stage: int) -> SlidingKV | None:
+        """The sliding-window layers of ``stage`` whose KV states hold only their last slots
+        (fleet_common/sliding_kv.py); None when it has none."""
+        entry, a = self.stages[stage], self.architecture
+        return sliding_kv(a.sliding_window, [i for i in a.sliding_layers if entry.start <= i < entry.end])
+
     def draft(self, name: str) -> DraftEntry:
         """The draft called ``name``; raises ``ManifestError`` listing the ones this build has."""
         for d in self.drafts:
@@ -121,6 +133,8 @@ class Manifest:
         raw = asdict(self)
         if not raw["blobs"]:
             del raw["blobs"]
+        if not raw["architecture"]["sliding_window"]:  # a model without local layers reads as before
+            del raw["architecture"]["sliding_window"], raw["architecture"]["sliding_layers"]
         for stage in raw["stages"]:
             if stage["device"] == "CPU":
                 del stage["device"]
@@ -138,7 +152,8 @@ class Manifest:
                     "upgrade fleet where the build is newer")
             return cls(
                 model_id=str(raw["model_id"]),
-                architecture=Architecture(**raw["architecture"]),
+                architecture=Architecture(**raw["architecture"] | {
+                    "sliding_layers": tuple(int(i) for i in raw["architecture"].get("sliding_layers", ()))}),
                 stages=tuple(StageEntry(**s) for s in raw["stages"]),
                 openvino_version=str(raw["openvino_version"]),
                 protocol_version=int(raw["protocol_version"]),

@@ -7,6 +7,7 @@ draft tokens keep their slots with the bit cleared (mask-based rejection: what f
 they had never been fed, tests/integration/test_mask_rejection.py) and ``position_ids`` follow the logical
 length, so nothing is trimmed on the hot path (trimming costs milliseconds per rejection, growing with the
 context: bench/spec_bench.py measures both). When invisible slots pile up, ``compact`` rewrites the state once.
+The sliding-window layers' states hold only their last slots (fleet_common/sliding_kv.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import openvino as ov
 
 from .ovinfer import infer_first
+from .sliding_kv import SlidingKV, cut_states, first_needed, pack_local, packed_start
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,14 @@ class ChunkError(ValueError):
 
 
 class ContextOverflow(ChunkError):
+    code = "OUT_OF_RANGE"
+
+
+class PrefixNotHeld(ChunkError):
+    """A copy of a prefix whose last ``window - 1`` slots the sliding-window layers no longer hold (dropped:
+    fleet_common/sliding_kv.py); the source session is intact. OUT_OF_RANGE: a Copy's only other one, more
+    tokens than its ``max_context``, is the caller's bug, and either way the prompt is prefilled instead."""
+
     code = "OUT_OF_RANGE"
 
 
@@ -61,6 +71,8 @@ class KVSession:
     in one infer call, sharing the physical length (shorter rows are padded with invisible slots).
     ``visible[r, j]`` (int64, 1/0) says whether row ``r`` may attend to physical slot ``j``; slots of
     rejected draft tokens and of padding stay in the state with ``visible == 0`` until ``compact``.
+    ``sliding``: the model's sliding-window layers, whose states hold only physical slots
+    ``[local_start, length)`` (fleet_common/sliding_kv.py); None: every state holds them all.
     """
 
     session_id: str
@@ -72,6 +84,8 @@ class KVSession:
     visible: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [rows, max_context]
     last_used: float = 0.0
     compactions: int = 0
+    sliding: SlidingKV | None = None
+    local_start: int = 0  # the first physical slot the sliding-window layers' states hold
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -94,7 +108,7 @@ class KVSession:
     def reset(self) -> None:
         """Empty the state (the InferRequest is kept for reuse)."""
         self.request.reset_state()
-        self.length = 0
+        self.length = self.local_start = 0
         self.visible[:] = 0
 
 
@@ -230,6 +244,7 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
             raise ChunkError(f"{start.size} row start positions for a chunk of {batch} rows")
         start = np.broadcast_to(start, (batch,))
         which, slots = _hide_index(session, hide_slots, hide_rows, batch)
+        _check_window(session, rows if keep_rows else None, which, slots)
         visible = session.visible[rows] if keep_rows else session.visible
         visible[which, slots] = 0
         offsets = np.arange(seq, dtype=np.int64)[None, :]
@@ -249,7 +264,34 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
         if keep_rows:
             session.reserved = [session.reserved[r] for r in rows]
         session.visible, session.rows, session.length = visible, batch, past + seq
+        _trim_window(session)
     return output, elapsed
+
+
+def _check_window(session: KVSession, rows: np.ndarray | None, which: np.ndarray, slots: np.ndarray) -> None:
+    """Raise ``ChunkError`` unless every row's last ``window - 1`` visible slots (after hiding ``slots`` of
+    ``which``; ``rows``: the rows kept, in order) are held by the sliding-window layers' states."""
+    if session.sliding is None or not session.local_start:
+        return
+    visible = (session.visible[rows] if rows is not None else session.visible)[:, : session.length].copy()
+    visible[which, slots] = 0
+    needed = first_needed(visible, session.length, session.sliding.window - 1)
+    if needed < session.local_start:
+        raise ChunkError(f"session {shown_id(session.session_id)}: the sliding-window layers no longer hold slot "
+                         f"{needed} (they hold {session.local_start}..{session.length - 1}); hide at most "
+                         f"{session.sliding.margin} slots of the last step")
+
+
+def _trim_window(session: KVSession) -> None:
+    """Drop the sliding-window layers' oldest slots once ``trim_every`` of them are no row's last ``keep``
+    visible slots (fleet_common/sliding_kv.py)."""
+    sliding = session.sliding
+    if sliding is None or session.length - session.local_start < sliding.held_max:
+        return
+    start = first_needed(session.visible, session.length, sliding.keep)
+    if start - session.local_start >= sliding.trim_every:
+        cut_states(session.request, sliding, start - session.local_start)
+        session.local_start = start
 
 
 def compact(session: KVSession, past_length: int, hide_slots: list[int],
@@ -270,12 +312,18 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int],
         keeps = [np.flatnonzero(session.visible[r, : session.length]) for r in range(session.rows)]
         length = max(len(k) for k in keeps)
         if length < session.length:
+            local = session.sliding.states if session.sliding is not None else frozenset()
+            local_start = packed_start(keeps, session.local_start)
             for state in session.request.query_state():
                 kv = state.state.data  # [rows, kv_heads, slots, head_dim]
+                if state.name in local:
+                    state.state = ov.Tensor(pack_local(kv, keeps, session.local_start, local_start, length))
+                    continue
                 packed = np.zeros((kv.shape[0], kv.shape[1], length, kv.shape[3]), dtype=kv.dtype)
                 for r, keep in enumerate(keeps):
                     packed[r, :, : len(keep)] = kv[r, :, keep, :].transpose(1, 0, 2)
                 state.state = ov.Tensor(packed)
+            session.local_start = local_start
             session.visible[:] = 0
             for r, keep in enumerate(keeps):
                 session.visible[r, : len(keep)] = 1
@@ -308,6 +356,8 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
         for s in sources:
             visible[r:r + s.rows, : s.length] = s.visible[:, : s.length]
             r += s.rows
+        local = sources[0].sliding.states if sources[0].sliding is not None else frozenset()
+        local_start = min((s.local_start for s in sources if s.length), default=0)
         if len(sources) == 1:
             request = sources[0].request
         else:
@@ -316,17 +366,20 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
             for state in request.query_state():
                 arrays = [p[state.name] for p in parts]
                 head = arrays[0]
-                merged = np.zeros((rows, head.shape[1], length, head.shape[3]), dtype=head.dtype)
+                first = local_start if state.name in local else 0  # a local state holds [local_start, length)
+                merged = np.zeros((rows, head.shape[1], length - first, head.shape[3]), dtype=head.dtype)
                 r = 0
                 for s, a in zip(sources, arrays):
                     if s.length:  # a session that never ran a chunk holds an empty state (batch 0 too)
-                        merged[r:r + s.rows, :, : s.length] = a
+                        held = s.local_start if state.name in local else 0
+                        merged[r:r + s.rows, :, held - first: s.length - first] = a
                     r += s.rows
                 state.state = ov.Tensor(merged)
         for s in sources:
             s.request = None
         return KVSession(session_id, request, max_context, rows=rows, length=length, visible=visible,
-                         reserved=[r for s in sources for r in s.reserved])
+                         reserved=[r for s in sources for r in s.reserved], sliding=sources[0].sliding,
+                         local_start=local_start)
     finally:
         for lock in locks:
             lock.release()
@@ -353,15 +406,33 @@ def copy_prefix(session_id: str, source: KVSession, row: int, tokens: int, reque
             raise ContextOverflow(f"copying {tokens} tokens exceeds max context {max_context}")
         keep = keep[:tokens]
         contiguous = keep[-1] == tokens - 1  # nothing hidden before the copied slots: one slice
+        local, held = _held_prefix(source, keep)
         request.reset_state()
         states = {st.name: st.state.data for st in source.request.query_state()}
         for state in request.query_state():
             kv = states[state.name]  # [rows, kv_heads, slots, head_dim]
-            part = kv[row:row + 1, :, :tokens] if contiguous else kv[row:row + 1, :, keep]
+            if state.name in local:  # a sliding-window layer's: slots [local_start, length) of the source
+                part = kv[row:row + 1, :, held - source.local_start]
+            else:
+                part = kv[row:row + 1, :, :tokens] if contiguous else kv[row:row + 1, :, keep]
             state.state = ov.Tensor(np.ascontiguousarray(part))
-    copy = KVSession(session_id, request, max_context, length=tokens)
+    copy = KVSession(session_id, request, max_context, length=tokens, sliding=source.sliding,
+                     local_start=tokens - held.size)
     copy.visible[0, :tokens] = 1
     return copy
+
+
+def _held_prefix(source: KVSession, keep: np.ndarray) -> tuple[frozenset[str], np.ndarray]:
+    """(the local states' names, the slots of ``keep`` they hold) for a copy of the visible slots ``keep`` of
+    ``source``; raises ``PrefixNotHeld`` when they no longer hold the last ``window - 1`` of them."""
+    if source.sliding is None:
+        return frozenset(), keep
+    held = keep[keep >= source.local_start]
+    if held.size < min(keep.size, source.sliding.window - 1):
+        raise PrefixNotHeld(f"cannot copy {keep.size} tokens of session {shown_id(source.session_id)}: its "
+                         f"sliding-window layers hold only its slots from {source.local_start} on, not the last "
+                         f"{source.sliding.window - 1} of the prefix (llama-server re-processes such a prompt too)")
+    return source.sliding.states, held
 
 
 def unpack_token_mask(mask: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from fleet_common.runtime import ContextOverflow, KVSession, copy_prefix, merge, shown_id
+from fleet_common.sliding_kv import SlidingKV
 
 
 def _libc_trim():  # noqa: ANN202
@@ -63,13 +64,19 @@ class SessionStore:
     ``make_request`` creates a fresh InferRequest from the worker's one CompiledModel. A session
     reserves ``max_context * kv_bytes_per_slot`` bytes of ``kv_budget_bytes`` (0 = no budget) when it
     opens, so one admitted session can always grow to its max context.
+
+    ``sliding`` (a stage with sliding-window layers, fleet_common/sliding_kv.py): its sessions' local states hold
+    at most about ``held_max`` slots, so of the ``sliding_bytes_per_slot`` those layers take of each slot, a
+    session reserves at most twice ``held_max`` slots' worth (the second for a chunk's own tokens).
     """
 
     def __init__(self, make_request: Callable[[], object], max_sessions: int, idle_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, kv_bytes_per_slot: int = 0,
-                 kv_budget_bytes: int = 0, owner_timeout_s: float = 30.0) -> None:
+                 kv_budget_bytes: int = 0, owner_timeout_s: float = 30.0, sliding: SlidingKV | None = None,
+                 sliding_bytes_per_slot: int = 0) -> None:
         self._make_request = make_request
         self.kv_bytes_per_slot = kv_bytes_per_slot
+        self.sliding, self.sliding_bytes_per_slot = sliding, sliding_bytes_per_slot
         self.kv_budget_bytes = kv_budget_bytes
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -87,10 +94,17 @@ class SessionStore:
     def kv_reserved_bytes(self) -> int:
         """KV bytes reserved by open sessions (each for its max context)."""
         with self._lock:
-            return self._reserved_slots() * self.kv_bytes_per_slot
+            return self._reserved_bytes()
 
-    def _reserved_slots(self, skip: tuple[str, ...] = ()) -> int:
-        return sum(sum(s.reserved) for sid, s in self._sessions.items() if sid not in skip)
+    def kv_bytes(self, slots: int) -> int:
+        """KV bytes a row of ``slots`` slots may come to hold (the sliding-window layers' capped)."""
+        if self.sliding is None:
+            return slots * self.kv_bytes_per_slot
+        beyond = max(0, slots - 2 * self.sliding.held_max)
+        return slots * self.kv_bytes_per_slot - beyond * self.sliding_bytes_per_slot
+
+    def _reserved_bytes(self, skip: tuple[str, ...] = ()) -> int:
+        return sum(self.kv_bytes(r) for sid, s in self._sessions.items() if sid not in skip for r in s.reserved)
 
     def renew(self, owner: str) -> None:
         """``owner`` (a coordinator process) is alive: its sessions are kept ``owner_timeout_s`` more."""
@@ -112,7 +126,7 @@ class SessionStore:
             request = old.request if old is not None else self._make_request()
             if old is not None:
                 request.reset_state()
-            session = KVSession(session_id, request, max_context, last_used=self._clock())
+            session = KVSession(session_id, request, max_context, last_used=self._clock(), sliding=self.sliding)
             self._sessions[session_id] = session
             self._own(session_id, owner)
             return session
@@ -175,12 +189,12 @@ class SessionStore:
         """Raise unless a session of ``slots`` KV slots fits now (the ``skip`` sessions' reservations
         not counted: they are being replaced); ``new``: it adds a session (the cap counts)."""
         mib = 1 << 20
-        need = slots * self.kv_bytes_per_slot
+        need = self.kv_bytes(slots)
         if self.kv_budget_bytes and need > self.kv_budget_bytes:
             raise SessionTooLarge(f"the session needs {need / mib:.1f} MiB of KV for {slots} slots, more "
                                   f"than this worker's whole budget of {self.kv_budget_bytes / mib:.0f} MiB "
                                   "(--kv-budget-mb)")
-        reserved = self._reserved_slots(skip) * self.kv_bytes_per_slot
+        reserved = self._reserved_bytes(skip)
         if new and len(self._sessions) >= self.max_sessions:
             raise SessionLimit(f"worker holds {self.max_sessions} sessions (its --max-sessions); retry later")
         if self.kv_budget_bytes and reserved + need > self.kv_budget_bytes:

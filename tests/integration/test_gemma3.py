@@ -50,16 +50,16 @@ OPTIONS = dict(head_dim=16, sliding_window=WINDOW, layer_types=LAYERS, rope_thet
                query_pre_attn_scalar=24, tie_word_embeddings=True)
 
 
-def make_gemma3(folder: Path, demo_hf: Path) -> dict[str, Path]:
+def make_gemma3(folder: Path, demo_hf: Path, **overrides) -> dict[str, Path]:
     """The random Gemma3ForCausalLM as ``folder/gemma3-f32`` and ``-bf16`` (test_architectures' make_tiny_model:
     weights ~N(0, WEIGHT_STD); norm weights N(0, 0.2) around 0 (Gemma stores w of 1 + w: transformers initializes
-    them to 0), so the 1 + w is what the builder must apply)."""
+    them to 0), so the 1 + w is what the builder must apply). ``overrides``: config fields over ``OPTIONS``."""
     import shutil
 
     import torch
     import transformers
 
-    config = transformers.Gemma3TextConfig(**{**COMMON, **OPTIONS})
+    config = transformers.Gemma3TextConfig(**{**COMMON, **OPTIONS, **overrides})
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     assert type(model).__name__ == "Gemma3ForCausalLM"
