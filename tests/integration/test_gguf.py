@@ -390,24 +390,46 @@ def test_near_exact_q6_k_is_int8_per_32_within_half_a_step(demo_gguf, tmp_path):
     assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_demo_gguf_keeps_its_blocks_and_matches_transformers(stages, demo_gguf, demo_hf, request, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def demo_gguf_builds(demo_gguf, tmp_path_factory):
+    """``get(stages)``: (folder, manifest) of the demo GGUF built (``fleet-compiler build --shards N``) into
+    ``stages`` stages, once per module: the logits test and the fleet test of a stage count use the same build."""
+    root = tmp_path_factory.mktemp("demo-gguf-builds")
 
-    out = tmp_path / "build"
-    manifest = build(demo_gguf, out, "--shards", str(stages))
+    @cache
+    def get(stages: int) -> tuple:
+        out = root / f"build{stages}"
+        return out, build(demo_gguf, out, "--shards", str(stages))
+    return get
+
+
+@pytest.fixture(scope="module")
+def demo_reference(demo_hf):
+    """transformers in f32 on the demo's HF folder, its weights not rounded to fp16 (the GGUF builds keep the
+    blocks): one model for the module."""
+    return TransformersReference(demo_hf, round_to_fp16=False)
+
+
+@pytest.fixture(scope="module")
+def demo_greedy(demo_reference):
+    """``get(ids)``: the reference's greedy 48 tokens after the prompt ``ids`` (a tuple) and their top-two gaps,
+    computed once per prompt (the 2- and 3-stage fleets are asked the same prompts)."""
+    return cache(lambda ids: demo_reference.greedy_with_margins(list(ids), 48))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_demo_gguf_keeps_its_blocks_and_matches_transformers(stages, demo_gguf_builds, demo_reference, request):
+    out, manifest = demo_gguf_builds(stages)
     assert all(s["weights"] == "gguf" and set(s["compression"]["tensors"]) <= {"Q4_1", "Q8_0", "f32"}
                for s in manifest["stages"]), manifest["stages"]
     fp16_build = request.getfixturevalue(f"build_{stages}")  # the same split from the HF folder, fp16
     size = {b: sum((b / s["bin"]).stat().st_size for s in json.loads((b / "manifest.json").read_text())["stages"])
             for b in (out, fp16_build)}
     assert size[out] < 0.5 * size[fp16_build], size  # 4-bit blocks, not fp16
-    reference = AutoModelForCausalLM.from_pretrained(demo_hf, dtype=torch.float32).eval()
     ids = np.random.default_rng(3).integers(0, 49152, SEQ)
     garbage = np.random.default_rng(4).integers(0, 49152, 16)
     got = chained_logits(out, ids, garbage)
-    expected = transformers_logits(reference, ids)
+    expected = transformers_logits(demo_reference.model, ids)
     assert np.abs(got - expected).max() < 1e-3, np.abs(got - expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
@@ -417,12 +439,11 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_fleet_of_the_demo_gguf_equals_transformers_greedy(stages, demo_gguf, demo_hf, tmp_path):
+def test_fleet_of_the_demo_gguf_equals_transformers_greedy(stages, demo_gguf_builds, demo_reference, demo_greedy,
+                                                           tmp_path):
     """Greedy answers of a real fleet of the Q4_1 build equal transformers' on the GGUF's f32 dequantized
     weights (not rounded to fp16: the build keeps the blocks), token ids compared, near-ties bounded."""
-    out = tmp_path / "build"
-    build(demo_gguf, out, "--shards", str(stages))
-    reference = TransformersReference(demo_hf, round_to_fp16=False)
+    out, _ = demo_gguf_builds(stages)
     tokenizer = ChatTokenizer(out)
     fleet = Fleet(out, tmp_path, peers=True)
     ties = 0
@@ -431,10 +452,10 @@ def test_fleet_of_the_demo_gguf_equals_transformers_greedy(stages, demo_gguf, de
             r = chat(fleet.url, prompt, max_tokens=48, ignore_eos=True)
             assert r.status_code == 200, r.text
             ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            tokens, margins = reference.greedy_with_margins(ids, 48)
+            tokens, margins = demo_greedy(tuple(ids))
             ties += near_ties(r.json()["fleet"]["completion_token_ids"], tokens, margins,
                               f"{stages}-stage Q4_1 fleet on {prompt!r}",
-                              functools.partial(reference.forced_with_margins, ids))
+                              functools.partial(demo_reference.forced_with_margins, ids))
     finally:
         fleet.stop()
     assert ties <= 1, ties
