@@ -13,7 +13,9 @@ node's memory, which must hold (``StagePlan``):
   the rest, the embedding and the head at int8. Within 1% of the demo's real shard files (tested).
 * **KV cache** for ``max_sessions`` sessions of ``max_context`` tokens each, which is what a worker
   reserves (``--kv-budget-mb``): tokens x sessions x layers x KV heads x head dim x 2 (K and V) x bytes
-  per value of ``kv_cache_precision``.
+  per value of ``kv_cache_precision``; a sliding-window layer (Gemma 3's local layers, gpt-oss's) counts at most
+  the slots a worker reserves for it (``ModelDims.local_layers``, fleet_common/sliding_kv.py), and a stage's KV is
+  the layers' mean times its layer count.
 * **runtime**: ``RUNTIME_FIXED_BYTES`` + ``UNPACKED_COPY[format]`` x weights (``runtime_bytes``; a
   Mixture-of-Experts' ``UNPACKED_COPY_MOE``).
 
@@ -30,8 +32,9 @@ from pathlib import Path
 
 from fleet_common.manifest import DEVICES_FORMAT, MANIFEST_NAME, load_manifest
 from fleet_common.runtime import KV_VALUE_BYTES
+from fleet_common.sliding_kv import sliding_kv
 
-from .arch import MOE, moe_dims, moe_widths
+from .arch import GEMMA, GPT_OSS, MOE, ModelConfig, moe_dims, moe_widths
 from .compress import FORMATS, WeightSpec, resolve
 from .nodes import Node
 from .plan import balanced_split, decode_weights, parse_layers
@@ -86,6 +89,9 @@ class ModelDims:
     # weights a layer stores beyond the ones a token reads (layer_params): a Mixture-of-Experts' unchosen experts
     # and router, per layer on average; counted for memory, not for speed
     idle_params: int = 0
+    # sliding-window layers (Gemma 3's local ones, gpt-oss's): how many, and the slots a session reserves in each
+    local_layers: int = 0
+    local_slots: int = 0
 
     @classmethod
     def from_config(cls, config: dict, model_id: str) -> ModelDims:
@@ -101,6 +107,11 @@ class ModelDims:
                        int(config["max_position_embeddings"]), bool(config.get("tie_word_embeddings", False)))
         except KeyError as exc:
             raise ValueError(f"config.json of {model_id} has no {exc.args[0]}") from None
+        if config.get("model_type") in GEMMA | GPT_OSS:
+            cfg = ModelConfig.from_hf(config, f"config.json of {model_id}")
+            sliding = sliding_kv(cfg.sliding_window, [i for i, local in enumerate(cfg.sliding_layers) if local])
+            if sliding is not None:
+                dims = replace(dims, local_layers=sum(cfg.sliding_layers), local_slots=2 * sliding.held_max)
         if config.get("model_type") not in MOE:
             return dims
         moe = moe_dims(config, dims.num_layers, f"config.json of {model_id}")
@@ -304,12 +315,14 @@ def _fit(dims: ModelDims, nodes: list[Node], s: _Settings) -> Plan | tuple[str, 
     """The plan, or (why not, the node named, its shortfall in bytes)."""
     spec = resolve(s.weights, dims.parameters)
     last = len(nodes) - 1
-    kv_per_layer = s.max_context * s.max_sessions * dims.num_key_value_heads * dims.head_dim * 2 * \
-        KV_VALUE_BYTES[s.kv_cache_precision]
+    slot = s.max_sessions * dims.num_key_value_heads * dims.head_dim * 2 * KV_VALUE_BYTES[s.kv_cache_precision]
+    local = min(s.max_context, dims.local_slots) if dims.local_layers else 0
+    kv_per_layer = slot * ((dims.num_layers - dims.local_layers) * s.max_context + dims.local_layers * local) \
+        / dims.num_layers
 
     def parts(i: int, layers: int) -> tuple[int, int, int]:  # (weights, KV, runtime) bytes
         w = weight_bytes(dims, spec, layers, i == 0, i == last)
-        return w, layers * kv_per_layer, runtime_bytes(w, s.weights, dims.moe)
+        return w, math.ceil(layers * kv_per_layer), runtime_bytes(w, s.weights, dims.moe)
 
     def capacity(i: int) -> int:
         """The most layers node ``i`` holds in memory (0: not even one)."""

@@ -241,3 +241,21 @@ def test_moe_dims_count_every_expert_for_memory_and_the_chosen_for_speed():
     assert dims.parameters == pytest.approx(30.53e9, rel=0.002)
     assert weight_bytes(dims, resolve("fp16", 0), 48, True, True) == pytest.approx(2 * dims.parameters, rel=1e-4)
     assert dims.num_layers * dims.layer_params + 2 * dims.head_params == pytest.approx(3.3e9, rel=0.03)  # active
+
+
+def test_sliding_window_layers_count_only_what_a_worker_reserves():
+    """Gemma-3-1B's dimensions at 32K tokens: its 4 global layers count every token, its 22 local ones the
+    2 x held_max slots a worker reserves for them (fleet_common/sliding_kv.py), about a fifth of the KV."""
+    from fleet_common.sliding_kv import SlidingKV
+
+    config = dict(model_type="gemma3_text", num_hidden_layers=26, hidden_size=1152, intermediate_size=6912,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                  max_position_embeddings=32768, sliding_window=512, sliding_window_pattern=6)
+    dims = ModelDims.from_config(config, "gemma-3-1b")
+    local = 2 * SlidingKV(512, frozenset()).held_max
+    assert (dims.local_layers, dims.local_slots) == (22, local)
+    one = plan(dims, nodes("a:64GiB"), max_context=32768, max_sessions=1)
+    slot = 1 * 256 * 2 * 2  # KV heads x head dim x K and V x f16
+    assert one.stages[0].kv_bytes == (4 * 32768 + 22 * local) * slot
+    full = plan(dataclasses.replace(dims, local_layers=0), nodes("a:64GiB"), max_context=32768, max_sessions=1)
+    assert full.stages[0].kv_bytes == 26 * 32768 * slot > 4 * one.stages[0].kv_bytes

@@ -86,3 +86,19 @@ def test_kv_budget_reserves_max_context():
     store.open("a", 60)  # reopening replaces its own reservation
     store.close("a")
     store.open("c", 60)
+
+
+def test_sliding_window_layers_reserve_at_most_twice_held_max():
+    """A stage of 3 layers, 2 of them local (fleet_common/sliding_kv.py): a session reserves every slot of the
+    global layer, at most 2 x held_max of the local ones."""
+    from fleet_common.sliding_kv import sliding_kv
+
+    sliding = sliding_kv(8, [0, 2])
+    cap = 2 * sliding.held_max
+    store = SessionStore(StateHolder, max_sessions=8, idle_timeout_s=10, kv_bytes_per_slot=3, sliding=sliding,
+                         sliding_bytes_per_slot=2, kv_budget_bytes=3 * cap + 1000)
+    assert store.kv_bytes(cap) == 3 * cap and store.kv_bytes(cap + 1000) == 3 * cap + 1000
+    store.open("a", cap + 1000)
+    with pytest.raises(SessionLimit):
+        store.open("b", 1)
+    assert store.kv_reserved_bytes == 3 * cap + 1000
