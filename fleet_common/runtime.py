@@ -270,8 +270,9 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
 
 def _check_window(session: KVSession, rows: np.ndarray | None, which: np.ndarray, slots: np.ndarray) -> None:
     """Raise ``ChunkError`` unless every row's last ``window - 1`` visible slots (after hiding ``slots`` of
-    ``which``; ``rows``: the rows kept, in order) are held by the sliding-window layers' states."""
-    if session.sliding is None or not session.local_start:
+    ``which``; ``rows``: the rows kept, in order) are held by the sliding-window layers' states. Without hides it
+    holds: a trim keeps each row's last ``keep`` visible slots and everything after them."""
+    if session.sliding is None or not session.local_start or not slots.size:
         return
     visible = (session.visible[rows] if rows is not None else session.visible)[:, : session.length].copy()
     visible[which, slots] = 0
