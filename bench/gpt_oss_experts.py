@@ -13,10 +13,16 @@ Each is built by ``fleet-compiler build FILE --shards 1`` (cached by ``bench/har
 ``bench/kernel_bench.fleet_cell``: loaded as a worker loads it, in its own process pinned to ``--threads`` cores,
 ``--prompt`` random tokens prefilled then ``--tokens`` greedy steps, three times, the median.
 
-    python bench/gpt_oss_experts.py [--layers 2] [--experts 32] [--top-k 4] [--threads 1] [--tokens 32] [--json PATH]
+With ``--llama-cpp``, llama.cpp's ``llama-bench`` on the same file beside it (``kernel_bench.llama_cell``: ``-p 0 -n
+TOKENS -t THREADS -r 3``, pinned to the same cores, its peak RSS polled), the two taking turns ``--rounds`` times in
+swapped order (``kernel_bench.paired_cells``); the fleet's ms/token is then the median of its rounds, and fleet ÷
+llama.cpp the median of the rounds' tok/s ratios (with their range).
 
-It prints a table (GGUF and stage sizes, decode ms/token, peak RSS of the timed process, the stored forms) with the
-kept/fp16 ratios, and writes it with the machine's facts to ``--json``.
+    python bench/gpt_oss_experts.py [--layers 2] [--experts 32] [--top-k 4] [--threads 1] [--tokens 32]
+                                    [--llama-cpp [--rounds 3]] [--json PATH]
+
+It prints a table (GGUF and stage sizes, decode ms/token, peak RSS of the timed process, llama.cpp's, the stored
+forms) with the kept/fp16 ratios, and writes it with the machine's facts to ``--json``.
 """
 
 from __future__ import annotations
@@ -103,7 +109,28 @@ def write(path: Path, demo: Path, layers: int, experts: int, top_k: int, mxfp4: 
     return path
 
 
+def measure(path: Path, build: Path, args: argparse.Namespace) -> dict:
+    """The row of one file: sizes, the stored forms, fleet's decode ms/token and peak RSS and, with ``--llama-cpp``,
+    llama-bench's on the same file (``kernel_bench.paired_cells``: ``--rounds`` pairs, order swapped each round)."""
+    manifest = json.loads((build / "manifest.json").read_text())
+    row = {"gguf_MB": path.stat().st_size / 1e6, "stage_MB": (build / "stage_0/openvino_model.bin").stat().st_size
+           / 1e6, "stored": manifest["stages"][0]["compression"]["tensors"]}
+    if args.llama_cpp:
+        cells = kernel_bench.paired_cells(build, path, args.threads, argparse.Namespace(
+            rounds=args.rounds, realtime=False, also_precision=[], tokens=args.tokens, prompt=args.prompt))
+        fleet, llama = cells["fleet"], cells["llama_cpp"]
+        row |= {"llama_cpp_ms_per_token": 1000 / llama["tok_s"], "llama_cpp_runs_tok_s": llama["rounds_tok_s"],
+                "llama_cpp_peak_rss_MiB": llama["peak_rss_mib"], "llama_cpp_command": llama["command"],
+                "fleet_over_llama_cpp_tok_s": cells["ratio"], "ratio_range": cells["ratio_range"]}
+        fleet = {**fleet, "runs": fleet["rounds_tok_s"]}
+    else:
+        fleet = kernel_bench.fleet_cell(build, args.threads, args.tokens, args.prompt, False)
+    return row | {"ms_per_token": 1000 / fleet["tok_s"], "runs_tok_s": fleet["runs"],
+                  "peak_rss_MiB": fleet["peak_rss_mib"]}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The two files built and timed (module docstring); prints the table, writes ``--json``."""
     from compiler.source import extract_demo_gguf
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -113,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=8)
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama-bench on each file (built by "
+                        "bench/build_llama_cpp.sh when missing)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --llama-cpp: fleet/llama.cpp pairs per file")
     parser.add_argument("--cache", type=Path, default=harness.CACHE / "gpt-oss-experts")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -123,19 +153,22 @@ def main(argv: list[str] | None = None) -> int:
         path = args.cache / f"gpt-oss-{args.layers}l-{args.experts}e{args.top_k}-{form}.gguf"
         if not path.is_file():
             write(path, demo, args.layers, args.experts, args.top_k, form == "MXFP4")
-        build = kernel_bench.ensure_build(path, None, args.cache / "builds")
-        manifest = json.loads((build / "manifest.json").read_text())
-        cell = kernel_bench.fleet_cell(build, args.threads, args.tokens, args.prompt, False)
-        rows[form] = {"gguf_MB": path.stat().st_size / 1e6, "stage_MB": (build / "stage_0/openvino_model.bin").stat()
-                      .st_size / 1e6, "ms_per_token": 1000 / cell["tok_s"], "runs_tok_s": cell["runs"],
-                      "peak_rss_MiB": cell["peak_rss_mib"], "stored": manifest["stages"][0]["compression"]["tensors"]}
+        rows[form] = measure(path, kernel_bench.ensure_build(path, None, args.cache / "builds"), args)
     kept, fp16 = rows["MXFP4"], rows["F16"]
     print(f"\ngpt-oss-20b-shaped GGUF, {args.layers} layers, {args.experts} experts top {args.top_k}, {args.threads} "
           f"thread(s), {args.tokens} greedy tokens after {args.prompt}")
-    print(harness.table(("experts", "GGUF MB", "stage MB", "ms/token", "peak RSS MiB", "stored forms"),
-                        [(("MXFP4 kept" if form == "MXFP4" else "the same values as F16"), f"{r['gguf_MB']:.0f}",
-                          f"{r['stage_MB']:.0f}", f"{r['ms_per_token']:.1f}", f"{r['peak_rss_MiB']:.0f}",
-                          ", ".join(f"{k} {v}" for k, v in r["stored"].items())) for form, r in rows.items()]))
+    header = ["experts", "GGUF MB", "stage MB", "ms/token", "peak RSS MiB"]
+    if args.llama_cpp:
+        header += ["llama.cpp ms/token", "llama.cpp peak RSS MiB", "fleet ÷ llama.cpp tok/s"]
+    lines = []
+    for form, r in rows.items():
+        line = [("MXFP4 kept" if form == "MXFP4" else "the same values as F16"), f"{r['gguf_MB']:.0f}",
+                f"{r['stage_MB']:.0f}", f"{r['ms_per_token']:.1f}", f"{r['peak_rss_MiB']:.0f}"]
+        if args.llama_cpp:
+            line += [f"{r['llama_cpp_ms_per_token']:.1f}", f"{r['llama_cpp_peak_rss_MiB']:.0f}",
+                     f"{r['fleet_over_llama_cpp_tok_s']:.2f} ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})"]
+        lines.append(line + [", ".join(f"{k} {v}" for k, v in r["stored"].items())])
+    print(harness.table((*header, "stored forms"), lines))
     ratios = {key: kept[key] / fp16[key] for key in ("stage_MB", "ms_per_token", "peak_rss_MiB")}
     print("kept / F16: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     harness.write_json(args.json, "gpt_oss_experts", {"args": {k: str(v) for k, v in vars(args).items()},
