@@ -22,7 +22,7 @@ import numpy as np
 import openvino as ov
 
 from .ovinfer import infer_first
-from .sliding_kv import SlidingKV, cut_states, first_needed, pack_local, packed_start
+from .sliding_kv import SlidingKV, cut_states, first_needed, needed_slots, pack_local, packed_start
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ class KVSession:
     ``visible[r, j]`` (int64, 1/0) says whether row ``r`` may attend to physical slot ``j``; slots of
     rejected draft tokens and of padding stay in the state with ``visible == 0`` until ``compact``.
     ``sliding``: the model's sliding-window layers, whose states hold only physical slots
-    ``[local_start, length)`` (fleet_common/sliding_kv.py); None: every state holds them all.
+    ``[local_start, length)`` (fleet_common/sliding_kv.py); None: every state holds them all. ``row_start[r]``
+    (>= ``local_start``): the first slot whose sliding-window KV row ``r`` really holds (a merged or compacted
+    row may have zeros before it).
     """
 
     session_id: str
@@ -86,6 +88,7 @@ class KVSession:
     compactions: int = 0
     sliding: SlidingKV | None = None
     local_start: int = 0  # the first physical slot the sliding-window layers' states hold
+    row_start: list[int] = field(default_factory=list)  # each row's first slot of real sliding-window KV, [rows]
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -93,6 +96,8 @@ class KVSession:
             self.visible = np.zeros((self.rows, self.max_context), dtype=np.int64)
         if len(self.reserved) != self.rows:
             self.reserved = [self.max_context] * self.rows
+        if len(self.row_start) != self.rows:
+            self.row_start = [self.local_start] * self.rows
 
     def resize(self, max_context: int) -> None:
         """Let the session grow to ``max_context`` physical slots (at least its ``length``): the visibility
@@ -109,6 +114,7 @@ class KVSession:
         """Empty the state (the InferRequest is kept for reuse)."""
         self.request.reset_state()
         self.length = self.local_start = 0
+        self.row_start = [0] * self.rows
         self.visible[:] = 0
 
 
@@ -263,6 +269,7 @@ def run_chunk(session: KVSession, input_name: str, x: np.ndarray, past_length: i
         elapsed = (time.perf_counter() - t0) * 1000
         if keep_rows:
             session.reserved = [session.reserved[r] for r in rows]
+            session.row_start = [session.row_start[r] for r in rows]
         session.visible, session.rows, session.length = visible, batch, past + seq
         _trim_window(session)
     return output, elapsed
@@ -272,14 +279,17 @@ def _check_window(session: KVSession, rows: np.ndarray | None, which: np.ndarray
     """Raise ``ChunkError`` unless every row's last ``window - 1`` visible slots (after hiding ``slots`` of
     ``which``; ``rows``: the rows kept, in order) are held by the sliding-window layers' states. Without hides it
     holds: a trim keeps each row's last ``keep`` visible slots and everything after them."""
-    if session.sliding is None or not session.local_start or not slots.size:
+    if session.sliding is None or not any(session.row_start) or not slots.size:
         return
     visible = (session.visible[rows] if rows is not None else session.visible)[:, : session.length].copy()
     visible[which, slots] = 0
-    needed = first_needed(visible, session.length, session.sliding.window - 1)
-    if needed < session.local_start:
+    held = np.asarray(session.row_start)[rows] if rows is not None else np.asarray(session.row_start)
+    needed = needed_slots(visible, session.length, session.sliding.window - 1)
+    short = np.flatnonzero(needed < held)
+    if short.size:
+        r = int(short[0])
         raise ChunkError(f"session {shown_id(session.session_id)}: the sliding-window layers no longer hold slot "
-                         f"{needed} (they hold {session.local_start}..{session.length - 1}); hide at most "
+                         f"{needed[r]} of row {r} (they hold {held[r]}..{session.length - 1}); hide at most "
                          f"{session.sliding.margin} slots of the last step")
 
 
@@ -293,6 +303,7 @@ def _trim_window(session: KVSession) -> None:
     if start - session.local_start >= sliding.trim_every:
         cut_states(session.request, sliding, start - session.local_start)
         session.local_start = start
+        session.row_start = [max(r, start) for r in session.row_start]
 
 
 def compact(session: KVSession, past_length: int, hide_slots: list[int],
@@ -315,6 +326,8 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int],
         if length < session.length:
             local = session.sliding.states if session.sliding is not None else frozenset()
             local_start = packed_start(keeps, session.local_start)
+            row_start = [max(local_start, int(np.searchsorted(keep, start))) for keep, start in
+                         zip(keeps, session.row_start)]  # a row's visible slots before its own start: zeros
             for state in session.request.query_state():
                 kv = state.state.data  # [rows, kv_heads, slots, head_dim]
                 if state.name in local:
@@ -324,7 +337,7 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int],
                 for r, keep in enumerate(keeps):
                     packed[r, :, : len(keep)] = kv[r, :, keep, :].transpose(1, 0, 2)
                 state.state = ov.Tensor(packed)
-            session.local_start = local_start
+            session.local_start, session.row_start = local_start, row_start
             session.visible[:] = 0
             for r, keep in enumerate(keeps):
                 session.visible[r, : len(keep)] = 1
@@ -359,6 +372,7 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
             r += s.rows
         local = sources[0].sliding.states if sources[0].sliding is not None else frozenset()
         local_start = min((s.local_start for s in sources if s.length), default=0)
+        row_start = [max(start, local_start) if s.length else local_start for s in sources for start in s.row_start]
         if len(sources) == 1:
             request = sources[0].request
         else:
@@ -380,7 +394,7 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
             s.request = None
         return KVSession(session_id, request, max_context, rows=rows, length=length, visible=visible,
                          reserved=[r for s in sources for r in s.reserved], sliding=sources[0].sliding,
-                         local_start=local_start)
+                         local_start=local_start, row_start=row_start)
     finally:
         for lock in locks:
             lock.release()
@@ -407,7 +421,7 @@ def copy_prefix(session_id: str, source: KVSession, row: int, tokens: int, reque
             raise ContextOverflow(f"copying {tokens} tokens exceeds max context {max_context}")
         keep = keep[:tokens]
         contiguous = keep[-1] == tokens - 1  # nothing hidden before the copied slots: one slice
-        local, held = _held_prefix(source, keep)
+        local, held = _held_prefix(source, row, keep)
         request.reset_state()
         states = {st.name: st.state.data for st in source.request.query_state()}
         for state in request.query_state():
@@ -423,15 +437,17 @@ def copy_prefix(session_id: str, source: KVSession, row: int, tokens: int, reque
     return copy
 
 
-def _held_prefix(source: KVSession, keep: np.ndarray) -> tuple[frozenset[str], np.ndarray]:
+def _held_prefix(source: KVSession, row: int, keep: np.ndarray) -> tuple[frozenset[str], np.ndarray]:
     """(the local states' names, the slots of ``keep`` they hold) for a copy of the visible slots ``keep`` of
-    ``source``; raises ``PrefixNotHeld`` when they no longer hold the last ``window - 1`` of them."""
+    ``row`` of ``source``; raises ``PrefixNotHeld`` when they no longer hold the last ``window - 1`` of them
+    (the row's own ``row_start`` counts: a merged row may hold less than the state's ``local_start``)."""
     if source.sliding is None:
         return frozenset(), keep
-    held = keep[keep >= source.local_start]
+    start = source.row_start[row]
+    held = keep[keep >= start]
     if held.size < min(keep.size, source.sliding.window - 1):
         raise PrefixNotHeld(f"cannot copy {keep.size} tokens of session {shown_id(source.session_id)}: its "
-                         f"sliding-window layers hold only its slots from {source.local_start} on, not the last "
+                         f"sliding-window layers hold only its slots from {start} on, not the last "
                          f"{source.sliding.window - 1} of the prefix (llama-server re-processes such a prompt too)")
     return source.sliding.states, held
 

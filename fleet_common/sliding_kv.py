@@ -16,6 +16,11 @@ row's last ``keep = window - 1 + margin`` (the margin for drafts hidden after a 
 and runs once ``trim_every`` slots can go, so one copy of the local states is amortised over that many tokens.
 ``run_chunk`` checks before each chunk that every needed slot is held and refuses the chunk otherwise
 (``ChunkError``, state untouched), so a violated invariant is an error, never a wrong answer.
+
+The rows of a batch group need not hold all of ``[local_start, length)``: a row merged from a session trimmed
+further than the others (``merge``), or packed by a compaction beside rows with more slots before the cut,
+has zeros there, beyond its window. Each row's own first held slot (``KVSession.row_start``) is what the
+checks and ``copy_prefix`` go by: a retained conversation's copy must never take those zeros for its KV.
 """
 
 from __future__ import annotations
@@ -69,15 +74,20 @@ def sliding_kv(window: int, layers: Iterable[int]) -> SlidingKV | None:
     return SlidingKV(int(window), names) if window and names else None
 
 
-def first_needed(visible: np.ndarray, length: int, count: int) -> int:
-    """The earliest physical slot any row still needs when each row needs its last ``count`` visible slots
-    (all of them when it has fewer): ``visible`` [rows, >= length] of 1/0; ``length`` when no row has one."""
-    start = length
-    for row in visible:
+def needed_slots(visible: np.ndarray, length: int, count: int) -> np.ndarray:
+    """The earliest physical slot each row still needs when it needs its last ``count`` visible slots (all of
+    them when it has fewer): ``visible`` [rows, >= length] of 1/0; [rows] int64, ``length`` for a row without one."""
+    out = np.full(len(visible), length, dtype=np.int64)
+    for r, row in enumerate(visible):
         held = np.flatnonzero(row[:length])
         if held.size:
-            start = min(start, int(held[max(0, held.size - count)]))
-    return start
+            out[r] = held[max(0, held.size - count)]
+    return out
+
+
+def first_needed(visible: np.ndarray, length: int, count: int) -> int:
+    """The earliest physical slot any row still needs (``needed_slots``); ``length`` when no row has one."""
+    return int(needed_slots(visible, length, count).min(initial=length))
 
 
 def cut_states(request: ov.InferRequest, sliding: SlidingKV, drop: int) -> None:

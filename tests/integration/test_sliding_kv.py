@@ -12,6 +12,8 @@ hold at most 22 slots between chunks), so every path that moves KV meets a trimm
   are transformers' for its own sequence;
 * a copy of a row's whole prefix continues exactly; a copy of a prefix whose window the local states dropped is
   refused (``ChunkError``), as llama-server re-processes such a prompt;
+* a row merged beside a less trimmed one (the group's local states start at the other's) is refused a copy of a
+  prefix it no longer holds, also after a compaction of the group (each row's own ``row_start``);
 * a real 2-stage fleet (worker processes at the shipped trim) answers 400 greedy tokens as transformers does, and
   the same prompt again (its prefix copy refused: prefilled in full) the same.
 """
@@ -200,3 +202,35 @@ def test_fleet_long_greedy_matches_transformers(model, tmp_path):
     log = (tmp_path / "coordinator.log").read_text()
     assert f"{len(ids) - 1} cached tokens of kv-" in log and "cannot be copied" in log
     assert "sliding-window layers hold only" in log and "could not reuse" not in log
+
+
+def test_rows_merged_from_sessions_trimmed_apart(model):
+    """A row merged beside a less trimmed one holds zeros before its own trim (the group's local states start at
+    the other's): a copy of its prefix there is refused (it was allowed, and continued on zeros: a retained
+    conversation gave a regenerated answer wrong from its first token), also after the group is compacted;
+    a copy whose window it holds continues as transformers does."""
+    from fleet_common.runtime import PrefixNotHeld, compact, copy_prefix, merge
+
+    build, ref = model
+    rng = np.random.default_rng(SEED + 3)
+    a_ids, b_ids = rng.integers(3, VOCAB, 130), rng.integers(3, VOCAB, 30)
+    a, b = open_sessions(build, **SMALL), open_sessions(build, **SMALL)
+    step(a, a_ids[None, :100], 0, [], 1)
+    for k in range(100, 120):
+        step(a, a_ids[None, k:k + 1], k, [], 1)
+    step(b, b_ids[None, :20], 0, [], 1)
+    assert a[0].local_start >= 90 and b[0].local_start == 0
+    group = [merge(f"g{i}", [sa, sb], fresh(sa), 2 * SEQ) for i, (sa, sb) in enumerate(zip(a, b))]
+    assert group[0].local_start == 0 and group[0].row_start == [a[0].local_start, 0]
+    with pytest.raises(PrefixNotHeld):
+        copy_prefix("old", group[0], 0, 60, fresh(group[0]), 2 * SEQ)
+    x = np.array([[a_ids[120], a_ids[121]], [b_ids[20], b_ids[21]]], dtype=np.int64)
+    step(group, x, [120, 20], [], 1)  # then the second token of each row is rejected and hidden, the group compacted
+    for s in group:
+        compact(s, s.length, [s.length - 1, s.length - 1], [0, 1])
+    assert group[0].local_start < 50 and group[0].row_start[0] >= 90  # the group trimmed for row b only
+    with pytest.raises(PrefixNotHeld):
+        copy_prefix("old", group[0], 0, 60, fresh(group[0]), 2 * SEQ)
+    copies = [copy_prefix(f"c{i}", s, 0, 121, fresh(s), 2 * SEQ) for i, s in enumerate(group)]
+    got = step(copies, a_ids[None, 121:125], 121, [], 4)[0]
+    np.testing.assert_allclose(got, reference_logits(ref, a_ids[:125])[121:125], atol=ATOL, rtol=0)
