@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from coordinator.sampling import FALLBACK_SAMPLING
-from tests.conftest import Fleet, start_coordinator, start_worker, wait_ready
+from tests.conftest import Fleet, start_coordinator, wait_ready
 
 POEM = "Write a short poem about the sea."
 
@@ -27,24 +27,43 @@ def ask(url: str, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain(build_2, tmp_path_factory):
+def fleet(build_2, tmp_path_factory):
+    """One f32 worker per stage of build_2 (peers, not announced) and a coordinator decoding plainly; the
+    drafting coordinator and the model-defaults one of this module run over the same workers."""
     fleet = Fleet(build_2, tmp_path_factory.mktemp("plain"), peers=True)
-    yield fleet.url
+    yield fleet
     fleet.stop()
 
 
 @pytest.fixture(scope="module")
-def drafted(build_2, tmp_path_factory):
-    fleet = Fleet(build_2, tmp_path_factory.mktemp("drafted"), "--draft", "self-int4", "--spec-k", "3", peers=True)
-    yield fleet.url
-    fleet.stop()
+def plain(fleet):
+    return fleet.url
 
 
-def test_a_penalty_ends_the_greedy_loop(plain):
-    looping = ask(plain, temperature=0)
+@pytest.fixture(scope="module")
+def drafted(fleet):
+    return fleet.add_coordinator("--draft", "self-int4", "--spec-k", "3", name="drafted")[1]
+
+
+@pytest.fixture(scope="module")
+def ask_plain(plain):
+    """``ask(plain, **kw)``, each request made once per module: the plain coordinator's answers are greedy or
+    seeded on f32 workers, so the drafting test compares with the answers the first test already had."""
+    answers: dict[str, dict] = {}
+
+    def get(**kw) -> dict:
+        key = json.dumps(kw, sort_keys=True)
+        if key not in answers:
+            answers[key] = ask(plain, **kw)
+        return answers[key]
+    return get
+
+
+def test_a_penalty_ends_the_greedy_loop(plain, ask_plain):
+    looping = ask_plain(temperature=0)
     assert looping["choices"][0]["finish_reason"] == "length"
     assert looping["choices"][0]["message"]["content"].count("a place where the sea is a place") >= 3
-    penalized = ask(plain, **FALLBACK_SAMPLING)
+    penalized = ask_plain(**FALLBACK_SAMPLING)
     assert penalized["choices"][0]["finish_reason"] == "stop"
     assert penalized["fleet"]["completion_token_ids"] != looping["fleet"]["completion_token_ids"]
     used = penalized["fleet"]["sampling"]
@@ -54,10 +73,10 @@ def test_a_penalty_ends_the_greedy_loop(plain):
     assert card["fallback_sampling"] == FALLBACK_SAMPLING  # what fleet-chat and the chat page send
 
 
-def test_drafting_with_penalties_gives_the_same_answer(plain, drafted):
+def test_drafting_with_penalties_gives_the_same_answer(ask_plain, drafted):
     for kw in ({"temperature": 0}, {**FALLBACK_SAMPLING}, {"temperature": 0, "repetition_penalty": 1.3,
                                                        "presence_penalty": 0.2}):
-        want = ask(plain, **kw)["fleet"]["completion_token_ids"]
+        want = ask_plain(**kw)["fleet"]["completion_token_ids"]
         got = ask(drafted, **kw)
         assert got["fleet"]["completion_token_ids"] == want, kw
         assert got["fleet"]["drafted_tokens"] > 0
@@ -66,9 +85,9 @@ def test_drafting_with_penalties_gives_the_same_answer(plain, drafted):
     assert sampled["fleet"]["drafted_tokens"] > 0
 
 
-def test_model_defaults_apply_and_an_explicit_temperature_wins(build_2, plain, tmp_path):
+def test_model_defaults_apply_and_an_explicit_temperature_wins(build_2, fleet, plain, tmp_path):
     """A copy of the build whose generation_config.json holds sampling defaults, served by its own
-    coordinator over the same workers' build."""
+    coordinator over the same workers (they serve build_2, the same stages)."""
     copy = tmp_path / "build"
     copy.mkdir()
     for entry in build_2.iterdir():
@@ -76,11 +95,9 @@ def test_model_defaults_apply_and_an_explicit_temperature_wins(build_2, plain, t
             (copy / entry.name).symlink_to(entry)
     (copy / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1.3, "top_p": 0.95,
                                                              "max_new_tokens": 12}))
-    workers = [start_worker(build_2, shard, tmp_path, "--no-announce") for shard in range(2)]
-    coordinator = None
+    peers = [a for address in fleet.peers for a in ("--peer", address)]
+    coordinator, url = start_coordinator(copy, tmp_path, "--no-discover", *peers)
     try:
-        peers = [a for _, address in workers for a in ("--peer", address)]
-        coordinator, url = start_coordinator(copy, tmp_path, "--no-discover", *peers)
         wait_ready(url)
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         assert card["fallback_sampling"] == {}, "a model with sampling defaults of its own gets no fallback"
@@ -94,7 +111,4 @@ def test_model_defaults_apply_and_an_explicit_temperature_wins(build_2, plain, t
         assert greedy["fleet"]["sampling"]["temperature"] == 0 and "temperature" not in greedy["fleet"]["sampling"]["from_model"]
         assert greedy["fleet"]["completion_token_ids"] == ask(plain, temperature=0, max_tokens=40)["fleet"]["completion_token_ids"]
     finally:
-        if coordinator is not None:
-            coordinator.stop()
-        for proc, _ in workers:
-            proc.stop()
+        coordinator.stop()
