@@ -81,7 +81,7 @@ class Steps:
 
 def start_llama_server(gguf: Path, context: int, logs: Path, stack: ExitStack,
                        bin_dir: Path = harness.LLAMA_CPP_BIN) -> str:
-    """llama-server of ``gguf`` (``SERVER_FLAGS``, ``-c context``) stopped when ``stack`` closes; its URL once it
+    """llama-server of ``gguf`` (``SERVER_FLAGS``, ``-c context``: 0 the model's own) stopped when ``stack`` closes; its URL once it
     serves. Raises ``FileNotFoundError`` naming the build script when llama-server is not built."""
     server = bin_dir / "llama-server"
     if not server.is_file():
@@ -125,7 +125,8 @@ class FleetModel:
         from compiler.quality import StageChain
         from fleet_common.manifest import load_manifest
 
-        self.chain = StageChain(load_manifest(build), threads=threads)
+        loaded = load_manifest(build)
+        self.chain, self.max_context = StageChain(loaded, threads=threads), loaded.manifest.architecture.max_context
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
         """The greedy continuation of ``prompt`` (never stopping at end-of-sequence)."""
@@ -213,10 +214,12 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
 def run_llama_cpp(name: str, llama_gguf: Path, llama_input: str, model: FleetModel, prompts: list[list[int]],
                   tokens: int, logs: Path, bin_dir: Path = harness.LLAMA_CPP_BIN) -> FileResult:
     """llama-server of ``llama_gguf`` against the fleet ``model`` on ``prompts`` (``tokens`` new tokens each)."""
-    context = max(len(p) for p in prompts) + tokens
+    if max(len(p) for p in prompts) + tokens > model.max_context:
+        raise ValueError(f"{name}: prompts of {max(len(p) for p in prompts)} + {tokens} tokens exceed the build's "
+                         f"context {model.max_context}")
     tie = TIE if llama_input == EXACT else TIE_AS_IS
-    with ExitStack() as stack:
-        url = start_llama_server(llama_gguf, context, logs, stack, bin_dir)
+    with ExitStack() as stack:  # llama-server's default context (-c 0): the model's own, LongRoPE's long factors
+        url = start_llama_server(llama_gguf, 0, logs, stack, bin_dir)
         rows = []
         for prompt in prompts:
             llama = llama_greedy(url, prompt, tokens)

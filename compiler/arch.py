@@ -40,7 +40,10 @@ factors once a call's largest position reaches the original context; the KV cach
 short ones), which no fixed graph with chunked prefill can follow. The builder takes the short factors and
 serves no more than ``original_max_position_embeddings``: exact against transformers at every position it
 serves (llama.cpp makes the same choice for a context within the original one). Phi-3-mini-128k, Phi-3.5-mini
-and Phi-4-mini so build with a 4096-token context.
+and Phi-4-mini so build with a 4096-token context from an HF folder. A GGUF's LongRoPE (``"factors": "long"``,
+compiler/gguf_families.py ``phi3_rope``) runs as llama-server runs the same file at its default context, the
+model's full one: llama.cpp takes the long factors for every position once its context exceeds the original one
+(``llama_model::get_rope_factors``), so the build does, and serves ``max_position_embeddings``.
 
 Gemma 3 (``gemma3_text``, ``GEMMA``; transformers ``modeling_gemma3.py``) is the same decoder with: embeddings
 times sqrt(hidden) (f32: the graph's dtype), RMSNorm as x (1 + w) (``norm_offset``: HF stores w; llama.cpp's
@@ -470,8 +473,9 @@ def rope_parameters(config: dict, head_dim: int, where: str = "config.json") -> 
 
 
 def _longrope(config: dict, params: dict, powers: np.ndarray, where: str) -> tuple[np.ndarray, float, int]:
-    """LongRoPE's short-context frequencies, attention factor and original context (``rope_parameters``;
-    ``powers`` [rotary_dim / 2] f32: theta ** (2i / rotary_dim))."""
+    """LongRoPE's frequencies, attention factor and the context they serve (``rope_parameters``; ``powers``
+    [rotary_dim / 2] f32: theta ** (2i / rotary_dim)): the short factors up to the original context, or with
+    ``params["factors"] == "long"`` (a GGUF's, module docstring) the long ones up to ``max_position_embeddings``."""
     short, long = params.get("short_factor"), params.get("long_factor")
     for name, factors in (("short_factor", short), ("long_factor", long)):
         if not isinstance(factors, list) or len(factors) != powers.size:
@@ -487,6 +491,10 @@ def _longrope(config: dict, params: dict, powers: np.ndarray, where: str) -> tup
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if params.get("factors", "short") not in ("short", "long"):
+        raise ValueError(f"{where}: longrope factors must be 'short' or 'long', not {params['factors']!r}")
+    if params.get("factors") == "long":
+        return (1.0 / (np.asarray(long, np.float32) * powers)).astype(np.float64), float(attention), max_positions
     inv = (1.0 / (np.asarray(short, np.float32) * powers)).astype(np.float64)
     return inv, float(attention), min(original, max_positions)
 

@@ -40,7 +40,8 @@ def phi3_rope(reader, arch: str, head_dim: int, where: str) -> dict:  # noqa: AN
     (convert_hf_to_gguf.py ``Phi3MiniModel``): ``partial_rotary_factor`` = ``{arch}.rope.dimension_count`` /
     head_dim, and for a LongRoPE model (Ding et al. 2024) ``rope_factors_short.weight`` and
     ``rope_factors_long.weight`` [rotary dims / 2] f32 with ``{arch}.rope.scaling.attn_factor`` and
-    ``.original_context_length``: the ``longrope`` parameters compiler/arch.py reads. ``ValueError`` naming the
+    ``.original_context_length``: the ``longrope`` parameters compiler/arch.py reads, with the long factors chosen
+    (``"factors": "long"``, as llama-server runs the file at its default context). ``ValueError`` naming the
     file when one of the two factor tensors or the original context is missing."""
     rope: dict = {}
     dims = field(reader, f"{arch}.rope.dimension_count")
@@ -55,7 +56,9 @@ def phi3_rope(reader, arch: str, head_dim: int, where: str) -> dict:  # noqa: AN
     original = field(reader, f"{arch}.rope.scaling.original_context_length")
     if original is None:
         raise ValueError(f"{where}: metadata {arch}.rope.scaling.original_context_length missing (LongRoPE)")
-    rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original),
+    # "factors": "long": as llama-server at its default context (the model's full one) runs the file: its long
+    # factors at every position once the context exceeds the original one (compiler/arch.py module docstring)
+    rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original), "factors": "long",
              "short_factor": np.asarray(factors["rope_factors_short.weight"].data, np.float64).tolist(),
              "long_factor": np.asarray(factors["rope_factors_long.weight"].data, np.float64).tolist()}
     attention = field(reader, f"{arch}.rope.scaling.attn_factor")

@@ -12,6 +12,8 @@ the tokenizer is the demo's (the HF models' vocabulary).
 The reference is transformers' model of the same config with every weight replaced by the file's values as
 gguf-py dequantizes them (the fused tensors are HF's fused parameters, so the split is the builder's alone).
 transformers' own GGUF loader is not used: it reads neither ``rope.dimension_count`` nor the LongRoPE tensors.
+phi4mini's reference runs LongRoPE's long factors at every position (its short factors replaced by the long ones):
+a GGUF's LongRoPE is built as llama-server runs the file at its default context (compiler/arch.py).
 Logits at every position of test_architectures' 64-token sequence with rejected slots, 3 and 2 stages, f32; the
 2-stage build answers through a real fleet with transformers' greedy tokens on the chat prompt.
 Measured max |error| (the same for 3 and 2 stages): phi3 1.2e-5, phi4mini 1.5e-5 on logits |max| 6.4-6.7;
@@ -101,6 +103,27 @@ def write_phi3_gguf(hf: Path, path: Path, demo: Path, drop: str = "") -> None:
     save_gguf(writer)
 
 
+def long_factors(config: dict) -> dict:
+    """``config`` (an HF config.json dict) with its LongRoPE marked to run on the long factors, as a GGUF's is
+    (compiler/gguf_families.py ``phi3_rope``)."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    return config | {key: config[key] | {"factors": "long"}}
+
+
+def long_factors_folder(hf: Path, out: Path) -> Path:
+    """A copy of ``hf`` whose LongRoPE short factors are its long ones: transformers then runs the long factors at
+    every position, as llama.cpp (at its default context) and fleet run a GGUF's."""
+    import json
+    import shutil
+
+    shutil.copytree(hf, out)
+    config = json.loads((hf / "config.json").read_text())
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    config[key]["short_factor"] = config[key]["long_factor"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
     """transformers' model of ``hf``'s config in f32, its weights the GGUF's values as gguf-py dequantizes them."""
     import gguf
@@ -146,7 +169,8 @@ class Zoo:
 
     @cache  # noqa: B019
     def reference(self, arch: str):  # noqa: ANN201 - a transformers model
-        return gguf_reference(self.hf(arch), self.gguf(arch))
+        hf = self.hf(arch) if arch != "phi4mini" else long_factors_folder(self.hf(arch), self.root / "phi4mini-long")
+        return gguf_reference(hf, self.gguf(arch))
 
     @cache  # noqa: B019
     def reference_logits(self, arch: str) -> np.ndarray:
@@ -159,13 +183,17 @@ def zoo(tmp_path_factory, demo_hf, demo_gguf) -> Zoo:  # noqa: F811 - demo_gguf 
 
 
 def test_phi3_gguf_config_is_the_hf_config(zoo):
-    """The GGUF's config reads as the HF folder's: the same frequencies (LongRoPE's short factors from the file's
-    tensors), attention factor (the file's f32 value), rotary dims, context (original or window) and tied head."""
+    """The GGUF's config reads as the HF folder's: the same frequencies (LongRoPE's factors from the file's tensors:
+    the long ones, as llama-server runs the file at its default context), attention factor (the file's f32 value),
+    rotary dims, context (window, or the whole of it with LongRoPE's long factors) and tied head."""
+    import json
+
     from compiler.arch import ModelConfig
     from compiler.source import open_source
 
     for arch in ("phi3", "phi4mini"):
-        hf = ModelConfig.from_folder(zoo.hf(arch))
+        config = json.loads((zoo.hf(arch) / "config.json").read_text())
+        hf = ModelConfig.from_hf(long_factors(config) if arch == "phi4mini" else config)
         source = open_source(zoo.gguf(arch), zoo.root / "work")
         cfg = source.config
         assert cfg.fused and cfg.model_type == "phi3"

@@ -19,15 +19,14 @@ three token-id prompts of 8, 20 and 40 tokens (so the windows are crossed), twic
   (``AS_IS_AGREEMENT``, ``AS_IS_MEDIAN``). Measured: teacher-forced agreement 84% (mixtral) to 99%, median |dlogp|
   0.02-0.1.
 
-phi4mini's file says its original context is 256, not the HF test model's 128: llama.cpp pads every context to a
-multiple of 256 and takes the long LongRoPE factors once it exceeds the original one (src/llama-context.cpp,
-``llama_model::get_rope_factors``), so a 128 file always runs long there while fleet serves the short ones (as
-transformers and llama.cpp do within the original context): 15% agreement, |dlogp| up to 8.3.
+llama-server runs at its default context, the model's own (``-c 0``): past phi4mini's original context (128 of
+512), so llama.cpp takes its long LongRoPE factors at every position (src/llama-model.cpp
+``llama_model::get_rope_factors``), as fleet builds a GGUF's LongRoPE (compiler/arch.py). Before fleet did so, it
+served the short ones (as transformers does within the original context): 15% agreement, |dlogp| up to 8.3.
 """
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from pathlib import Path
 
@@ -68,12 +67,7 @@ class Files:
             from .test_architectures import make_tiny_model
             from .test_gguf_phi3 import write_phi3_gguf
 
-            folder = make_tiny_model(name, hf, self.demo_hf)["f32"]
-            if name == "phi4mini":  # llama.cpp's padded context must not exceed the original one (module docstring)
-                config = json.loads((folder / "config.json").read_text())
-                config.update(original_max_position_embeddings=256, max_position_embeddings=4 * 256)
-                (folder / "config.json").write_text(json.dumps(config))
-            write_phi3_gguf(folder, path, self.demo)
+            write_phi3_gguf(make_tiny_model(name, hf, self.demo_hf)["f32"], path, self.demo)
         elif name == "gpt-oss":
             from .test_architectures import reference_model
             from .test_gpt_oss import make_gpt_oss, write_gguf

@@ -137,6 +137,23 @@ def test_phi3_partial_rotary_and_longrope_short_factors():
     assert cfg.rope_scale == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
 
 
+def test_longrope_long_factors_serve_the_whole_context():
+    """A GGUF's LongRoPE (``"factors": "long"``, as llama-server runs it at its default context): the long factors
+    divide the frequencies, the same attention factor, the context max_position_embeddings; another value is named."""
+    import numpy as np
+
+    long = ModelConfig.from_hf(phi3(partial_rotary_factor=0.375, max_position_embeddings=1024,
+                                    original_max_position_embeddings=256,
+                                    rope_scaling={**LONGROPE, "factors": "long"}), WHERE)
+    short = ModelConfig.from_hf(phi3(partial_rotary_factor=0.375, max_position_embeddings=1024,
+                                     original_max_position_embeddings=256, rope_scaling=LONGROPE), WHERE)
+    plain = 1.0 / 10000.0 ** (np.arange(0, 6, 2) / 6)
+    np.testing.assert_allclose(long.inv_freq, plain / np.array(LONGROPE["long_factor"]), rtol=1e-6)
+    assert (long.max_context, long.rope_scale) == (1024, short.rope_scale)
+    with pytest.raises(ValueError, match="factors must be 'short' or 'long', not 'medium'"):
+        ModelConfig.from_hf(phi3(partial_rotary_factor=0.375, rope_scaling={**LONGROPE, "factors": "medium"}), WHERE)
+
+
 def test_phi3_legacy_su_type_is_longrope_and_attention_factor_is_read():
     cfg = ModelConfig.from_hf(phi3(partial_rotary_factor=0.375, max_position_embeddings=1024,
                                    original_max_position_embeddings=256,
