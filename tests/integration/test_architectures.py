@@ -208,7 +208,8 @@ def test_tiny_models_exercise_each_switch(zoo):
     tensor saved), qwen3's head_dim, mistral's and phi3's context cut to the sliding window, phi3's fused
     qkv_proj/gate_up_proj (split by the source), Phi-4-mini's LongRoPE short factors and attention factor
     (as transformers computes them) with 12 of 16 dims rotated, GQA everywhere."""
-    from compiler.arch import ModelConfig, rope_inv_freq
+    from compiler.arch import ModelConfig
+    from compiler.rope import rope_inv_freq
     from compiler.source import open_source
     from compiler.weights import SafetensorsWeights
 

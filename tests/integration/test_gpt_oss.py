@@ -262,7 +262,7 @@ def test_yarn_is_transformers(rope):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from compiler.arch import rope_parameters
+    from compiler.rope import rope_parameters
 
     config = transformers.GptOssConfig(**{**COMMON, "head_dim": 16, "rope_parameters": dict(rope)})
     inv, scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
