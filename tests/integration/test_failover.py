@@ -62,29 +62,67 @@ def stream_tokens(url: str, out: dict, progress: threading.Event, after: int) ->
     progress.set()
 
 
-def _replicated(build, tmp_path, *coordinator_args: str):  # noqa: ANN001, ANN202 - a fixture's generator
-    """Two workers per stage (peers, not announced: other tests' workers stay out) and a coordinator with
-    ``coordinator_args``. The workers start together (each loads and compiles its stage on its own thread:
-    about half the wait)."""
-    keys = [(stage, replica) for stage in range(2) for replica in "ab"]
-    with ThreadPoolExecutor(len(keys)) as pool:
-        started = [pool.submit(start_worker, build, stage, tmp_path, "--no-announce", name=r) for stage, r in keys]
-    workers = {key: future.result() for key, future in zip(keys, started)}
+REPLICAS = [(stage, replica) for stage in range(2) for replica in "ab"]
+
+
+def end(proc) -> None:  # noqa: ANN001 - a conftest.Proc
+    """Stop ``proc``, a stopped (SIGSTOP: hung) one included."""
+    if proc.popen.poll() is None:
+        os.killpg(proc.popen.pid, signal.SIGCONT)  # a hung (stopped) worker, so that it can stop
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(build_2, tmp_path_factory):
+    """Two f32 workers per stage of build_2 (peers, not announced: other tests' workers stay out), shared by the
+    module's tests on them, each with its own coordinator (``_replicated``): {(stage, replica): (proc, address)},
+    where a worker a test killed or hung is replaced by a fresh one. They start together (each loads and
+    compiles its stage on its own thread: about half the wait)."""
+    log_dir = tmp_path_factory.mktemp("replicas")
+    with ThreadPoolExecutor(len(REPLICAS)) as pool:
+        started = [pool.submit(start_worker, build_2, stage, log_dir, "--no-announce", name=r) for stage, r in REPLICAS]
+    workers = {key: future.result() for key, future in zip(REPLICAS, started)}
+    yield workers, log_dir
+    for proc, _ in workers.values():
+        end(proc)
+
+
+def whole_and_idle(build, workers: dict, log_dir) -> None:  # noqa: ANN001
+    """Make ``workers`` what a fresh fleet's are: each one a test killed or hung (SIGSTOP) is ended and a fresh
+    worker of its stage takes its place; then every worker must hold no sequence within 30 s (the last test's
+    coordinator freed its sessions as it stopped)."""
+    import psutil
+
+    for (stage, replica), (proc, _) in list(workers.items()):
+        if proc.popen.poll() is None and psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+            continue
+        end(proc)
+        workers[stage, replica] = start_worker(build, stage, log_dir, "--no-announce",
+                                               name=f"{replica}-after{proc.pid}")  # its log beside the ended one's
+    deadline = time.monotonic() + 30
+    while held := {a: n for _, a in workers.values() if (n := info(a).sequences)}:
+        assert time.monotonic() < deadline, f"workers still hold sequences of the last test: {held}"
+        time.sleep(0.2)
+
+
+def _replicated(build, replicas, tmp_path, *coordinator_args: str):  # noqa: ANN001, ANN202 - a fixture's generator
+    """The module's two workers per stage (``replicas``: alive and holding nothing, ``whole_and_idle``) and a
+    coordinator of this test with ``coordinator_args``."""
+    workers, log_dir = replicas
+    whole_and_idle(build, workers, log_dir)
     peers = [a for _, address in workers.values() for a in ("--peer", address)]
     coordinator, url = start_coordinator(build, tmp_path, "--no-discover", *peers, *coordinator_args)
-    wait_ready(url)
-    yield workers, coordinator, url
-    coordinator.stop()
-    for proc, _ in workers.values():
-        if proc.popen.poll() is None:
-            os.killpg(proc.popen.pid, signal.SIGCONT)  # a hung (stopped) worker, so that it can stop
-        proc.stop()
+    try:
+        wait_ready(url)
+        yield workers, coordinator, url
+    finally:
+        coordinator.stop()
 
 
 @pytest.fixture
-def replicated(build_2, tmp_path):
+def replicated(build_2, replicas, tmp_path):
     """``_replicated`` decoding plainly (``--draft none``)."""
-    yield from _replicated(build_2, tmp_path)
+    yield from _replicated(build_2, replicas, tmp_path)
 
 
 def fail_busy_worker(workers: dict, stage: int, how: str, url: str | None = None) -> str:
@@ -183,10 +221,10 @@ SPECULATING_TOKENS = 64
 
 
 @pytest.fixture
-def replicated_speculating(build_2, tmp_path):
+def replicated_speculating(build_2, replicas, tmp_path):
     """``_replicated`` with prompt-lookup drafts (K=4) and one batch group per pipeline, so the sessions
     placement puts on one pipeline decode as rows of one group."""
-    yield from _replicated(build_2, tmp_path, "--draft", "ngram", "--spec-k", "4", "--batch-groups", "1")
+    yield from _replicated(build_2, replicas, tmp_path, "--draft", "ngram", "--spec-k", "4", "--batch-groups", "1")
 
 
 def three_streams(url: str, on_progress=None) -> list[dict]:  # noqa: ANN001
