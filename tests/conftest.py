@@ -111,16 +111,18 @@ class Fleet(harness.Fleet):
     ...``). With ``defaults=True`` workers and coordinator run the shipped defaults (``start_worker``,
     ``start_coordinator``). ``link_ms`` (with ``peers``): each worker is reached through a ``fleet-wan`` link
     of that one-way delay (the coordinator's peer addresses are the links', so stage-to-stage steps cross
-    them too)."""
+    them too). With ``coordinator=False`` only the workers start (``add_coordinator`` starts coordinators)."""
 
     def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False, peers: bool = False,
-                 worker_args: tuple[str, ...] = (), defaults: bool = False, link_ms: float = 0.0) -> None:
+                 worker_args: tuple[str, ...] = (), defaults: bool = False, link_ms: float = 0.0,
+                 coordinator: bool = True) -> None:
         from bench.wan import LinkProfile
 
         self.log_dir = log_dir
         super().__init__(build, log_dir, *coord_args, worker_args=(*(() if defaults else EXACT_WORKER), *worker_args),
                          link=LinkProfile(delay_ms=link_ms) if peers and link_ms else None, zeroconf=not peers,
-                         draft=None if defaults else "none", announce=announce, worker_timeout_s=120)
+                         draft=None if defaults else "none", announce=announce, worker_timeout_s=120,
+                         coordinator=coordinator)
 
 
 @pytest.fixture(scope="session")

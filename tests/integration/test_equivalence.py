@@ -41,19 +41,39 @@ def reference(build_1, demo_hf) -> dict[str, tuple]:
     return out
 
 
+@pytest.fixture(scope="module")
+def workers(request, tmp_path_factory):
+    """``get(stages)``: announced f32 workers, one per stage of ``build_<stages>`` (a ``Fleet`` without a
+    coordinator), started on first use and shared by the cells of that stage count, each of which starts its
+    own coordinator over them (found by zeroconf); another stage count's workers are stopped first, so that a
+    coordinator hears one build's workers only."""
+    started: dict[int, Fleet] = {}
+
+    def get(stages: int) -> Fleet:
+        if stages not in started:
+            for fleet in started.values():
+                fleet.stop()
+            started.clear()
+            build = request.getfixturevalue(f"build_{stages}")
+            started[stages] = Fleet(build, tmp_path_factory.mktemp(f"workers{stages}"), coordinator=False)
+        return started[stages]
+    yield get
+    for fleet in started.values():
+        fleet.stop()
+
+
 @pytest.mark.parametrize("stages,coord_args", [
     (2, ()),
     (3, ("--prefill-chunk", "16")),
     (3, ("--draft", "ngram")),  # adaptive K (fixed K per draft source: test_speculative_equivalence.py)
 ], ids=["2-stage", "3-stage-chunked", "3-stage-ngram-adaptive"])
-def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_path):
-    build = request.getfixturevalue(f"build_{stages}")
-    fleet = Fleet(build, tmp_path, *coord_args)
+def test_fleet_equals_single_device(stages, coord_args, reference, workers, request):
+    coordinator, url = workers(stages).add_coordinator(*coord_args, name=request.node.callspec.id)
     ties = 0
     try:
-        assert "(mdns)" in fleet.coordinator.text(), "workers must be found by zeroconf"
+        assert "(mdns)" in coordinator.text(), "workers must be found by zeroconf"
         for prompt in PROMPTS:
-            r = chat(fleet.url, prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+            r = chat(url, prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["usage"]["completion_tokens"] == NEW_TOKENS
@@ -66,7 +86,7 @@ def test_fleet_equals_single_device(stages, coord_args, reference, request, tmp_
             assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats  # some accepted, some rejected
             assert 0 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1 and stats["verify_ms"] > 0
     finally:
-        fleet.stop()
+        coordinator.stop()
 
 
 def test_local_workers_at_f32_equal_single_device(build_2, reference, tmp_path):
