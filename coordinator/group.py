@@ -157,6 +157,13 @@ class BatchGroup:
         return MergePlan(new, sources, max_context)
 
     def merge_done(self, plan: MergePlan, length: int) -> None:
+        """The merge of ``plan`` made a state of ``length`` slots. Every source ends at its last slot (shorter ones
+        padded at the front: fleet_common/runtime.py ``merge``), so the group's own rows move ``length`` less
+        its old length on, their pending hides with them."""
+        shift = length - self.length if self.rows else 0
+        for m in self.rows:
+            m.hide = [slot + shift for slot in m.hide]
+            m.end += shift
         self.merging = []
         self.rows += plan.new  # a member that left during the merge keeps a row until the next step drops it
         self.members += [m for m in plan.new if not m.left]

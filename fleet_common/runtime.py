@@ -22,7 +22,7 @@ import numpy as np
 import openvino as ov
 
 from .ovinfer import infer_first
-from .sliding_kv import SlidingKV, cut_states, first_needed, needed_slots, pack_local, packed_start
+from .sliding_kv import SlidingKV, cut_states, first_needed, needed_slots, pack_local
 
 log = logging.getLogger(__name__)
 
@@ -310,8 +310,10 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int],
             hide_rows: list[int] | None = None) -> tuple[int, float]:
     """Drop the invisible slots of ``session`` (after hiding ``hide_slots`` of ``hide_rows``): one
     rewrite of every KV state tensor [rows, kv_heads, slots, head_dim], keeping each row's visible
-    slots in order; rows with fewer visible slots are padded at the end with invisible ones.
-    Positions are not touched (keys are stored rotated), so attention over the result is unchanged.
+    slots in order and ending at the last slot; rows with fewer visible slots are padded at the front with
+    invisible ones (every row's recent slots line up, so the sliding-window layers hold as few as one row needs:
+    fleet_common/sliding_kv.py). Positions are not touched (keys are stored rotated), so attention over the
+    result is unchanged.
 
     Returns (new physical length, milliseconds). Raises ``SessionConflict`` when ``past_length``
     disagrees with the session and ``ChunkError`` for hide slots outside it.
@@ -325,22 +327,21 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int],
         length = max(len(k) for k in keeps)
         if length < session.length:
             local = session.sliding.states if session.sliding is not None else frozenset()
-            local_start = packed_start(keeps, session.local_start)
-            row_start = [max(local_start, int(np.searchsorted(keep, start))) for keep, start in
-                         zip(keeps, session.row_start)]  # a row's visible slots before its own start: zeros
+            held = [keep[keep >= start] for keep, start in zip(keeps, session.row_start)]  # real local KV
+            local_start = length - max(h.size for h in held)
             for state in session.request.query_state():
                 kv = state.state.data  # [rows, kv_heads, slots, head_dim]
                 if state.name in local:
-                    state.state = ov.Tensor(pack_local(kv, keeps, session.local_start, local_start, length))
+                    state.state = ov.Tensor(pack_local(kv, held, session.local_start, local_start, length))
                     continue
                 packed = np.zeros((kv.shape[0], kv.shape[1], length, kv.shape[3]), dtype=kv.dtype)
                 for r, keep in enumerate(keeps):
-                    packed[r, :, : len(keep)] = kv[r, :, keep, :].transpose(1, 0, 2)
+                    packed[r, :, length - len(keep):] = kv[r, :, keep, :].transpose(1, 0, 2)
                 state.state = ov.Tensor(packed)
-            session.local_start, session.row_start = local_start, row_start
+            session.local_start, session.row_start = local_start, [length - h.size for h in held]
             session.visible[:] = 0
             for r, keep in enumerate(keeps):
-                session.visible[r, : len(keep)] = 1
+                session.visible[r, length - len(keep): length] = 1
             session.length = length
             session.compactions += 1
         return session.length, (time.perf_counter() - t0) * 1000
@@ -349,7 +350,8 @@ def compact(session: KVSession, past_length: int, hide_slots: list[int],
 def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, max_context: int) -> KVSession:
     """One batch-group session holding the rows of ``sources`` in order (each source's rows keep
     their order): every KV state tensor is concatenated along the batch axis, shorter sources padded
-    at the end with invisible slots. A single source is renamed without copying (``request`` unused).
+    at the front with invisible slots (every row ends at the last slot, as ``compact`` packs them). A single
+    source is renamed without copying (``request`` unused).
 
     Each row keeps the reservation it had. The sources are closed (their ``request`` set to None).
     ``max_context`` must cover every source's length; raises ``ContextOverflow`` otherwise and
@@ -368,11 +370,11 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
         visible = np.zeros((rows, max_context), dtype=np.int64)
         r = 0
         for s in sources:
-            visible[r:r + s.rows, : s.length] = s.visible[:, : s.length]
+            visible[r:r + s.rows, length - s.length: length] = s.visible[:, : s.length]
             r += s.rows
         local = sources[0].sliding.states if sources[0].sliding is not None else frozenset()
-        local_start = min((s.local_start for s in sources if s.length), default=0)
-        row_start = [max(start, local_start) if s.length else local_start for s in sources for start in s.row_start]
+        local_start = min((s.local_start + length - s.length for s in sources if s.length), default=length)
+        row_start = [start + length - s.length if s.length else length for s in sources for start in s.row_start]
         if len(sources) == 1:
             request = sources[0].request
         else:
@@ -386,8 +388,8 @@ def merge(session_id: str, sources: list[KVSession], request: ov.InferRequest, m
                 r = 0
                 for s, a in zip(sources, arrays):
                     if s.length:  # a session that never ran a chunk holds an empty state (batch 0 too)
-                        held = s.local_start if state.name in local else 0
-                        merged[r:r + s.rows, :, held - first: s.length - first] = a
+                        held = (s.local_start if state.name in local else 0) + length - s.length
+                        merged[r:r + s.rows, :, held - first:] = a
                     r += s.rows
                 state.state = ov.Tensor(merged)
         for s in sources:

@@ -21,6 +21,8 @@ The rows of a batch group need not hold all of ``[local_start, length)``: a row 
 further than the others (``merge``), or packed by a compaction beside rows with more slots before the cut,
 has zeros there, beyond its window. Each row's own first held slot (``KVSession.row_start``) is what the
 checks and ``copy_prefix`` go by: a retained conversation's copy must never take those zeros for its KV.
+``merge`` and ``compact`` align the rows at their end (shorter ones padded at the front), so a short row beside
+a long trimmed one needs no more local slots than its own.
 """
 
 from __future__ import annotations
@@ -98,24 +100,14 @@ def cut_states(request: ov.InferRequest, sliding: SlidingKV, drop: int) -> None:
             state.state = ov.Tensor(np.ascontiguousarray(kv[:, :, drop:]))
 
 
-def packed_start(keeps: list[np.ndarray], local_start: int) -> int:
-    """After a compaction that packs each row's visible slots ``keeps[r]`` (physical indices) to the front,
-    the first packed slot the local states hold: the fewest visible slots any row had before ``local_start``
-    (rows without visible slots do not count)."""
-    before = [int(np.searchsorted(keep, local_start)) for keep in keeps if keep.size]
-    return min(before, default=0)
-
-
-def pack_local(kv: np.ndarray, keeps: list[np.ndarray], local_start: int, new_start: int,
+def pack_local(kv: np.ndarray, held: list[np.ndarray], local_start: int, new_start: int,
                length: int) -> np.ndarray:
     """A local state ``kv`` [rows, kv_heads, slots held, head_dim] (physical slots ``[local_start, ...)``)
-    compacted as ``compact`` packs the global ones: row r's visible slots from ``local_start`` on go to their
-    packed indices, the result holding packed slots ``[new_start, length)``; slots a row no longer holds
-    there are zeros (beyond its window: the mask hides them)."""
+    compacted as ``compact`` packs the global ones, to the end: row r's visible slots whose KV it holds,
+    ``held[r]`` (physical indices), become the last ``held[r].size`` of ``[new_start, length)``; the slots
+    before them are zeros (a row's older visible slots, beyond its window: the mask hides them)."""
     packed = np.zeros((kv.shape[0], kv.shape[1], length - new_start, kv.shape[3]), dtype=kv.dtype)
-    for r, keep in enumerate(keeps):
-        held = keep[keep >= local_start]
-        if held.size:
-            end = keep.size - new_start
-            packed[r, :, end - held.size:end] = kv[r, :, held - local_start, :].transpose(1, 0, 2)
+    for r, slots in enumerate(held):
+        if slots.size:
+            packed[r, :, packed.shape[2] - slots.size:] = kv[r, :, slots - local_start, :].transpose(1, 0, 2)
     return packed

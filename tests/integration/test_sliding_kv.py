@@ -205,10 +205,11 @@ def test_fleet_long_greedy_matches_transformers(model, tmp_path):
 
 
 def test_rows_merged_from_sessions_trimmed_apart(model):
-    """A row merged beside a less trimmed one holds zeros before its own trim (the group's local states start at
-    the other's): a copy of its prefix there is refused (it was allowed, and continued on zeros: a retained
-    conversation gave a regenerated answer wrong from its first token), also after the group is compacted;
-    a copy whose window it holds continues as transformers does."""
+    """A short fresh session merged beside a trimmed one is right-aligned (every row ends at the last slot), so the
+    group's local states hold no more than the trimmed row did, also after a compaction (packed to the end). The
+    trimmed row's old prefix is refused for a copy (it was once allowed, and continued on zeros: a retained
+    conversation gave a regenerated answer wrong from its first token); copies whose window each row holds continue
+    as transformers does."""
     from fleet_common.runtime import PrefixNotHeld, compact, copy_prefix, merge
 
     build, ref = model
@@ -219,18 +220,23 @@ def test_rows_merged_from_sessions_trimmed_apart(model):
     for k in range(100, 120):
         step(a, a_ids[None, k:k + 1], k, [], 1)
     step(b, b_ids[None, :20], 0, [], 1)
-    assert a[0].local_start >= 90 and b[0].local_start == 0
+    a_start = a[0].local_start
+    assert a_start >= 90 and b[0].local_start == 0
     group = [merge(f"g{i}", [sa, sb], fresh(sa), 2 * SEQ) for i, (sa, sb) in enumerate(zip(a, b))]
-    assert group[0].local_start == 0 and group[0].row_start == [a[0].local_start, 0]
+    assert (group[0].local_start, group[0].row_start) == (a_start, [a_start, 100])  # b's 20 slots end at 120
+    assert local_slots(group[0]) == 120 - a_start
     with pytest.raises(PrefixNotHeld):
         copy_prefix("old", group[0], 0, 60, fresh(group[0]), 2 * SEQ)
     x = np.array([[a_ids[120], a_ids[121]], [b_ids[20], b_ids[21]]], dtype=np.int64)
     step(group, x, [120, 20], [], 1)  # then the second token of each row is rejected and hidden, the group compacted
     for s in group:
         compact(s, s.length, [s.length - 1, s.length - 1], [0, 1])
-    assert group[0].local_start < 50 and group[0].row_start[0] >= 90  # the group trimmed for row b only
+    assert group[0].length == 121 and group[0].local_start >= 90 and local_slots(group[0]) <= 121 - 90
     with pytest.raises(PrefixNotHeld):
         copy_prefix("old", group[0], 0, 60, fresh(group[0]), 2 * SEQ)
     copies = [copy_prefix(f"c{i}", s, 0, 121, fresh(s), 2 * SEQ) for i, s in enumerate(group)]
     got = step(copies, a_ids[None, 121:125], 121, [], 4)[0]
     np.testing.assert_allclose(got, reference_logits(ref, a_ids[:125])[121:125], atol=ATOL, rtol=0)
+    copies = [copy_prefix(f"d{i}", s, 1, 21, fresh(s), 2 * SEQ) for i, s in enumerate(group)]
+    got = step(copies, b_ids[None, 21:25], 21, [], 4)[0]
+    np.testing.assert_allclose(got, reference_logits(ref, b_ids[:25])[21:25], atol=ATOL, rtol=0)

@@ -218,3 +218,19 @@ def test_group_leave_says_whose_session_is_still_its_own():
     assert group.leave(joining) is True  # not merged: its solo session is still its own to free
     assert group.leave(merged) is False and merged in group.rows  # the next step drops its row
     assert group.load == 0 and group.rows == [merged]
+
+
+def test_a_merge_longer_than_the_group_moves_its_rows_pending_hides():
+    """The stages right-align a merge's sources (fleet_common/runtime.py ``merge``): when a joiner's session is longer
+    than the group's state, the group's rows move on by the difference, and so do their pending hides."""
+    sched, groups = scheduler(groups=1), []
+    a = seq("a", prompt=6, phase=Phase.PREFILLED)
+    group = decoding(sched, [a], groups, length=10)
+    member = group.members[0]
+    member.end, member.hide = 10, [8, 9]  # a's last two drafts were rejected
+    b = seq("b", prompt=14, phase=Phase.PREFILLED)
+    a.busy = True  # proposing: the group merges b before its next step
+    (merge,) = sched.schedule(PIPE, [a, b], groups)
+    assert isinstance(merge, Merge) and merge.plan.sources == [group.group_id, "b"]
+    group.merge_done(merge.plan, 14)  # b's 14 slots: the group's 10 now end at slot 14 too
+    assert (member.end, member.hide) == (14, [12, 13])
