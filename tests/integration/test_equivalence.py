@@ -7,6 +7,7 @@ thread count, not the one thread of the other cells)."""
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
@@ -29,16 +30,31 @@ PROMPTS = [
 NEW_TOKENS = 64
 
 
+class Pending(dict):
+    """prompt -> the future of its reference; reading an item waits for it."""
+
+    def __getitem__(self, prompt: str) -> tuple:
+        return super().__getitem__(prompt).result()
+
+
 @pytest.fixture(scope="module")
-def reference(build_1, demo_hf) -> dict[str, tuple]:
-    """Per prompt: the reference's greedy tokens, their top-two gaps, and its teacher forcing on the prompt."""
+def reference(build_1, demo_hf):
+    """Per prompt: the reference's greedy tokens, their top-two gaps, and its teacher forcing on the prompt.
+    Computed in a background thread while the first fleet starts and answers (a session's step runs on one
+    process at a time: a core is left; the reference decodes on one torch thread); reading a prompt's waits
+    for it."""
     tokenizer = ChatTokenizer(build_1)
-    model = TransformersReference(demo_hf)
-    out = {}
-    for p in PROMPTS:
-        ids = tokenizer.encode_chat([{"role": "user", "content": p}])
-        out[p] = (*model.greedy_with_margins(ids, NEW_TOKENS), functools.partial(model.forced_with_margins, ids))
-    return out
+    pool = ThreadPoolExecutor(1)  # one task at a time, in order: the model first
+    model = pool.submit(TransformersReference, demo_hf)
+
+    def greedy(prompt: str) -> tuple:
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        m = model.result()
+        return (*m.greedy_with_margins(ids, NEW_TOKENS), functools.partial(m.forced_with_margins, ids))
+    try:
+        yield Pending({p: pool.submit(greedy, p) for p in PROMPTS})
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture(scope="module")

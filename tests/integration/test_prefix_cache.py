@@ -28,16 +28,7 @@ QUESTIONS = ["What is the capital of France?", "Why is it famous?", "Name one mu
 
 @pytest.fixture(scope="module")
 def reference(demo_hf):
-    """transformers in f32 on the demo, decoding on one thread for this module: its greedy runs beside the busy
-    fleet (and, four users at once, beside itself), where torch's two threads wait on each other for a core
-    (48 tokens: 18 s on two threads, 4 s on one, on this 2-core machine with other work running)."""
-    import torch
-
-    model = TransformersReference(demo_hf)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield model
-    torch.set_num_threads(threads)
+    return TransformersReference(demo_hf)
 
 
 class Checker:
