@@ -86,10 +86,8 @@ def cell(build: Path, mode: str, context: int, tokens: int, threads: int) -> dic
         run_chunk(session, "input_ids", ids[None, context + k:context + k + 1], session.length, context + k, [],
                   np.array([0]))
         times.append((time.perf_counter() - t) * 1000)
-    a = manifest.architecture
-    local = len(sliding.states) // 2 if sliding is not None else 0
-    slot = 2 * a.num_key_value_heads * a.head_dim * kv_bytes  # K and V of one layer, one slot
-    held = ((stage.end - stage.start - local) * session.length + local * (session.length - session.local_start)) * slot
+    held = session.length * manifest.kv_bytes_per_token(0, kv_bytes) \
+        - session.local_start * manifest.sliding_kv_bytes_per_token(0, kv_bytes)  # full: local_start stays 0
     status = harness.proc_status()
     return {"mode": mode, "context": context, "prefill_s": prefill_s, "decode_ms": statistics.median(times),
             "kv_bytes": held, "local_start": session.local_start, "peak_rss": status.get("VmHWM", 0),

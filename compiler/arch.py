@@ -41,7 +41,8 @@ is refused. A GGUF's norms are 1 + w already (compiler/gguf_families.py ``gemma3
 
 Refused, naming what is missing (``UnsupportedModel``): a vision or audio tower (``vision_config``, ...),
 layers that are not attention (``layer_types`` with ``linear_attention``: Qwen3-Next/Qwen3.5's gated delta
-net; recurrent or state-space blocks), a rope type not in compiler/rope.py ``ROPE_TYPES``, partial rotary outside phi3.
+net; recurrent or state-space blocks), a rope type not in compiler/rope.py ``ROPE_TYPES``, partial rotary outside
+phi3.
 
 Sources: transformers' ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
 ``modeling_qwen3.py``, ``modeling_phi3.py`` and ``modeling_rope_utils.py`` (``_compute_llama3_parameters``,

@@ -170,7 +170,7 @@ def attention(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig, rope: tup
     ``w["sinks"]`` gpt-oss's attention with sinks (compiler/gpt_oss.py), with ``w["o_bias"]`` o_proj's bias.
 
     ``window_kv`` (a sliding-window layer): its KV state may hold only the *last* physical slots (the runtime
-    drops the older ones, which the window hides anyway: fleet_common/runtime.py ``SlidingKV``), so the mask
+    drops the older ones, which the window hides anyway: fleet_common/sliding_kv.py), so the mask
     [B, 1, S, T] is cut to its last P' + S columns, P' the slots the state holds."""
     d = cfg.head_dim
     q, k, v = linears(x, [w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])

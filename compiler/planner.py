@@ -111,7 +111,7 @@ class ModelDims:
             cfg = ModelConfig.from_hf(config, f"config.json of {model_id}")
             sliding = sliding_kv(cfg.sliding_window, [i for i, local in enumerate(cfg.sliding_layers) if local])
             if sliding is not None:
-                dims = replace(dims, local_layers=sum(cfg.sliding_layers), local_slots=2 * sliding.held_max)
+                dims = replace(dims, local_layers=sum(cfg.sliding_layers), local_slots=sliding.reserved_slots)
         if config.get("model_type") not in MOE:
             return dims
         moe = moe_dims(config, dims.num_layers, f"config.json of {model_id}")

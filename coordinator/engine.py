@@ -20,7 +20,8 @@ from fleet_common.manifest import LoadedManifest
 
 from .constraint import Grammars
 from .draft import DraftModel
-from .errors import ContextLengthExceeded, CopyRefused, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown, StageFailure
+from .errors import (ContextLengthExceeded, CopyRefused, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown,
+                     StageFailure)
 from .loop import LoopContext, Moved, StepLoop
 from .metrics import CoordinatorMetrics
 from .output import OutputProcessor

@@ -218,8 +218,9 @@ class Pipeline:
                    timeout_s: float, detach: bool = False) -> None:
         """Make ``session_id`` on every stage from the first ``tokens`` visible slots of ``row`` of
         ``source`` (the ``Copy`` RPC; ``source`` is untouched; ``detach``: the row is leaving it and its
-        reservation moves to the copy). Raises ``Overloaded`` when a stage has no
-        room, ``CopyRefused`` when a stage no longer holds that prefix, ``StageFailure`` otherwise; the copy is closed again on every stage on failure."""
+        reservation moves to the copy). Raises ``Overloaded`` when a stage has no room, ``CopyRefused`` when a
+        stage no longer holds that prefix, ``StageFailure`` otherwise; the copy is closed again on every stage on
+        failure."""
         self.sessions.add(session_id)
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
                                  max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach,

@@ -38,7 +38,7 @@ class Architecture:
     vocab_size: int
     max_context: int  # max_position_embeddings: the longest sequence the model was trained for
     # Gemma 3's, gpt-oss's local layers: they see keys fewer than ``sliding_window`` logical positions back, and
-    # their KV states may drop older slots (fleet_common/runtime.py ``SlidingKV``); 0 and () for other models
+    # their KV states may drop older slots (fleet_common/sliding_kv.py ``SlidingKV``); 0 and () for other models
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()  # indices of the local layers
 
@@ -112,6 +112,11 @@ class Manifest:
         """KV cache bytes one token occupies in ``stage`` (K and V, all its layers)."""
         a = self.architecture
         return 2 * self.stages[stage].num_layers * a.num_key_value_heads * a.head_dim * bytes_per_value
+
+    def sliding_kv_bytes_per_token(self, stage: int, bytes_per_value: int = 4) -> int:
+        """The part of ``kv_bytes_per_token`` that ``stage``'s sliding-window layers take (0 without them)."""
+        a, sliding = self.architecture, self.sliding_kv(stage)
+        return len(sliding.states) * a.num_key_value_heads * a.head_dim * bytes_per_value if sliding else 0
 
     def sliding_kv(self, stage: int) -> SlidingKV | None:
         """The sliding-window layers of ``stage`` whose KV states hold only their last slots

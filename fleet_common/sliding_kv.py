@@ -63,6 +63,12 @@ class SlidingKV:
         """Physical slots a local state holds at most between chunks of one token (a chunk of S adds S)."""
         return self.keep + self.trim_every
 
+    @property
+    def reserved_slots(self) -> int:
+        """Slots a row's local states are reserved (worker admission, the planner): twice ``held_max``, the
+        second for a chunk's own tokens."""
+        return 2 * self.held_max
+
 
 def kv_state_names(layer: int) -> tuple[str, str]:
     """The variable ids of layer ``layer``'s K and V states in a stage's IR (optimum-intel's names)."""

@@ -68,12 +68,11 @@ async def open_stage(settings: WorkerSettings, loaded: LoadedManifest, shard: in
                                              verify_hashes=verify_hashes, cache_dir=cache_dir,
                                              cache_max_bytes=int(settings.cache_max_gb * 2**30)))
     max_context = min(settings.max_context or manifest.architecture.max_context, manifest.architecture.max_context)
-    sliding = manifest.sliding_kv(shard)
     store = SessionStore(runner.new_request, settings.max_sessions, settings.idle_timeout_s,
                          kv_bytes_per_slot=manifest.kv_bytes_per_token(shard, runner.kv_value_bytes),
                          kv_budget_bytes=_kv_budget(settings), owner_timeout_s=settings.owner_timeout_s,
-                         sliding=sliding, sliding_bytes_per_slot=len(sliding.states) * manifest.architecture.
-                         num_key_value_heads * manifest.architecture.head_dim * runner.kv_value_bytes if sliding else 0)
+                         sliding=manifest.sliding_kv(shard),
+                         sliding_bytes_per_slot=manifest.sliding_kv_bytes_per_token(shard, runner.kv_value_bytes))
     service = StageService(runner, store, loaded.sha256, max_context, settings.security)
     if worker_id is not None:
         service.worker_id = worker_id

@@ -93,11 +93,8 @@ class ShardRunner:
         """Approximate KV cache bytes held by ``session`` (all its rows) at this stage; its sliding-window layers'
         states hold ``local_start`` slots fewer (fleet_common/sliding_kv.py)."""
         manifest = self.loaded.manifest
-        held = session.length * manifest.kv_bytes_per_token(self.stage, self.kv_value_bytes)
-        if session.sliding is not None:
-            a = manifest.architecture
-            held -= session.local_start * len(session.sliding.states) * a.num_key_value_heads * a.head_dim \
-                * self.kv_value_bytes
+        held = session.length * manifest.kv_bytes_per_token(self.stage, self.kv_value_bytes) \
+            - session.local_start * manifest.sliding_kv_bytes_per_token(self.stage, self.kv_value_bytes)
         return held * session.rows
 
     def run(self, session: KVSession, x: np.ndarray, past_length: int, start_position: int | list[int],

@@ -67,7 +67,7 @@ class SessionStore:
 
     ``sliding`` (a stage with sliding-window layers, fleet_common/sliding_kv.py): its sessions' local states hold
     at most about ``held_max`` slots, so of the ``sliding_bytes_per_slot`` those layers take of each slot, a
-    session reserves at most twice ``held_max`` slots' worth (the second for a chunk's own tokens).
+    session reserves at most ``reserved_slots`` slots' worth.
     """
 
     def __init__(self, make_request: Callable[[], object], max_sessions: int, idle_timeout_s: float,
@@ -100,7 +100,7 @@ class SessionStore:
         """KV bytes a row of ``slots`` slots may come to hold (the sliding-window layers' capped)."""
         if self.sliding is None:
             return slots * self.kv_bytes_per_slot
-        beyond = max(0, slots - 2 * self.sliding.held_max)
+        beyond = max(0, slots - self.sliding.reserved_slots)
         return slots * self.kv_bytes_per_slot - beyond * self.sliding_bytes_per_slot
 
     def _reserved_bytes(self, skip: tuple[str, ...] = ()) -> int:
