@@ -57,7 +57,7 @@ def phi3_rope(reader, arch: str, head_dim: int, where: str) -> dict:  # noqa: AN
     if original is None:
         raise ValueError(f"{where}: metadata {arch}.rope.scaling.original_context_length missing (LongRoPE)")
     # "factors": "long": as llama-server at its default context (the model's full one) runs the file: its long
-    # factors at every position once the context exceeds the original one (compiler/arch.py module docstring)
+    # factors at every position once the context exceeds the original one (compiler/rope.py module docstring)
     rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original), "factors": "long",
              "short_factor": np.asarray(factors["rope_factors_short.weight"].data, np.float64).tolist(),
              "long_factor": np.asarray(factors["rope_factors_long.weight"].data, np.float64).tolist()}

@@ -13,7 +13,7 @@ The reference is transformers' model of the same config with every weight replac
 gguf-py dequantizes them (the fused tensors are HF's fused parameters, so the split is the builder's alone).
 transformers' own GGUF loader is not used: it reads neither ``rope.dimension_count`` nor the LongRoPE tensors.
 phi4mini's reference runs LongRoPE's long factors at every position (its short factors replaced by the long ones):
-a GGUF's LongRoPE is built as llama-server runs the file at its default context (compiler/arch.py).
+a GGUF's LongRoPE is built as llama-server runs the file at its default context (compiler/rope.py).
 Logits at every position of test_architectures' 64-token sequence with rejected slots, 3 and 2 stages, f32; the
 2-stage build answers through a real fleet with transformers' greedy tokens on the chat prompt.
 Measured max |error| (the same for 3 and 2 stages): phi3 1.2e-5, phi4mini 1.5e-5 on logits |max| 6.4-6.7;

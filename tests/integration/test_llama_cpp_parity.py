@@ -21,7 +21,7 @@ three token-id prompts of 8, 20 and 40 tokens (so the windows are crossed), twic
 
 llama-server runs at its default context, the model's own (``-c 0``): past phi4mini's original context (128 of
 512), so llama.cpp takes its long LongRoPE factors at every position (src/llama-model.cpp
-``llama_model::get_rope_factors``), as fleet builds a GGUF's LongRoPE (compiler/arch.py). Before fleet did so, it
+``llama_model::get_rope_factors``), as fleet builds a GGUF's LongRoPE (compiler/rope.py). Before fleet did so, it
 served the short ones (as transformers does within the original context): 15% agreement, |dlogp| up to 8.3.
 """
 
