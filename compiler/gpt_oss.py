@@ -7,7 +7,7 @@ the stage builder makes it: what differs from the Llama decoder of compiler/laye
   fused stateful SDPA on the CPU plugin (the KV state's ReadValue -> Gather -> Concat chain is kept).
 * ``layer_types`` alternates sliding-window (``sliding_window``, 128) and full layers: a sliding layer's keys
   ``sliding_window`` or more logical positions back are hidden (compiler/layers.py ``window_mask``, as Gemma 3's).
-* YaRN RoPE (compiler/arch.py ``_yarn``): fixed frequencies and an attention factor on cos and sin.
+* YaRN RoPE (compiler/rope.py ``_yarn``): fixed frequencies and an attention factor on cos and sin.
 * Every MLP is a Mixture-of-Experts (``gpt_oss_moe``): the router is a biased linear layer, its top
   ``num_experts_per_tok`` logits are chosen and softmaxed among themselves (transformers' ``GptOssTopKRouter``);
   each expert is one ``gate_up`` projection whose even outputs are the gate and odd ones the up (HF's

@@ -256,7 +256,7 @@ def test_config_is_transformers(zoo):
     YARN | {"attention_factor": 1.1}, YARN | {"mscale": 1.0, "mscale_all_dim": 0.5},
 ])
 def test_yarn_is_transformers(rope):
-    """compiler/arch.py's YaRN frequencies and attention factor are transformers' ``_compute_yarn_parameters`` for
+    """compiler/rope.py's YaRN frequencies and attention factor are transformers' ``_compute_yarn_parameters`` for
     gpt-oss's parameters and variants of them (truncated ramp, other factor, beta and original context, an explicit
     attention factor, mscale / mscale_all_dim)."""
     import transformers
