@@ -160,8 +160,8 @@ def start_coordinator(build: Path, log: Path, *args: str, stack: ExitStack | Non
                       announce: bool = False, healthy: bool = False, timeout_s: float = 180.0) -> tuple[Proc, str]:
     """``fleet-coordinator serve --model BUILD`` on a free port (with ``--no-discover --peer A ...`` for
     ``peers``, ``--no-announce`` unless ``announce``) and ``args``; returns it and its base URL once it
-    listens (it logs "Uvicorn running") or, with ``healthy``, once ``/health`` says 200 (every stage served;
-    the way to wait with ``--log-level WARNING``, which silences that line). Raises as :func:`start_worker`."""
+    listens (it prints "chat page: URL", whatever ``--log-level``) or, with ``healthy``, once ``/health`` says
+    200 (every stage served). Raises as :func:`start_worker`."""
     from coordinator.local import free_port
 
     port = free_port()
@@ -173,7 +173,7 @@ def start_coordinator(build: Path, log: Path, *args: str, stack: ExitStack | Non
         if healthy:
             wait_ready(url, timeout_s, proc)
         else:
-            proc.wait_for(r"Uvicorn running", timeout_s)
+            proc.wait_for(r"chat page: ", timeout_s)
     except BaseException:
         if stack is None:
             proc.stop()

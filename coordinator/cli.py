@@ -27,7 +27,7 @@ from .engine import Engine
 from .leases import LeaseCheck
 from .http_guard import ConnectionLimits, SignalFreeServer, guarded_protocol
 from .pipeline import Channels
-from .planned_fleet import SourceError
+from .planned_fleet import PlannedFleet, SourceError
 from .registry import Registry
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer
@@ -214,7 +214,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         zc = await _announce_api(settings.host, settings.port, _source_model_name(settings)) \
             if settings.announce else None
         try:
-            planned = await serving_while(prep, settings, prepare_build(settings, prep))
+            planned, listening = await serving_while(prep, settings, prepare_build(settings, prep))
         except (ValueError, OSError, RuntimeError) as exc:  # TimeoutError is an OSError, ShippingError a RuntimeError
             await _withdraw(zc)
             raise SourceError(f"serve --model {settings.model}: {exc}") from exc
@@ -223,7 +223,20 @@ async def serve(settings: CoordinatorSettings) -> None:
             raise
         settings.model = planned.build_dir
     else:
-        zc = None
+        zc = listening = None
+    try:
+        await _serve_build(settings, planned, zc, listening)
+    finally:
+        if listening is not None:
+            listening.close()
+
+
+async def _serve_build(settings: CoordinatorSettings, planned: PlannedFleet | None, zc,  # noqa: ANN001 - _withdraw's
+                       listening: socket.socket | None) -> None:
+    """``serve``'s part once there is a build (``settings.model``): the engine, the workers and the API, on
+    ``listening`` when the preparing page handed its socket over (``preparing.serving_while``), else on
+    ``settings.host``/``port``; ``planned`` is the ``PlannedFleet`` of a SOURCE (None for a build folder) and
+    ``zc`` its announcement while preparing (None: announced here if ``--announce``)."""
     loaded = load_manifest(settings.model)
     tokenizer = ChatTokenizer(settings.model)
     channels = Channels(settings.security)
@@ -260,7 +273,7 @@ async def serve(settings: CoordinatorSettings) -> None:
         ready_task = asyncio.gather(_report_ready(registry, loaded), print_page_urls(server, settings.host))
         if settings.announce and zc is None:
             zc = await _announce_api(settings.host, settings.port, engine.model_name)
-        await server.serve()
+        await server.serve(sockets=[listening] if listening is not None else None)
         await shutdown.wait()
     finally:
         if ready_task is not None:

@@ -3,7 +3,8 @@ workers, planning, building and shipping take from seconds to minutes (a 1B mode
 100 s), and the API cannot serve before there is a build. Meanwhile a small app on the same host and port
 serves the chat page, whose fleet panel shows what is being done, and ``/health`` with ``fleet.state``
 ``preparing``, its progress and how long it has taken (503: not ready); every other path answers 503 with that
-progress and ``Retry-After``. It stops once the fleet is ready, and the coordinator's API takes the port.
+progress and ``Retry-After``. It stops once the fleet is ready, and the coordinator's API serves on the same
+listening socket (no moment in which the port refuses a connection).
 """
 
 from __future__ import annotations
@@ -109,11 +110,15 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serving_while(prep: Preparation, settings: CoordinatorSettings, work: Awaitable[T]) -> T:
-    """``work``'s result, with ``preparing_app`` served on ``settings.host``/``port`` while it runs. The
-    server is stopped (its socket closed) before this returns or raises, so the API can bind the port. Raises
-    ``OSError`` naming the address when it cannot be bound (before any of ``work`` runs: a port in use fails
-    at once, not after a build of minutes)."""
+async def serving_while(prep: Preparation, settings: CoordinatorSettings,
+                        work: Awaitable[T]) -> tuple[T, socket.socket]:
+    """``work``'s result, with ``preparing_app`` served on ``settings.host``/``port`` while it runs, and the
+    port's listening socket, still open, for the API's server (``uvicorn.Server.serve(sockets=[...])``): the
+    preparing server stops before this returns, and a client that connects before the API serves waits in the
+    socket's backlog instead of being refused (the page's next /health read lands on the API). The caller
+    closes the socket. Raises ``OSError`` naming the address when it cannot be bound (before any of ``work``
+    runs: a port in use fails at once, not after a build of minutes); whatever ``work`` raises, with the
+    socket closed."""
     try:
         sock = _listen(settings.host, settings.port)
     except OSError as exc:
@@ -123,14 +128,17 @@ async def serving_while(prep: Preparation, settings: CoordinatorSettings, work: 
     config = uvicorn.Config(preparing_app(prep, settings), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=1)
     server = SignalFreeServer(config)  # the coordinator's own signal handling stays
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    # a duplicate descriptor: stopping this server closes it, and the port keeps listening on ``sock``
+    task = asyncio.ensure_future(server.serve(sockets=[sock.dup()]))
     try:
-        return await work
+        result = await work
+    except BaseException:
+        sock.close()
+        raise
     finally:
         server.should_exit = True
         try:
             await asyncio.wait_for(task, 10)
         except asyncio.TimeoutError:
             log.warning("the preparing page did not stop in 10 s")
-        finally:
-            sock.close()
+    return result, sock

@@ -271,7 +271,7 @@ def serve(build: Path, addresses: list[str], log_dir: Path, broken: bool) -> tup
     port = free_port()
     proc = Proc([sys.executable, "-c", BROKEN_COORDINATOR, "serve", "--model", str(build), "--port", str(port),
                  "--no-announce", *args], log_dir / "coordinator-broken.log")
-    proc.wait_for(r"Uvicorn running")
+    proc.wait_for(r"chat page: ")
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -85,7 +85,8 @@ def test_fleet_chat_waits_for_a_preparing_coordinator_then_asks(tmp_path):
         await asyncio.sleep(6)  # after its Retry-After (5 s), the next try shows the new step
         return chat
 
-    chat = asyncio.run(serving_while(prep, settings, work()))
+    chat, listening = asyncio.run(serving_while(prep, settings, work()))
+    listening.close()
     server = api_on(port)  # the API takes the port
     try:
         out, err = chat.communicate(timeout=60)
@@ -108,5 +109,6 @@ def test_the_wait_is_bounded_by_wait_s(tmp_path):
         return await asyncio.to_thread(subprocess.run, [*CHAT, "--url", f"http://127.0.0.1:{port}", "--wait-s", "2",
                                                         "-p", "Hi"], capture_output=True, text=True, timeout=60)
 
-    run = asyncio.run(serving_while(prep, settings, work()))
+    run, listening = asyncio.run(serving_while(prep, settings, work()))
+    listening.close()
     assert run.returncode == 2 and "still being prepared after 2 s" in run.stderr, run.stderr
