@@ -11,6 +11,7 @@ import os
 import pty
 import re
 import select
+import signal
 import sys
 import threading
 import time
@@ -96,6 +97,9 @@ class Terminal:
         env = {**os.environ, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "COLUMNS": "200", "LINES": "50"}
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal
+            # as a terminal's shell starts it: a suite run in the background (``cmd &`` in a script) ignores
+            # SIGINT, an ignored signal stays ignored across exec, and Python then installs no Ctrl-C handler
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(argv[0], argv, env)
         self.screen = ""
 
