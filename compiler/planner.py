@@ -14,8 +14,9 @@ node's memory, which must hold (``StagePlan``):
 * **KV cache** for ``max_sessions`` sessions of ``max_context`` tokens each, which is what a worker
   reserves (``--kv-budget-mb``): tokens x sessions x layers x KV heads x head dim x 2 (K and V) x bytes
   per value of ``kv_cache_precision``; a sliding-window layer (Gemma 3's local layers, gpt-oss's) counts at most
-  the slots a worker reserves for it (``ModelDims.local_layers``, fleet_common/sliding_kv.py), and a stage's KV is
-  the layers' mean times its layer count.
+  the slots a worker reserves for it (``ModelDims.sliding_layers``, fleet_common/sliding_kv.py). A stage's KV is
+  its own layers' (the plan's table); while the split is sought, a stage of n layers counts the most KV any n
+  consecutive layers hold, so a stage fits wherever its layers fall.
 * **runtime**: ``RUNTIME_FIXED_BYTES`` + ``UNPACKED_COPY[format]`` x weights (``runtime_bytes``; a
   Mixture-of-Experts' ``UNPACKED_COPY_MOE``).
 
@@ -25,6 +26,7 @@ A Mixture-of-Experts layer reads only its chosen experts (top-k of n) per token,
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -89,8 +91,9 @@ class ModelDims:
     # weights a layer stores beyond the ones a token reads (layer_params): a Mixture-of-Experts' unchosen experts
     # and router, per layer on average; counted for memory, not for speed
     idle_params: int = 0
-    # sliding-window layers (Gemma 3's local ones, gpt-oss's): how many, and the slots a session reserves in each
-    local_layers: int = 0
+    # sliding-window layers (Gemma 3's local ones, gpt-oss's): which (one flag per layer; () for none), and the
+    # slots a session reserves in each
+    sliding_layers: tuple[bool, ...] = ()
     local_slots: int = 0
 
     @classmethod
@@ -111,7 +114,7 @@ class ModelDims:
             cfg = ModelConfig.from_hf(config, f"config.json of {model_id}")
             sliding = sliding_kv(cfg.sliding_window, [i for i, local in enumerate(cfg.sliding_layers) if local])
             if sliding is not None:
-                dims = replace(dims, local_layers=sum(cfg.sliding_layers), local_slots=sliding.reserved_slots)
+                dims = replace(dims, sliding_layers=tuple(cfg.sliding_layers), local_slots=sliding.reserved_slots)
         if config.get("model_type") not in MOE:
             return dims
         moe = moe_dims(config, dims.num_layers, f"config.json of {model_id}")
@@ -316,13 +319,15 @@ def _fit(dims: ModelDims, nodes: list[Node], s: _Settings) -> Plan | tuple[str, 
     spec = resolve(s.weights, dims.parameters)
     last = len(nodes) - 1
     slot = s.max_sessions * dims.num_key_value_heads * dims.head_dim * 2 * KV_VALUE_BYTES[s.kv_cache_precision]
-    local = min(s.max_context, dims.local_slots) if dims.local_layers else 0
-    kv_per_layer = slot * ((dims.num_layers - dims.local_layers) * s.max_context + dims.local_layers * local) \
-        / dims.num_layers
+    local = min(s.max_context, dims.local_slots)
+    sliding = dims.sliding_layers or (False,) * dims.num_layers
+    held = list(itertools.accumulate((slot * (local if x else s.max_context) for x in sliding), initial=0))
 
-    def parts(i: int, layers: int) -> tuple[int, int, int]:  # (weights, KV, runtime) bytes
+    def parts(i: int, layers: int, start: int | None = None) -> tuple[int, int, int]:  # (weights, KV, runtime) bytes
+        """Node ``i``'s bytes for ``layers`` layers from ``start`` (None: the most KV of any such run)."""
         w = weight_bytes(dims, spec, layers, i == 0, i == last)
-        return w, math.ceil(layers * kv_per_layer), runtime_bytes(w, s.weights, dims.moe)
+        starts = range(dims.num_layers - layers + 1) if start is None else (start,)
+        return w, max(held[j + layers] - held[j] for j in starts), runtime_bytes(w, s.weights, dims.moe)
 
     def capacity(i: int) -> int:
         """The most layers node ``i`` holds in memory (0: not even one)."""
@@ -351,7 +356,7 @@ def _fit(dims: ModelDims, nodes: list[Node], s: _Settings) -> Plan | tuple[str, 
     ranges = balanced_split(dims.num_layers, len(nodes), 1.0, dims.head_layers, speeds, caps)
     stages = []
     for i, (start, end) in enumerate(ranges):
-        w, kv, rt = parts(i, end - start)
+        w, kv, rt = parts(i, end - start, start)
         work = end - start + (dims.head_layers if i == last else 0)
         ms = work * nodes[i].ms_per_layer if measured else None
         stages.append(StagePlan(i, nodes[i], start, end, w, kv, rt, work / speeds[i], ms))
@@ -434,7 +439,8 @@ def read_plan(path: Path) -> PlannedBuild:
         raw = json.loads(Path(path).read_text())
         if raw.get("plan_format") != PLAN_FORMAT:
             raise ValueError(f"plan format {raw.get('plan_format')!r}, this fleet-compiler reads {PLAN_FORMAT}")
-        dims = ModelDims(**raw["architecture"])
+        arch = raw["architecture"]
+        dims = ModelDims(**{**arch, "sliding_layers": tuple(arch.get("sliding_layers", ()))})  # JSON's list
         stages = sorted(raw["stages"], key=lambda s: s["index"])
         layers = ",".join(f"{int(s['start'])}:{int(s['end'])}" for s in stages)
         parse_layers(layers, dims.num_layers)

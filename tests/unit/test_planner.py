@@ -59,7 +59,7 @@ def test_refusal_names_the_node_the_shortfall_and_fixes_that_fit():
     refused = info.value
     assert refused.node == "a" and 200 * MIB < refused.shortfall_bytes < 300 * MIB
     text = str(refused)
-    assert f"node 'a' (1,024 MiB)" in text and f"short {refused.shortfall_bytes / MIB:,.0f} MiB" in text
+    assert "node 'a' (1,024 MiB)" in text and f"short {refused.shortfall_bytes / MIB:,.0f} MiB" in text
     assert refused.fixes == ["1 more node(s) of 1,024 MiB like 'a'", "--weights int8", "--max-context 5376 (now 8192)",
                              "--max-sessions 2 (now 4)"]
     plan(SMOL, [fleet[0], dataclasses.replace(fleet[0], name="a+1"), fleet[1]])  # each fix fits
@@ -253,9 +253,30 @@ def test_sliding_window_layers_count_only_what_a_worker_reserves():
                   max_position_embeddings=32768, sliding_window=512, sliding_window_pattern=6)
     dims = ModelDims.from_config(config, "gemma-3-1b")
     local = 2 * SlidingKV(512, frozenset()).held_max
-    assert (dims.local_layers, dims.local_slots) == (22, local)
+    assert sum(dims.sliding_layers) == 22 and dims.local_slots == local
+    assert [i for i, x in enumerate(dims.sliding_layers) if not x] == [5, 11, 17, 23]
     one = plan(dims, nodes("a:64GiB"), max_context=32768, max_sessions=1)
     slot = 1 * 256 * 2 * 2  # KV heads x head dim x K and V x f16
     assert one.stages[0].kv_bytes == (4 * 32768 + 22 * local) * slot
-    full = plan(dataclasses.replace(dims, local_layers=0), nodes("a:64GiB"), max_context=32768, max_sessions=1)
+    full = plan(dataclasses.replace(dims, sliding_layers=()), nodes("a:64GiB"), max_context=32768, max_sessions=1)
     assert full.stages[0].kv_bytes == 26 * 32768 * slot > 4 * one.stages[0].kv_bytes
+
+
+def test_each_stage_counts_the_kv_of_its_own_sliding_and_global_layers(tmp_path):
+    """Split over two PCs (the second also holds the 262K-token head), each stage's KV is its own layers':
+    [0, 19) holds the global layers 5, 11 and 17, [19, 26) only 23 (not the model's mean per layer times 19
+    and 7); the plan survives its file (the per-layer flags as a JSON list)."""
+    from fleet_common.sliding_kv import SlidingKV
+
+    config = dict(model_type="gemma3_text", num_hidden_layers=26, hidden_size=1152, intermediate_size=6912,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                  max_position_embeddings=32768, sliding_window=512, sliding_window_pattern=6)
+    dims = ModelDims.from_config(config, "gemma-3-1b")
+    local, slot = 2 * SlidingKV(512, frozenset()).held_max, 256 * 2 * 2
+    two = plan(dims, nodes("a:8GiB", "b:8GiB"), max_context=32768, max_sessions=1)
+    for stage in two.stages:
+        globals_ = sum(not dims.sliding_layers[j] for j in range(stage.start, stage.end))
+        assert stage.kv_bytes == (globals_ * 32768 + (stage.end - stage.start - globals_) * local) * slot
+    assert [(s.start, s.end) for s in two.stages] == [(0, 19), (19, 26)]
+    (tmp_path / "plan.json").write_text(two.to_json())
+    assert read_plan(tmp_path / "plan.json").dims == dims
