@@ -367,22 +367,16 @@ def _report(error: ChatError, args: argparse.Namespace) -> None:
 
 def wait_for_fleet(client: httpx.Client, url: str, wait_s: float, status: StatusLine | None = None) -> httpx.Response:
     """``/v1/models`` of the coordinator at ``url``, waiting while it prepares its fleet (503 ``fleet_preparing``):
-    its progress (``/health``'s, else the 503's) on ``status``, the next try after its Retry-After; once it was
-    seen preparing, a refused connection is the port passing from the preparing page to the API and is tried
-    again too. Raises ``ChatError`` after ``wait_s`` seconds, or for no answer at all; Ctrl-C raises
-    ``KeyboardInterrupt`` (the status line cleared)."""
+    its progress (``/health``'s, else the 503's) on ``status``, the next try after its Retry-After (the API
+    takes over the preparing page's listening socket: the port never refuses in between). Raises ``ChatError``
+    after ``wait_s`` seconds, or for no answer at all (a coordinator that exited, its preparation failed, at
+    once); Ctrl-C raises ``KeyboardInterrupt`` (the status line cleared)."""
     status = status or StatusLine()
-    deadline, seen = time.monotonic() + wait_s, None
+    deadline = time.monotonic() + wait_s
     try:
         while True:
             try:
                 response = client.get(f"{url}/v1/models")
-            except httpx.ConnectError as exc:
-                if seen is None or time.monotonic() >= deadline:
-                    raise transport_error(exc, url) from None
-                status.show(f"fleet-chat: {url} is switching from preparing to serving")
-                time.sleep(1.0)
-                continue
             except httpx.HTTPError as exc:
                 raise transport_error(exc, url) from None
             said = preparing_status(response)

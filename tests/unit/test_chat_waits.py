@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -52,8 +53,13 @@ class Api(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
-def api_on(port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", port), Api)
+def api_on(port: int, listening: socket.socket | None = None) -> ThreadingHTTPServer:
+    """The stand-in API on ``port``, or on ``listening`` (the preparing page's socket, handed over as the
+    coordinator's API takes it: coordinator/cli.py)."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), Api, bind_and_activate=listening is None)
+    if listening is not None:
+        server.socket.close()
+        server.socket = listening
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -86,12 +92,12 @@ def test_fleet_chat_waits_for_a_preparing_coordinator_then_asks(tmp_path):
         return chat
 
     chat, listening = asyncio.run(serving_while(prep, settings, work()))
-    listening.close()
-    server = api_on(port)  # the API takes the port
+    server = api_on(port, listening)  # the API takes the listening socket over
     try:
         out, err = chat.communicate(timeout=60)
     finally:
         server.shutdown()
+        server.server_close()  # closes the handed-over socket
     assert chat.returncode == 0, err
     assert "Hello there." in out and "waiting" not in out
     assert "waiting for the fleet" in err and "collecting the empty --peer workers" in err, err
