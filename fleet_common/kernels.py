@@ -1,0 +1,111 @@
+"""fleet's own kernels: the OpenVINO extension (``kernels/``, built by ``pip install .``) that multiplies a
+GGUF tensor's blocks where they lie, and what every ``ov.Core`` that reads a stage needs of it.
+
+The library sits beside this file (``libfleet_kernels.so``); it is built against the pinned openvino wheel
+(its ABI is that release's) and reports its build version, which must equal ``KERNELS_VERSION``: a stage
+built for version N names it in the manifest and a worker without that build refuses the stage.
+
+The op, ``fleet_gguf.GgufMatMul``: activations f32 [..., K] x the tensor's bytes (a u8 Constant [N, row
+bytes], GGUF's own layout) -> f32 [..., N]; attributes ``block_type`` (GGUF's name) and ``precision``
+("int8": activations quantized to int8 per 32 values, llama.cpp's speed; "f32": exact). docs/design.md
+describes the kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+KERNELS_VERSION = "1"  # kernels/VERSION: bump when the op's meaning or the library's interface changes
+OPSET = "fleet_gguf"
+LIBRARY = Path(__file__).with_name("libfleet_kernels.so")
+PRECISIONS = ("int8", "f32")
+BLOCK_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+               "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
+INSTALL_HINT = "reinstall fleet with its kernels (pip install . in fleet's folder; it needs a C++ compiler and cmake)"
+
+
+class KernelsUnavailable(RuntimeError):
+    """The kernels library is missing, or is another build than this fleet's."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    if not LIBRARY.exists():
+        raise KernelsUnavailable(f"fleet's kernels are not built ({LIBRARY} is missing): {INSTALL_HINT}")
+    lib = ctypes.CDLL(str(LIBRARY))  # openvino (imported above) has loaded libopenvino and libtbb it links
+    lib.fleet_kernels_version.restype = ctypes.c_char_p
+    lib.fleet_kernels_isa.restype = ctypes.c_char_p
+    built = lib.fleet_kernels_version().decode()
+    if built != KERNELS_VERSION:
+        raise KernelsUnavailable(f"fleet's kernels library is version {built}, this fleet needs {KERNELS_VERSION}: "
+                                 f"{INSTALL_HINT}")
+    return lib
+
+
+def library_path() -> Path:
+    """The extension library's path, once checked to be this fleet's build; ``KernelsUnavailable`` if not."""
+    _library()
+    return LIBRARY
+
+
+def available() -> bool:
+    """Whether the kernels library is built and is this fleet's version."""
+    try:
+        _library()
+    except KernelsUnavailable:
+        return False
+    return True
+
+
+def active_isa() -> str:
+    """The instruction set the kernels run on here: FLEET_KERNEL_ISA if set, else the best of ``ISAS`` this
+    CPU has. ``KernelsUnavailable`` when FLEET_KERNEL_ISA names one this CPU lacks or no such set."""
+    isa = _library().fleet_kernels_isa().decode()
+    if not isa:
+        raise KernelsUnavailable(f"FLEET_KERNEL_ISA={os.environ.get('FLEET_KERNEL_ISA')!r}: not one of {ISAS} "
+                                 "that this CPU runs")
+    return isa
+
+
+def add_to(core: ov.Core) -> ov.Core:
+    """Registers the ``fleet_gguf`` opset with ``core`` (before it reads an IR or imports a blob holding these
+    ops) and returns it. ``KernelsUnavailable`` when the library is missing or of another version."""
+    core.add_extension(str(library_path()))
+    return core
+
+
+def new_core() -> ov.Core:
+    """An ``ov.Core`` with fleet's kernels registered: what every reader of a stage uses."""
+    return add_to(ov.Core())
+
+
+@functools.cache
+def _factory():  # noqa: ANN202 - openvino.utils.node_factory.NodeFactory
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(library_path()))
+    return factory
+
+
+def gguf_matmul(x: ov.Output, blocks: ov.Output, block_type: str, precision: str = "int8") -> ov.Output:
+    """``x @ W.T`` with W one GGUF tensor's blocks: x f32 [..., K], ``blocks`` u8 [N, K / block x block bytes]
+    (GGUF's row-major bytes) -> f32 [..., N]. ``ValueError`` for a type or precision the kernels lack."""
+    if block_type not in BLOCK_TYPES:
+        raise ValueError(f"fleet's kernels do not run {block_type} blocks (they run {', '.join(BLOCK_TYPES)})")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+    node = _factory().create("GgufMatMul", [x, blocks], {"block_type": block_type, "precision": precision})
+    return node.output(0)
+
+
+def blocks_constant(data: np.ndarray) -> ov.Output:
+    """A u8 Constant [N, row bytes] over ``data`` (shared, not copied: the caller keeps it alive)."""
+    return ov.op.Constant(ov.Tensor(np.ascontiguousarray(data, dtype=np.uint8)), shared_memory=True).output(0)

@@ -1,0 +1,32 @@
+// Activations quantized as fleet's integer kernels take them: int8 per group of 32 with an f32 scale.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace fleet {
+
+// One product's activations, rows x cols, in the two forms the kernels read. For each group g of 32 values
+// of a row: d = max|x| / 127, q = rint(x * (127 / max|x|)) clamped to [-127, 127] (all zero when max|x| is
+// 0), and per half h of 16 values dsum = d * sum(q over the half). The float64 references in the tests
+// quantize the same way (tests/unit/test_kernels.py).
+struct Activations {
+    int64_t rows = 0, cols = 0;
+    const float* x = nullptr;  // f32 [rows, cols]: the exact mode and the float weight types read these
+    std::vector<int8_t> q;      // [rows, cols]
+    std::vector<float> d;       // [rows, cols / 32]
+    std::vector<float> dsum;    // [rows, cols / 16]
+
+    const int8_t* q_row(int64_t m) const { return q.data() + m * cols; }
+    const float* d_row(int64_t m) const { return d.data() + m * (cols / 32); }
+    const float* dsum_row(int64_t m) const { return dsum.data() + m * (cols / 16); }
+    const float* x_row(int64_t m) const { return x + m * cols; }
+};
+
+// Sizes the buffers of `a` for rows x cols (cols a multiple of 32) and points it at x.
+void prepare(Activations& a, const float* x, int64_t rows, int64_t cols, bool quantized);
+
+// Quantizes rows [r0, r1) of a prepared `a` (rows are independent: callers split them over threads).
+void quantize_rows(Activations& a, int64_t r0, int64_t r1);
+
+}  // namespace fleet

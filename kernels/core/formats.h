@@ -1,0 +1,65 @@
+// GGUF block formats: sizes, and one block's 32-weight sub-blocks decoded from the bytes (scalar, from the
+// format descriptions in gguf-py's gguf/quants.py and constants.py, GGML_QUANT_SIZES; the GGUF spec).
+//
+// Every integer type is read the same way: a sub-block of 32 weights is 32 codes c_j with, per half of 16,
+// a scale s and an offset o such that w_j = s * c_j + o exactly (up to f32 rounding of s and o). Codes are
+// unsigned (0..63) for the types with a zero point or a minimum, signed (-128..127) for the symmetric
+// types (Q8_0, IQ4_NL, IQ4_XS, MXFP4), whose offset is 0.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fleet {
+
+// GGML's type numbers (ggml.h enum ggml_type; gguf-py GGMLQuantizationType).
+enum class BlockType : int {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+    Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
+};
+constexpr int kNumTypeIds = 40;
+
+struct Format {
+    BlockType type;
+    const char* name;  // GGUF's name: "Q4_K"
+    int block;          // weights per block (1 for the float types)
+    int bytes;          // bytes per block
+    bool is_float;      // F32/F16/BF16: no codes, f32 activations in every mode
+    bool is_signed;     // codes are signed, offset 0 (the symmetric types)
+    bool per16;         // scales per 16 weights (Q2_K, Q3_K, Q6_K): halves of a sub-block differ
+};
+
+// The format of a GGUF type name or number; nullptr when fleet's kernels do not run it.
+const Format* format_by_name(const char* name);
+const Format* format_by_type(int type);
+
+// Bytes of one row of `cols` weights; 0 when cols is not a whole number of blocks.
+size_t row_bytes(const Format& f, int64_t cols);
+
+// Sub-block `sub` (0 .. block/32 - 1) of the integer block at `blk`: codes[32] (unsigned 0..255 in the
+// low byte, or signed), scale[2] and offset[2] (halves of 16 weights). Scalar reference of the format.
+struct SubBlock {
+    int16_t codes[32];
+    float scale[2];
+    float offset[2];
+};
+void decode_sub(const Format& f, const uint8_t* blk, int sub, SubBlock& out);
+
+// Every scale and offset of the integer block at `blk`, per 16 weights: scale[block / 16], offset[block / 16].
+void block_scales(const Format& f, const uint8_t* blk, float* scale, float* offset);
+
+// f16 and bf16 bits to f32 (exact).
+float f16_to_f32(uint16_t h);
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = uint32_t(h) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The 16 non-linear values of IQ4_NL / IQ4_XS codes (gguf-py IQ4_NL.kvalues) and MXFP4's E2M1 values
+// doubled (gguf-py MXFP4.kvalues; the halving is folded into the block's scale).
+extern const int8_t kIq4Values[16];
+extern const int8_t kE2m1Doubled[16];
+
+}  // namespace fleet
