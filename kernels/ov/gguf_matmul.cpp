@@ -69,14 +69,17 @@ bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
     p.exact = precision_ == "f32" || p.fmt->is_float;
     if (M == 0 || N == 0) return true;
 
-    thread_local Activations a;  // reused across calls: no allocation per decode step
-    prepare(a, x.data<const float>(), M, K, !p.exact);
-    p.a = &a;
+    // Reused across calls (no allocation per decode step). Lambdas below run on other threads: they must
+    // reach this thread's buffer through a pointer, not by naming the thread_local.
+    thread_local Activations buffer;
+    Activations* a = &buffer;
+    prepare(*a, x.data<const float>(), M, K, !p.exact);
+    p.a = a;
     if (!p.exact) {
         if (M >= 16)
-            ov::parallel_for(M, [&](size_t m) { quantize_rows(a, int64_t(m), int64_t(m) + 1); });
+            ov::parallel_for(M, [a](size_t m) { quantize_rows(*a, int64_t(m), int64_t(m) + 1); });
         else
-            quantize_rows(a, 0, M);
+            quantize_rows(*a, 0, M);
     }
     const RowsKernel kernel = select_kernel(p);
     // Contiguous column ranges per thread (tiles of 4 rows): each thread streams its own part of the blocks.
