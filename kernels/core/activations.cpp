@@ -12,6 +12,7 @@ void prepare(Activations& a, const float* x, int64_t rows, int64_t cols, bool qu
     a.q.resize(size_t(rows * cols));
     a.d.resize(size_t(rows * (cols / 32)));
     a.dsum.resize(size_t(rows * (cols / 16)));
+    a.lanes.resize(size_t(rows * (cols / 32) * 8));
 }
 
 void quantize_rows(Activations& a, int64_t r0, int64_t r1) {
@@ -20,7 +21,9 @@ void quantize_rows(Activations& a, int64_t r0, int64_t r1) {
         const float* x = a.x_row(m);
         int8_t* q = a.q.data() + m * a.cols;
         float* d = a.d.data() + m * groups;
-        float* dsum = a.dsum.data() + m * 2 * groups;
+        float* dsum0 = a.dsum.data() + 2 * m * groups;
+        float* dsum1 = dsum0 + groups;
+        int32_t* lanes = a.lanes.data() + m * groups * 8;
         for (int64_t g = 0; g < groups; ++g) {
             const float* xg = x + g * 32;
             float amax = 0.0f;
@@ -33,9 +36,13 @@ void quantize_rows(Activations& a, int64_t r0, int64_t r1) {
                 q[g * 32 + j] = int8_t(v);
                 sums[j / 16] += int(v);
             }
+            for (int l = 0; l < 8; ++l) {
+                const int8_t* ql = q + g * 32 + 4 * l;
+                lanes[g * 8 + l] = -(int32_t(ql[0]) + ql[1] + ql[2] + ql[3]);
+            }
             d[g] = amax / 127.0f;
-            dsum[2 * g] = d[g] * float(sums[0]);
-            dsum[2 * g + 1] = d[g] * float(sums[1]);
+            dsum0[g] = d[g] * float(sums[0]);
+            dsum1[g] = d[g] * float(sums[1]);
         }
     }
 }

@@ -9,17 +9,21 @@ namespace fleet {
 // One product's activations, rows x cols, in the two forms the kernels read. For each group g of 32 values
 // of a row: d = max|x| / 127, q = rint(x * (127 / max|x|)) clamped to [-127, 127] (all zero when max|x| is
 // 0), and per half h of 16 values dsum = d * sum(q over the half). The float64 references in the tests
-// quantize the same way (tests/unit/test_kernels.py).
+// quantize the same way (tests/unit/test_kernels.py). The SIMD kernels also read, per group, the sums of q
+// over each 4 consecutive values negated (the int32 lanes of vpdpbusd): an integer zero point z of the
+// weights' codes is then subtracted exactly, sum((c - z) q) = dpbusd(z x lanes, c, q).
 struct Activations {
     int64_t rows = 0, cols = 0;
     const float* x = nullptr;  // f32 [rows, cols]: the exact mode and the float weight types read these
     std::vector<int8_t> q;      // [rows, cols]
     std::vector<float> d;       // [rows, cols / 32]
-    std::vector<float> dsum;    // [rows, cols / 16]
+    std::vector<float> dsum;    // [rows, 2, cols / 32]: d * sum(q) over the first, then the second half of each group
+    std::vector<int32_t> lanes; // [rows, cols / 32, 8]: -(q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) per group
 
     const int8_t* q_row(int64_t m) const { return q.data() + m * cols; }
     const float* d_row(int64_t m) const { return d.data() + m * (cols / 32); }
-    const float* dsum_row(int64_t m) const { return dsum.data() + m * (cols / 16); }
+    const float* dsum_row(int64_t m, int half) const { return dsum.data() + (2 * m + half) * (cols / 32); }
+    const int32_t* lanes_row(int64_t m) const { return lanes.data() + m * (cols / 32) * 8; }
     const float* x_row(int64_t m) const { return x + m * cols; }
 };
 

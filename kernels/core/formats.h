@@ -27,6 +27,7 @@ struct Format {
     bool is_float;      // F32/F16/BF16: no codes, f32 activations in every mode
     bool is_signed;     // codes are signed, offset 0 (the symmetric types)
     bool per16;         // scales per 16 weights (Q2_K, Q3_K, Q6_K): halves of a sub-block differ
+    int zero;           // an integer zero point z of the codes (w = s (c - z), offset o = -z s), else 0
 };
 
 // The format of a GGUF type name or number; nullptr when fleet's kernels do not run it.

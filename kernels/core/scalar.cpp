@@ -29,7 +29,7 @@ void float_rows(const Product& p, int64_t n0, int64_t n1) {
     }
 }
 
-// Integer weights, quantized activations: per half of 16, s * d_x * sum(c q) + o * d_x * sum(q).
+// Integer weights, quantized activations: per half of 16, s d_x sum((c - z) q) + o d_x sum(q).
 void quantized_rows(const Product& p, int64_t n0, int64_t n1) {
     const Format& f = *p.fmt;
     const int64_t blocks = p.K / f.block;
@@ -48,10 +48,10 @@ void quantized_rows(const Product& p, int64_t n0, int64_t n1) {
                     const int8_t* q = p.a->q_row(m) + g * 32;
                     const float d = p.a->d_row(m)[g];
                     for (int half = 0; half < 2; ++half) {
-                        int dot = 0;
-                        for (int j = half * 16; j < half * 16 + 16; ++j) dot += int(sb.codes[j]) * int(q[j]);
+                        int dot = 0;  // an integer zero point is subtracted exactly, other offsets as o d sum(q)
+                        for (int j = half * 16; j < half * 16 + 16; ++j) dot += (int(sb.codes[j]) - f.zero) * int(q[j]);
                         acc[m] += float(dot) * (sb.scale[half] * d);
-                        corr[m] += sb.offset[half] * p.a->dsum_row(m)[2 * g + half];
+                        if (f.zero == 0) corr[m] += sb.offset[half] * p.a->dsum_row(m, half)[g];
                     }
                 }
             }

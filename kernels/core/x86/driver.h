@@ -5,10 +5,19 @@
 // same instructions in the same order whatever R and MB are (tiles only share loads), so y[m, n] does not
 // depend on the batch, the tiling or the thread split. Sub-block g of row n against activation row m adds
 //   acc += float(dot(c, q)) * (s d)      (8 lanes; per-16 scales: lanes 0-3 and 4-7 take their half's)
-//   corr += o0 dsum0 + o1 dsum1          (symmetric types: no corr)
-// and y = hsum(acc) + corr.
+//   integer zero point z (ZSHIFT): the dot starts at -z x (the activations' lane sums): sum((c - z) q), exact
+//   float offsets (OFFSET): corr += o0 dsum0 + o1 dsum1 (8 sub-blocks a vector)
+// and y = hsum(acc) + hsum(corr).
 
-constexpr int kPrefetchBytes = 768;  // software prefetch distance along each weight row (see docs/design.md)
+// Software prefetch in address order: while a tile's rows are read (interleaved, R streams), the bytes of the
+// next tile and kPrefetchAhead beyond are requested front to back, at the pace the tile is consumed. The
+// hardware prefetcher alone fed several interleaved streams at a fraction of one sequential read here.
+constexpr size_t kPrefetchAhead = 1536;
+
+static inline void prefetch_next(const uint8_t* tile_end, size_t step, int64_t b) {
+    const char* at = reinterpret_cast<const char*>(tile_end) + kPrefetchAhead + size_t(b) * step;
+    for (size_t off = 0; off < step; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+}
 constexpr int64_t kRowChunk = 64;    // activation rows per pass over a tile (keeps them in L2)
 
 static inline float hsum(__m256 v) {
@@ -18,81 +27,143 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// The scales of the 8 sub-blocks of 32 from group g0 of each row (a span), and the offsets where the type has
+// any (ZSHIFT types: o = -z s, exact). `blk` is the span's first block in the row.
+template <class F>
+struct Span {
+    alignas(32) float s0[8], s1[8], o0[8], o1[8];
+    // What the int8 path reads: s0 (and s1 of PER16 types), o0/o1 of OFFSET types (o1 = o0 unless PER16).
+    inline void read_quantized(const uint8_t* blk, int span) {
+        F::span(blk, span, s0, s1, o0, o1);
+        if constexpr (F::OFFSET && !F::PER16) std::copy(o0, o0 + 8, o1);
+    }
+    // Every scale and offset of every half (the f32 path).
+    inline void read(const uint8_t* blk, int span) {
+        F::span(blk, span, s0, s1, o0, o1);
+        if constexpr (!F::PER16) std::copy(s0, s0 + 8, s1);
+        if constexpr (F::ZSHIFT >= 0)
+            for (int j = 0; j < 8; ++j) { o0[j] = -float(1 << F::ZSHIFT) * s0[j]; o1[j] = -float(1 << F::ZSHIFT) * s1[j]; }
+        else if constexpr (!F::OFFSET)
+            for (int j = 0; j < 8; ++j) o0[j] = o1[j] = 0.0f;
+        else if constexpr (!F::PER16)
+            std::copy(o0, o0 + 8, o1);
+    }
+};
+
+template <class F>
+static inline const uint8_t* span_block(const uint8_t* row, int64_t g0) { return row + (g0 * 32 / F::QK) * F::BYTES; }
+template <class F>
+static inline const uint8_t* sub_block(const uint8_t* row, int64_t g0, int j, int& sub) {
+    if constexpr (F::QK == 32) { sub = 0; return row + (g0 + j) * F::BYTES; }
+    sub = j;
+    return row + (g0 / 8) * F::BYTES;
+}
+
+static inline __m256 load8(const float* p, int span) {  // p[0..span), zeros after
+    if (span == 8) return _mm256_loadu_ps(p);
+    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::copy(p, p + span, t);
+    return _mm256_load_ps(t);
+}
+
 template <class F, int R, int MB>
 static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
-    constexpr int HALVES = F::QK / 16;
     const Activations& a = *p.a;
-    const int64_t blocks = p.K / F::QK;
+    const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
-    __m256 acc[R][MB];
-    float corr[R][MB];
+    const int8_t* q[MB];
+    const float *da[MB], *ds0[MB], *ds1[MB];
+    const int32_t* lanes[MB];
+    for (int i = 0; i < MB; ++i) {
+        q[i] = a.q_row(m + i); da[i] = a.d_row(m + i);
+        ds0[i] = a.dsum_row(m + i, 0); ds1[i] = a.dsum_row(m + i, 1);
+        lanes[i] = a.lanes_row(m + i);
+    }
+    __m256 acc[R][MB], corr[R][MB];
     for (int r = 0; r < R; ++r)
-        for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); corr[r][i] = 0.0f; }
-    for (int64_t b = 0; b < blocks; ++b) {
-        float s[R][HALVES], o[R][HALVES];
+        for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); corr[r][i] = _mm256_setzero_ps(); }
+    const uint8_t* tile_end = rows[0] + R * p.row_bytes;
+    constexpr size_t kSpanBytes = size_t(R) * (256 / F::QK) * F::BYTES;  // bytes of the tile in one span of 8 groups
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int span = int(std::min<int64_t>(8, groups - g0));
+        prefetch_next(tile_end, kSpanBytes, g0 / 8);
+        // scale x activation scale of each (row, activation row, sub-block, half), read by broadcast below
+        alignas(32) float sd0[R][MB][8], sd1[R][MB][8];
         for (int r = 0; r < R; ++r) {
-            const uint8_t* blk = rows[r] + b * F::BYTES;
-            _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes), _MM_HINT_T0);
-            F::scales(blk, s[r], o[r]);
-        }
-        for (int sub = 0; sub < F::SUBS; ++sub) {
-            const int64_t g = b * F::SUBS + sub;
-            __m256i q[MB];
-            float d[MB], ds0[MB], ds1[MB];
+            Span<F> sp;
+            sp.read_quantized(span_block<F>(rows[r], g0), span);
             for (int i = 0; i < MB; ++i) {
-                q[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_row(m + i) + g * 32));
-                d[i] = a.d_row(m + i)[g];
-                ds0[i] = a.dsum_row(m + i)[2 * g];
-                ds1[i] = a.dsum_row(m + i)[2 * g + 1];
+                const __m256 d = load8(da[i] + g0, span);
+                _mm256_store_ps(sd0[r][i], _mm256_mul_ps(_mm256_load_ps(sp.s0), d));
+                if constexpr (F::PER16) _mm256_store_ps(sd1[r][i], _mm256_mul_ps(_mm256_load_ps(sp.s1), d));
+                if constexpr (F::OFFSET) {
+                    corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.o0), load8(ds0[i] + g0, span), corr[r][i]);
+                    corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.o1), load8(ds1[i] + g0, span), corr[r][i]);
+                }
+            }
+        }
+        for (int j = 0; j < span; ++j) {
+            const int64_t g = g0 + j;
+            __m256i qv[MB], init[MB];
+            for (int i = 0; i < MB; ++i) {
+                qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + g * 32));
+                if constexpr (F::ZSHIFT >= 0)
+                    init[i] = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8)),
+                                                F::ZSHIFT);
+                else
+                    init[i] = _mm256_setzero_si256();
             }
             for (int r = 0; r < R; ++r) {
-                const __m256i c = F::codes(rows[r] + b * F::BYTES, sub);
+                int sub;
+                const uint8_t* blk = sub_block<F>(rows[r], g0, j, sub);
+                const __m256i c = F::codes(blk, sub);
                 const __m256i u = F::SIGNED ? _mm256_abs_epi8(c) : c;
-                const float s0 = s[r][2 * sub], s1 = s[r][2 * sub + 1];
                 for (int i = 0; i < MB; ++i) {
-                    const __m256i v = F::SIGNED ? _mm256_sign_epi8(q[i], c) : q[i];
-                    const __m256i dot = FLEET_DPBUSD(_mm256_setzero_si256(), u, v);
-                    const __m256 scale = F::PER16 ? _mm256_set_m128(_mm_set1_ps(s1 * d[i]), _mm_set1_ps(s0 * d[i]))
-                                                  : _mm256_set1_ps(s0 * d[i]);
+                    const __m256i v = F::SIGNED ? _mm256_sign_epi8(qv[i], c) : qv[i];
+                    const __m256i dot = FLEET_DPBUSD(init[i], u, v);
+                    __m256 scale = _mm256_broadcast_ss(&sd0[r][i][j]);
+                    if constexpr (F::PER16) scale = _mm256_blend_ps(scale, _mm256_broadcast_ss(&sd1[r][i][j]), 0xF0);
                     acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
-                    if (!F::SIGNED) corr[r][i] += o[r][2 * sub] * ds0[i] + o[r][2 * sub + 1] * ds1[i];
                 }
             }
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + corr[r][i];
+        for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(corr[r][i]);
 }
 
 template <class F, int R, int MB>
 static inline void tile_exact(const Product& p, int64_t n, int64_t m) {
-    constexpr int HALVES = F::QK / 16;
-    const int64_t blocks = p.K / F::QK;
+    const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    const float* x[MB];
+    for (int i = 0; i < MB; ++i) x[i] = p.a->x_row(m + i);
     __m256 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        float s[R][HALVES], o[R][HALVES];
+    const uint8_t* tile_end = rows[0] + R * p.row_bytes;
+    constexpr size_t kSpanBytes = size_t(R) * (256 / F::QK) * F::BYTES;
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int span = int(std::min<int64_t>(8, groups - g0));
+        prefetch_next(tile_end, kSpanBytes, g0 / 8);
         for (int r = 0; r < R; ++r) {
-            _mm_prefetch(reinterpret_cast<const char*>(rows[r] + b * F::BYTES + kPrefetchBytes), _MM_HINT_T0);
-            F::scales(rows[r] + b * F::BYTES, s[r], o[r]);
-        }
-        for (int sub = 0; sub < F::SUBS; ++sub) {
-            const int64_t k0 = (b * F::SUBS + sub) * 32;
-            for (int r = 0; r < R; ++r) {
-                const __m256i c = F::codes(rows[r] + b * F::BYTES, sub);
+            Span<F> sp;
+            sp.read(span_block<F>(rows[r], g0), span);
+            for (int j = 0; j < span; ++j) {
+                int sub;
+                const uint8_t* blk = sub_block<F>(rows[r], g0, j, sub);
+                const __m256i c = F::codes(blk, sub);
+                const int64_t k0 = (g0 + j) * 32;
                 for (int part = 0; part < 4; ++part) {
                     const __m128i bytes = part < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
                     const __m128i eight = (part % 2) ? _mm_srli_si128(bytes, 8) : bytes;
                     const __m256i ints = F::SIGNED ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-                    const int half = 2 * sub + part / 2;
-                    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(s[r][half]),
-                                                     _mm256_set1_ps(o[r][half]));
+                    const float s = part < 2 ? sp.s0[j] : sp.s1[j], o = part < 2 ? sp.o0[j] : sp.o1[j];
+                    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(s), _mm256_set1_ps(o));
                     for (int i = 0; i < MB; ++i)
-                        acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p.a->x_row(m + i) + k0 + 8 * part), acc[r][i]);
+                        acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[i] + k0 + 8 * part), acc[r][i]);
                 }
             }
         }
@@ -118,10 +189,11 @@ static inline void tile_float(const Product& p, int64_t n, int64_t m) {
     __m256 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    const uint8_t* tile_end = p.w + (n + R) * p.row_bytes;
     for (int64_t k = 0; k < k8; k += 8) {
+        prefetch_next(tile_end, R * 8 * W, k / 8);
         for (int r = 0; r < R; ++r) {
             const uint8_t* at = p.w + (n + r) * p.row_bytes + k * W;
-            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
             const __m256 w = float8<T>(at);
             for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p.a->x_row(m + i) + k), acc[r][i]);
         }

@@ -1,6 +1,12 @@
 // The blocks of each GGUF integer type unpacked into 256-bit registers: 32 codes of a sub-block (unsigned,
 // or signed for the symmetric types) and, per block, its scales and offsets (w = s c + o per 16 weights).
 // Included by one instruction set's file at a time (isa_*.cpp), inside that set's namespace.
+//
+// Each type says how its offset is applied: ZSHIFT >= 0 is an integer zero point z = 2^ZSHIFT (w = s (c - z):
+// subtracted exactly in the integer dot, see activations.h), OFFSET a float offset per half (w = s c + o:
+// added as o x d x sum(q)), SIGNED signed codes (no offset). span() reads the scales of the 8 sub-blocks of
+// 32 that start at `blk` (8 blocks of a 32-weight type, or one block of 256) into s0/s1 (first/second half
+// of each sub-block; PER16 types only differ) and o0/o1; entries past `span` are 0.
 // Layouts: formats.cpp, the scalar reference these are tested against.
 
 struct Layout32 {  // the 32-weight types
@@ -36,70 +42,135 @@ static inline __m256i lookup(const int8_t* table16, __m256i nibbles) {
 }
 
 static inline uint32_t le32(const uint8_t* p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
+static inline uint16_t le16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
+
+// The f16 at `p` in each of `span` blocks of `stride` bytes, as 8 floats (0 past span).
+static inline void f16_span(const uint8_t* p, int stride, int span, float* out) {
+    if (span == 8) {  // in registers: no store-to-load forwarding stall
+        __m128i h = _mm_cvtsi32_si128(le16(p));
+        h = _mm_insert_epi16(h, le16(p + stride), 1);
+        h = _mm_insert_epi16(h, le16(p + 2 * stride), 2);
+        h = _mm_insert_epi16(h, le16(p + 3 * stride), 3);
+        h = _mm_insert_epi16(h, le16(p + 4 * stride), 4);
+        h = _mm_insert_epi16(h, le16(p + 5 * stride), 5);
+        h = _mm_insert_epi16(h, le16(p + 6 * stride), 6);
+        h = _mm_insert_epi16(h, le16(p + 7 * stride), 7);
+        _mm256_store_ps(out, _mm256_cvtph_ps(h));
+        return;
+    }
+    alignas(16) uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < span; ++j) h[j] = le16(p + j * stride);
+    _mm256_store_ps(out, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
+}
 
 struct FQ4_0 : Layout32 {
     static constexpr int BYTES = 18; static constexpr bool SIGNED = false, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) { s[0] = s[1] = f16(b); o[0] = o[1] = -8.0f * s[0]; }
+    static constexpr int ZSHIFT = 3; static constexpr bool OFFSET = false;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) { f16_span(b, BYTES, n, s0); }
     static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + 2); }
 };
 struct FQ4_1 : Layout32 {
     static constexpr int BYTES = 20; static constexpr bool SIGNED = false, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) { s[0] = s[1] = f16(b); o[0] = o[1] = f16(b + 2); }
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float* o0, float*) {
+        f16_span(b, BYTES, n, s0);
+        f16_span(b + 2, BYTES, n, o0);
+    }
     static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + 4); }
 };
 struct FQ5_0 : Layout32 {
     static constexpr int BYTES = 22; static constexpr bool SIGNED = false, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) { s[0] = s[1] = f16(b); o[0] = o[1] = -16.0f * s[0]; }
+    static constexpr int ZSHIFT = 4; static constexpr bool OFFSET = false;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) { f16_span(b, BYTES, n, s0); }
     static inline __m256i codes(const uint8_t* b, int) { return _mm256_or_si256(nibbles32(b + 6), bits32(le32(b + 2), 16)); }
 };
 struct FQ5_1 : Layout32 {
     static constexpr int BYTES = 24; static constexpr bool SIGNED = false, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) { s[0] = s[1] = f16(b); o[0] = o[1] = f16(b + 2); }
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float* o0, float*) {
+        f16_span(b, BYTES, n, s0);
+        f16_span(b + 2, BYTES, n, o0);
+    }
     static inline __m256i codes(const uint8_t* b, int) { return _mm256_or_si256(nibbles32(b + 8), bits32(le32(b + 4), 16)); }
 };
 struct FQ8_0 : Layout32 {
     static constexpr int BYTES = 34; static constexpr bool SIGNED = true, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) { s[0] = s[1] = f16(b); o[0] = o[1] = 0.0f; }
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = false;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) { f16_span(b, BYTES, n, s0); }
     static inline __m256i codes(const uint8_t* b, int) { return load32(b + 2); }
 };
 struct FIQ4_NL : Layout32 {
     static constexpr int BYTES = 18; static constexpr bool SIGNED = true, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) { s[0] = s[1] = f16(b); o[0] = o[1] = 0.0f; }
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = false;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) { f16_span(b, BYTES, n, s0); }
     static inline __m256i codes(const uint8_t* b, int) { return lookup(kIq4Values, nibbles32(b + 2)); }
 };
 struct FMXFP4 : Layout32 {
     static constexpr int BYTES = 17; static constexpr bool SIGNED = true, PER16 = false;
-    static inline void scales(const uint8_t* b, float* s, float* o) {
-        const uint32_t bits = b[0] < 2 ? (0x00200000u << b[0]) : (uint32_t(b[0] - 1) << 23);  // 2^(e - 128)
-        __builtin_memcpy(&s[0], &bits, 4);
-        s[1] = s[0];
-        o[0] = o[1] = 0.0f;
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = false;
+    static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) {
+        for (int j = 0; j < 8; ++j) {  // E8M0 exponent e: 2^(e - 128), E2M1's halving folded in
+            const uint8_t e = j < n ? b[j * BYTES] : 0;
+            const uint32_t bits = j >= n ? 0u : e < 2 ? (0x00200000u << e) : (uint32_t(e - 1) << 23);
+            __builtin_memcpy(&s0[j], &bits, 4);
+        }
     }
     static inline __m256i codes(const uint8_t* b, int) { return lookup(kE2m1Doubled, nibbles32(b + 1)); }
 };
 
-// The 256-weight types read their scales with the scalar reference (once per 256 weights).
+// The 256-weight types: the scales of one block's 8 sub-blocks (Q4_K, Q5_K and Q6_K unpacked here, the
+// rarer ones by the scalar reference, once per 256 weights).
 template <BlockType T>
 struct KScales {
-    static inline void scales(const uint8_t* b, float* s, float* o) { block_scales(*format_by_type(int(T)), b, s, o); }
+    static inline void span(const uint8_t* b, int, float* s0, float* s1, float* o0, float* o1) {
+        static const Format* const f = format_by_type(int(T));
+        float s[16], o[16];
+        block_scales(*f, b, s, o);
+        for (int j = 0; j < 8; ++j) {
+            s0[j] = s[2 * j]; s1[j] = s[2 * j + 1];
+            o0[j] = o[2 * j]; o1[j] = o[2 * j + 1];
+        }
+    }
+};
+struct K4Scales {  // Q4_K, Q5_K: d, dmin, then 8 x (6-bit scale, 6-bit min) in 12 bytes
+    static inline void span(const uint8_t* b, int, float* s0, float*, float* o0, float*) {
+        const float d = f16(b), dmin = f16(b + 2);
+        const uint8_t* q = b + 4;
+        for (int j = 0; j < 4; ++j) {
+            s0[j] = d * float(q[j] & 63);
+            o0[j] = -(dmin * float(q[j + 4] & 63));
+            s0[j + 4] = d * float((q[j + 8] & 15) | ((q[j] >> 6) << 4));
+            o0[j + 4] = -(dmin * float((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4)));
+        }
+    }
 };
 
-struct FQ4_K : Layout256, KScales<BlockType::Q4_K> {
+struct FQ4_K : Layout256, K4Scales {
     static constexpr int BYTES = 144; static constexpr bool SIGNED = false, PER16 = false;
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         return _mm256_and_si256(shr16(load32(b + 16 + (sub / 2) * 32), 4 * (sub % 2)), mask8(15));
     }
 };
-struct FQ5_K : Layout256, KScales<BlockType::Q5_K> {
+struct FQ5_K : Layout256, K4Scales {
     static constexpr int BYTES = 176; static constexpr bool SIGNED = false, PER16 = false;
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         const __m256i low = _mm256_and_si256(shr16(load32(b + 48 + (sub / 2) * 32), 4 * (sub % 2)), mask8(15));
         const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shr16(load32(b + 16), sub), mask8(1)), 4);
         return _mm256_or_si256(low, high);
     }
 };
-struct FQ6_K : Layout256, KScales<BlockType::Q6_K> {
+struct FQ6_K : Layout256 {
     static constexpr int BYTES = 210; static constexpr bool SIGNED = false, PER16 = true;
+    static constexpr int ZSHIFT = 5; static constexpr bool OFFSET = false;
+    static inline void span(const uint8_t* b, int, float* s0, float* s1, float*, float*) {  // int8 scales[16] at 192
+        const float d = f16(b + 208);
+        for (int j = 0; j < 8; ++j) {
+            s0[j] = d * float(int8_t(b[192 + 2 * j]));
+            s1[j] = d * float(int8_t(b[193 + 2 * j]));
+        }
+    }
     static inline __m256i codes(const uint8_t* b, int sub) {
         const int half = sub / 4, t = sub % 4;
         const __m256i low = _mm256_and_si256(shr16(load32(b + half * 64 + (t % 2) * 32), 4 * (t / 2)), mask8(15));
@@ -109,6 +180,7 @@ struct FQ6_K : Layout256, KScales<BlockType::Q6_K> {
 };
 struct FQ3_K : Layout256, KScales<BlockType::Q3_K> {
     static constexpr int BYTES = 110; static constexpr bool SIGNED = false, PER16 = true;
+    static constexpr int ZSHIFT = 2; static constexpr bool OFFSET = false;
     static inline __m256i codes(const uint8_t* b, int sub) {
         const int half = sub / 4, t = sub % 4;
         const __m256i low = _mm256_and_si256(shr16(load32(b + 32 + half * 32), 2 * t), mask8(3));
@@ -118,11 +190,13 @@ struct FQ3_K : Layout256, KScales<BlockType::Q3_K> {
 };
 struct FQ2_K : Layout256, KScales<BlockType::Q2_K> {
     static constexpr int BYTES = 84; static constexpr bool SIGNED = false, PER16 = true;
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         return _mm256_and_si256(shr16(load32(b + 16 + (sub / 4) * 32), 2 * (sub % 4)), mask8(3));
     }
 };
 struct FIQ4_XS : Layout256, KScales<BlockType::IQ4_XS> {
     static constexpr int BYTES = 136; static constexpr bool SIGNED = true, PER16 = false;
+    static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = false;
     static inline __m256i codes(const uint8_t* b, int sub) { return lookup(kIq4Values, nibbles32(b + 8 + sub * 16)); }
 };
