@@ -19,6 +19,7 @@ import openvino as ov
 import pytest
 from openvino import opset13 as op
 
+from bench.kernel_ops import random_blocks
 from fleet_common import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="fleet's kernels are not built")
@@ -26,10 +27,6 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="fleet's kernels
 ROWS = (1, 2, 3, 5, 8, 64)
 # (N outputs, K inputs in blocks): odd and even counts of both
 SHAPES = ((7, 3), (16, 2), (5, 1), (13, 5))
-F16_FIELDS = {  # byte offsets of each block's f16 scales (gguf-py quants.py), set to sane values below
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": (),
-}
 RTOL = 1e-6
 
 
@@ -40,26 +37,6 @@ def qtype(name: str) -> gguf.GGMLQuantizationType:
 def block_size(name: str) -> tuple[int, int]:
     """(weights, bytes) of one block of type ``name``."""
     return gguf.GGML_QUANT_SIZES[qtype(name)]
-
-
-def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """u8 [rows, row bytes]: random codes with finite, moderate scales (every byte pattern a file may hold,
-    except scales that overflow)."""
-    per, nbytes = block_size(name)
-    if name in ("F32", "F16", "BF16"):
-        w = rng.standard_normal((rows, cols)).astype(np.float32)
-        if name == "F32":
-            return w.view(np.uint8)
-        if name == "F16":
-            return w.astype(np.float16).view(np.uint8)
-        return gguf.quants.quantize(w, qtype("BF16")).reshape(rows, -1)
-    data = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
-    for at in F16_FIELDS[name]:
-        scales = rng.uniform(0.002, 0.02, (rows, cols // per)).astype(np.float16)
-        data[:, :, at:at + 2] = scales.view(np.uint8).reshape(rows, cols // per, 2)
-    if name == "MXFP4":
-        data[:, :, 0] = rng.integers(118, 130, (rows, cols // per))
-    return data.reshape(rows, -1)
 
 
 def dequantized(name: str, blocks: np.ndarray, cols: int) -> np.ndarray:

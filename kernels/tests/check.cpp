@@ -1,0 +1,131 @@
+// Every kernel of every instruction set this CPU runs against the scalar one, outside OpenVINO: the
+// sanitizers' test (tests/unit/test_kernels_sanitized.py builds this with ASan and UBSan and runs it).
+// Random blocks of every type (finite scales), odd shapes, several row counts, both modes; each product
+// split in two column ranges as two threads would; checks agreement (relative L2 <= 1e-5 to the scalar
+// kernel) and that every row is bitwise the same computed alone. Exit status 1 on any failure.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "product.h"
+
+using namespace fleet;
+
+namespace {
+
+struct Scales { const char* type; int offsets[2]; int count; };
+const Scales kF16[] = {{"Q4_0", {0}, 1}, {"Q4_1", {0, 2}, 2}, {"Q5_0", {0}, 1}, {"Q5_1", {0, 2}, 2},
+                       {"Q8_0", {0}, 1}, {"Q2_K", {80, 82}, 2}, {"Q3_K", {108}, 1}, {"Q4_K", {0, 2}, 2},
+                       {"Q5_K", {0, 2}, 2}, {"Q6_K", {208}, 1}, {"IQ4_NL", {0}, 1}, {"IQ4_XS", {0}, 1}};
+const char* kTypes[] = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                        "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"};
+
+uint16_t to_f16(float v) {  // moderate normal values only (the tests' scales)
+    uint32_t b;
+    std::memcpy(&b, &v, 4);
+    const uint32_t sign = (b >> 16) & 0x8000, exp = ((b >> 23) & 255) - 112, mant = (b >> 13) & 1023;
+    return uint16_t(sign | (exp << 10) | mant);
+}
+
+std::vector<uint8_t> random_blocks(const Format& f, int64_t n, int64_t k, std::mt19937& g) {
+    std::vector<uint8_t> w(row_bytes(f, k) * size_t(n));
+    std::uniform_real_distribution<float> scale(0.002f, 0.02f), normal(-2.0f, 2.0f);
+    if (f.is_float) {
+        for (int64_t i = 0; i < n * k; ++i) {
+            const float v = normal(g);
+            if (f.type == BlockType::F32) std::memcpy(&w[size_t(i) * 4], &v, 4);
+            else {
+                uint16_t h;
+                if (f.type == BlockType::F16) h = to_f16(v);
+                else { uint32_t b; std::memcpy(&b, &v, 4); h = uint16_t(b >> 16); }
+                std::memcpy(&w[size_t(i) * 2], &h, 2);
+            }
+        }
+        return w;
+    }
+    for (auto& b : w) b = uint8_t(g());
+    const size_t blocks = w.size() / size_t(f.bytes);
+    for (size_t i = 0; i < blocks; ++i) {
+        uint8_t* blk = &w[i * size_t(f.bytes)];
+        if (f.type == BlockType::MXFP4) blk[0] = uint8_t(118 + g() % 12);
+        for (const Scales& s : kF16)
+            if (std::strcmp(s.type, f.name) == 0)
+                for (int j = 0; j < s.count; ++j) {
+                    const uint16_t h = to_f16(scale(g));
+                    std::memcpy(blk + s.offsets[j], &h, 2);
+                }
+    }
+    return w;
+}
+
+double rel(const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+        den += double(b[i]) * b[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+}
+
+std::vector<float> run(RowsKernel kernel, const Format& f, const std::vector<uint8_t>& w, int64_t n, int64_t k,
+                       const std::vector<float>& x, int64_t m, bool exact) {
+    Activations a;
+    prepare(a, x.data(), m, k, !exact && !f.is_float);
+    if (!exact && !f.is_float) quantize_rows(a, 0, m);
+    std::vector<float> y(size_t(m * n));
+    Product p;
+    p.fmt = &f; p.w = w.data(); p.row_bytes = row_bytes(f, k); p.K = k; p.N = n; p.M = m;
+    p.a = &a; p.y = y.data(); p.ldy = n; p.exact = exact;
+    kernel(p, 0, n / 2);  // two column ranges, as two threads take them
+    kernel(p, n / 2, n);
+    return y;
+}
+
+}  // namespace
+
+int main() {
+    std::mt19937 g(12345);
+    int failures = 0, checks = 0;
+    const KernelTable* isas[] = {&avx2_kernels(), &avxvnni_kernels(), &avx512vnni_kernels()};
+    for (const char* name : kTypes) {
+        const Format& f = *format_by_name(name);
+        const int64_t per = f.block == 1 ? 32 : f.block;
+        for (int64_t n : {1, 6, 9}) {
+            for (int64_t kb : {1, 3}) {
+                const int64_t k = kb * per + (f.block == 1 ? 5 : 0);
+                const auto w = random_blocks(f, n, k, g);
+                std::normal_distribution<float> nd;
+                std::vector<float> x(size_t(8 * k));
+                for (auto& v : x) v = nd(g);
+                for (bool exact : {false, true}) {
+                    const int id = int(f.type);
+                    const auto want = run(exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id], f, w,
+                                          n, k, x, 8, exact);
+                    for (const KernelTable* t : isas) {
+                        if (!cpu_has(t->isa)) continue;
+                        RowsKernel kernel = exact ? t->exact[id] : t->quantized[id];
+                        const auto got = run(kernel, f, w, n, k, x, 8, exact);
+                        ++checks;
+                        if (!(rel(got, want) <= 1e-5)) {
+                            std::printf("FAIL %s %s n=%ld k=%ld exact=%d rel=%g\n", t->isa, name, long(n), long(k),
+                                        int(exact), rel(got, want));
+                            ++failures;
+                        }
+                        for (int64_t m = 0; m < 8; m += 3) {  // rows 0, 3, 6 alone: bitwise the batch's
+                            std::vector<float> one(x.begin() + m * k, x.begin() + (m + 1) * k);
+                            const auto alone = run(kernel, f, w, n, k, one, 1, exact);
+                            if (std::memcmp(alone.data(), got.data() + m * n, size_t(n) * 4) != 0) {
+                                std::printf("FAIL %s %s row %ld alone differs from the batch\n", t->isa, name, long(m));
+                                ++failures;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    std::printf("%d checks, %d failures\n", checks, failures);
+    return failures ? 1 : 0;
+}
