@@ -43,13 +43,13 @@ DRY_RUN_STEPS = 4
 """Tokens ``dry_run`` follows past the first mask: the grammar's forced tokens (which every output begins
 with), else the first allowed token."""
 
-CHECKERS = 2  # checking processes at most (each ~60 MB with a 49,152-token vocabulary)
+CHECKERS = 2  # checking processes at most (each ~35 MB resident with a 49,152-token vocabulary)
 PASSED_KEPT = 256  # constraints remembered as passed (their digests)
 MAX_MESSAGE = 1000  # characters of llguidance's error kept in a refusal
 START_TIMEOUT_S = 60.0  # a checking process's start (Python, llguidance, the tokenizer: ~1 s; a 256k vocabulary more)
 
 
-def dry_run(tokenizer, constraint: Constraint, steps: int = DRY_RUN_STEPS) -> None:  # noqa: ANN001 - llguidance.LLTokenizer
+def dry_run(tokenizer, constraint: Constraint, steps: int = DRY_RUN_STEPS) -> None:  # noqa: ANN001 - LLTokenizer
     """Compile ``constraint`` (``constraint.compile_matcher``) and follow ``steps`` tokens of an output
     under it. Raises ``InvalidRequest`` naming its field when it does not compile, allows no output, or
     breaks on one of those tokens (a lexer over its limits: ``^(a{1000}){1000}$``; a dead end after the
@@ -186,10 +186,10 @@ class GrammarChecker:
 
     async def _start(self) -> _Checker:
         """A new checking process, its tokenizer loaded."""
-        if self._setup is None:
-            text = await asyncio.to_thread(self._json)
-            self._setup = json.dumps({"tokenizer": text, "vocab_size": self.vocab_size, "eos_ids": self.eos_ids,
-                                      "memory_mb": self.memory_mb}).encode() + b"\n"
+        if self._setup is None:  # a tokenizer.json is 2-33 MB: read and encoded off the event loop
+            self._setup = await asyncio.to_thread(lambda: json.dumps({
+                "tokenizer": self._json(), "vocab_size": self.vocab_size, "eos_ids": self.eos_ids,
+                "memory_mb": self.memory_mb}).encode() + b"\n")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "coordinator.grammar_check", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, limit=1 << 20)

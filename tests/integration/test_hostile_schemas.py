@@ -18,17 +18,11 @@ import pytest
 
 from tests.conftest import start_coordinator, start_worker, wait_ready
 from tests.integration.fuzzing import CHAT, rss_mib
-from tests.integration.hostile import while_health_polled
+from tests.integration.hostile import HOSTILE_SCHEMA, HOSTILE_TOOL, while_health_polled
 
 pytestmark = pytest.mark.integration
 
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-HOSTILE = {"type": "object", "properties": {"s": {"type": "string", "allOf": [
-    {"pattern": f"[{LETTERS[i]}-z]"} for i in range(22)]}}, "required": ["s"]}
-"""1 KB: a string that holds a letter of [a-z], one of [b-z], ... 22 patterns (llguidance: 16 s, 375 MB to compile
-on 2 cores; 20 patterns of ``.*[a].*``, ... took 43 s and 2.3 GB)."""
 REPEATS = "^(a{1000}){1000}$"  # compiles, then breaks at its first token ("too many expressions constructed")
-TOOL = {"type": "function", "function": {"name": "f", "parameters": HOSTILE}}
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -37,29 +31,30 @@ def cases(model: str) -> dict[str, tuple[str, dict, str]]:
     anthropic = {"model": model, "max_tokens": 8, "messages": HI}
     ollama = {"model": model, "messages": HI, "stream": False}
     return {
-        "OpenAI tools (auto)": (CHAT, {"messages": HI, "max_tokens": 8, "tools": [TOOL]}, "tools"),
-        "OpenAI tools (required)": (CHAT, {"messages": HI, "max_tokens": 8, "tools": [TOOL], "tool_choice": "required"},
-                                    "tools"),
+        "OpenAI tools (auto)": (CHAT, {"messages": HI, "max_tokens": 8, "tools": [HOSTILE_TOOL]}, "tools"),
+        "OpenAI tools (required)": (CHAT, {"messages": HI, "max_tokens": 8, "tools": [HOSTILE_TOOL],
+                                           "tool_choice": "required"}, "tools"),
         "OpenAI response_format": (CHAT, {"messages": HI, "max_tokens": 8, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": HOSTILE}}}, "response_format"),
+            "type": "json_schema", "json_schema": {"name": "x", "schema": HOSTILE_SCHEMA}}}, "response_format"),
         "vLLM guided_json (completions)": ("/v1/completions", {"prompt": "hi", "max_tokens": 8,
-                                                               "guided_json": HOSTILE}, "guided_json"),
-        "llama.cpp json_schema": (CHAT, {"messages": HI, "max_tokens": 8, "json_schema": HOSTILE}, "json_schema"),
+                                                               "guided_json": HOSTILE_SCHEMA}, "guided_json"),
+        "llama.cpp json_schema": (CHAT, {"messages": HI, "max_tokens": 8, "json_schema": HOSTILE_SCHEMA},
+                                  "json_schema"),
         "guided_regex ^(a{1000}){1000}$": (CHAT, {"messages": HI, "max_tokens": 8, "guided_regex": REPEATS},
                                            "guided_regex"),
         "a pattern ^(a{1000}){1000}$": (CHAT, {"messages": HI, "max_tokens": 8, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": REPEATS}}}},
             "response_format"),
-        "Anthropic tools": ("/v1/messages", {**anthropic, "tools": [{"name": "f", "input_schema": HOSTILE}]},
+        "Anthropic tools": ("/v1/messages", {**anthropic, "tools": [{"name": "f", "input_schema": HOSTILE_SCHEMA}]},
                             "tools"),
         "Anthropic count_tokens tools": ("/v1/messages/count_tokens", {
-            "model": model, "messages": HI, "tools": [{"name": "f", "input_schema": HOSTILE}]}, "tools"),
+            "model": model, "messages": HI, "tools": [{"name": "f", "input_schema": HOSTILE_SCHEMA}]}, "tools"),
         "Anthropic output_config": ("/v1/messages", {**anthropic, "output_config": {"format": {
-            "type": "json_schema", "schema": HOSTILE}}}, "output_config"),
-        "Ollama chat tools": ("/api/chat", {**ollama, "tools": [TOOL]}, "tools"),
-        "Ollama chat format": ("/api/chat", {**ollama, "format": HOSTILE}, "format"),
+            "type": "json_schema", "schema": HOSTILE_SCHEMA}}}, "output_config"),
+        "Ollama chat tools": ("/api/chat", {**ollama, "tools": [HOSTILE_TOOL]}, "tools"),
+        "Ollama chat format": ("/api/chat", {**ollama, "format": HOSTILE_SCHEMA}, "format"),
         "Ollama generate format": ("/api/generate", {"model": model, "prompt": "hi", "stream": False,
-                                                     "format": HOSTILE}, "format"),
+                                                     "format": HOSTILE_SCHEMA}, "format"),
     }
 
 
@@ -133,7 +128,7 @@ def test_a_stream_in_flight_keeps_decoding_while_a_hostile_tool_is_refused(fleet
         lines = beside.iter_lines()
         rest = [next(lines)]
         t0 = time.monotonic()
-        r = client.post(CHAT, json={"messages": HI, "max_tokens": 8, "tools": [TOOL]})
+        r = client.post(CHAT, json={"messages": HI, "max_tokens": 8, "tools": [HOSTILE_TOOL]})
         took = time.monotonic() - t0
         last = time.monotonic()
         for line in lines:
