@@ -43,6 +43,7 @@ from .tools import (
     extra_bytes,
     render_messages,
     tool_constraint,
+    tool_schemas,
 )
 
 if TYPE_CHECKING:
@@ -205,6 +206,7 @@ class MessagesResponder:
         check_model(body.model, self.engine)
         body.refuse_unsupported()
         tools, choice, _ = body.tool_request()
+        await self.engine.grammar_check.check(tool_schemas(tools))
         messages = body.conversation()
         if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             return await self.prompts.chat(messages)

@@ -296,6 +296,7 @@ async def _stop(zc, registry: Registry, local, channels: Channels, engine: Engin
                 await local.stop()
         finally:
             await channels.close()
+            await engine.grammar_check.close()
             engine.close()
     log.info("coordinator stopped")
 

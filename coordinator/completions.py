@@ -25,6 +25,7 @@ from .openai_schema import ChatCompletionRequest, CompletionRequest, SamplingReq
 from .prompts import PromptPreparer
 from .request import Request, RequestStatus, TextDelta
 from .tool_chat import ToolAnswer, engine_tool_format, uses_tools
+from .tools import tool_schemas
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -265,6 +266,7 @@ class Responder:
         (or earlier calls and results), rendered and answered by ``tool_chat.ToolAnswer``."""
         messages = [m.as_dict() for m in body.messages]
         tools, choice = body.tool_request()
+        await self.engine.grammar_check.check(tool_schemas(tools))
         if not uses_tools(messages, tools):
             return await self.respond(CHAT, body, http, lambda: self.prompts.chat(messages))
         answer = ToolAnswer(self.tool_format, tools, choice, body.parallel_tool_calls)

@@ -114,15 +114,21 @@ class Constraint:
 
     ``kind``: "json_schema" (``text`` a JSON schema), "lark" (``text`` a Lark grammar in llguidance's
     dialect, which may embed ``%json {schema}``), or "regex"; ``field``: the request field that asked for
-    it (errors name it).
+    it (errors name it); ``label``: what errors call it ("the parameters of 'f'"; default: its kind).
     """
 
     kind: str
     text: str
     field: str = "response_format"
+    label: str = ""
+
+    @property
+    def what(self) -> str:
+        """What errors call it: ``label``, else "the json schema", "the lark", "the regex"."""
+        return self.label or "the " + self.kind.replace("_", " ")
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, field: str = "response_format") -> Constraint:
+    def json_schema(cls, schema: dict | bool, field: str = "response_format", label: str = "") -> Constraint:
         """Output that is one JSON value valid under ``schema`` (``{"type": "object"}``: any object). Raises
         ``InvalidRequest`` naming ``field`` for a schema too deep or too large to compile (``check_schema_size``)."""
         if isinstance(schema, bool):  # JSON Schema's true: any value; false: none (llguidance takes objects only)
@@ -130,7 +136,7 @@ class Constraint:
                 raise InvalidRequest(f"{field}: the schema false allows no value", param=field)
             schema = {}
         check_schema_size(schema, field)
-        return cls("json_schema", json.dumps(schema), field)
+        return cls("json_schema", json.dumps(schema), field, label)
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form) of this constraint. Raises ``InvalidRequest`` naming
@@ -146,7 +152,7 @@ class Constraint:
                 case "regex":
                     return llguidance.LLMatcher.grammar_from_regex(self.text)
         except ValueError as exc:
-            raise InvalidRequest(f"{self.field}: the {self.kind.replace('_', ' ')} does not compile: {exc}",
+            raise InvalidRequest(f"{self.field}: {self.what} does not compile: {exc}",
                                  param=self.field) from None
         raise ValueError(f"unknown constraint kind {self.kind!r}")
 
@@ -185,8 +191,8 @@ class Matcher:
 
     def _check(self) -> None:
         if self._m.is_error():
-            error = self._m.get_error().split("<state>")[0].strip()
-            raise GrammarError(f"{self.field}: the grammar allows no continuation of the output so far ({error})",
+            raise GrammarError(f"{self.field}: the grammar allows no continuation of the output so far "
+                               f"({_reason(self._m)})",
                                param=self.field)
 
     def fill(self, out: np.ndarray) -> None:
@@ -268,19 +274,32 @@ class Grammars:
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh grammar state for ``constraint`` (blocking: ~1 ms for a small schema, up to ~1 s for a
-        huge one; call it off the event loop). Raises ``InvalidRequest`` naming the constraint's field
-        when it does not compile."""
-        import llguidance
+        huge one; call it off the event loop, once ``grammar_check.GrammarChecker`` passed it: a schema
+        can take exponential time and memory to compile). Raises ``InvalidRequest`` naming the
+        constraint's field when it does not compile."""
+        return Matcher(compile_matcher(self.tokenizer(), constraint), self.vocab_size, constraint.field)
 
-        grammar = constraint.grammar()
-        tokenizer = self.tokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if not matcher.is_error():  # a grammar that allows no first token ({"$ref": "#"}) breaks at its first mask
-            matcher.compute_bitmask()
-            if matcher.is_error():
-                raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} allows no output "
-                                     f"({matcher.get_error().split('<state>')[0].strip()})", param=constraint.field)
+
+def _reason(matcher) -> str:  # noqa: ANN001 - llguidance.LLMatcher
+    """The matcher's error without llguidance's dump of its state (which may quote the whole grammar)."""
+    return matcher.get_error().split("<state>")[0].strip()
+
+
+def compile_matcher(tokenizer, constraint: Constraint):  # noqa: ANN001, ANN201 - llguidance's LLTokenizer, LLMatcher
+    """llguidance's ``LLMatcher`` for ``constraint`` over ``tokenizer``, its first mask computed. Blocking,
+    unbounded in time and memory for a hostile schema: the coordinator calls it once the grammar passed
+    ``grammar_check``. Raises ``InvalidRequest`` naming the constraint's field when it does not compile
+    or allows no first token."""
+    import llguidance
+
+    what = constraint.what
+    matcher = llguidance.LLMatcher(tokenizer, constraint.grammar(), log_level=0)
+    if not matcher.is_error():  # a grammar that allows no first token ({"$ref": "#"}) breaks at its first mask
+        matcher.compute_bitmask()
         if matcher.is_error():
-            raise InvalidRequest(f"{constraint.field}: the {constraint.kind.replace('_', ' ')} does not compile: "
-                                 f"{matcher.get_error().split('<state>')[0].strip()}", param=constraint.field)
-        return Matcher(matcher, self.vocab_size, constraint.field)
+            raise InvalidRequest(f"{constraint.field}: {what} allows no output ({_reason(matcher)})",
+                                 param=constraint.field)
+    if matcher.is_error():
+        raise InvalidRequest(f"{constraint.field}: {what} does not compile: {_reason(matcher)}",
+                             param=constraint.field)
+    return matcher

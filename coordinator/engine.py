@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from fleet_common.manifest import LoadedManifest
 
 from .constraint import Grammars
+from .grammar_check import GrammarChecker
 from .draft import DraftModel
 from .errors import (ContextLengthExceeded, CopyRefused, InvalidRequest, Overloaded, PipelineUnavailable, ShuttingDown,
                      StageFailure)
@@ -50,6 +51,10 @@ class Engine:
         self.max_context = min(settings.max_context or model_context, model_context)
         self.eos_ids = set(self.manifest.eos_token_ids)
         self.grammars = Grammars(tokenizer.tokenizer.to_str, self.manifest.architecture.vocab_size, self.eos_ids)
+        # every constraint is tried within budgets in a process of its own before it is compiled here
+        self.grammar_check = GrammarChecker(tokenizer.tokenizer.to_str, self.manifest.architecture.vocab_size,
+                                            self.eos_ids, settings.grammar_check_s, settings.grammar_check_mb,
+                                            settings.queue_timeout_s)
         self.generation_defaults = generation_defaults(loaded.directory)  # the model's, for silent requests
         log.info("model sampling defaults (generation_config.json): %s", self.generation_defaults or "none")
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
@@ -217,6 +222,7 @@ class Engine:
         s = self.settings
         self._refuse_if_stopping()
         if request.params.constraint is not None and request.grammar is None:  # before it takes a slot
+            await self.grammar_check.check([request.params.constraint])
             request.grammar = await asyncio.to_thread(self.grammars.matcher, request.params.constraint)
         if self.prefix_cache is not None and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+MAX_TEXT = 2000
+"""Characters of an error's message or detail a client gets: a worker's error text (which it chooses, 100 KB
+were seen) is cut there."""
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else f"{text[:MAX_TEXT]}... ({len(text) - MAX_TEXT:,} more characters)"
+
+
 class FleetError(Exception):
     """Base of errors a client may see; ``status``/``type``/``code`` fill the OpenAI error JSON.
 
@@ -15,6 +24,7 @@ class FleetError(Exception):
     headers: dict[str, str] | None = None  # extra HTTP response headers
 
     def __init__(self, message: str, param: str | None = None, *, detail: str | None = None) -> None:
+        message, detail = _bounded(message), None if detail is None else _bounded(detail)
         super().__init__(message)
         self.message = message
         self.param = param

@@ -45,7 +45,7 @@ from .ollama_schema import (
 from .openai_schema import resolve_sampling
 from .request import Request, SamplingParams, TextDelta
 from .tool_chat import ToolAnswer, uses_tools
-from .tools import AUTO, parse_tools
+from .tools import AUTO, parse_tools, tool_schemas
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -173,6 +173,7 @@ class OllamaResponder:
         body.refuse_unsupported()
         messages = chat_messages(body.messages)
         tools = parse_tools(body.tools or None)
+        await self.engine.grammar_check.check(tool_schemas(tools))
         if tools and body.format not in (None, ""):
             raise InvalidRequest("format with tools: the answer could not be a call; send one of them",
                                  param="format")

@@ -22,7 +22,7 @@ import numpy as np
 from fleet_common import fleet_pb2 as pb
 from fleet_common.channels import ChannelCache, StreamClosed, StreamWriter, describe
 from fleet_common.security import Security
-from fleet_common.wire import from_tensor, to_tensor
+from fleet_common.wire import WireError, from_tensor, to_tensor
 
 from .errors import CopyRefused, InvalidRequest, Overloaded, StageFailure, stage_failed, stage_lost
 
@@ -73,6 +73,7 @@ class Pipeline:
         self.path = "->".join(["coordinator", *(f"stage{i}" for i in range(len(addresses))), "coordinator"])
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
+        self.vocab_size = 0  # the model's logits width: candidates past it are the last stage's fault (0: unchecked)
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -314,8 +315,26 @@ class Pipeline:
             self.observe_link(max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
         if not logits_count:
             return None
-        return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),
-                          from_tensor(result.top_logprobs, dtype="float32", ndim=2))
+        return self._candidates(result)
+
+    def _candidates(self, result: pb.StepResult) -> StepOutput:
+        """The last stage's candidates in ``result``. Raises ``StageFailure`` naming the last stage when they
+        are malformed (another dtype or shape, NaN or +inf log-probabilities, ids outside the vocabulary):
+        such a result would reach the client as a 500, a literal NaN in its stream, or blame stage 0 for
+        the token it was fed next."""
+        try:
+            ids = from_tensor(result.top_ids, dtype="int32", ndim=2)  # [N, k]
+            logprobs = from_tensor(result.top_logprobs, dtype="float32", ndim=2)  # [N, k]
+            if ids.shape != logprobs.shape:
+                raise WireError(f"{list(ids.shape)} ids beside {list(logprobs.shape)} log-probabilities")
+            if np.isnan(logprobs).any() or np.isposinf(logprobs).any():
+                raise WireError("NaN or +inf log-probabilities")
+            if ids.size and (ids.min() < 0 or (self.vocab_size and ids.max() >= self.vocab_size)):
+                raise WireError(f"token ids {ids.min()}..{ids.max()} outside the vocabulary (0..{self.vocab_size - 1})")
+        except WireError as exc:
+            last = len(self.addresses) - 1
+            raise stage_failed(last, self.addresses[last], "a pipeline step", f"its candidates: {exc}") from None
+        return StepOutput(ids, logprobs)
 
     def _ack_failure(self, ack: pb.LinkAck) -> StageFailure:
         """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N

@@ -256,6 +256,7 @@ class Registry:
             if pipeline is None:
                 pipeline = await Pipeline.connect(list(addresses), self.channels, self.loaded.sha256)
                 pipeline.link_rtt_s = lambda: sum(self.workers[a].rtt_s for a in addresses if a in self.workers)
+                pipeline.vocab_size = self.loaded.manifest.architecture.vocab_size
                 self._pipelines[addresses] = pipeline
                 log.info("pipeline assembled: %s", " -> ".join(addresses))
             return pipeline

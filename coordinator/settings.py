@@ -78,6 +78,12 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
                                      "them too)")
     prefix_cache_min_tokens: int = Field(16, ge=1, description="shortest common prefix worth reusing")
     prefix_cache_idle_s: float = Field(300.0, gt=0, description="a retained session unused this long is freed")
+    grammar_check_s: float = Field(1.0, gt=0, le=60, description="longest a request's JSON schemas and grammars "
+                                   "(response_format, guided_*, a tool's parameters, Ollama's format) may take to "
+                                   "compile and start decoding, tried in a process of their own; longer is HTTP 400 "
+                                   "(llguidance's compile time can grow exponentially with a small schema)")
+    grammar_check_mb: int = Field(512, ge=64, description="memory (MiB) that trial may take beyond its tokenizer; "
+                                  "more is HTTP 400")
     failover_attempts: int = Field(2, ge=0, le=16, description="times a request moves to replica workers after a "
                                    "stage fails mid-generation (its KV rebuilt from its tokens); 0 = fail at once")
     api_key_file: Path | None = Field(None, description="file of HTTP API keys, one per line ('#' comments): /v1/*, "

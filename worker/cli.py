@@ -50,7 +50,16 @@ def offered(capacity: Capacity, memory_mb: int) -> Capacity:
 
 
 def _kv_budget(settings: WorkerSettings) -> int:
-    return settings.kv_budget_mb << 20 or available_memory() // 2
+    """The KV budget (bytes) of a worker whose stage is loaded: ``--kv-budget-mb``, else half the memory
+    available now, and with ``--memory-mb`` at most what that leaves beside this process's resident memory
+    (its weights and compiled model; at least 1 MiB, so a session too large is refused by name)."""
+    if settings.kv_budget_mb:
+        return settings.kv_budget_mb << 20
+    budget = available_memory() // 2
+    if settings.memory_mb:
+        held = psutil.Process().memory_info().rss
+        budget = max(1 << 20, min(budget, (settings.memory_mb << 20) - held))
+    return budget
 
 
 async def open_stage(settings: WorkerSettings, loaded: LoadedManifest, shard: int, *, verify_hashes: bool,

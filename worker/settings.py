@@ -37,10 +37,11 @@ class WorkerSettings(SecuritySettings, BaseSettings):
     max_sessions: int = Field(64, ge=1, le=4096, description="sessions held at once; more get RESOURCE_EXHAUSTED")
     max_context: int = Field(0, ge=0, description="cap on physical KV slots per session; 0 = the model's context")
     kv_budget_mb: int = Field(0, ge=0, description="KV cache memory sessions may reserve (each for its max context); "
-                              "more get RESOURCE_EXHAUSTED; 0 = half of the memory available at start")
+                              "more get RESOURCE_EXHAUSTED; 0 = half of the memory available at start, at most what "
+                              "--memory-mb leaves beside the loaded stage")
     memory_mb: int = Field(0, ge=0, description="memory an empty worker offers a planning coordinator (MiB): it "
-                           "announces at most this (a PC that keeps memory for other work); 0 = the memory "
-                           "available at its start (MemAvailable)")
+                           "announces at most this (a PC that keeps memory for other work), and its stage's weights "
+                           "and KV budget stay within it; 0 = the memory available at its start (MemAvailable)")
     idle_timeout_s: float = Field(600.0, gt=0, description="a session unused this long is dropped and its KV freed")
     owner_timeout_s: float = Field(30.0, gt=0, description="the sessions of a coordinator that has not health-checked "
                                    "this worker for this long are dropped (it died; its KV is freed)")

@@ -19,9 +19,10 @@ from .spec import (
                    new_call_id,
                    parse_tool_choice,
                    parse_tools,
+                   tool_schemas,
 )
 
 __all__ = ["AUTO", "DEFAULT", "NONE", "SYNTAXES", "CallDelta", "StreamDelta", "Tool", "ToolCall", "ToolCallParser",
            "ToolChoice", "ToolFormat", "check_choice", "check_tools_size", "check_unique", "detect_format", "extra_bytes", "make_tool",
            "new_call_id", "parse_tool_calls", "parse_tool_choice", "parse_tools", "render_messages",
-           "tool_constraint", "tool_grammar", "tools_prompt"]
+           "tool_constraint", "tool_grammar", "tool_schemas", "tools_prompt"]

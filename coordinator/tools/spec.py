@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..constraint import MAX_SCHEMA_PROPERTIES, check_schema_size
+from ..constraint import MAX_SCHEMA_PROPERTIES, Constraint, check_schema_size
 from ..errors import InvalidRequest
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -113,29 +113,23 @@ def make_tool(name: Any, description: Any, parameters: Any, field_name: str = "t
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise InvalidRequest(f"{field_name}: the parameters of {name!r} must be a JSON schema of type 'object' "
                              f"(arguments are a JSON object), not {kind!r}", param=field_name)
-    check_schema(parameters, f"{field_name}: the parameters of {name!r}", field_name)
+    check_schema_size(parameters, field_name, f"{field_name}: the parameters of {name!r}")
     return Tool(name, description or "", parameters, bool(strict))
 
 
-def check_schema(schema: dict, what: str, field_name: str) -> None:
-    """Raise ``InvalidRequest`` naming ``field_name`` when ``schema`` is not a JSON schema llguidance
-    compiles (an unknown type, a bad ``$ref``, a malformed keyword): ``what`` names it in the message."""
-    import llguidance
-
-    check_schema_size(schema, field_name, what)
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-    except ValueError as exc:
-        raise InvalidRequest(f"{what} is not a valid JSON schema: {exc}", param=field_name) from None
-    if error := llguidance.LLMatcher.validate_grammar(grammar):
-        raise InvalidRequest(f"{what} is not a valid JSON schema: {error.strip()}", param=field_name)
+def tool_schemas(tools: Sequence[Tool], field_name: str = "tools") -> list[Constraint]:
+    """The parameters of ``tools`` as constraints naming ``field_name``, for ``GrammarChecker.check``: a
+    tool's schema must compile (an unknown type, a bad ``$ref``, a malformed keyword: a 400) although an
+    answer free to call is not decoded under it. Checked there, in a process of its own: compiling a
+    schema can take exponential time and memory (coordinator/grammar_check.py)."""
+    return [Constraint.json_schema(t.parameters, field_name, f"the parameters schema of {t.name!r}") for t in tools]
 
 
 def check_tools_size(schemas: Sequence[Any], field_name: str = "tools") -> None:
     """Raise ``InvalidRequest`` naming ``field_name`` when the parameters of a request's tools, taken
     together, are more than one schema may be (``constraint.check_schema_size``: properties in all). Run
-    before each tool's schema is compiled to be checked (``make_tool``), which blocks the event loop: 80
-    tools of 1,000 properties each (a 2 MB body) froze it for 18 s."""
+    before each tool's schema is measured (``make_tool``): 80 tools of 1,000 properties each (a 2 MB body)
+    compiled one by one on the event loop froze it for 18 s."""
     if len(schemas) > MAX_TOOLS:
         raise InvalidRequest(f"{field_name}: {len(schemas)} tools, more than {MAX_TOOLS}", param=field_name)
     budget = MAX_SCHEMA_PROPERTIES

@@ -1,4 +1,4 @@
-"""What a hostile or buggy client on the LAN sends (issue 26 #1-#4), and how a fleet is measured while it
+"""What a hostile or buggy client on the LAN sends (issue 26 #1-#4, issue 45 #1), and how a fleet is measured while it
 does: shared by test_fuzz.py (one case per item) and test_soak.py (a hostile client among the others).
 Everything goes to loopback only."""
 
@@ -18,6 +18,13 @@ import httpx
 CHAT = "/v1/chat/completions"
 MAX_MESSAGES = 2048  # coordinator.limits.MAX_MESSAGES, restated: a test must not take the limit from the code it tests
 OVERLOADED = (429, 503)
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+HOSTILE_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "allOf": [
+    {"pattern": f"[{LETTERS[i]}-z]"} for i in range(22)]}}, "required": ["s"]}
+"""Issue 45 #1, 1 KB: a string that holds a letter of [a-z], one of [b-z], ... 22 patterns (llguidance: 16 s and
+375 MB to compile on 2 cores, on the coordinator's event loop as a tool's parameters; 20 patterns of ``.*[a].*``,
+... took 43 s and 2.3 GB)."""
+HOSTILE_TOOL = {"type": "function", "function": {"name": "f", "parameters": HOSTILE_SCHEMA}}
 
 
 def rss_mib(pid: int) -> float:

@@ -11,9 +11,10 @@ for the full soak) of mixed lengths from several concurrent clients, half greedy
 * Afterwards every stage holds exactly the sessions the coordinator's prefix cache retains, reserving no
   more KV than they hold, and the coordinator logged no traceback and no error.
 * Meanwhile one more client is hostile (issue 26 #1 and #3, ``hostile.py``): over and over it sends a
-  million one-letter messages, 100,000 empty ones and the heaviest chat the size checks let through, and
-  opens three non-streamed 3,000-token requests whose sockets it closes after a second. Each of its
-  requests must be refused as it should (413, 413, 400), and every other request that was not refused
+  million one-letter messages, 100,000 empty ones and the heaviest chat the size checks let through, every
+  fourth round a tool whose schema takes llguidance exponential time to compile (issue 45 #1,
+  ``hostile.HOSTILE_SCHEMA``), and opens three non-streamed 3,000-token requests whose sockets it closes
+  after a second. Each of its requests must be refused as it should (413, 413, 400, 400), and every other request that was not refused
   must be answered within ``ON_TIME_S``.
 """
 
@@ -37,7 +38,8 @@ from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.manifest import load_manifest
 from tests.conftest import DRAFTS, chat, greedy_with_gaps, retained_sessions, start_coordinator, start_worker, wait_ready
-from tests.integration.hostile import abandoned_requests, heaviest_legal_chat, many_messages, post, prompt_limits
+from tests.integration.hostile import (HOSTILE_TOOL, abandoned_requests, heaviest_legal_chat, many_messages, post,
+                                      prompt_limits)
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +54,7 @@ GREEDY = ("What is the capital of France?", "Name three colors of the rainbow.",
 GREEDY_TOKENS = 12
 NEAR_TIE = 1e-3  # top-two logprob gap of the solo runs: above it a greedy answer cannot flip (shifts <= ~6e-5)
 RETRY_WITHIN_S = 90  # a refused request is sent again (after 0.5, 1, 2, 2, ... s) for this long
+SCHEMA_EVERY = 4  # the hostile client's rounds per hostile schema
 ON_TIME_S = 20  # a request answered at its first attempt took at most this (about 1-6 s here with 6 clients)
 
 
@@ -171,10 +174,15 @@ class HostileClient(threading.Thread):
         self.patterns = [("1,000,000 messages", many_messages(1_000_000), 413),
                          ("100,000 empty messages", many_messages(100_000, ""), 413),
                          ("the heaviest legal chat", heaviest_legal_chat(limits["bytes"], limits["overhead"]), 400)]
+        # every SCHEMA_EVERY rounds: each costs a checking process a CPU-second (its budget) and a restart
+        self.schema = ("a tool of 22 patterns (issue 45 #1)", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 8, "tools": [HOSTILE_TOOL]}, 400)
 
     def run(self) -> None:
+        rounds = 0
         while not self.stop.is_set():
-            for what, body, status in self.patterns:
+            rounds += 1
+            for what, body, status in self.patterns + [self.schema] * (rounds % SCHEMA_EVERY == 1):
                 try:
                     r, took = post(self.url, body)
                     if r.status_code != status:
@@ -240,7 +248,7 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
             hostile.join(120)
         print(f"soak: the hostile client sent {dict(hostile.sent)}")
         assert not hostile.failures, hostile.failures[:5]
-        assert hostile.sent["3 abandoned requests"] > 0, hostile.sent
+        assert hostile.sent["3 abandoned requests"] > 0 and hostile.sent[hostile.schema[0]] > 0, hostile.sent
         elapsed = time.monotonic() - t0
         print(f"soak: {REQUESTS} requests in {elapsed:.0f} s: {dict(outcomes)}; attempts {dict(attempts)}; "
               f"{greedy_done} greedy answers equal to their solo runs; {drafted} tokens drafted")

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.access import cache_scope
 from coordinator.api import create_app
+from coordinator.grammar_check import GrammarChecker
 from coordinator.request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta
 from coordinator.sampling import FALLBACK_SAMPLING
 from coordinator.settings import CoordinatorSettings
@@ -40,6 +41,9 @@ class StandInEngine:
         self.metrics = SimpleNamespace(registry=CollectorRegistry())
         self.generation_defaults = generation_defaults or {}
         self.requests: list[tuple[Request, str, str]] = []
+        # the real checker (a process started at a request's first tools; it ends with this test process)
+        self.grammar_check = GrammarChecker(self.tokenizer.tokenizer.to_str, vocab_size, {2},
+                                            self.settings.grammar_check_s, self.settings.grammar_check_mb)
 
     def request_for(self, ids: list[int], params: SamplingParams, param: str = "messages",
                     kind: str = "chatcmpl") -> Request:
