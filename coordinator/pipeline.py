@@ -28,6 +28,9 @@ from .errors import CopyRefused, InvalidRequest, Overloaded, StageFailure, stage
 
 log = logging.getLogger(__name__)
 
+STEP_DEADLINE_FACTOR = 4.0  # a step's deadline is at least this many times the slowest step of its size seen lately
+STEP_TIME_DECAY = 0.98  # ... whose record fades by this factor each step (a stall long past counts less and less)
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -73,6 +76,7 @@ class Pipeline:
         self.path = "->".join(["coordinator", *(f"stage{i}" for i in range(len(addresses))), "coordinator"])
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
+        self._slowest: dict[int, float] = {}  # chunk size class (bit length of its tokens) -> slowest step (seconds)
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -277,11 +281,13 @@ class Pipeline:
         """
         if self._broken:
             raise self._broken.again()
-        timeout_s += 2 * self.link_rtt_s()  # a step crosses every link once (N+1 hops): slow links, longer deadline
+        ids = np.atleast_2d(np.asarray(tokens, dtype=np.int64))
+        size = ids.size.bit_length()
+        timeout_s = self._deadline_s(size, timeout_s)
         step_id = next(self._steps)
         request = pb.ForwardRequest(
             session_id=session_id, step_id=step_id, stage=0,
-            input=to_tensor(np.atleast_2d(np.asarray(tokens, dtype=np.int64))),
+            input=to_tensor(ids),
             past_length=past_length, hide_slots=list(hide_slots), hide_rows=list(hide_rows), row_pads=list(pads),
             keep_rows=list(keep_rows),
             route=self.addresses[1:], logits_count=logits_count, top_k=top_k,
@@ -310,12 +316,20 @@ class Pipeline:
             self._waiters.pop(key, None)
             if waiter.done() and not waiter.cancelled():
                 waiter.exception()  # failed while this step was still writing: retrieved, not logged as lost
+        seconds = time.perf_counter() - sent
+        self._slowest[size] = max(seconds, STEP_TIME_DECAY * self._slowest.get(size, 0.0))
         if self.observe_link is not None:
-            self.observe_link(max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
+            self.observe_link(max(0.0, seconds - sum(result.handle_ms) / 1000))
         if not logits_count:
             return None
         return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),
                           from_tensor(result.top_logprobs, dtype="float32", ndim=2))
+
+    def _deadline_s(self, size: int, timeout_s: float) -> float:
+        """The deadline (seconds) of a step of chunk size class ``size`` given ``timeout_s``, the configured
+        one: the measured step times lead where they are longer (a slow PC, a CPU quota: its steps are not
+        taken for lost), and a step crosses every link once (N+1 hops), so slow links add their round trips."""
+        return max(timeout_s, STEP_DEADLINE_FACTOR * self._slowest.get(size, 0.0)) + 2 * self.link_rtt_s()
 
     def _ack_failure(self, ack: pb.LinkAck) -> StageFailure:
         """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N
