@@ -29,6 +29,8 @@ from .errors import CopyRefused, InvalidRequest, Overloaded, StageFailure, stage
 log = logging.getLogger(__name__)
 
 STEP_DEADLINE_FACTOR = 4.0  # a step's deadline is at least this many times the slowest step of its size seen lately
+SUSPECT_POLL_S = 0.25  # a step past its deadline while a worker is suspect asks again this often for the verdict
+VERDICT_WAIT_S = 30.0  # ... for this long at most (the registry's verdict comes within its missed health checks)
 STEP_TIME_DECAY = 0.98  # ... whose record fades by this factor each step (a stall long past counts less and less)
 
 
@@ -76,6 +78,7 @@ class Pipeline:
         self.path = "->".join(["coordinator", *(f"stage{i}" for i in range(len(addresses))), "coordinator"])
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
+        self.suspect = lambda: False  # whether a worker of it is late for a health check (or just found gone)
         self._slowest: dict[int, float] = {}  # chunk size class (bit length of its tokens) -> slowest step (seconds)
 
     @classmethod
@@ -301,11 +304,11 @@ class Pipeline:
             request.row_start_positions.extend(start_position)
         key = (session_id, step_id)
         waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
-        sent = time.perf_counter()
+        sent, deadline = time.perf_counter(), asyncio.get_running_loop().time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):  # the write and the result together
+            async with asyncio.timeout_at(deadline):  # the write and the result together
                 await self._link.write(request)
-                result = await waiter
+            result = await self._result(waiter, deadline)
         except TimeoutError:
             raise StageFailure(f"a pipeline step missed its {timeout_s:.1f} s deadline (a stage is overloaded "
                                "or stuck); send the request again", detail=f"session {session_id}") from None
@@ -324,6 +327,23 @@ class Pipeline:
             return None
         return StepOutput(from_tensor(result.top_ids, dtype="int32", ndim=2),
                           from_tensor(result.top_logprobs, dtype="float32", ndim=2))
+
+    async def _result(self, waiter: asyncio.Future, deadline: float) -> pb.ForwardResult:
+        """``waiter``'s step result by ``deadline`` (the event loop's clock), or later while a worker of this
+        pipeline is suspect (``suspect()``: late for a health check, or just found gone): slow is not gone, and
+        the registry's verdict closes the pipeline (failing ``waiter``) if it is gone. Raises ``TimeoutError``
+        past the deadline with no worker suspect (a stage answers its health checks but not this step), or
+        ``VERDICT_WAIT_S`` past it in any case."""
+        verdict_by = deadline + VERDICT_WAIT_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await asyncio.shield(waiter)
+            except TimeoutError:
+                now = asyncio.get_running_loop().time()
+                if not waiter.done() and (not self.suspect() or now > verdict_by):
+                    raise
+                deadline = now + SUSPECT_POLL_S
 
     def _deadline_s(self, size: int, timeout_s: float) -> float:
         """The deadline (seconds) of a step of chunk size class ``size`` given ``timeout_s``, the configured

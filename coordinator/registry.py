@@ -7,8 +7,9 @@ replicas; pipelines are kept while their workers are healthy. A slow worker is t
 health check that misses its deadline only makes the worker suspect (a laptop swapping, a GC pause, a
 throttled CPU), and it is confirmed gone after ``missed_limit`` late checks in a row. Every pipeline
 that uses a worker is closed the moment it is gone (its sessions then fail over, see ``Engine``); a
-suspect's pipelines run on, each step waiting for its own deadline. Placement is per session, never
-per step, and passes a suspect by when another worker serves its stage.
+suspect's pipelines run on, each step waiting for its own deadline (``Pipeline.step``), and past it
+for the verdict. Placement is per session, never per step, and passes a suspect by when another
+worker serves its stage.
 """
 
 from __future__ import annotations
@@ -278,6 +279,8 @@ class Registry:
             if pipeline is None:
                 pipeline = await Pipeline.connect(list(addresses), self.channels, self.loaded.sha256)
                 pipeline.link_rtt_s = lambda: sum(self.workers[a].rtt_s for a in addresses if a in self.workers)
+                # late for a health check, or found gone (this pipeline is being closed: its steps fail then)
+                pipeline.suspect = lambda: any(a not in self.workers or self.workers[a].missed for a in addresses)
                 self._pipelines[addresses] = pipeline
                 log.info("pipeline assembled: %s", " -> ".join(addresses))
             return pipeline
