@@ -78,6 +78,7 @@ class Pipeline:
         self.path = "->".join(["coordinator", *(f"stage{i}" for i in range(len(addresses))), "coordinator"])
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
+        self._closing: set[asyncio.Task] = set()  # closes of sessions whose opener left mid-open
         self.suspect = lambda: False  # whether a worker of it is late for a health check (or just found gone)
         self._slowest: dict[int, float] = {}  # chunk size class (bit length of its tokens) -> slowest step (seconds)
 
@@ -175,10 +176,8 @@ class Pipeline:
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
                                         manifest_sha256=self.manifest_sha256, resume=resume,
                                         owner=self.channels.owner)
-        results = await asyncio.gather(
-            *(self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses),
-            return_exceptions=True,
-        )
+        calls = [self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses]
+        results = await self._unless_left(calls, None if resume else session_id, timeout_s)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
             address, exc = errors[0]
@@ -191,6 +190,20 @@ class Pipeline:
                 raise InvalidRequest(f"this request can never be served by worker {address}: {exc.details()}; "
                                      "lower max_tokens or shorten the prompt", param="max_tokens")
             raise _failure(self.addresses.index(address), address, "to open this request's session", exc)
+
+    async def _unless_left(self, calls: list, session_id: str | None, timeout_s: float) -> list:
+        """The results of ``calls`` (one RPC per stage making ``session_id``), exceptions included. When the caller
+        is cancelled meanwhile (its client left while a slow stage still answered), ``session_id`` (None: keep
+        it, a resumed session) is closed on every stage in the background, since the stages that answered
+        already hold it; then the cancellation goes on."""
+        try:
+            return await asyncio.gather(*calls, return_exceptions=True)
+        except asyncio.CancelledError:
+            if session_id is not None:
+                task = asyncio.ensure_future(self.close_session(session_id, timeout_s))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            raise
 
     def forget(self, session_id: str) -> None:
         """Stop counting ``session_id`` as open through this pipeline (placement's load) without closing
@@ -232,8 +245,8 @@ class Pipeline:
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
                                  max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach,
                                  owner=self.channels.owner)
-        results = await asyncio.gather(
-            *(self.channels.stub(a).Copy(request, timeout=timeout_s) for a in self.addresses), return_exceptions=True)
+        results = await self._unless_left([self.channels.stub(a).Copy(request, timeout=timeout_s)
+                                           for a in self.addresses], session_id, timeout_s)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
             await self.close_session(session_id, timeout_s)
