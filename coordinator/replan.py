@@ -45,6 +45,7 @@ REFUSED_RETRY_S = 30.0  # a refused fleet tries again this often (at once when t
 # the re-plan's Info round: a worker that is only busy (its health checks late) must get to answer, or the fleet
 # re-plans around a PC it still has; a dead one on the LAN refuses the connection at once
 REPLAN_INFO_TIMEOUT_S = 10.0
+REPLAN_ATTEMPTS = 3  # a re-plan whose workers leave while it runs plans again over who is left, this often in all
 LOAD_RETRIES = 20  # LoadStage refused while a worker still holds sessions of the old build: tries, a second apart
 
 
@@ -108,6 +109,7 @@ class Replanner:
         self._changed = asyncio.Event()  # set (and replaced) at every state change
         self._refused_key: frozenset | None = None  # who answered when it refused: a change retries
         self._armed = False  # every stage was served once: from then on a missing one is re-planned
+        self._planned_over: dict[str, str] = {}  # worker id -> address of those the re-plan under way plans over
 
     # -- state -------------------------------------------------------------------------------------
     def _set(self, state: FleetState, progress: str = "", reason: str | None = None) -> None:
@@ -281,7 +283,7 @@ class Replanner:
         if missing_since is None:
             await self._drain()
         try:
-            await self._replan()
+            await self._replan_over_who_is_left()
         except (ValueError, OSError, RuntimeError) as exc:  # PlanRefused, BuildError: ValueError; ShippingError
             self._refused_key = self._answering_key()
             if not self.registry.missing_stages():  # a join's re-plan failed before loading anything: serve on
@@ -296,10 +298,36 @@ class Replanner:
                  self.reason, " -> ".join(self.registry.placement()))
         self._set(FleetState.SERVING, reason="")
 
+    async def _replan_over_who_is_left(self) -> None:
+        """``_replan``, and again at once (up to ``REPLAN_ATTEMPTS`` in all) while it fails because a worker it
+        planned over stopped answering meanwhile (a second PC lost while the first's re-plan shipped): the
+        workers left may hold the model. Raises what the last attempt raised."""
+        for attempt in range(1, REPLAN_ATTEMPTS + 1):
+            try:
+                return await self._replan()
+            except (ValueError, OSError, RuntimeError) as exc:
+                gone = await self._planned_gone() if attempt < REPLAN_ATTEMPTS else []
+                if not gone:
+                    raise
+                log.warning("re-planning (%s): %s; worker(s) %s planned over stopped answering meanwhile: planning "
+                            "again at once over the workers left", self.reason, exc, ", ".join(gone))
+                self.reason = f"{self.reason}; then worker(s) {', '.join(gone)} stopped answering"
+        return None
+
+    async def _planned_gone(self) -> list[str]:
+        """The addresses of the workers the last plan was made over (``_planned_over``) that answer no more."""
+        planned = self._planned_over
+        if not planned:
+            return []
+        found, _ = await answering(sorted(planned.values()), self.settings.security, self.settings.peer,
+                                   self.fleet.source.dims.model_id, REPLAN_INFO_TIMEOUT_S)
+        return sorted(a for w, a in planned.items() if w not in found)
+
     async def _replan(self) -> None:
         """Collect the workers answering, plan, build (in a thread), ship, switch the registry, wait until
         every stage is served. Raises ``PlanRefused``/``ValueError``, ``BuildError``, ``ShippingError``, ``OSError``."""
         s, fleet = self.settings, self.fleet
+        self._planned_over = {}
         self._step("asking the workers for their capacity")
         addresses = sorted({a for a, _ in fleet.members.values()} | set(self.registry.workers))
         found, why = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id, REPLAN_INFO_TIMEOUT_S)
@@ -307,6 +335,7 @@ class Replanner:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
         p, found, left_out = plan_without_small(fleet.source, found, "workers left")  # PlanRefused, naming each
+        self._planned_over = {w: a for w, (a, _) in found.items()}
         for line in left_out:
             log.warning("re-planning: left out of the plan: %s", line)
         self._step(f"building layers {p.layers}")
