@@ -11,8 +11,10 @@ failing. The build runs in a thread, so the event loop keeps serving ``/health``
 
 A worker that joins a serving fleet (empty, answering the registry, not in the plan) is planned in only when
 ``join_decision`` says so (``worth_replanning``: the model fits now and did not, or decode is faster by
-``SPEEDUP`` by the planner's own prediction); new requests then wait (``holding``) and the answers in flight
-finish (``_drain``) before the same re-plan runs.
+``SPEEDUP`` by the planner's own prediction). Its plan is built and shipped while the fleet serves on
+(``_prepare_join``: files only, nothing loaded); only then do new requests wait (``holding``), while the
+answers in flight finish (``_drain``: a worker serves one stage, so the old pipeline must be idle before its
+workers load the new one) and the same re-plan runs, quick now (built, shipped).
 """
 
 from __future__ import annotations
@@ -235,9 +237,42 @@ class Replanner:
         if why is None:
             log.info("worker(s) %s joined: the plan stays (not faster by %.0f %% by the planner)", names, SPEEDUP * 100)
             return
-        self._set(FleetState.REPLANNING, "letting the answers in flight finish", f"worker(s) {names} joined: {why}")
+        self.reason = f"worker(s) {names} joined: {why}"
+        log.info("%s: preparing the new plan while the fleet serves on the current one", self.reason)
         self._task = asyncio.ensure_future(self._run(None))
         self._task.add_done_callback(self._done)
+
+    async def _prepare_join(self) -> None:
+        """A join's re-plan made ready while the fleet serves on (new requests are placed on the current plan):
+        plan over the workers answering, build the plan (in a thread) and ship each worker its new stage's files,
+        loading nothing. The switch (``_run``) then holds new requests only while the answers in flight finish and
+        the stages load; it plans again from the workers answering then (the build cache and the files shipped
+        make that quick). A failure here is said, and left to the switch."""
+        s, fleet = self.settings, self.fleet
+        try:
+            addresses = sorted({a for a, _ in fleet.members.values()} | set(self.registry.workers))
+            found, _ = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id,
+                                       REPLAN_INFO_TIMEOUT_S)
+            p, found, _ = plan_without_small(fleet.source, found, "workers answering")
+            self._step(f"serving on while building layers {p.layers}")
+            build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, build_cache(s))
+            targets = [found[st.node.name][0] for st in p.stages]
+            await ship_plan(build_dir, targets, s.security, self._ship_progress(targets, "serving on while "),
+                            load=False)
+        except (ValueError, OSError, RuntimeError) as exc:  # PlanRefused, BuildError, ShippingError
+            log.warning("re-planning (%s): preparing the new plan while serving failed (%s); the switch tries "
+                        "again", self.reason, exc)
+
+    def _ship_progress(self, addresses: list[str], prefix: str = ""):  # noqa: ANN202 - a ship_plan progress
+        """``ship_plan``'s progress callback: each stage's shipping (``prefix`` first) in ``progress``."""
+        def progress(stage: int, address: str):  # noqa: ANN202 - fleet_common.shipping.Progress
+            self._step(f"{prefix}shipping {stages_phrase([stage], len(addresses))} to {address}")
+
+            def on_bytes(path: str, done: int, total: int) -> None:
+                self.progress = (f"{prefix}shipping {stages_phrase([stage], len(addresses))} to {address}: {path} "
+                                 f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
+            return on_bytes
+        return progress
 
     async def _drain(self) -> None:
         """Wait (up to ``--replan-wait-s``) until this coordinator holds no session on any worker: new requests
@@ -281,6 +316,8 @@ class Replanner:
                 return
             await asyncio.sleep(0.2)
         if missing_since is None:
+            await self._prepare_join()
+            self._set(FleetState.REPLANNING, "letting the answers in flight finish")
             await self._drain()
         try:
             await self._replan_over_who_is_left()
@@ -363,14 +400,7 @@ class Replanner:
 
         from fleet_common.shipping import ShippingError
 
-        def progress(stage: int, address: str):  # noqa: ANN202 - fleet_common.shipping.Progress
-            self._step(f"shipping {stages_phrase([stage], len(addresses))} to {address}")
-
-            def on_bytes(path: str, done: int, total: int) -> None:
-                self.progress = (f"shipping {stages_phrase([stage], len(addresses))} to {address}: {path} "
-                                 f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
-            return on_bytes
-
+        progress = self._ship_progress(addresses)
         for _ in range(LOAD_RETRIES - 1):
             try:
                 return await ship_plan(build_dir, addresses, self.settings.security, progress)

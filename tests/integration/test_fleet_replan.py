@@ -73,6 +73,19 @@ def stream_raw(url: str, out: dict) -> None:
     out["done"] = time.monotonic()
 
 
+def stream_long(url: str, out: dict) -> None:
+    """``stream_raw`` of a long answer (600 tokens, ignoring end-of-sequence)."""
+    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "temperature": 0,
+            "max_tokens": 600, "ignore_eos": True, "stream": True}
+    out.update(error=None)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out["error"] = json.loads(line[6:]).get("error") or out["error"]
+    out["done"] = time.monotonic()
+
+
 def test_killed_worker_is_replanned_over_the_two_left_with_the_same_greedy_ids(tmp_path, demo_hf, browser):  # noqa: F811
     with ExitStack() as stack:
         workers = [spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
@@ -147,7 +160,9 @@ def test_a_third_worker_joining_is_planned_in_when_the_planner_says_decode_is_fa
     """Three --peer addresses, two workers up (--expect-workers 2): a 2-stage plan. The third starts empty on
     its address; with the three equally fast (one speed.json, measured once, copied into each --stages-dir) the
     3-stage plan's slowest stage is about a third faster, so the fleet re-plans over it (replan.join_decision),
-    after the answers in flight finished, and answers the same greedy ids."""
+    after the answers in flight finished, and answers the same greedy ids. While the new plan is built and shipped
+    the fleet serves on (issue 45 #4): a short request sent once the join is noticed, while a long answer is in
+    flight, is answered on the current plan before that long answer ends (it used to wait for it)."""
     import shutil
     import socket
 
@@ -178,17 +193,32 @@ def test_a_third_worker_joining_is_planned_in_when_the_planner_says_decode_is_fa
         stop = threading.Event()
         poller = threading.Thread(target=poll_health, args=(url, seen, stop), daemon=True)
         poller.start()
+        long: dict = {}
+        long_answer = threading.Thread(target=stream_long, args=(url, long), daemon=True)
+        long_answer.start()
         t0 = time.monotonic()
         harness.spawn([*harness.tool("fleet-worker"), "--port", third.rsplit(":", 1)[1], "--no-announce",
                        *EXACT_WORKER, "--cache-dir", str(tmp_path / "c2"), "--stages-dir", str(tmp_path / "s2")],
                       tmp_path / "w2.log", stack)
+        proc.wait_for(rf"worker\(s\) {re.escape(third)} joined: decode", 240)
+        noticed = time.monotonic()
+        short = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
+        short_done = time.monotonic()
         while time.monotonic() - t0 < 240 and not (seen and seen[-1]["replans"] and seen[-1]["state"] == "serving"):
             time.sleep(0.5)
         stop.set()
         poller.join(10)
+        long_answer.join(300)
         health = httpx.get(f"{url}/health", timeout=10).json()
         after = greedy_with_gaps(url, PROMPT, TOKENS)
 
+    assert short.status_code == 200, short.text
+    assert long.get("status") == 200 and long["error"] is None and "done" in long, long
+    assert short_done < long["done"], (f"the short request ended {short_done - noticed:.1f} s after the join was "
+                                       f"noticed, after the long answer in flight ({long['done'] - noticed:.1f} s)")
+    print(f"\njoin noticed -> a short request answered on the current plan in {short_done - noticed:.1f} s; the long "
+          f"answer in flight ended {long['done'] - noticed:.1f} s after the join was noticed")
     assert health["num_stages"] == 3 and third in health["fleet"]["workers"], (health.get("fleet"), seen)
     joined = [s for s in seen if s["state"] == "replanning"]
     assert joined and all(f"worker(s) {third} joined: decode" in s["reason"] for s in joined), seen
