@@ -72,7 +72,7 @@ async def _withdraw(zc) -> None:  # noqa: ANN001 - (AsyncZeroconf, AsyncServiceI
 def _worker_health(registry: Registry, w, now: float) -> dict:  # noqa: ANN001 - registry.WorkerState
     """One worker in ``/health``."""
     entry = {"address": w.address, "source": w.source, "healthy": w.healthy, "refused": w.refused,
-             "missed_health_checks": w.missed, "load": registry.load(w.address),
+             "missed_health_checks": w.missed, "late_health_checks": w.late, "load": registry.load(w.address),
              "rtt_ms": round(w.rtt_s * 1000, 2),
              "seen_s_ago": round(now - w.last_seen, 1) if w.last_seen else None, "stage": None}
     if w.info is not None:

@@ -28,6 +28,11 @@ from .errors import CopyRefused, InvalidRequest, Overloaded, StageFailure, stage
 
 log = logging.getLogger(__name__)
 
+STEP_DEADLINE_FACTOR = 4.0  # a step's deadline is at least this many times the slowest step of its size seen lately
+SUSPECT_POLL_S = 0.25  # a step past its deadline while a worker is suspect asks again this often for the verdict
+VERDICT_WAIT_S = 30.0  # ... for this long at most (the registry's verdict comes within its missed health checks)
+STEP_TIME_DECAY = 0.98  # ... whose record fades by this factor each step (a stall long past counts less and less)
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -74,6 +79,9 @@ class Pipeline:
         self.sessions: set[str] = set()  # requests running on this pipeline (sessions opened, not closed or forgotten)
         self.link_rtt_s = lambda: 0.0  # measured round trips to its workers, summed (seconds): deadline slack
         self.vocab_size = 0  # the model's logits width: candidates past it are the last stage's fault (0: unchecked)
+        self._closing: set[asyncio.Task] = set()  # closes of sessions whose opener left mid-open
+        self.suspect = lambda: False  # whether a worker of it is late for a health check (or just found gone)
+        self._slowest: dict[int, float] = {}  # chunk size class (bit length of its tokens) -> slowest step (seconds)
 
     @classmethod
     async def connect(cls, addresses: list[str], channels: Channels, manifest_sha256: str,
@@ -169,10 +177,8 @@ class Pipeline:
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
                                         manifest_sha256=self.manifest_sha256, resume=resume,
                                         owner=self.channels.owner)
-        results = await asyncio.gather(
-            *(self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses),
-            return_exceptions=True,
-        )
+        calls = [self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses]
+        results = await self._unless_left(calls, None if resume else session_id, timeout_s)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
             address, exc = errors[0]
@@ -185,6 +191,20 @@ class Pipeline:
                 raise InvalidRequest(f"this request can never be served by worker {address}: {exc.details()}; "
                                      "lower max_tokens or shorten the prompt", param="max_tokens")
             raise _failure(self.addresses.index(address), address, "to open this request's session", exc)
+
+    async def _unless_left(self, calls: list, session_id: str | None, timeout_s: float) -> list:
+        """The results of ``calls`` (one RPC per stage making ``session_id``), exceptions included. When the caller
+        is cancelled meanwhile (its client left while a slow stage still answered), ``session_id`` (None: keep
+        it, a resumed session) is closed on every stage in the background, since the stages that answered
+        already hold it; then the cancellation goes on."""
+        try:
+            return await asyncio.gather(*calls, return_exceptions=True)
+        except asyncio.CancelledError:
+            if session_id is not None:
+                task = asyncio.ensure_future(self.close_session(session_id, timeout_s))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            raise
 
     def forget(self, session_id: str) -> None:
         """Stop counting ``session_id`` as open through this pipeline (placement's load) without closing
@@ -226,8 +246,8 @@ class Pipeline:
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
                                  max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach,
                                  owner=self.channels.owner)
-        results = await asyncio.gather(
-            *(self.channels.stub(a).Copy(request, timeout=timeout_s) for a in self.addresses), return_exceptions=True)
+        results = await self._unless_left([self.channels.stub(a).Copy(request, timeout=timeout_s)
+                                           for a in self.addresses], session_id, timeout_s)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
             await self.close_session(session_id, timeout_s)
@@ -278,11 +298,13 @@ class Pipeline:
         """
         if self._broken:
             raise self._broken.again()
-        timeout_s += 2 * self.link_rtt_s()  # a step crosses every link once (N+1 hops): slow links, longer deadline
+        ids = np.atleast_2d(np.asarray(tokens, dtype=np.int64))
+        size = ids.size.bit_length()
+        timeout_s = self._deadline_s(size, timeout_s)
         step_id = next(self._steps)
         request = pb.ForwardRequest(
             session_id=session_id, step_id=step_id, stage=0,
-            input=to_tensor(np.atleast_2d(np.asarray(tokens, dtype=np.int64))),
+            input=to_tensor(ids),
             past_length=past_length, hide_slots=list(hide_slots), hide_rows=list(hide_rows), row_pads=list(pads),
             keep_rows=list(keep_rows),
             route=self.addresses[1:], logits_count=logits_count, top_k=top_k,
@@ -296,11 +318,11 @@ class Pipeline:
             request.row_start_positions.extend(start_position)
         key = (session_id, step_id)
         waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
-        sent = time.perf_counter()
+        sent, deadline = time.perf_counter(), asyncio.get_running_loop().time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):  # the write and the result together
+            async with asyncio.timeout_at(deadline):  # the write and the result together
                 await self._link.write(request)
-                result = await waiter
+            result = await self._result(waiter, deadline)
         except TimeoutError:
             raise StageFailure(f"a pipeline step missed its {timeout_s:.1f} s deadline (a stage is overloaded "
                                "or stuck); send the request again", detail=f"session {session_id}") from None
@@ -311,8 +333,10 @@ class Pipeline:
             self._waiters.pop(key, None)
             if waiter.done() and not waiter.cancelled():
                 waiter.exception()  # failed while this step was still writing: retrieved, not logged as lost
+        seconds = time.perf_counter() - sent
+        self._slowest[size] = max(seconds, STEP_TIME_DECAY * self._slowest.get(size, 0.0))
         if self.observe_link is not None:
-            self.observe_link(max(0.0, time.perf_counter() - sent - sum(result.handle_ms) / 1000))
+            self.observe_link(max(0.0, seconds - sum(result.handle_ms) / 1000))
         if not logits_count:
             return None
         return self._candidates(result)
@@ -335,6 +359,29 @@ class Pipeline:
             last = len(self.addresses) - 1
             raise stage_failed(last, self.addresses[last], "a pipeline step", f"its candidates: {exc}") from None
         return StepOutput(ids, logprobs)
+
+    async def _result(self, waiter: asyncio.Future, deadline: float) -> pb.ForwardResult:
+        """``waiter``'s step result by ``deadline`` (the event loop's clock), or later while a worker of this
+        pipeline is suspect (``suspect()``: late for a health check, or just found gone): slow is not gone, and
+        the registry's verdict closes the pipeline (failing ``waiter``) if it is gone. Raises ``TimeoutError``
+        past the deadline with no worker suspect (a stage answers its health checks but not this step), or
+        ``VERDICT_WAIT_S`` past it in any case."""
+        verdict_by = deadline + VERDICT_WAIT_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await asyncio.shield(waiter)
+            except TimeoutError:
+                now = asyncio.get_running_loop().time()
+                if not waiter.done() and (not self.suspect() or now > verdict_by):
+                    raise
+                deadline = now + SUSPECT_POLL_S
+
+    def _deadline_s(self, size: int, timeout_s: float) -> float:
+        """The deadline (seconds) of a step of chunk size class ``size`` given ``timeout_s``, the configured
+        one: the measured step times lead where they are longer (a slow PC, a CPU quota: its steps are not
+        taken for lost), and a step crosses every link once (N+1 hops), so slow links add their round trips."""
+        return max(timeout_s, STEP_DEADLINE_FACTOR * self._slowest.get(size, 0.0)) + 2 * self.link_rtt_s()
 
     def _ack_failure(self, ack: pb.LinkAck) -> StageFailure:
         """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N

@@ -399,7 +399,7 @@ async def _served(channel: grpc.aio.Channel, address: str, security: Security) -
 
 async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
                     progress: Callable[[int, str], Progress] | None = None,
-                    events: Callable[[str], None] | None = None) -> list:
+                    events: Callable[[str], None] | None = None, load: bool = True) -> list:
     """Stage i of the build at ``build_dir`` shipped to ``addresses[i]`` (only its files, only the bytes the
     worker lacks) and loaded there; ``progress(stage, address)`` (if given) gives each stage's ``Progress``
     callback (``prepare_build`` draws rich bars with it, the re-plan its status line). The stages are shipped one after
@@ -408,7 +408,8 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
     serves stage i of this build already (the same manifest sha256: a restarted coordinator) is asked nothing
     (its report says ``already_served``); one serving another build or stage is shipped and loaded over it
     (the worker refuses while it holds sessions: ``ShippingError``). Returns the ``ShipReport`` per stage once
-    every stage is loaded; ``events`` (if given) gets a line as each load starts and ends. Raises
+    every stage is loaded; ``events`` (if given) gets a line as each load starts and ends. ``load`` False: the files
+    only, nothing loaded (a worker serves on what it serves: a re-plan ships ahead while the fleet serves). Raises
     ``ShippingError`` naming the worker (the other loads still running are cancelled)."""
     from contextlib import AsyncExitStack
 
@@ -430,7 +431,8 @@ async def ship_plan(build_dir: Path, addresses: list[str], security: Security,
                              address, info.stage, info.manifest_sha256[:12], stage, sha[:12])
                 reports.append(await ship_stage(channel, build_dir, stage,
                                                 progress(stage, address) if progress else None, address=address))
-                loads.append(asyncio.ensure_future(_load(channel, build_dir, stage, address, events)))
+                if load:
+                    loads.append(asyncio.ensure_future(_load(channel, build_dir, stage, address, events)))
             await asyncio.gather(*loads)
         except BaseException:
             for task in loads:

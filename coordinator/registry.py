@@ -2,9 +2,14 @@
 
 Several workers may serve one stage (replicas). Each new session gets the pipeline of the least
 loaded worker per stage (sessions this coordinator has open there), so sessions spread across
-replicas; pipelines are kept while their workers are healthy, and every pipeline that uses a worker
-is closed the moment that worker fails a health check (its sessions then fail over, see
-``Engine``). Placement is per session, never per step.
+replicas; pipelines are kept while their workers are healthy. A slow worker is told from a gone one
+(issue 45): a refused or reset connection (any failed health check but a late one) is gone at once; a
+health check that misses its deadline only makes the worker suspect (a laptop swapping, a GC pause, a
+throttled CPU), and it is confirmed gone after ``missed_limit`` late checks in a row. Every pipeline
+that uses a worker is closed the moment it is gone (its sessions then fail over, see ``Engine``); a
+suspect's pipelines run on, each step waiting for its own deadline (``Pipeline.step``), and past it
+for the verdict. Placement is per session, never per step, and passes a suspect by when another
+worker serves its stage.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ class WorkerState:
     info: pb.InfoReply | None = None
     healthy: bool = False
     refused: str | None = None  # why it may not join (wrong build / protocol)
-    missed: int = 0
+    missed: int = 0  # health checks failed in a row
+    late: int = 0  # health checks that missed their deadline (suspicion, not loss), counted for /health
     last_seen: float = 0.0
     rtt_s: float = 0.0  # health-check round trip, moving average (seconds): link latency + Info's cost
 
@@ -120,6 +126,8 @@ class Registry:
                 ask, timeout=max(1.0, self.health_interval_s, 5 * state.rtt_s))
         except grpc.aio.AioRpcError as exc:
             state.missed += 1
+            if self._suspected(state, exc):
+                return
             if state.healthy:
                 log.warning("worker %s (stage %s) failed a health check: %s", address,
                             state.info.stage if state.info else "?", exc.code().name)
@@ -184,6 +192,19 @@ class Registry:
         elif not state.healthy and was_healthy:
             await self._invalidate_if_uses(address, state.refused or f"worker {address} refused")
 
+    def _suspected(self, state: WorkerState, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether ``state``'s failed health check (``exc``) only makes it suspect: a healthy worker answered
+        late (DEADLINE_EXCEEDED), fewer than ``missed_limit`` times in a row. It stays healthy, its
+        pipelines run on; anything else (refused, reset, a wrong answer) or the last late check allowed is
+        a loss, which the caller handles."""
+        if not (state.healthy and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.missed < self.missed_limit):
+            return False
+        state.late += 1
+        log.warning("worker %s (stage %s) is late for a health check (%d in a row, gone at %d): kept as slow, "
+                    "its steps wait for their own deadlines", state.address,
+                    state.info.stage if state.info else "?", state.missed, self.missed_limit)
+        return True
+
     async def _invalidate_if_uses(self, address: str, reason: StageFailure | str) -> None:
         await self._drop_pipelines(lambda p: address in p.addresses, reason)
 
@@ -224,12 +245,14 @@ class Registry:
         return [s for s in self.workers.values() if s.healthy and s.info is not None and s.info.stage == stage]
 
     def placement(self) -> list[str]:
-        """One healthy worker per stage, the least loaded (sessions this coordinator has open there,
-        then sessions the worker reports, then address); raises ``PipelineUnavailable`` naming gaps."""
+        """One healthy worker per stage: one not suspect (late for its last health check) first, then the
+        least loaded (sessions this coordinator has open there, then sessions the worker reports, then
+        address); raises ``PipelineUnavailable`` naming gaps."""
         missing = self.missing_stages()
         if missing:
             raise PipelineUnavailable(self.missing_message(missing))
-        return [min(self.replicas(stage), key=lambda s: (self.load(s.address), s.info.sessions, s.address)).address
+        return [min(self.replicas(stage), key=lambda s: (s.missed > 0, self.load(s.address), s.info.sessions,
+                                                        s.address)).address
                 for stage in range(self.num_stages)]
 
     def missing_message(self, missing: list[int]) -> str:
@@ -257,6 +280,8 @@ class Registry:
                 pipeline = await Pipeline.connect(list(addresses), self.channels, self.loaded.sha256)
                 pipeline.link_rtt_s = lambda: sum(self.workers[a].rtt_s for a in addresses if a in self.workers)
                 pipeline.vocab_size = self.loaded.manifest.architecture.vocab_size
+                # late for a health check, or found gone (this pipeline is being closed: its steps fail then)
+                pipeline.suspect = lambda: any(a not in self.workers or self.workers[a].missed for a in addresses)
                 self._pipelines[addresses] = pipeline
                 log.info("pipeline assembled: %s", " -> ".join(addresses))
             return pipeline

@@ -11,8 +11,10 @@ failing. The build runs in a thread, so the event loop keeps serving ``/health``
 
 A worker that joins a serving fleet (empty, answering the registry, not in the plan) is planned in only when
 ``join_decision`` says so (``worth_replanning``: the model fits now and did not, or decode is faster by
-``SPEEDUP`` by the planner's own prediction); new requests then wait (``holding``) and the answers in flight
-finish (``_drain``) before the same re-plan runs.
+``SPEEDUP`` by the planner's own prediction). Its plan is built and shipped while the fleet serves on
+(``_prepare_join``: files only, nothing loaded); only then do new requests wait (``holding``), while the
+answers in flight finish (``_drain``: a worker serves one stage, so the old pipeline must be idle before its
+workers load the new one) and the same re-plan runs, quick now (built, shipped).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ REFUSED_RETRY_S = 30.0  # a refused fleet tries again this often (at once when t
 # the re-plan's Info round: a worker that is only busy (its health checks late) must get to answer, or the fleet
 # re-plans around a PC it still has; a dead one on the LAN refuses the connection at once
 REPLAN_INFO_TIMEOUT_S = 10.0
+REPLAN_ATTEMPTS = 3  # a re-plan whose workers leave while it runs plans again over who is left, this often in all
 LOAD_RETRIES = 20  # LoadStage refused while a worker still holds sessions of the old build: tries, a second apart
 
 
@@ -108,6 +111,7 @@ class Replanner:
         self._changed = asyncio.Event()  # set (and replaced) at every state change
         self._refused_key: frozenset | None = None  # who answered when it refused: a change retries
         self._armed = False  # every stage was served once: from then on a missing one is re-planned
+        self._planned_over: dict[str, str] = {}  # worker id -> address of those the re-plan under way plans over
 
     # -- state -------------------------------------------------------------------------------------
     def _set(self, state: FleetState, progress: str = "", reason: str | None = None) -> None:
@@ -233,9 +237,42 @@ class Replanner:
         if why is None:
             log.info("worker(s) %s joined: the plan stays (not faster by %.0f %% by the planner)", names, SPEEDUP * 100)
             return
-        self._set(FleetState.REPLANNING, "letting the answers in flight finish", f"worker(s) {names} joined: {why}")
+        self.reason = f"worker(s) {names} joined: {why}"
+        log.info("%s: preparing the new plan while the fleet serves on the current one", self.reason)
         self._task = asyncio.ensure_future(self._run(None))
         self._task.add_done_callback(self._done)
+
+    async def _prepare_join(self) -> None:
+        """A join's re-plan made ready while the fleet serves on (new requests are placed on the current plan):
+        plan over the workers answering, build the plan (in a thread) and ship each worker its new stage's files,
+        loading nothing. The switch (``_run``) then holds new requests only while the answers in flight finish and
+        the stages load; it plans again from the workers answering then (the build cache and the files shipped
+        make that quick). A failure here is said, and left to the switch."""
+        s, fleet = self.settings, self.fleet
+        try:
+            addresses = sorted({a for a, _ in fleet.members.values()} | set(self.registry.workers))
+            found, _ = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id,
+                                       REPLAN_INFO_TIMEOUT_S)
+            p, found, _ = plan_without_small(fleet.source, found, "workers answering")
+            self._step(f"serving on while building layers {p.layers}")
+            build_dir = await asyncio.to_thread(build_for_plan, fleet.source_path, p, build_cache(s))
+            targets = [found[st.node.name][0] for st in p.stages]
+            await ship_plan(build_dir, targets, s.security, self._ship_progress(targets, "serving on while "),
+                            load=False)
+        except (ValueError, OSError, RuntimeError) as exc:  # PlanRefused, BuildError, ShippingError
+            log.warning("re-planning (%s): preparing the new plan while serving failed (%s); the switch tries "
+                        "again", self.reason, exc)
+
+    def _ship_progress(self, addresses: list[str], prefix: str = ""):  # noqa: ANN202 - a ship_plan progress
+        """``ship_plan``'s progress callback: each stage's shipping (``prefix`` first) in ``progress``."""
+        def progress(stage: int, address: str):  # noqa: ANN202 - fleet_common.shipping.Progress
+            self._step(f"{prefix}shipping {stages_phrase([stage], len(addresses))} to {address}")
+
+            def on_bytes(path: str, done: int, total: int) -> None:
+                self.progress = (f"{prefix}shipping {stages_phrase([stage], len(addresses))} to {address}: {path} "
+                                 f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
+            return on_bytes
+        return progress
 
     async def _drain(self) -> None:
         """Wait (up to ``--replan-wait-s``) until this coordinator holds no session on any worker: new requests
@@ -279,9 +316,11 @@ class Replanner:
                 return
             await asyncio.sleep(0.2)
         if missing_since is None:
+            await self._prepare_join()
+            self._set(FleetState.REPLANNING, "letting the answers in flight finish")
             await self._drain()
         try:
-            await self._replan()
+            await self._replan_over_who_is_left()
         except (ValueError, OSError, RuntimeError) as exc:  # PlanRefused, BuildError: ValueError; ShippingError
             self._refused_key = self._answering_key()
             if not self.registry.missing_stages():  # a join's re-plan failed before loading anything: serve on
@@ -296,10 +335,36 @@ class Replanner:
                  self.reason, " -> ".join(self.registry.placement()))
         self._set(FleetState.SERVING, reason="")
 
+    async def _replan_over_who_is_left(self) -> None:
+        """``_replan``, and again at once (up to ``REPLAN_ATTEMPTS`` in all) while it fails because a worker it
+        planned over stopped answering meanwhile (a second PC lost while the first's re-plan shipped): the
+        workers left may hold the model. Raises what the last attempt raised."""
+        for attempt in range(1, REPLAN_ATTEMPTS + 1):
+            try:
+                return await self._replan()
+            except (ValueError, OSError, RuntimeError) as exc:
+                gone = await self._planned_gone() if attempt < REPLAN_ATTEMPTS else []
+                if not gone:
+                    raise
+                log.warning("re-planning (%s): %s; worker(s) %s planned over stopped answering meanwhile: planning "
+                            "again at once over the workers left", self.reason, exc, ", ".join(gone))
+                self.reason = f"{self.reason}; then worker(s) {', '.join(gone)} stopped answering"
+        return None
+
+    async def _planned_gone(self) -> list[str]:
+        """The addresses of the workers the last plan was made over (``_planned_over``) that answer no more."""
+        planned = self._planned_over
+        if not planned:
+            return []
+        found, _ = await answering(sorted(planned.values()), self.settings.security, self.settings.peer,
+                                   self.fleet.source.dims.model_id, REPLAN_INFO_TIMEOUT_S)
+        return sorted(a for w, a in planned.items() if w not in found)
+
     async def _replan(self) -> None:
         """Collect the workers answering, plan, build (in a thread), ship, switch the registry, wait until
         every stage is served. Raises ``PlanRefused``/``ValueError``, ``BuildError``, ``ShippingError``, ``OSError``."""
         s, fleet = self.settings, self.fleet
+        self._planned_over = {}
         self._step("asking the workers for their capacity")
         addresses = sorted({a for a, _ in fleet.members.values()} | set(self.registry.workers))
         found, why = await answering(addresses, s.security, s.peer, fleet.source.dims.model_id, REPLAN_INFO_TIMEOUT_S)
@@ -307,6 +372,7 @@ class Replanner:
             raise ValueError(f"no empty-started worker answers ({'; '.join(why) or 'none known'})")
         self._step(f"planning over {len(found)} worker(s): {', '.join(sorted(a for a, _ in found.values()))}")
         p, found, left_out = plan_without_small(fleet.source, found, "workers left")  # PlanRefused, naming each
+        self._planned_over = {w: a for w, (a, _) in found.items()}
         for line in left_out:
             log.warning("re-planning: left out of the plan: %s", line)
         self._step(f"building layers {p.layers}")
@@ -334,14 +400,7 @@ class Replanner:
 
         from fleet_common.shipping import ShippingError
 
-        def progress(stage: int, address: str):  # noqa: ANN202 - fleet_common.shipping.Progress
-            self._step(f"shipping {stages_phrase([stage], len(addresses))} to {address}")
-
-            def on_bytes(path: str, done: int, total: int) -> None:
-                self.progress = (f"shipping {stages_phrase([stage], len(addresses))} to {address}: {path} "
-                                 f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
-            return on_bytes
-
+        progress = self._ship_progress(addresses)
         for _ in range(LOAD_RETRIES - 1):
             try:
                 return await ship_plan(build_dir, addresses, self.settings.security, progress)

@@ -53,7 +53,8 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one pipeline step, plus per_token_timeout_s per token")
     per_token_timeout_s: float = Field(0.05, ge=0, description="extra step deadline per token in the chunk per stage")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between health checks of each worker")
-    missed_health_checks: int = Field(3, ge=1, description="a worker missing this many checks in a row is dropped")
+    missed_health_checks: int = Field(3, ge=1, description="a worker late for this many checks in a row is "
+                                      "gone (one refusing or resetting the connection is gone at once)")
     draft: str = Field(
         "auto", description="speculative decoding draft: a draft model of the build by name (e.g. self-int4, see "
         "fleet-compiler build --draft), ngram (prompt lookup in the session's own context), none, or auto "

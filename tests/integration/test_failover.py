@@ -153,14 +153,15 @@ def failover_logged(coordinator, stage: int, address: str) -> bool:  # noqa: ANN
 
 def detection_bound_s(reference: dict) -> float:
     """The longest a failover may stall a stream: the coordinator's settings (the fixture runs their defaults)
-    bound noticing the loss, by a failed health check (every ``health_interval_s``, ``missed_health_checks``
-    allowed) or by the step's deadline (``rpc_timeout_s`` + ``per_token_timeout_s`` per stage), whichever is
-    longer; then the replicas prefill the prompt and the tokens so far again, about as long as the reference's
+    bound noticing the loss: a killed worker at once, a hung one by ``missed_health_checks`` late health checks
+    in a row (each a 1 s deadline, then ``health_interval_s``), its steps waiting past their deadline
+    (``rpc_timeout_s`` + ``per_token_timeout_s`` per stage) for that verdict, whichever is longer; then the replicas prefill the prompt and the tokens so far again, about as long as the reference's
     first token. Doubled, plus 2 s, for a loaded 2-core machine."""
     from coordinator.settings import CoordinatorSettings
 
     s = {name: field.default for name, field in CoordinatorSettings.model_fields.items()}
-    notice = max(s["health_interval_s"] * s["missed_health_checks"], s["rpc_timeout_s"] + 2 * s["per_token_timeout_s"])
+    notice = max((1.0 + s["health_interval_s"]) * s["missed_health_checks"],
+                 s["rpc_timeout_s"] + 2 * s["per_token_timeout_s"])
     return 2 * (notice + 2 * reference["ttft"]) + 2.0
 
 

@@ -124,6 +124,7 @@ def test_killed_worker_fails_fast_then_rejoins(build_2, tmp_path):
         thread.join(timeout=30)
         assert not thread.is_alive()
         assert outcome["done"] - killed_at < 5.0, "the request must end within 5 s of the worker dying"
+        print(f"\nkill -9 of stage 1 mid-answer: HTTP {outcome['status']} {outcome['done'] - killed_at:.2f} s later")
         assert outcome["status"] == 503
         assert "stage 1" in outcome["body"]["error"]["message"]
         # the coordinator keeps serving: health says what is missing

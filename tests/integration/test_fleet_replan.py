@@ -11,6 +11,7 @@ A third worker joining a 2-stage fleet is planned in when the planner predicts d
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from contextlib import ExitStack
@@ -69,6 +70,19 @@ def stream_raw(url: str, out: dict) -> None:
                 out["error"] = event.get("error") or out["error"]
                 if event.get("fleet"):
                     out["ids"] = event["fleet"]["completion_token_ids"]
+    out["done"] = time.monotonic()
+
+
+def stream_long(url: str, out: dict) -> None:
+    """``stream_raw`` of a long answer (600 tokens, ignoring end-of-sequence)."""
+    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "temperature": 0,
+            "max_tokens": 600, "ignore_eos": True, "stream": True}
+    out.update(error=None)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out["error"] = json.loads(line[6:]).get("error") or out["error"]
     out["done"] = time.monotonic()
 
 
@@ -146,7 +160,9 @@ def test_a_third_worker_joining_is_planned_in_when_the_planner_says_decode_is_fa
     """Three --peer addresses, two workers up (--expect-workers 2): a 2-stage plan. The third starts empty on
     its address; with the three equally fast (one speed.json, measured once, copied into each --stages-dir) the
     3-stage plan's slowest stage is about a third faster, so the fleet re-plans over it (replan.join_decision),
-    after the answers in flight finished, and answers the same greedy ids."""
+    after the answers in flight finished, and answers the same greedy ids. While the new plan is built and shipped
+    the fleet serves on (issue 45 #4): a short request sent once the join is noticed, while a long answer is in
+    flight, is answered on the current plan before that long answer ends (it used to wait for it)."""
     import shutil
     import socket
 
@@ -177,20 +193,91 @@ def test_a_third_worker_joining_is_planned_in_when_the_planner_says_decode_is_fa
         stop = threading.Event()
         poller = threading.Thread(target=poll_health, args=(url, seen, stop), daemon=True)
         poller.start()
+        long: dict = {}
+        long_answer = threading.Thread(target=stream_long, args=(url, long), daemon=True)
+        long_answer.start()
         t0 = time.monotonic()
         harness.spawn([*harness.tool("fleet-worker"), "--port", third.rsplit(":", 1)[1], "--no-announce",
                        *EXACT_WORKER, "--cache-dir", str(tmp_path / "c2"), "--stages-dir", str(tmp_path / "s2")],
                       tmp_path / "w2.log", stack)
+        proc.wait_for(rf"worker\(s\) {re.escape(third)} joined: decode", 240)
+        noticed = time.monotonic()
+        short = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
+        short_done = time.monotonic()
         while time.monotonic() - t0 < 240 and not (seen and seen[-1]["replans"] and seen[-1]["state"] == "serving"):
             time.sleep(0.5)
         stop.set()
         poller.join(10)
+        long_answer.join(300)
         health = httpx.get(f"{url}/health", timeout=10).json()
         after = greedy_with_gaps(url, PROMPT, TOKENS)
 
+    assert short.status_code == 200, short.text
+    assert long.get("status") == 200 and long["error"] is None and "done" in long, long
+    assert short_done < long["done"], (f"the short request ended {short_done - noticed:.1f} s after the join was "
+                                       f"noticed, after the long answer in flight ({long['done'] - noticed:.1f} s)")
+    print(f"\njoin noticed -> a short request answered on the current plan in {short_done - noticed:.1f} s; the long "
+          f"answer in flight ended {long['done'] - noticed:.1f} s after the join was noticed")
     assert health["num_stages"] == 3 and third in health["fleet"]["workers"], (health.get("fleet"), seen)
     joined = [s for s in seen if s["state"] == "replanning"]
     assert joined and all(f"worker(s) {third} joined: decode" in s["reason"] for s in joined), seen
     assert after["ids"] == before["ids"], (after["tokens"], before["tokens"])
     print(f"worker start -> serving over 3: {seen[-1]['t'] - t0:.1f} s; re-plan {seen[-1]['last_replan_s']} s; "
           f"{joined[0]['reason']}")
+
+
+def test_a_second_worker_lost_while_the_replan_ships_is_planned_around_at_once(tmp_path, demo_hf):
+    """Four empty workers serve a plan; one is killed (the fleet re-plans over three) and, while that re-plan
+    ships, a second one (issue 45 #4): the re-plan fails, and the coordinator plans again at once over the two
+    left, which hold the model, instead of refusing requests until the workers answering change or
+    ``REFUSED_RETRY_S`` (30 s) passed. The fleet is never REFUSED and serves the same greedy ids on two stages."""
+    with ExitStack() as stack:
+        workers = [spawn_worker(tmp_path / f"w{i}.log", stack, "--cache-dir", str(tmp_path / f"c{i}"),
+                                "--stages-dir", str(tmp_path / f"s{i}")) for i in range(4)]
+        addresses = [serving(w, empty=True) for w in workers]
+        (tmp_path / "coord").mkdir()
+        proc, url = start_coordinator(demo_hf, tmp_path / "coord", "--no-discover",
+                                      *(arg for a in addresses for arg in ("--peer", a)),
+                                      "--build-cache-dir", str(tmp_path / "builds"))
+        stack.callback(proc.stop)
+        wait_ready(url, 300, proc)
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["num_stages"] >= 3 and health["fleet"]["state"] == "serving", health
+        before = greedy_with_gaps(url, PROMPT, TOKENS)
+        first = next(w["address"] for w in health["workers"] if w["stage"] == 1)
+
+        seen: list[dict] = []
+        stop = threading.Event()
+        poller = threading.Thread(target=poll_health, args=(url, seen, stop), daemon=True)
+        poller.start()
+        workers[addresses.index(first)].kill()
+        t0 = time.monotonic()
+        deadline = t0 + 300
+        while not (seen and seen[-1]["progress"].startswith("shipping")):
+            assert time.monotonic() < deadline and not (seen and seen[-1]["state"] == "refused"), seen[-1:]
+            time.sleep(0.05)
+        shipping_to = re.search(r" to ([\d.]+:\d+)", seen[-1]["progress"]).group(1)
+        second = shipping_to if shipping_to in addresses and shipping_to != first else \
+            next(a for a in addresses if a != first)
+        workers[addresses.index(second)].kill()
+        t1 = time.monotonic()
+        while not (seen[-1]["state"] == "serving" and seen[-1]["replans"] >= 1 and len(seen[-1]["workers"]) == 2):
+            assert time.monotonic() < deadline, seen[-3:]
+            time.sleep(0.2)
+        t2 = time.monotonic()
+        stop.set()
+        poller.join(10)
+        after = greedy_with_gaps(url, PROMPT, TOKENS)
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        log = proc.text()
+
+    assert [s for s in seen if s["state"] == "refused"] == [] and "fleet refused" not in log, \
+        [s for s in seen if s["state"] == "refused"] or log[-3000:]
+    assert "planning again at once over the workers left" in log, log[-3000:]
+    assert health["num_stages"] == 2 and first not in health["fleet"]["workers"] \
+        and second not in health["fleet"]["workers"], health["fleet"]
+    assert after["ids"] == before["ids"], (after["tokens"], before["tokens"])
+    print(f"\nsecond worker killed while the re-plan shipped to {shipping_to}: serving over the two left "
+          f"{t2 - t1:.1f} s later ({t2 - t0:.1f} s after the first kill); phases: "
+          f"{[(round(s['t'] - t0, 1), s['state'], s['progress'][:60]) for s in seen]}")

@@ -16,6 +16,9 @@ for the full soak) of mixed lengths from several concurrent clients, half greedy
   ``hostile.HOSTILE_SCHEMA``), and opens three non-streamed 3,000-token requests whose sockets it closes
   after a second. Each of its requests must be refused as it should (413, 413, 400, 400), and every other request that was not refused
   must be answered within ``ON_TIME_S``.
+* Meanwhile stage 0's worker (no replica) stalls: paused (SIGSTOP, SIGCONT) for ``STALL_S`` every
+  ``STALL_EVERY_S`` (issue 45 #2). A stall is slowness, not a loss: it costs no refusal, no failover, no
+  failed health check of that worker (its late checks are counted and printed).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ NEAR_TIE = 1e-3  # top-two logprob gap of the solo runs: above it a greedy answe
 RETRY_WITHIN_S = 90  # a refused request is sent again (after 0.5, 1, 2, 2, ... s) for this long
 SCHEMA_EVERY = 4  # the hostile client's rounds per hostile schema
 ON_TIME_S = 20  # a request answered at its first attempt took at most this (about 1-6 s here with 6 clients)
+STALL_S, STALL_EVERY_S = 1.5, 8.0  # stage 0's worker is paused this long this often
 
 
 def body_for(rng: random.Random) -> tuple[dict, str | None]:
@@ -164,6 +168,24 @@ def solo_answers(url: str) -> tuple[dict[str, list[int]], float]:
     return out, smallest
 
 
+class Staller(threading.Thread):
+    """Pauses the process group ``pid`` leads (SIGSTOP, then SIGCONT ``STALL_S`` later) every ``STALL_EVERY_S``
+    until ``stop``; ``pauses`` counts them."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.stop, self.pauses = pid, threading.Event(), 0
+
+    def run(self) -> None:
+        while not self.stop.wait(STALL_EVERY_S):
+            os.killpg(self.pid, signal.SIGSTOP)
+            try:
+                time.sleep(STALL_S)
+            finally:
+                os.killpg(self.pid, signal.SIGCONT)
+            self.pauses += 1
+
+
 class HostileClient(threading.Thread):
     """Issue 26 #1 and #3 over and over until ``stop``: each pattern's status is checked; ``sent`` counts them."""
 
@@ -226,6 +248,8 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
         pool = ThreadPoolExecutor(CLIENTS)
         hostile = HostileClient(url, build_2)
         hostile.start()
+        staller = Staller(w0.popen.pid)
+        staller.start()
         try:
             futures = [pool.submit(one_request, url, random.Random(seed), on_hang) for seed in seeds]
             for i, future in enumerate(futures):
@@ -245,7 +269,9 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
         finally:  # a failure here must not wait for the requests not yet sent (each retries for 90 s)
             pool.shutdown(wait=True, cancel_futures=True)
             hostile.stop.set()
+            staller.stop.set()
             hostile.join(120)
+            staller.join(10)
         print(f"soak: the hostile client sent {dict(hostile.sent)}")
         assert not hostile.failures, hostile.failures[:5]
         assert hostile.sent["3 abandoned requests"] > 0 and hostile.sent[hostile.schema[0]] > 0, hostile.sent
@@ -261,6 +287,11 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
         wait_kv_freed(url, [a0, a1])
         text = coordinator.text()
+        late = {w["address"]: w["late_health_checks"] for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]}
+        print(f"soak: stage 0 paused {staller.pauses} times for {STALL_S} s: {late[a0]} late health checks")
+        assert staller.pauses > 0
+        assert f"{a0} (stage 0) failed a health check" not in text and f"stage 0 (worker {a0})" not in text, \
+            text[-5000:]  # slow, not lost: no stage-0 loss, nothing failed over from it
         assert "Traceback" not in text and " ERROR " not in text, text[-5000:]  # e.g. a batch group's stall guard
     finally:
         coordinator.stop()
