@@ -198,8 +198,8 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         try:
             await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
                              chunk_bytes, counter, report, state)
-        except ShippingError as exc:  # every byte held but not the file's: the worker deleted it, sent again whole
-            if offset != size or exc.code != grpc.StatusCode.DATA_LOSS:
+        except ShippingError as exc:  # bytes held before (a cut transfer's, or a lying sender's) were not the
+            if not offset or exc.code != grpc.StatusCode.DATA_LOSS:  # file's: the worker deleted it, sent again whole
                 raise
             log.warning("%s: sending it again from byte 0", exc)
             await _send_file(stub, loaded, Path(build_dir), held.path, 0, size, segments, progress, address,
