@@ -188,7 +188,8 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
     state.setdefault("held", report.held_bytes)
     if missing > status.free_bytes:
         raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache, which "
-                            f"has {status.free_bytes:,} free", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                            f"has {status.free_bytes:,} free (on its disk, and under its --stages-max-gb beside the "
+                            "build it serves)", grpc.StatusCode.RESOURCE_EXHAUSTED)
     for held in status.files:
         if held.complete:
             continue

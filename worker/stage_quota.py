@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,14 +93,15 @@ def over(root: Path, max_bytes: int, need: int, keep: set[str], reserved: int = 
             break
         if b.name in keep:
             continue
-        evict(root, b.name, f"{b.bytes:,} bytes, unused since {time.strftime('%Y-%m-%d %H:%M', time.localtime(b.used))}: "
-                            f"the stage cache is kept under --stages-max-gb ({max_bytes / 2**30:g} GiB)")
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(b.used))
+        evict(root, b.name, f"{b.bytes:,} bytes, unused since {since}: the stage cache is kept under --stages-max-gb "
+                            f"({max_bytes / 2**30:g} GiB)")
         used -= b.bytes
         count -= 1
     return used - reserved, max(0, used + need - max_bytes)
 
 
-def clean(root: Path, busy: set[Path], readable, segments_dir: str) -> list[str]:  # noqa: ANN001 - readable: name -> digests
+def clean(root: Path, busy: set[Path], readable: Callable[[str], set[str] | None], segments_dir: str) -> list[str]:
     """Delete what no transfer will finish (module doc) under ``root``; ``busy`` are the partial files being
     written now, ``readable(name)`` gives the set of file sha256s a build's manifest lists (None when the
     manifest is missing or damaged). Returns the paths deleted."""

@@ -194,6 +194,8 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                     self._reserved[key] = await asyncio.to_thread(self.cache.make_room, loaded, chunk.path, chunk.size,
                                                                   self._keep(), reserved)
                     sizes[key] = chunk.size
+                    for path in await asyncio.to_thread(self.cache.clean, frozenset(self._writing)):
+                        log.info("stage cache: deleted %s (no transfer will finish it)", path)
                 elif sizes[key] != chunk.size:
                     raise StageCacheError(f"{chunk.path}: piece gives the file's size as {chunk.size:,} bytes, this "
                                           f"call's earlier pieces {sizes[key]:,}")

@@ -294,3 +294,36 @@ def test_an_empty_worker_beyond_loopback_needs_a_key_or_open_store(tmp_path):
 
         assert len(asyncio.run(with_key()).completed) == 2
     assert not any((tmp_path / "s2").glob("*/stage_1/*.bin.part"))
+
+
+def test_a_coordinator_holding_the_key_ships_and_serves_over_empty_workers_beyond_loopback(tmp_path, demo_hf):
+    """The new default as the README's empty fleet runs it: two empty workers on 0.0.0.0 with the fleet's key, a
+    coordinator holding it collects them, plans, builds the demo's GGUF, ships each its stage and answers; a
+    caller without the key is refused by both workers before it writes anything."""
+    from tests.conftest import chat, start_coordinator, wait_ready
+
+    gguf = harness.demo_gguf(demo_hf)
+    key = tmp_path / "fleet.key"
+    key.write_text("fleet store test key 93b0")
+    with ExitStack() as stack:
+        ports = [spawn_worker(tmp_path / f"w{i}.log", stack, "--host", "0.0.0.0", "--secret", str(key), "--cache-dir",
+                              str(tmp_path / f"c{i}"), "--stages-dir", str(tmp_path / f"s{i}")).wait_for(
+                                  r"worker ready: empty .* serving on [\d.]+:(\d+)", 120).group(1) for i in range(2)]
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        stranger = synthetic_build(tmp_path / "a", [os.urandom(1000)])[0]
+        for address in addresses:
+            with pytest.raises(ShippingError) as refused:
+                asyncio.run(ship(address, stranger))
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        (tmp_path / "coord").mkdir()
+        t0 = time.monotonic()
+        proc, url = start_coordinator(gguf, tmp_path / "coord", "--no-discover", "--secret", str(key),
+                                      *(arg for a in addresses for arg in ("--peer", a)),
+                                      "--build-cache-dir", str(tmp_path / "builds"))
+        stack.callback(proc.stop)
+        wait_ready(url, 240, proc)
+        print(f"empty workers with the key: built, shipped and serving {time.monotonic() - t0:.1f} s after the "
+              "coordinator started")
+        answer = chat(url, "Name three colours of the rainbow.", max_tokens=12)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"], answer.text
+        assert "stage 0: sent" in proc.text() and "stage 1: sent" in proc.text(), proc.text()[-3000:]
