@@ -211,13 +211,15 @@ async def collect_capacities(addresses: list[str], security: Security, expect: i
     ``on_round(found, why)`` (if given) gets each round's answers (``/health`` shows them while preparing)."""
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
+    ids: dict[str, str] = {}  # address -> the worker id it answered last
     changed = time.monotonic()
     while True:
         found, why = await answering(sorted(set(addresses) | (heard or set())), security, addresses, model_id)
+        found, why = _steady(found, why, ids)
         if on_round is not None:
             on_round(found, why)
-        if set(found) != seen:
-            seen, changed = set(found), time.monotonic()
+        if {a for a, _ in found.values()} != seen:  # addresses: an id that changes is not a new worker
+            seen, changed = {a for a, _ in found.values()}, time.monotonic()
         if (expect and len(found) >= expect) or (not expect and found and time.monotonic() - changed >= settle_s):
             return found
         if time.monotonic() >= deadline:
@@ -225,6 +227,23 @@ async def collect_capacities(addresses: list[str], security: Security, expect: i
             raise TimeoutError(f"expected {expect or 'at least 1'} empty workers, {len(found)} answered in "
                                f"{timeout_s:.0f} s: {names}; not counted: {'; '.join(why) or '-'}")
         await asyncio.sleep(POLL_S)
+
+
+def _steady(found: dict[str, tuple[str, Capacity]], why: list[str],
+            ids: dict[str, str]) -> tuple[dict[str, tuple[str, Capacity]], list[str]]:
+    """``found`` less each address whose worker id differs from the one it answered in the last round (``ids``,
+    updated): an empty worker keeps its id in its stage cache (worker/identity.py), so one answering a new id
+    at each Info (a broken or hostile host) is never counted and cannot keep the collection from settling; a
+    restarted worker that made itself a new id counts from the next round."""
+    steady, why = {}, list(why)
+    for worker, (address, capacity) in found.items():
+        last, ids[address] = ids.get(address), worker
+        if last is not None and last != worker:
+            why.append(f"{address}: answered worker id {printable(worker)} after {printable(last)} (a worker keeps "
+                       "its id): not counted until it answers one id twice")
+        else:
+            steady[worker] = (address, capacity)
+    return steady, why
 
 
 @contextlib.asynccontextmanager

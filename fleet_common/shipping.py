@@ -188,7 +188,8 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
     state.setdefault("held", report.held_bytes)
     if missing > status.free_bytes:
         raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache, which "
-                            f"has {status.free_bytes:,} free", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                            f"has {status.free_bytes:,} free (on its disk, and under its --stages-max-gb beside the "
+                            "build it serves)", grpc.StatusCode.RESOURCE_EXHAUSTED)
     for held in status.files:
         if held.complete:
             continue
@@ -198,8 +199,8 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         try:
             await _send_file(stub, loaded, Path(build_dir), held.path, offset, size, segments, progress, address,
                              chunk_bytes, counter, report, state)
-        except ShippingError as exc:  # every byte held but not the file's: the worker deleted it, sent again whole
-            if offset != size or exc.code != grpc.StatusCode.DATA_LOSS:
+        except ShippingError as exc:  # bytes held before (a cut transfer's, or a lying sender's) were not the
+            if not offset or exc.code != grpc.StatusCode.DATA_LOSS:  # file's: the worker deleted it, sent again whole
                 raise
             log.warning("%s: sending it again from byte 0", exc)
             await _send_file(stub, loaded, Path(build_dir), held.path, 0, size, segments, progress, address,

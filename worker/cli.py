@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -105,8 +106,37 @@ async def _announce(settings: WorkerSettings, ad: WorkerAd, capacity: Capacity |
     return announcer
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` (``--host``) is reachable from this machine only: ``localhost``, 127.0.0.0/8, ``::1``."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+MAKE_KEY = "python -c \"import secrets; print(secrets.token_urlsafe(32))\" > fleet.key && chmod 600 fleet.key"
+
+
+def check_store_open(settings: WorkerSettings) -> None:
+    """The empty worker's default (issue 45): bound beyond loopback, its stage store takes stages only from a
+    coordinator holding the fleet key (``--secret``); ``--open-store`` opens it on purpose. Raises ``ValueError``
+    naming both ways otherwise (``fleet-worker`` exits 2 before it serves anything)."""
+    if loopback(settings.host) or settings.security.secret:
+        return
+    if settings.open_store:
+        log.warning("!!! --open-store: any host that reaches port %s can write stages into %s and have this worker "
+                    "serve them. Use it only on a network you trust; elsewhere give every PC --secret FILE. !!!",
+                    settings.port or "(chosen at start)", settings.stages_dir or default_stages_dir())
+        return
+    raise ValueError(
+        f"an empty worker on {settings.host} without --secret would take stages from any host on the network: give "
+        "it the fleet's key with --secret FILE, and the coordinator the same file (make one with: "
+        f"{MAKE_KEY}; then copy it to every PC), or start it with --open-store on a network you trust (README, "
+        "Security)")
+
+
 def _warn_open(settings: WorkerSettings, port: int) -> None:
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.security.secret:
+    if not loopback(settings.host) and not settings.security.secret:
         log.warning("!!! worker bound to %s WITHOUT --secret: anyone who can reach port %d can run sessions on it and "
                     "read them. Give every worker and the coordinator --secret FILE (a shared key), and use "
                     "--tls-cert/--tls-key/--tls-ca across networks you do not trust. !!!", settings.host, port)
@@ -154,6 +184,7 @@ async def serve_empty(settings: WorkerSettings, ready: asyncio.Event | None = No
     ``LoadStage``) beside a ``fleet.v1.Stage`` that serves the loaded stage as ``--shard N --model DIR``
     would, re-announced as that stage. Its id is the stage cache's (worker/identity.py): raises
     ``StagesDirInUse`` when another worker holds that folder. Runs until SIGINT/SIGTERM."""
+    check_store_open(settings)
     stages_dir = settings.stages_dir or default_stages_dir()
     worker_id, lock_fd = claim(stages_dir)  # kept open (locked) until this process exits
     capacity = offered(await asyncio.to_thread(measured_speed, stages_dir, settings.device, settings.threads),
@@ -173,7 +204,10 @@ async def serve_empty(settings: WorkerSettings, ready: asyncio.Event | None = No
         _log_ready(settings, service, port)
         return service
 
-    stage_store = StageStoreService(StageCache(stages_dir), slot, load)
+    cache = StageCache(stages_dir, max_bytes=int(settings.stages_max_gb * 2**30))
+    for path in await asyncio.to_thread(cache.clean):
+        log.info("stage cache: deleted %s (no transfer will finish it)", path)
+    stage_store = StageStoreService(cache, slot, load)
     server, port = open_server(f"{settings.host}:{settings.port}", settings.security)
     add_servicer(pb_grpc.add_StageServicer_to_server, slot, server)
     add_servicer(pb_grpc.add_StageStoreServicer_to_server, stage_store, server)

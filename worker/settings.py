@@ -23,6 +23,11 @@ class WorkerSettings(SecuritySettings, BaseSettings):
     model: Path | None = Field(None, description="build folder written by fleet-compiler build (holds manifest.json)")
     stages_dir: Path | None = Field(None, description="an empty worker's stage cache (the stages shipped to it); "
                                     "default $XDG_CACHE_HOME/fleet/stages (~/.cache/fleet/stages)")
+    stages_max_gb: float = Field(64.0, gt=0, description="an empty worker's stage cache is kept under this size: "
+                                 "the builds least recently used are deleted first (never the one it serves)")
+    open_store: bool = Field(False, description="an empty worker bound beyond loopback (--host 0.0.0.0) without "
+                             "--secret takes stages from any host that reaches its port: only on a network you "
+                             "trust (without it, such a worker refuses to start; give it --secret FILE instead)")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves the LAN")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
     device: str = Field("CPU", description="OpenVINO device: CPU, GPU, NPU")

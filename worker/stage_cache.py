@@ -36,6 +36,8 @@ from fleet_common.manifest import MANIFEST_NAME, LoadedManifest, Manifest, Manif
 from fleet_common.segments import READ_BYTES, Segment, file_segments
 from fleet_common.settings import cache_home
 
+from . import stage_quota
+
 log = logging.getLogger(__name__)
 
 PART_SUFFIX = ".part"
@@ -57,10 +59,16 @@ def default_stages_dir() -> Path:
     return cache_home("stages")
 
 
+NAME_MAX_BYTES = 255 - len(PART_SUFFIX)  # one part of a path: the file system's 255, less the partial file's suffix
+PATH_MAX_BYTES = 1024  # a whole path inside a build (a build's longest: ~40 bytes)
+
+
 def safe_relative(path: str) -> PurePosixPath:
     """``path`` (a file of a build, as a manifest names it) as a relative POSIX path that stays inside the
-    folder it is joined to. Raises ``StageCacheError`` for an empty or absolute path, a ``..`` or ``.``
-    part, a backslash, a NUL or a drive letter (``C:``), and for a name ending in ``.part``."""
+    folder it is joined to and that the file system can hold. Raises ``StageCacheError`` for an empty or
+    absolute path, a ``..`` or ``.`` part, a backslash, a NUL or a drive letter (``C:``), a name ending in
+    ``.part``, a part over ``NAME_MAX_BYTES`` or a path over ``PATH_MAX_BYTES`` bytes (UTF-8), or one that is
+    not UTF-8."""
     shown = repr(path) if len(path) <= 200 else repr(path[:200]) + "..."
     if not path or "\\" in path or "\0" in path or path.startswith("/") or ":" in path.split("/")[0]:
         raise StageCacheError(f"path {shown} is not a relative path inside the stage (absolute, empty or not POSIX)")
@@ -69,6 +77,13 @@ def safe_relative(path: str) -> PurePosixPath:
         raise StageCacheError(f"path {shown} leaves the stage or is not normalised ('..', '.' or '//')")
     if path.endswith(PART_SUFFIX):
         raise StageCacheError(f"path {shown} ends in {PART_SUFFIX}, the cache's partial files")
+    try:
+        longest, total = max(len(p.encode()) for p in parts), len(path.encode())
+    except UnicodeEncodeError:
+        raise StageCacheError(f"path {shown} is not UTF-8") from None
+    if longest > NAME_MAX_BYTES or total > PATH_MAX_BYTES:
+        raise StageCacheError(f"path {shown} is too long for the stage cache: {total:,} bytes, a part of {longest:,} "
+                              f"(at most {PATH_MAX_BYTES:,}, and {NAME_MAX_BYTES} per part)")
     return PurePosixPath(path)
 
 
@@ -129,15 +144,12 @@ class StageCache:
     """The stage cache at ``root`` (module doc). Methods are blocking (file I/O, hashing): the worker runs
     them off its event loop."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
         self.root = Path(root)
+        self.max_bytes = max_bytes  # --stages-max-gb (worker/stage_quota.py); None: the disk's free space only
         # partial file -> (bytes hashed, running sha256): each piece is hashed as it is written, so a file is not
         # read back whole at its end; a resumed file's bytes held are hashed once first (``_running``)
         self._digests: dict[Path, tuple[int, object]] = {}
-        # partial file -> the file's size its pieces gave: a piece giving another one is refused (a smaller size
-        # ending at that piece had the file checked, found wrong and deleted with every byte received); a restarted
-        # worker knows no size until the next piece
-        self._sizes: dict[Path, int] = {}
 
     def _running(self, part: Path, offset: int):
         """The running sha256 of ``part``'s first ``offset`` bytes (made by reading them when none is kept)."""
@@ -245,18 +257,72 @@ class StageCache:
         part = final.with_name(final.name + PART_SUFFIX)
         return Held(path, part.stat().st_size if part.is_file() else 0, False)
 
-    def free_bytes(self) -> int:
-        """Free space (bytes) of the file system holding the cache."""
+    def free_bytes(self, keep: frozenset[str] = frozenset()) -> int:
+        """Bytes a stage may still take: the free space of the file system holding the cache, and under
+        ``max_bytes`` what the builds in ``keep`` (never deleted to make room) leave."""
         self.root.mkdir(parents=True, exist_ok=True)
-        return shutil.disk_usage(self.root).free
+        free = shutil.disk_usage(self.root).free
+        if self.max_bytes is None:
+            return free
+        kept = sum(b.bytes for b in stage_quota.builds(self.root) if b.name in keep)
+        return max(0, min(free, self.max_bytes - kept))
+
+    def make_room(self, loaded: LoadedManifest, path: str, size: int, keep: frozenset[str], reserved: int = 0) -> int:
+        """Before ``path`` of ``loaded`` is written up to ``size`` bytes: delete the least recently used builds
+        but ``loaded``'s and ``keep``'s until it fits under ``max_bytes`` with ``reserved`` (bytes other transfers
+        are still to write), and what no transfer will finish (``clean``). Returns the bytes it still needs.
+        Raises ``StageCacheError`` (RESOURCE_EXHAUSTED) naming --stages-max-gb when it cannot fit."""
+        held = self.held(loaded, path)
+        need = 0 if held.complete else max(0, size - held.bytes)
+        stage_quota.touch(loaded.directory)
+        if self.max_bytes is None:
+            return need
+        if size > self.max_bytes:
+            raise StageCacheError(f"{path} of manifest {loaded.sha256[:12]} has {size:,} bytes, more than this "
+                                  f"worker's stage cache may hold ({self.max_bytes:,} bytes): raise its "
+                                  "--stages-max-gb", "RESOURCE_EXHAUSTED")
+        used, short = stage_quota.over(self.root, self.max_bytes, need, keep | {loaded.sha256}, reserved)
+        if short:
+            raise StageCacheError(f"{path} of manifest {loaded.sha256[:12]} needs {need:,} more bytes: the stage cache "
+                                  f"holds {used:,} of the {self.max_bytes:,} bytes --stages-max-gb allows in builds it "
+                                  "serves or receives now: raise --stages-max-gb", "RESOURCE_EXHAUSTED")
+        return need
+
+    def fits(self, loaded: LoadedManifest, path: str, size: int) -> bool:
+        """Whether ``path`` of ``loaded`` fits up to ``size`` bytes under ``max_bytes`` beside every build held."""
+        if self.max_bytes is None:
+            return True
+        held = self.held(loaded, path)
+        need = 0 if held.complete else max(0, size - held.bytes)
+        return sum(b.bytes for b in stage_quota.builds(self.root)) + need <= self.max_bytes
+
+    def use(self, loaded: LoadedManifest, keep: frozenset[str]) -> None:
+        """``loaded``'s build is used now (a StageStatus names it, it is loaded): marked so, and the builds least
+        recently used but ``keep``'s deleted while the cache is over ``max_bytes`` or ``MAX_BUILDS`` builds."""
+        stage_quota.touch(loaded.directory)
+        if self.max_bytes is not None:
+            stage_quota.over(self.root, self.max_bytes, 0, keep | {loaded.sha256})
+
+    def clean(self, busy: frozenset[str] = frozenset()) -> list[str]:
+        """Delete what no transfer will finish (worker/stage_quota.py ``clean``); ``busy`` are the files being
+        written (``<manifest sha256>/<path>``), never deleted. Returns the paths deleted."""
+        def readable(name: str) -> set[str] | None:
+            try:
+                return set(self.manifest(name).manifest.files.values())
+            except (StageCacheError, OSError):
+                return None
+
+        parts = {self.root / f"{key}{PART_SUFFIX}" for key in busy}
+        return stage_quota.clean(self.root, parts, readable, SEGMENTS_DIR)
 
     def write(self, loaded: LoadedManifest, path: str, offset: int, data: bytes, size: int) -> bool:
         """Write ``data`` at ``offset`` of ``path``'s partial file; at ``offset + len(data) == size`` check
         and finish it (``finish``). Returns whether the file is now complete. Raises ``StageCacheError``:
         an offset other than the bytes held (FAILED_PRECONDITION, naming both), data past ``size``, a file
         already complete, a full disk (RESOURCE_EXHAUSTED: the partial file keeps what was written before
-        this piece), a ``size`` other than the one earlier pieces of the partial file gave (INVALID_ARGUMENT,
-        nothing written) and a wrong hash (DATA_LOSS: the file is deleted)."""
+        this piece) and a wrong hash (DATA_LOSS: the file is deleted). ``size`` is the sender's word only (the
+        manifest has none): a partial file is not bound to a size, so bytes a lying sender left are found by the
+        hash at the end, never block another sender (the PutStage handler holds one call to one size)."""
         final, _ = self._target(loaded, path)
         if final.is_file():
             raise StageCacheError(f"{path} is complete in the cache already", "FAILED_PRECONDITION")
@@ -268,9 +334,6 @@ class StageCache:
         have = part.stat().st_size if part.is_file() else 0
         if have and (offset == 0 or have > size):
             have = self._restart(part, path, offset, have, size)
-        if (known := self._sizes.get(part)) is not None and known != size and have:
-            raise StageCacheError(f"{path}: piece gives the file's size as {size:,} bytes, its earlier pieces "
-                                  f"{known:,}: refused, the {have:,} bytes held are kept")
         if offset != have:
             raise StageCacheError(f"{path}: piece at offset {offset}, but the cache holds {have} bytes of it: "
                                   f"resume at {have}", "FAILED_PRECONDITION")
@@ -293,7 +356,6 @@ class StageCache:
             os.close(fd)
         digest.update(data)
         self._digests[part] = (end, digest)
-        self._sizes[part] = size
         if end < size:
             return False
         self.finish(loaded, path)
@@ -310,7 +372,6 @@ class StageCache:
                  path, have, size)
         os.truncate(part, 0)
         self._digests.pop(part, None)
-        self._sizes.pop(part, None)
         return 0
 
     def settle(self, loaded: LoadedManifest, path: str) -> bool:
@@ -340,7 +401,6 @@ class StageCache:
         finally:
             os.close(fd)
         state = self._digests.pop(part, None)
-        self._sizes.pop(part, None)
         actual = state[1].hexdigest() if state is not None and state[0] == part.stat().st_size else sha256_file(part)
         if actual != expected:
             part.unlink(missing_ok=True)
@@ -380,7 +440,11 @@ class StageCache:
             except (StageCacheError, ManifestError, ValueError, OSError):
                 continue
             for entry in loaded.manifest.stages:
-                if (build / entry.xml).is_file() and (build / entry.bin).is_file():
+                try:
+                    whole = (build / entry.xml).is_file() and (build / entry.bin).is_file()
+                except OSError:  # a name the file system refuses: the stage is not held
+                    continue
+                if whole:
                     yield build, loaded, entry
 
     def holds_stages(self) -> bool:
@@ -469,7 +533,12 @@ class StageCache:
         hash to ``seg.sha256``."""
         src, offset, _, sidecar = source
         digest, done = hashlib.sha256(), 0
-        with open(src, "rb") as f:
+        try:
+            f = open(src, "rb")  # noqa: SIM115 - closed below
+        except OSError as exc:  # evicted meanwhile (the quota): those bytes are sent instead
+            log.info("stage cache: %s no longer readable (%s): not reused", src, exc.strerror)
+            return False
+        with f:
             while done < seg.size:
                 block = os.pread(f.fileno(), min(READ_BYTES, seg.size - done), offset + done)
                 if not block:

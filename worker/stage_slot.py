@@ -29,6 +29,7 @@ from fleet_common.shipping import BUSY
 from fleet_common.wire import Malformed
 
 from .log_role import set_role
+from .put_slots import Put, PutSlots
 from .receiving import ReceiveBars
 from .server import StageService
 from .stage_cache import MAX_MANIFEST_BYTES, StageCache, StageCacheError, stage_files
@@ -109,7 +110,8 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         self._loading = asyncio.Lock()
         self._writing: set[str] = set()  # files a PutStage is writing now: one writer per file
         self.piece_timeout_s, self.max_puts, self.max_statuses = PIECE_TIMEOUT_S, MAX_PUTS, MAX_STATUSES
-        self._puts = 0  # PutStage calls running
+        self.puts = PutSlots(MAX_PUTS, self._writing)  # PutStage calls running (worker/put_slots.py)
+        self._reserved: dict[str, int] = {}  # file being written -> bytes it still needed at its first piece
         self._statuses = 0  # StageStatus calls running
         self.loaded: tuple[str, int] | None = None  # (manifest sha256, stage) served
 
@@ -144,27 +146,32 @@ class StageStoreService(pb_grpc.StageStoreServicer):
             else:
                 loaded = await asyncio.to_thread(self.cache.manifest, request.manifest_sha256, request.model_id)
             held = [self.cache.held(loaded, p) for p in stage_files(loaded.manifest, request.stage)]
-            free = self.cache.free_bytes()
+            await asyncio.to_thread(self.cache.use, loaded, self._keep())
+            free = await asyncio.to_thread(self.cache.free_bytes, self._keep() | {loaded.sha256})
             holds = await asyncio.to_thread(self.cache.holds_stages)
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
         return pb.StageStatusReply(files=[pb.FileHeld(path=h.path, bytes=h.bytes, complete=h.complete) for h in held],
                                    free_bytes=free, holds_stages=holds)
 
+    def _keep(self) -> frozenset[str]:
+        """Builds never deleted to make room: the one served and those being written."""
+        return frozenset({key.split("/", 1)[0] for key in self._writing} | ({self.loaded[0]} if self.loaded else set()))
+
     async def PutStage(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutStageReply:
         """Write the pieces streamed, each at the offset the cache holds; a file is checked and put in place
         at its last piece. A cut stream leaves each file's partial file as received (resumable); one silent for
-        ``piece_timeout_s`` (``PIECE_TIMEOUT_S``) is ended with DEADLINE_EXCEEDED. Past ``max_puts`` calls at
-        once (``MAX_PUTS``) a call is refused with RESOURCE_EXHAUSTED before it reads a piece (memory stays bounded)."""
-        if self._puts >= self.max_puts:
-            await self._refuse(context, StageCacheError(
-                f"{self._puts} PutStage calls are running on this worker (at most {self.max_puts} at once, so that the "
-                "pieces they hold stay within bounded memory): " + BUSY, "RESOURCE_EXHAUSTED"))
-        self._puts += 1
-        written, completed, mine = 0, [], set()
+        ``piece_timeout_s`` (``PIECE_TIMEOUT_S``) is ended with DEADLINE_EXCEEDED. ``max_puts`` calls run at once
+        (``MAX_PUTS``): memory stays bounded, and a stalled one is ended when another sender wants its slot or
+        its file (worker/put_slots.py). A file's first piece makes room for its size under --stages-max-gb; its
+        later pieces in this call must give that size."""
+        put = Put(asyncio.current_task())
+        written, completed, sizes = 0, [], {}
         loaded: LoadedManifest | None = None
         pending: asyncio.Future | None = None
         try:
+            self.puts.max_puts = self.max_puts
+            await self.puts.admit(put)
             pieces = request_iterator.__aiter__()
             while True:
                 try:  # a sender gone silent (no deadline, link alive) would hold its files from every other sender
@@ -177,14 +184,21 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                                           "DEADLINE_EXCEEDED") from None
                 if isinstance(chunk, Malformed):
                     raise StageCacheError(f"malformed piece: {chunk.error}")
+                put.piece(len(chunk.data))
                 if loaded is None or loaded.sha256 != chunk.manifest_sha256:
                     loaded = await asyncio.to_thread(self.cache.manifest, chunk.manifest_sha256, chunk.model_id)
                 key = f"{loaded.sha256}/{chunk.path}"
-                if key not in mine:
-                    if key in self._writing:
-                        raise StageCacheError(f"{chunk.path} is being written by another PutStage", "ABORTED")
-                    self._writing.add(key)
-                    mine.add(key)
+                if key not in sizes:
+                    await self.puts.claim(put, key, chunk.path)
+                    reserved = sum(v for k, v in self._reserved.items() if k != key)
+                    self._reserved[key] = await asyncio.to_thread(self.cache.make_room, loaded, chunk.path, chunk.size,
+                                                                  self._keep(), reserved)
+                    sizes[key] = chunk.size
+                    for path in await asyncio.to_thread(self.cache.clean, frozenset(self._writing)):
+                        log.info("stage cache: deleted %s (no transfer will finish it)", path)
+                elif sizes[key] != chunk.size:
+                    raise StageCacheError(f"{chunk.path}: piece gives the file's size as {chunk.size:,} bytes, this "
+                                          f"call's earlier pieces {sizes[key]:,}")
                 # shielded: a cut stream cancels this handler, not the piece being written (its file stays whole)
                 pending = asyncio.ensure_future(asyncio.to_thread(self.cache.write, loaded, chunk.path, chunk.offset,
                                                                   chunk.data, chunk.size))
@@ -193,16 +207,24 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                 written += len(chunk.data)
                 self.bars.update(key, f"{chunk.path} of manifest {loaded.sha256[:12]}", chunk.offset + len(chunk.data),
                                  chunk.size)
+        except asyncio.CancelledError:
+            if not put.ended:  # the call was cut: gRPC's own cancellation
+                raise
+            asyncio.current_task().uncancel()
+            await self._refuse(context, StageCacheError(put.ended, "ABORTED"))
         except (StageCacheError, ManifestError, OSError) as exc:
             await self._refuse(context, exc)
         finally:
+            mine = frozenset(put.files)
+            for key in mine:
+                self._reserved.pop(key, None)
             if pending is not None and not pending.done():  # cut mid-piece: the file is busy until it is written
-                pending.add_done_callback(functools.partial(self._release, frozenset(mine)))
+                pending.add_done_callback(functools.partial(self._release, mine))
             else:
                 self._writing -= mine
             for key in mine:
                 self.bars.end(key)
-            self._puts -= 1
+            self.puts.leave(put)
             if written:
                 log.info("stage store: %d bytes received, %d file(s) complete", written, len(completed))
         return pb.PutStageReply(bytes_written=written, completed=completed)
@@ -220,6 +242,12 @@ class StageStoreService(pb_grpc.StageStoreServicer):
             key = f"{loaded.sha256}/{request.path}"
             if key in self._writing:
                 raise StageCacheError(f"{request.path} is being written by another call", "ABORTED")
+            if not await asyncio.to_thread(self.cache.fits, loaded, request.path, request.size):
+                # no build is deleted for a copy (it may copy from them): the sender sends it, PutStage makes room
+                log.info("stage store: %s does not fit under --stages-max-gb beside the builds held: not copied",
+                         request.path)
+                return pb.ReuseReply(bytes=self.cache.held(loaded, request.path).bytes, reused_bytes=0,
+                                     held=[False] * len(segments))
             self._writing.add(key)
             t0 = time.perf_counter()
             job = asyncio.ensure_future(asyncio.to_thread(self.cache.reuse, loaded, request.path, request.size,
@@ -262,6 +290,7 @@ class StageStoreService(pb_grpc.StageStoreServicer):
                     raise StageCacheError(f"this worker serves stage {self.loaded[1]} of manifest {self.loaded[0][:12]} "
                                           f"with {held} session(s) open: close them first", "FAILED_PRECONDITION")
                 await asyncio.to_thread(self.cache.verify_stage, loaded, request.stage)
+                await asyncio.to_thread(self.cache.use, loaded, self._keep())
                 service = await self.load(loaded, request.stage)
             except (StageCacheError, ManifestError, ValueError, RuntimeError) as exc:
                 await self._refuse(context, exc)

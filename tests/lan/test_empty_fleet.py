@@ -11,6 +11,7 @@ re-plans over it; then every process restarts and the workers serve from their s
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from pathlib import Path
 
@@ -29,17 +30,27 @@ PROMPT = "Name three colours of the rainbow."
 TOKENS = 16
 
 
+def fleet_key(log_dir: Path) -> str:
+    """The fleet's key file under ``log_dir`` (made once): an empty worker on 0.0.0.0 takes stages only from a
+    coordinator holding it (issue 45), so every PC gets it, as the README says."""
+    key = log_dir / "fleet.key"
+    if not key.is_file():
+        key.write_text(secrets.token_urlsafe(32))
+    return str(key)
+
+
 def empty_worker(lan, pc: str, log_dir: Path, run: int = 0) -> LanWorker:  # noqa: ANN001 - tests.lan.netns.Lan
     """An empty worker on PC ``pc`` with its stage and model caches under ``log_dir/<pc>`` (kept across runs)."""
     home = log_dir / pc
     return LanWorker(lan, pc, None, -1, log_dir, "--stages-dir", str(home / "stages"), "--cache-dir",
-                     str(home / "ov"), log_name=f"worker-{pc}-empty-{run}.log")
+                     str(home / "ov"), "--secret", fleet_key(log_dir), log_name=f"worker-{pc}-empty-{run}.log")
 
 
 def coordinator(lan, gguf: Path, log_dir: Path, run: int) -> LanCoordinator:  # noqa: ANN001
     """``serve --model GGUF`` on PC ``coord``, by mDNS, once three empty workers answer."""
     return LanCoordinator(lan, "coord", gguf, log_dir, "--expect-workers", "3", "--build-cache-dir",
-                          str(log_dir / "builds"), "--workers-timeout-s", "120", name=f"coordinator-{run}")
+                          str(log_dir / "builds"), "--workers-timeout-s", "120", "--secret", fleet_key(log_dir),
+                          name=f"coordinator-{run}")
 
 
 def answer_ids(coord: LanCoordinator) -> list[int]:

@@ -17,7 +17,7 @@ import pytest
 from bench import harness
 
 from .conftest import LanCoordinator, stop_all
-from .test_empty_fleet import empty_worker
+from .test_empty_fleet import empty_worker, fleet_key
 
 pytestmark = pytest.mark.lan
 
@@ -42,7 +42,7 @@ def test_a_transfer_cut_midway_resumes_where_it_stopped(lan, demo_hf, tmp_path):
     try:
         addresses = {pc: w.ready() for pc, w in workers.items()}
         coord = LanCoordinator(lan, "coord", gguf, tmp_path, "--expect-workers", "2", "--build-cache-dir",
-                               str(tmp_path / "builds"), "--workers-timeout-s", "120")
+                               str(tmp_path / "builds"), "--workers-timeout-s", "120", "--secret", fleet_key(tmp_path))
         deadline, cut = time.monotonic() + 300, None
         while cut is None and time.monotonic() < deadline:  # the build first, then the first stage ships
             assert coord.proc.popen.poll() is None, coord.proc.text()[-3000:]

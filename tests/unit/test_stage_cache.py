@@ -210,20 +210,32 @@ def test_the_same_manifest_stored_by_many_calls_at_once(tmp_path):
         assert [p.name for p in (cache.root / sha).iterdir()] == ["manifest.json"]  # no temporary file left
 
 
-def test_a_size_that_changes_between_pieces_is_refused_and_keeps_the_bytes_held(tmp_path):
+def test_a_size_that_changes_within_a_call_is_refused_and_a_lie_never_blocks_the_file(tmp_path):
+    """One PutStage call's pieces of a file give one size (INVALID_ARGUMENT otherwise); a partial file is not bound
+    to the size another call gave (the manifest has none): a sender that lied about it blocks nobody after it."""
     src, data, sha = make_build(tmp_path)
-    cache = StageCache(tmp_path / "cache")
-    loaded = cache.put_manifest(sha, data)
     rel = "stage_1/openvino_model.bin"
     body = (src / rel).read_bytes()
-    assert not cache.write(loaded, rel, 0, body[:1000], len(body))
-    for offset, piece, size in ((1000, body[1000:2000], 2000), (1000, b"", 1000), (1000, body[1000:2000], len(body) + 1)):
-        with pytest.raises(StageCacheError, match=f"size as {size:,} bytes, its earlier pieces {len(body):,}") as refused:
-            cache.write(loaded, rel, offset, piece, size)  # 2000 ended the file there: checked, wrong, deleted
-        assert refused.value.code == "INVALID_ARGUMENT"
-        assert cache.held(loaded, rel).bytes == 1000
-    assert cache.write(loaded, rel, 1000, body[1000:], len(body))
-    assert (loaded.directory / rel).read_bytes() == body
+
+    def piece(offset: int, size: int) -> pb.StageChunk:
+        return pb.StageChunk(model_id="tiny", manifest_sha256=sha, path=rel, offset=offset,
+                             data=body[offset:offset + 1000], size=size)
+
+    async def run() -> None:
+        async with store_channel(tmp_path / "cache") as channel:
+            stub = pb_grpc.StageStoreStub(channel)
+            await stub.StageStatus(pb.StageStatusRequest(model_id="tiny", manifest_sha256=sha, manifest=data,
+                                                         stage=1), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.PutStage(iter([piece(0, len(body)), piece(1000, len(body) + 1)]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"size as {len(body) + 1:,} bytes, this call's earlier pieces {len(body):,}" in refused.value.details()
+            await stub.PutStage(iter([piece(1000, 10 * len(body))]), timeout=10)  # a lie, in a call of its own
+            report = await ship_stage(channel, src, 1)  # was INVALID_ARGUMENT until the worker restarted
+            assert report.held_bytes == 2000 and len(report.completed) == 2, report
+
+    asyncio.run(run())
+    assert (tmp_path / "cache" / sha / rel).read_bytes() == body
 
 
 async def _not_loaded(loaded, stage):
