@@ -54,6 +54,18 @@ if ! command -v ip >/dev/null || ! command -v bridge >/dev/null; then
   fi
 fi
 fi  # the test mode's apt packages
+# fleet's kernels (kernels/, C++17) are built by `pip install` (setup.py; cmake itself comes from PyPI): a C++
+# compiler and make, installed here where missing.
+if ! command -v c++ >/dev/null || ! command -v make >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ make \
+        >/dev/null; } || { echo "setup: apt-get could not install g++ and make, which fleet's kernels need" >&2; exit 1; }
+  else
+    echo "setup: fleet's kernels need a C++ compiler (g++ 9 or newer) and make: install them (Debian/Ubuntu:" \
+         "apt-get install g++ make) and run this again" >&2
+    exit 1
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --upgrade pip
