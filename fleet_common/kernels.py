@@ -5,10 +5,11 @@ The library sits beside this file (``libfleet_kernels.so``); it is built against
 (its ABI is that release's) and reports its build version, which must equal ``KERNELS_VERSION``: a stage
 built for version N names it in the manifest and a worker without that build refuses the stage.
 
-The op, ``fleet_gguf.GgufMatMul``: activations f32 [..., K] x the tensor's bytes (a u8 Constant [N, row
-bytes], GGUF's own layout) -> f32 [..., N]; attributes ``block_type`` (GGUF's name) and ``precision``
-("int8": activations quantized to int8 per 32 values, llama.cpp's speed; "f32": exact). docs/design.md
-describes the kernels.
+The ops (opset ``fleet_gguf``): ``GgufMatMul``, activations f32 [..., K] x the tensor's bytes (a u8 Constant
+[N, row bytes], GGUF's own layout) -> f32 [..., N]; ``GgufMoeMatMul``, the same for each token's chosen
+experts of an expert tensor [E, N, row bytes]; ``GgufEmbedding``, rows of a table kept as blocks. Attributes
+``block_type`` (GGUF's name) and ``precision`` ("int8": activations quantized to int8 per 32 values,
+llama.cpp's speed; "f32": exact). docs/design.md describes the kernels.
 """
 
 from __future__ import annotations
@@ -98,12 +99,34 @@ def _factory():  # noqa: ANN202 - openvino.utils.node_factory.NodeFactory
 def gguf_matmul(x: ov.Output, blocks: ov.Output, block_type: str, precision: str = "int8") -> ov.Output:
     """``x @ W.T`` with W one GGUF tensor's blocks: x f32 [..., K], ``blocks`` u8 [N, K / block x block bytes]
     (GGUF's row-major bytes) -> f32 [..., N]. ``ValueError`` for a type or precision the kernels lack."""
+    _check(block_type, precision)
+    node = _factory().create("GgufMatMul", [x, blocks], {"block_type": block_type, "precision": precision})
+    return node.output(0)
+
+
+def gguf_moe_matmul(x: ov.Output, blocks: ov.Output, chosen: ov.Output, block_type: str,
+                    precision: str = "int8") -> ov.Output:
+    """Each token times its chosen experts: x f32 [T, K], ``blocks`` u8 [E, N, row bytes] (a GGUF expert tensor as
+    it lies), ``chosen`` i32/i64 [T, k] expert indices -> f32 [T, k, N]; only the chosen experts' blocks are read,
+    each once per call. An index outside [0, E) fails the inference. ``ValueError`` as ``gguf_matmul``."""
+    _check(block_type, precision)
+    node = _factory().create("GgufMoeMatMul", [x, blocks, chosen], {"block_type": block_type, "precision": precision})
+    return node.output(0)
+
+
+def gguf_embedding(blocks: ov.Output, ids: ov.Output, block_type: str) -> ov.Output:
+    """Rows of an embedding table kept as GGUF blocks: ``blocks`` u8 [V, row bytes], ``ids`` i32/i64 [...] ->
+    f32 [..., K], each row dequantized exactly (the f32 precision's values). An id outside [0, V) fails the
+    inference naming it. ``ValueError`` for a type the kernels lack."""
+    _check(block_type, "f32")
+    return _factory().create("GgufEmbedding", [blocks, ids], {"block_type": block_type}).output(0)
+
+
+def _check(block_type: str, precision: str) -> None:
     if block_type not in BLOCK_TYPES:
         raise ValueError(f"fleet's kernels do not run {block_type} blocks (they run {', '.join(BLOCK_TYPES)})")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
-    node = _factory().create("GgufMatMul", [x, blocks], {"block_type": block_type, "precision": precision})
-    return node.output(0)
 
 
 def blocks_constant(data: np.ndarray) -> ov.Output:

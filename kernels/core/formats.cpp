@@ -11,22 +11,22 @@ namespace {
 
 const Format kFormats[] = {
     // type            name      block bytes float  signed per16 zero
-    {BlockType::F32, "F32", 1, 4, true, false, false},
-    {BlockType::F16, "F16", 1, 2, true, false, false},
-    {BlockType::BF16, "BF16", 1, 2, true, false, false},
+    {BlockType::F32, "F32", 1, 4, true, false, false, 0},
+    {BlockType::F16, "F16", 1, 2, true, false, false, 0},
+    {BlockType::BF16, "BF16", 1, 2, true, false, false, 0},
     {BlockType::Q4_0, "Q4_0", 32, 18, false, false, false, 8},
-    {BlockType::Q4_1, "Q4_1", 32, 20, false, false, false},
+    {BlockType::Q4_1, "Q4_1", 32, 20, false, false, false, 0},
     {BlockType::Q5_0, "Q5_0", 32, 22, false, false, false, 16},
-    {BlockType::Q5_1, "Q5_1", 32, 24, false, false, false},
-    {BlockType::Q8_0, "Q8_0", 32, 34, false, true, false},
-    {BlockType::Q2_K, "Q2_K", 256, 84, false, false, true},
+    {BlockType::Q5_1, "Q5_1", 32, 24, false, false, false, 0},
+    {BlockType::Q8_0, "Q8_0", 32, 34, false, true, false, 0},
+    {BlockType::Q2_K, "Q2_K", 256, 84, false, false, true, 0},
     {BlockType::Q3_K, "Q3_K", 256, 110, false, false, true, 4},
-    {BlockType::Q4_K, "Q4_K", 256, 144, false, false, false},
-    {BlockType::Q5_K, "Q5_K", 256, 176, false, false, false},
+    {BlockType::Q4_K, "Q4_K", 256, 144, false, false, false, 0},
+    {BlockType::Q5_K, "Q5_K", 256, 176, false, false, false, 0},
     {BlockType::Q6_K, "Q6_K", 256, 210, false, false, true, 32},
-    {BlockType::IQ4_NL, "IQ4_NL", 32, 18, false, true, false},
-    {BlockType::IQ4_XS, "IQ4_XS", 256, 136, false, true, false},
-    {BlockType::MXFP4, "MXFP4", 32, 17, false, true, false},
+    {BlockType::IQ4_NL, "IQ4_NL", 32, 18, false, true, false, 0},
+    {BlockType::IQ4_XS, "IQ4_XS", 256, 136, false, true, false, 0},
+    {BlockType::MXFP4, "MXFP4", 32, 17, false, true, false, 0},
 };
 
 uint16_t u16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }

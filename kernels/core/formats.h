@@ -64,3 +64,11 @@ extern const int8_t kIq4Values[16];
 extern const int8_t kE2m1Doubled[16];
 
 }  // namespace fleet
+
+namespace fleet {
+
+// One row of `cols` weights of type f at `row`, dequantized to f32: fma(s, c, o) per weight, the f32
+// path's own values (float types converted exactly).
+void dequantize_row(const Format& f, const uint8_t* row, int64_t cols, float* out);
+
+}  // namespace fleet

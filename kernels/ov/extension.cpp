@@ -4,10 +4,14 @@
 #include <openvino/core/op_extension.hpp>
 
 #include "../core/product.h"
+#include "gguf_embedding.h"
 #include "gguf_matmul.h"
+#include "gguf_moe_matmul.h"
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<fleet::GgufMatMul>>(),
+    std::make_shared<ov::OpExtension<fleet::GgufEmbedding>>(),
+    std::make_shared<ov::OpExtension<fleet::GgufMoeMatMul>>(),
 }));
 
 extern "C" __attribute__((visibility("default"))) const char* fleet_kernels_version() { return FLEET_KERNELS_VERSION; }

@@ -1,8 +1,6 @@
 #include "gguf_matmul.h"
 
-#include <openvino/core/parallel.hpp>
-
-#include "../core/product.h"
+#include "products.h"
 
 namespace fleet {
 
@@ -69,26 +67,10 @@ bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
     p.exact = precision_ == "f32" || p.fmt->is_float;
     if (M == 0 || N == 0) return true;
 
-    // Reused across calls (no allocation per decode step). Lambdas below run on other threads: they must
-    // reach this thread's buffer through a pointer, not by naming the thread_local.
-    thread_local Activations buffer;
-    Activations* a = &buffer;
-    prepare(*a, x.data<const float>(), M, K, !p.exact);
-    p.a = a;
-    if (!p.exact) {
-        if (M >= 16)
-            ov::parallel_for(M, [a](size_t m) { quantize_rows(*a, int64_t(m), int64_t(m) + 1); });
-        else
-            quantize_rows(*a, 0, M);
-    }
-    const RowsKernel kernel = select_kernel(p);
-    // Contiguous column ranges per thread (tiles of 4 rows): each thread streams its own part of the blocks.
-    ov::parallel_nt_static(0, [&](const int ithr, const int nthr) {
-        const int64_t tiles = (N + 3) / 4;
-        const int64_t t0 = tiles * ithr / nthr, t1 = tiles * (ithr + 1) / nthr;
-        const int64_t n0 = std::min(N, t0 * 4), n1 = std::min(N, t1 * 4);
-        if (n0 < n1) kernel(p, n0, n1);
-    });
+    thread_local Activations activations;  // reused across calls: no allocation per decode step
+    prepare_activations(activations, x.data<const float>(), M, K, p.exact);
+    p.a = &activations;
+    run_product(p);
     return true;
 }
 

@@ -154,3 +154,46 @@ def test_an_isa_this_cpu_lacks_is_an_error(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("FLEET_KERNEL_ISA", "sse9")
     with pytest.raises(kernels.KernelsUnavailable, match="FLEET_KERNEL_ISA='sse9'"):
         kernels.active_isa()
+
+
+@pytest.mark.parametrize("name", ("Q4_0", "Q4_K", "Q6_K", "Q8_0", "MXFP4", "IQ4_XS", "F16"))
+def test_experts_read_only_the_chosen_and_match_float64(name: str) -> None:
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    experts, n, per = 6, 9, max(block_size(name)[0], 32)
+    cols = 2 * per
+    blocks = np.stack([random_blocks(name, n, cols, rng) for _ in range(experts)])  # [E, N, row bytes]
+    w = np.stack([dequantized(name, b, cols) for b in blocks])  # [E, N, K] float64
+    x = op.parameter([-1, cols], ov.Type.f32)
+    chosen = op.parameter([-1, 2], ov.Type.i32)
+    outs = [kernels.gguf_moe_matmul(x.output(0), kernels.blocks_constant(blocks), chosen.output(0), name, precision)
+            for precision in ("int8", "f32")]
+    compiled = kernels.new_core().compile_model(ov.Model(outs, [x, chosen]), "CPU", {"INFERENCE_NUM_THREADS": 2})
+    tokens = rng.standard_normal((5, cols)).astype(np.float32)
+    picks = np.array([[0, 3], [3, 5], [5, 0], [3, 3], [1, 4]], np.int32)  # expert 3 three times, 2 never
+    y8, y32 = compiled([tokens, picks])[0], compiled([tokens, picks])[1]
+    xq = quantized_activations(tokens) if block_size(name)[0] > 1 else tokens.astype(np.float64)
+    for t in range(5):
+        for j in range(2):
+            e = picks[t, j]
+            assert rel_err(y8[t, j], xq[t] @ w[e].T) <= RTOL, (name, t, j)
+            assert rel_err(y32[t, j], tokens[t].astype(np.float64) @ w[e].T) <= RTOL, (name, t, j)
+    alone = compiled([tokens[3:4], picks[3:4]])[0]  # a token's rows do not depend on the others routed with it
+    assert np.array_equal(alone[0], y8[3])
+    with pytest.raises(RuntimeError, match="expert 6 is outside"):
+        compiled([tokens[:1], np.array([[0, 6]], np.int32)])
+
+
+@pytest.mark.parametrize("name", ("Q4_1", "Q4_K", "Q6_K", "Q8_0", "MXFP4", "BF16"))
+def test_embedding_rows_are_the_dequantized_blocks(name: str) -> None:
+    rng = np.random.default_rng(zlib.crc32(b"embedding " + name.encode()))
+    vocab, cols = 11, 2 * max(block_size(name)[0], 32)
+    table = random_blocks(name, vocab, cols, rng)
+    ids = op.parameter([-1, -1], ov.Type.i64)
+    out = kernels.gguf_embedding(kernels.blocks_constant(table), ids.output(0), name)
+    compiled = kernels.new_core().compile_model(ov.Model([out], [ids]), "CPU")
+    picks = np.array([[3, 0, 10], [7, 7, 1]], np.int64)
+    rows = compiled([picks])[0]
+    assert rows.shape == (2, 3, cols)
+    assert rel_err(rows, dequantized(name, table, cols)[picks]) <= 1e-7
+    with pytest.raises(RuntimeError, match="token id 11 is outside the vocabulary"):
+        compiled([np.array([[11]], np.int64)])
