@@ -31,7 +31,7 @@ static inline float hsum(__m256 v) {
 // any (ZSHIFT types: o = -z s, exact). `blk` is the span's first block in the row.
 template <class F>
 struct Span {
-    alignas(32) float s0[8], s1[8], o0[8], o1[8];
+    alignas(32) float s0[8] = {}, s1[8] = {}, o0[8] = {}, o1[8] = {};
     // What the int8 path reads: s0 (and s1 of PER16 types), o0/o1 of OFFSET types (o1 = o0 unless PER16).
     inline void read_quantized(const uint8_t* blk, int span) {
         F::span(blk, span, s0, s1, o0, o1);
@@ -172,6 +172,125 @@ static inline void tile_exact(const Product& p, int64_t n, int64_t m) {
         for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]);
 }
 
+// ---- many activation rows (a verify, a batch group, a prefill chunk): a tile of 4 weight rows is unpacked once
+// into 32-byte codes and per-group scales, then every activation row meets it. The integers of each dot and
+// the float operations on them are those of tile_quantized, in the same order: bitwise the same results.
+// Signed codes are kept as c + 128 with the zero point 128 subtracted in the integer dot (VNNI only: AVX2's
+// vpmaddubsw would saturate on them, so it keeps tile_quantized for those types).
+constexpr int kPrefillRows = 4;  // at and above this many activation rows
+#if FLEET_VNNI
+constexpr int kPrefillMB = FLEET_WIDE_REGISTERS ? 4 : 2;  // activation rows a pass: 16 accumulators need 32 registers
+#else
+constexpr int kPrefillMB = 2;
+#endif
+
+template <class F>
+struct UnpackedTile {
+    static constexpr int ZERO = F::SIGNED ? 7 : F::ZSHIFT;  // log2 of the integer zero point, -1: none
+    int64_t groups = 0;
+    std::vector<uint8_t> codes;  // [4][groups][32]
+    std::vector<float> s0, s1, o0, o1;  // [4][groups]
+
+    void unpack(const Product& p, int64_t n, int rows) {
+        groups = p.K / 32;
+        codes.assign(size_t(4 * groups * 32), 0);
+        s0.assign(size_t(4 * groups), 0.0f); s1 = s0; o0 = s0; o1 = s0;
+        for (int r = 0; r < rows; ++r) {
+            const uint8_t* row = p.w + (n + r) * p.row_bytes;
+            for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+                const int span = int(std::min<int64_t>(8, groups - g0));
+                Span<F> sp;
+                sp.read_quantized(span_block<F>(row, g0), span);
+                for (int j = 0; j < span; ++j) {
+                    const size_t at = size_t(r * groups + g0 + j);
+                    s0[at] = sp.s0[j]; s1[at] = sp.s1[j]; o0[at] = sp.o0[j]; o1[at] = sp.o1[j];
+                    int sub;
+                    const uint8_t* blk = sub_block<F>(row, g0, j, sub);
+                    __m256i c = F::codes(blk, sub);
+                    if constexpr (F::SIGNED) c = _mm256_xor_si256(c, mask8(0x80));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&codes[at * 32]), c);
+                }
+            }
+        }
+    }
+};
+
+template <class F, int MB>
+static inline void tile_prefill(const Product& p, const UnpackedTile<F>& t, int64_t n, int rows, int64_t m) {
+    constexpr int R = 4;
+    const Activations& a = *p.a;
+    const int64_t groups = t.groups;
+    const int8_t* q[MB];
+    const float *da[MB], *ds0[MB], *ds1[MB];
+    const int32_t* lanes[MB];
+    for (int i = 0; i < MB; ++i) {
+        q[i] = a.q_row(m + i); da[i] = a.d_row(m + i);
+        ds0[i] = a.dsum_row(m + i, 0); ds1[i] = a.dsum_row(m + i, 1);
+        lanes[i] = a.lanes_row(m + i);
+    }
+    __m256 acc[R][MB];
+    alignas(32) float corr[R][MB][8];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); _mm256_store_ps(corr[r][i], _mm256_setzero_ps()); }
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int span = int(std::min<int64_t>(8, groups - g0));
+        alignas(32) float sd0[R][MB][8], sd1[R][MB][8];
+        for (int r = 0; r < R; ++r) {
+            const size_t at = size_t(r * groups + g0);
+            for (int i = 0; i < MB; ++i) {
+                const __m256 d = load8(da[i] + g0, span);
+                _mm256_store_ps(sd0[r][i], _mm256_mul_ps(load8(&t.s0[at], span), d));
+                if constexpr (F::PER16) _mm256_store_ps(sd1[r][i], _mm256_mul_ps(load8(&t.s1[at], span), d));
+                if constexpr (F::OFFSET) {
+                    __m256 c = _mm256_load_ps(corr[r][i]);
+                    c = _mm256_fmadd_ps(load8(&t.o0[at], span), load8(ds0[i] + g0, span), c);
+                    c = _mm256_fmadd_ps(load8(&t.o1[at], span), load8(ds1[i] + g0, span), c);
+                    _mm256_store_ps(corr[r][i], c);
+                }
+            }
+        }
+        for (int j = 0; j < span; ++j) {
+            const int64_t g = g0 + j;
+            __m256i qv[MB], init[MB];
+            for (int i = 0; i < MB; ++i) {
+                qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + g * 32));
+                if constexpr (UnpackedTile<F>::ZERO >= 0)
+                    init[i] = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8)),
+                                                UnpackedTile<F>::ZERO);
+                else
+                    init[i] = _mm256_setzero_si256();
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t.codes[size_t(r * groups + g) * 32]));
+                for (int i = 0; i < MB; ++i) {
+                    const __m256i dot = FLEET_DPBUSD(init[i], u, qv[i]);
+                    __m256 scale = _mm256_broadcast_ss(&sd0[r][i][j]);
+                    if constexpr (F::PER16) scale = _mm256_blend_ps(scale, _mm256_broadcast_ss(&sd1[r][i][j]), 0xF0);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < MB; ++i)
+            p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(_mm256_load_ps(corr[r][i]));
+}
+
+template <class F>
+static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
+    thread_local UnpackedTile<F> tile;
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
+        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int rows = int(std::min<int64_t>(4, n1 - n));
+            tile.unpack(p, n, rows);
+            int64_t m = m0;
+            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, tile, n, rows, m);
+            for (; m < m1; ++m) tile_prefill<F, 1>(p, tile, n, rows, m);
+        }
+    }
+}
+
 // Float weights: 8 at a time into one accumulator, then the tail of K % 8 in order.
 template <BlockType T>
 static inline __m256 float8(const uint8_t* p) {
@@ -237,6 +356,7 @@ static inline void sweep(const Product& p, int64_t n0, int64_t n1, Tile4x2 t42, 
 
 template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
+    if (p.M >= kPrefillRows && (FLEET_VNNI || !F::SIGNED)) return rows_prefill<F>(p, n0, n1);
     sweep(p, n0, n1, tile_quantized<F, 4, 2>, tile_quantized<F, 4, 1>, tile_quantized<F, 1, 2>, tile_quantized<F, 1, 1>);
 }
 template <class F>
