@@ -215,8 +215,16 @@ struct UnpackedTile {
     }
 };
 
+// An unpacked tile by plain pointers: the kernels must not touch the thread_local holding it (each access
+// to a thread_local of a shared library is a call, which spilled every accumulator).
+struct TileView {
+    int64_t groups;
+    const uint8_t* codes;
+    const float *s0, *s1, *o0, *o1;
+};
+
 template <class F, int MB>
-static inline void tile_prefill(const Product& p, const UnpackedTile<F>& t, int64_t n, int rows, int64_t m) {
+static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
     const Activations& a = *p.a;
     const int64_t groups = t.groups;
@@ -278,15 +286,18 @@ static inline void tile_prefill(const Product& p, const UnpackedTile<F>& t, int6
 
 template <class F>
 static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
-    thread_local UnpackedTile<F> tile;
+    thread_local UnpackedTile<F> buffer;
+    UnpackedTile<F>* tile = &buffer;
     for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
         const int64_t m1 = std::min(p.M, m0 + kRowChunk);
         for (int64_t n = n0; n < n1; n += 4) {
             const int rows = int(std::min<int64_t>(4, n1 - n));
-            tile.unpack(p, n, rows);
+            tile->unpack(p, n, rows);
+            const TileView view{tile->groups, tile->codes.data(), tile->s0.data(), tile->s1.data(), tile->o0.data(),
+                                tile->o1.data()};
             int64_t m = m0;
-            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, tile, n, rows, m);
-            for (; m < m1; ++m) tile_prefill<F, 1>(p, tile, n, rows, m);
+            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, view, n, rows, m);
+            for (; m < m1; ++m) tile_prefill<F, 1>(p, view, n, rows, m);
         }
     }
 }
