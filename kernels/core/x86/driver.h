@@ -12,11 +12,13 @@
 // Software prefetch in address order: while a tile's rows are read (interleaved, R streams), the bytes of the
 // next tile and kPrefetchAhead beyond are requested front to back, at the pace the tile is consumed. The
 // hardware prefetcher alone fed several interleaved streams at a fraction of one sequential read here.
+// Into L2 (prefetcht1): measured faster than into L1 here (Q8_0 decode 1132 -> 853 us, Q4_K 826 -> 628 us),
+// the demand loads then hit L2 while L1's few miss buffers stay free for them.
 constexpr size_t kPrefetchAhead = 1536;
 
 static inline void prefetch_next(const uint8_t* tile_end, size_t step, int64_t b) {
     const char* at = reinterpret_cast<const char*>(tile_end) + kPrefetchAhead + size_t(b) * step;
-    for (size_t off = 0; off < step; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+    for (size_t off = 0; off < step; off += 64) _mm_prefetch(at + off, _MM_HINT_T1);
 }
 constexpr int64_t kRowChunk = 64;    // activation rows per pass over a tile (keeps them in L2)
 
@@ -33,10 +35,8 @@ template <class F>
 struct Span {
     alignas(32) float s0[8] = {}, s1[8] = {}, o0[8] = {}, o1[8] = {};
     // What the int8 path reads: s0 (and s1 of PER16 types), o0/o1 of OFFSET types (o1 = o0 unless PER16).
-    inline void read_quantized(const uint8_t* blk, int span) {
-        F::span(blk, span, s0, s1, o0, o1);
-        if constexpr (F::OFFSET && !F::PER16) std::copy(o0, o0 + 8, o1);
-    }
+    inline void read_quantized(const uint8_t* blk, int span) { F::span(blk, span, s0, s1, o0, o1); }
+    const float* offsets1() const { return F::PER16 ? o1 : o0; }  // the second halves' offsets
     // Every scale and offset of every half (the f32 path).
     inline void read(const uint8_t* blk, int span) {
         F::span(blk, span, s0, s1, o0, o1);
@@ -99,11 +99,13 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
                 if constexpr (F::PER16) _mm256_store_ps(sd1[r][i], _mm256_mul_ps(_mm256_load_ps(sp.s1), d));
                 if constexpr (F::OFFSET) {
                     corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.o0), load8(ds0[i] + g0, span), corr[r][i]);
-                    corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.o1), load8(ds1[i] + g0, span), corr[r][i]);
+                    corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.offsets1()), load8(ds1[i] + g0, span), corr[r][i]);
                 }
             }
         }
-        for (int j = 0; j < span; ++j) {
+        const int count = F::QK == 256 ? 8 : span;  // a 256-weight block's 8 sub-blocks: unrolled, shifts constant
+#pragma GCC unroll 8
+        for (int j = 0; j < count; ++j) {
             const int64_t g = g0 + j;
             __m256i qv[MB], init[MB];
             for (int i = 0; i < MB; ++i) {
@@ -203,7 +205,7 @@ struct UnpackedTile {
                 sp.read_quantized(span_block<F>(row, g0), span);
                 for (int j = 0; j < span; ++j) {
                     const size_t at = size_t(r * groups + g0 + j);
-                    s0[at] = sp.s0[j]; s1[at] = sp.s1[j]; o0[at] = sp.o0[j]; o1[at] = sp.o1[j];
+                    s0[at] = sp.s0[j]; s1[at] = sp.s1[j]; o0[at] = sp.o0[j]; o1[at] = sp.offsets1()[j];
                     int sub;
                     const uint8_t* blk = sub_block<F>(row, g0, j, sub);
                     __m256i c = F::codes(blk, sub);

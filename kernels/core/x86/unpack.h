@@ -22,9 +22,11 @@ static inline __m256i mask8(int v) { return _mm256_set1_epi8(char(v)); }
 static inline __m256i shr16(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
 
 // 16 bytes of nibbles -> 32 codes: code j is the low nibble of byte j, code j + 16 its high nibble.
+// One broadcast load (no shuffle), the upper lane shifted by 4 bits (a per-dword shift: the bits it brings in
+// from the next byte are masked off).
 static inline __m256i nibbles32(const uint8_t* qs) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), mask8(15));
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask8(15));
 }
 
 // 32 bits -> 32 bytes: byte j is `value` where bit j is set, else 0.
@@ -132,16 +134,15 @@ struct KScales {
         }
     }
 };
-struct K4Scales {  // Q4_K, Q5_K: d, dmin, then 8 x (6-bit scale, 6-bit min) in 12 bytes
+struct K4Scales {  // Q4_K, Q5_K: d, dmin, then 8 x (6-bit scale, 6-bit min) in 12 bytes, unpacked in 32-bit words
     static inline void span(const uint8_t* b, int, float* s0, float*, float* o0, float*) {
-        const float d = f16(b), dmin = f16(b + 2);
-        const uint8_t* q = b + 4;
-        for (int j = 0; j < 4; ++j) {
-            s0[j] = d * float(q[j] & 63);
-            o0[j] = -(dmin * float(q[j + 4] & 63));
-            s0[j + 4] = d * float((q[j + 8] & 15) | ((q[j] >> 6) << 4));
-            o0[j + 4] = -(dmin * float((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4)));
-        }
+        const uint32_t w0 = le32(b + 4), w1 = le32(b + 8), w2 = le32(b + 12);
+        const uint64_t sc = uint64_t(w0 & 0x3f3f3f3fu) | uint64_t((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+        const uint64_t mn = uint64_t(w1 & 0x3f3f3f3fu) | uint64_t(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc))));
+        const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn))));
+        _mm256_store_ps(s0, _mm256_mul_ps(_mm256_set1_ps(f16(b)), scf));
+        _mm256_store_ps(o0, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf)));
     }
 };
 
@@ -165,11 +166,11 @@ struct FQ6_K : Layout256 {
     static constexpr int BYTES = 210; static constexpr bool SIGNED = false, PER16 = true;
     static constexpr int ZSHIFT = 5; static constexpr bool OFFSET = false;
     static inline void span(const uint8_t* b, int, float* s0, float* s1, float*, float*) {  // int8 scales[16] at 192
-        const float d = f16(b + 208);
-        for (int j = 0; j < 8; ++j) {
-            s0[j] = d * float(int8_t(b[192 + 2 * j]));
-            s1[j] = d * float(int8_t(b[193 + 2 * j]));
-        }
+        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
+                                            _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m256 d = _mm256_set1_ps(f16(b + 208));
+        _mm256_store_ps(s0, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_store_ps(s1, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
     }
     static inline __m256i codes(const uint8_t* b, int sub) {
         const int half = sub / 4, t = sub % 4;
