@@ -94,7 +94,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
                      ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(),
-                     exact_blocks=args.exact_blocks)
+                     exact_blocks=args.exact_blocks, devices=devices)
     if devices is not None:
         from fleet_common.manifest import load_manifest
 

@@ -47,6 +47,7 @@ from openvino.utils.postponed_constant import make_postponed_constant
 from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
 from .gpt_oss import gpt_oss_moe
 from .layers import (
+    GgufWeight,
     OffsetWeight,
     attention,
     f32,
@@ -112,6 +113,17 @@ def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ..
     return shapes
 
 
+def linear_weights(cfg: ModelConfig, stage: StageSpec) -> list[str]:
+    """HF names of the dense linear weights stage ``stage`` multiplies by (attention's and the MLP's matrices, the
+    LM head or the tied embedding on the last stage): what ``export_stage(kernels=True)`` hands fleet's kernels
+    where their type allows."""
+    names = [name for layer in range(stage.start, stage.end)
+             for role, name in hf_weight_names(cfg, layer).items() if role in MATRICES]
+    if stage.last:
+        names.append(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD)
+    return names
+
+
 def expert_rows(source, names: list[str],  # noqa: ANN001
                 report: Callable[[str, np.ndarray], object] | None = None) -> Callable[[int, int], np.ndarray]:
     """``read(start, stop)``: rows ``[start, stop)`` float16 [stop - start, cols] of the experts ``names``
@@ -145,9 +157,10 @@ class _Weights:
     int4 or int8 pattern."""
 
     def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None,  # noqa: ANN001
-                 keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None) -> None:
+                 keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None,
+                 kernels: bool = False) -> None:
         self.source, self.on_read, self.int8, self.keep_blocks = source, on_read, int8, keep_blocks
-        self.int4 = int4
+        self.int4, self.kernels = int4, kernels
         self.nodes: dict[str, ov.Output] = {}
         self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
 
@@ -177,7 +190,7 @@ class _Weights:
 
         return get
 
-    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | OffsetWeight:
+    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | OffsetWeight | GgufWeight:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
         linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
         Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32), or a
@@ -185,6 +198,10 @@ class _Weights:
         ``table``, the embedding's Gather, asks for one value)."""
         from .gguf import WITH_OFFSET
 
+        if matrix and self.kernels and (block_type := self.source.kernel_type(name)) is not None:
+            if (name, "kernel") not in self.nodes:
+                self.nodes[(name, "kernel")] = self._blocks(name, block_type)
+            return self.nodes[(name, "kernel")]
         kind = self.source.kind(name)
         kept = (matrix or table) and self.keep_blocks and kind not in ("f16", "f32")
         shape = list(self.source.shape(name))
@@ -215,6 +232,21 @@ class _Weights:
         const = self._postponed(dtype, shape, maker, name)
         self.nodes[name] = (const if dtype == ov.Type.f32 else op.convert(const, ov.Type.f32)).output(0)
         return self.nodes[name]
+
+    def _blocks(self, name: str, block_type: str) -> GgufWeight:
+        """A linear weight as its tensor's bytes exactly as the source stores them (a GGUF's blocks, rows in the
+        file's order; a row range of a fused tensor), a u8 Constant [rows, row bytes] for fleet's ``GgufMatMul``,
+        read when the serializer writes it."""
+        rows = self.source.shape(name)[0]
+        width = self.source.block_bytes(name).shape[1]
+
+        def maker() -> ov.Tensor:
+            tensor = ov.Tensor(ov.Type.u8, ov.Shape([rows, width]))
+            tensor.data[:] = self.source.block_bytes(name)
+            return self._read(name, tensor)
+
+        blocks = self._postponed(ov.Type.u8, [rows, width], maker, name).output(0)
+        return GgufWeight(blocks, block_type, self.source.row_order(name))
 
     def _kept(self, name: str, shape: list[int], zero_point: bool) -> ov.Output | OffsetWeight:
         """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|u8|i4|u4 [rows, cols/g, g],
@@ -521,7 +553,7 @@ def _feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], 
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
                  int8=None, keep_blocks: bool = False,
-                 int4: dict[str, tuple[str, int]] | None = None) -> ov.Model:  # noqa: ANN001
+                 int4: dict[str, tuple[str, int]] | None = None, kernels: bool = False) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -536,12 +568,14 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     ``int4`` (``compress.int4_plan``, ``{name: (NNCF mode, group size)}``): each weight it names in NNCF's
     int4 (``compress.int4_rows``) or int8 form as it is read, the rest f16.
     ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
-    blocks.
+    blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
+    run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
+    ``GgufMatMul`` (``_Weights._blocks``); the embedding's Gather and the experts keep ``keep_blocks``' forms.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
     source.check(stage_tensors(cfg, stage))
-    weights = _Weights(source, on_read, int8, keep_blocks, int4)
+    weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
         x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]

@@ -245,6 +245,29 @@ class GGUFWeights:
             return NEAR[qtype]
         return qtype if qtype in KEPT else "f32" if qtype == "F32" else "f16"
 
+    def kernel_type(self, name: str) -> str | None:
+        """The GGUF type fleet's kernels multiply ``name`` in (its type as stored, one of
+        ``fleet_common.kernels.BLOCK_TYPES``), or None: a type they lack, or an expert's slice (experts keep
+        today's forms)."""
+        from fleet_common.kernels import BLOCK_TYPES
+
+        t = self.tensors[name]
+        return t.qtype if t.qtype in BLOCK_TYPES and not t.expert and len(t.shape) == 2 else None
+
+    def block_bytes(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as they lie in the file, u8 [rows, row bytes] (rows in the file's order: see
+        ``row_order``): a view of the memory map, read when used."""
+        release(self._files)  # the previous read's pages
+        t = self.tensors[name]
+        data = np.asarray(t.data)
+        return data.view(np.uint8).reshape(t.shape[0], -1)
+
+    def row_order(self, name: str) -> np.ndarray | None:
+        """HF's rows of ``name`` as the file's rows (row i of HF's is row ``order[i]`` of the file: llama.cpp's
+        Q/K permutation), or None where the file keeps HF's order."""
+        t = self.tensors[name]
+        return unpermute(np.arange(t.shape[0]), t.heads) if t.heads else None
+
     def check(self, expected: dict[str, tuple[int, ...]], where: str = "GGUF metadata") -> None:
         """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
         check_shapes(self.tensors, expected, self.folder, where)

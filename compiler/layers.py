@@ -15,6 +15,7 @@ from openvino import opset13 as op
 from openvino.op.util import Variable, VariableInfo
 from openvino.utils.node_factory import NodeFactory
 
+from fleet_common import kernels
 from fleet_common.sliding_kv import kv_state_names
 
 from .arch import ModelConfig
@@ -35,6 +36,17 @@ class OffsetWeight:
     group: int
 
 
+@dataclass(frozen=True)
+class GgufWeight:
+    """A linear weight [rows, cols] as one GGUF tensor's bytes as they lie in the file (a u8 Constant [rows, row
+    bytes]), multiplied by fleet's own kernel (fleet_common/kernels.py ``GgufMatMul``, type ``block_type``);
+    ``order`` [rows] i64 or None: the product's outputs in HF's row order are its outputs ``order`` (llama.cpp's
+    Q/K row permutation undone on the product, not on the bytes)."""
+
+    blocks: ov.Output
+    block_type: str
+    order: np.ndarray | None = None
+
 
 def i64(values) -> ov.Output:  # noqa: ANN001
     return op.constant(np.asarray(values, dtype=np.int64)).output(0)
@@ -44,20 +56,21 @@ def f32(value: float) -> ov.Output:
     return op.constant(np.float32(value)).output(0)
 
 
-def linear(x: ov.Output, weight: ov.Output | OffsetWeight, bias: ov.Output | None = None) -> ov.Output:
+def linear(x: ov.Output, weight: ov.Output | OffsetWeight | GgufWeight, bias: ov.Output | None = None) -> ov.Output:
     """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear); an
-    ``OffsetWeight`` as ``linears`` computes it."""
+    ``OffsetWeight`` or a ``GgufWeight`` as ``linears`` computes it."""
     return linears(x, [weight], [bias])[0]
 
 
-def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight],
+def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight | GgufWeight],
             biases: list[ov.Output | None] | None = None) -> list[ov.Output]:
     """``x @ w.T (+ b)`` for each weight [out_i, in] of one input x [B, S, in] f32 -> [B, S, out_i] each.
 
     An ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
     ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group (computed once per
     input and group size): exact, and the large product keeps the CPU plugin's int8-activation kernel (a float
-    zero point turns it off)."""
+    zero point turns it off). A ``GgufWeight`` is fleet's ``GgufMatMul`` over its blocks, its outputs gathered
+    into HF's order where the file permuted its rows."""
     biases = biases or [None] * len(weights)
     sums: dict[int, ov.Output] = {}
     out = []
@@ -68,6 +81,11 @@ def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight],
                                               i64([-1]), keep_dims=False).output(0)
             y = op.add(op.matmul(x, w.weight, transpose_a=False, transpose_b=True),
                        op.matmul(sums[w.group], w.offset, transpose_a=False, transpose_b=True))
+        elif isinstance(w, GgufWeight):
+            y = kernels.gguf_matmul(x, w.blocks, w.block_type).get_node()
+            y.set_friendly_name(f"{w.blocks.get_node().get_friendly_name()}/matmul")
+            if w.order is not None:
+                y = op.gather(y, i64(w.order), i64(-1))
         else:
             y = op.matmul(x, w, transpose_a=False, transpose_b=True)
         out.append((y if bias is None else op.add(y, bias)).output(0))
