@@ -132,7 +132,6 @@ def build(
     ratio: float | None = None,
     draft_weights: str = "fp16",
     progress: bool = False,
-    exact_blocks: bool = False,
     devices: tuple[str, ...] | None = None,
 ) -> Manifest:
     """Build ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
@@ -144,11 +143,10 @@ def build(
     ``stage_weights`` (``"0=int8,1=int4"``) names its own; int4 and int8 take the model's size
     class defaults, overridden by ``symmetric``, ``group_size`` and ``ratio`` (int4 only) where not
     None; model drafts store ``draft_weights`` the same way. ``progress``: a progress bar on stderr.
-    ``exact_blocks`` (a GGUF): every kept block type as the file has it, Q6_K included (compiler/gguf.py
-    ``NEAR``: by default Q6_K is re-quantized to int8 per 32, near-exact and faster).
     ``devices`` (one per stage, e.g. a plan's; None: every stage on the CPU): a GGUF's CPU stages multiply its
-    blocks as they lie in the file with fleet's kernels (fleet_common/kernels.py), its GPU/NPU stages keep
-    OpenVINO's own compressed forms (the GPU plugin runs no CPU extension op).
+    blocks as they lie in the file with fleet's kernels (fleet_common/kernels.py), an HF folder's fp16 CPU stages
+    its matrices as stored (F16, BF16, F32); GPU/NPU stages keep OpenVINO's own forms (the GPU plugin runs no
+    CPU extension op).
     Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
     for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
     file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
@@ -159,7 +157,7 @@ def build(
     with tempfile.TemporaryDirectory() as tmp:
         source = open_source(Path(src), Path(tmp))
         cfg = source.config
-        ranges = _checked_ranges(source, shards, layers, drafts, exact_blocks)
+        ranges = _checked_ranges(source, shards, layers, drafts)
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         specs, keep_stage = _stage_specs(source, len(ranges), weights, stage_weights, overrides)
         staging = _staging_dir(out)
@@ -174,8 +172,11 @@ def build(
                                               draft_weights, **overrides) for spec in drafts]
                 on_cpu = [True] * len(ranges) if devices is None else [d.split(".")[0].upper() == "CPU"
                                                                        for d in devices]
+                # fleet's kernels on the CPU: a GGUF's own blocks, an HF folder's matrices as stored (fp16 format)
+                kernels = [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16")
+                           for i in range(len(ranges))]
                 stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i],
-                                       keep_stage[i] and on_cpu[i], staging, kv_cache_precision, bar)
+                                       kernels[i], staging, kv_cache_precision, bar)
                           for i, (a, b) in enumerate(ranges)]
             with disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
@@ -203,14 +204,12 @@ def _check_output(out: Path, drafts: tuple[str, ...]) -> None:
         raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
 
 
-def _checked_ranges(source: Source, shards: int, layers: str | None, drafts: tuple[str, ...],
-                    exact_blocks: bool) -> list[tuple[int, int]]:
+def _checked_ranges(source: Source, shards: int, layers: str | None,
+                    drafts: tuple[str, ...]) -> list[tuple[int, int]]:
     """The stages' layer ranges (``stage_ranges``), once everything a build needs of ``source`` is checked
     from its headers: self drafts it may have, no layers beyond its config, a tokenizer.json, and every
-    tensor of every stage there and shaped as the config says. Sets a GGUF's ``exact`` (``exact_blocks``)."""
+    tensor of every stage there and shaped as the config says."""
     cfg = source.config
-    if source.gguf:
-        source.weights.exact = exact_blocks
     for spec in drafts:
         check_self_draft(spec, cfg)
     ranges = stage_ranges(cfg, shards, layers)

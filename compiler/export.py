@@ -48,7 +48,6 @@ from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, 
 from .gpt_oss import gpt_oss_moe
 from .layers import (
     GgufWeight,
-    OffsetWeight,
     attention,
     f32,
     gemma_layer,
@@ -66,11 +65,6 @@ from .layers import (
 log = logging.getLogger(__name__)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
-# offset-type (Q4_1/Q4_K/Q5_1/Q5_K/Q2_K) matrices smaller than this keep a float zero point instead of the offset
-# product (``_kept``): the second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves
-# on small matrices (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster:
-# kernel_bench.py)
-OFFSET_FORM_MIN_WEIGHTS = 1 << 21
 CODE_TYPES = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4, "f4e2m1": ov.Type.f4e2m1}
 
 
@@ -190,14 +184,12 @@ class _Weights:
 
         return get
 
-    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | OffsetWeight | GgufWeight:
+    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | GgufWeight:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
         linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
         Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32), or a
-        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for a large matrix of an offset type unless
-        ``table``, the embedding's Gather, asks for one value)."""
-        from .gguf import WITH_OFFSET
-
+        GGUF's own blocks (``_kept``; the embedding's Gather asks for a ``table``), or with ``kernels`` a matrix
+        as its bytes for fleet's kernels (a ``GgufWeight``, ``_blocks``)."""
         if matrix and self.kernels and (block_type := self.source.kernel_type(name)) is not None:
             if (name, "kernel") not in self.nodes:
                 self.nodes[(name, "kernel")] = self._blocks(name, block_type)
@@ -205,14 +197,11 @@ class _Weights:
         kind = self.source.kind(name)
         kept = (matrix or table) and self.keep_blocks and kind not in ("f16", "f32")
         shape = list(self.source.shape(name))
-        small = math.prod(shape) < OFFSET_FORM_MIN_WEIGHTS
-        # a large offset-type table used as a matrix too (tied) gets both forms; otherwise one form serves both
-        key = (name, "table") if table and kept and kind in WITH_OFFSET and not small else name
-        if key in self.nodes:
-            return self.nodes[key]
+        if name in self.nodes:
+            return self.nodes[name]
         if kept:
-            self.nodes[key] = self._kept(name, shape, zero_point=table or small)
-            return self.nodes[key]
+            self.nodes[name] = self._kept(name, shape)
+            return self.nodes[name]
         matrix = matrix or table
         if matrix and self.int8 is not None:
             self.nodes[name] = self._int8(name, shape, self.int8.symmetric)
@@ -248,66 +237,49 @@ class _Weights:
         blocks = self._postponed(ov.Type.u8, [rows, width], maker, name).output(0)
         return GgufWeight(blocks, block_type, self.source.row_order(name))
 
-    def _kept(self, name: str, shape: list[int], zero_point: bool) -> ov.Output | OffsetWeight:
-        """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|u8|i4|u4 [rows, cols/g, g],
-        ``gguf.STORED``) -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32
-        (16 for exact Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
-        weights, with int8 activations: "dynamic quantization"). MXFP4: Constant(f4e2m1, the file's E2M1 codes)
-        -> Convert(f32) -> Multiply(Convert(f32) of Constant(f8e8m0, its scale bytes)) -> Reshape, which the plugin
-        runs on its f4e2m1 kernel (its activations stay f32).
-
-        The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K; w = q * scale + offset) come back as
-        an ``OffsetWeight`` whose offsets (per ``gguf.offset_group``: g, or Q2_K's 16) ``linear`` adds as a
-        second, small product: a float zero point, the other exact form, turns the plugin's int8-activation path
-        off and ran 1.25-2x slower (bench/kernel_bench.py). With ``zero_point`` (the embedding's Gather, and
-        matrices under ``OFFSET_FORM_MIN_WEIGHTS``) they are ``(q - zero point) * scale`` per offset group, zero
-        point f32: the form OpenVINO's compressed Gather takes."""
-        from .gguf import CODED_OFFSET, GROUP, QK_K, STORED, WITH_OFFSET, offset_group, pack_nibbles
+    def _kept(self, name: str, shape: list[int]) -> ov.Output:
+        """A GGUF weight [rows, cols] in OpenVINO's compressed form of its blocks (compiler/gguf.py; a GPU/NPU
+        stage's matrices, and every stage's embedding Gather): Constant(i8|u8|i4|u4 [rows, cols/g, g],
+        ``gguf.STORED``) -> Convert(f32) [-> Subtract(zero point f32 [rows, cols/g, 1])] -> Multiply(scale f32
+        [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32 (16 for Q6_K and Q2_K's offsets), the compressed-weight
+        pattern the plugins run as is. The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K;
+        w = q * scale + offset) as ``(q - zero point) * scale`` per offset group (``QuantRows.zero_point``), zero
+        point f32: exact, and the form OpenVINO's compressed Gather takes. MXFP4: Constant(f4e2m1, the file's E2M1
+        codes) -> Convert(f32) -> Multiply(Convert(f32) of Constant(f8e8m0, its scale bytes)) -> Reshape."""
+        from .gguf import GROUP, STORED, WITH_OFFSET, offset_group, pack_nibbles
 
         kind = self.source.kind(name)
         rows, cols = shape
         offset = kind in WITH_OFFSET
-        og = offset_group(kind) if offset else GROUP[kind]  # weights per offset
-        g = og if zero_point else GROUP[kind]  # the zero-point form: codes, scale and zero point per offset group
-        groups, per_offset = [rows, cols // g, 1], [rows, cols // og, 1]
+        g = offset_group(kind) if offset else GROUP[kind]  # codes, scale and zero point per offset group
+        groups = [rows, cols // g, 1]
         wtype = CODE_TYPES[STORED[kind]]
         nibbles, fp4 = STORED[kind] in ("i4", "u4", "f4e2m1"), STORED[kind] == "f4e2m1"
-        part = "zero_point" if zero_point else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
-            scale, extra = np.empty(groups, np.uint8 if fp4 else np.float32), np.empty(per_offset, np.float32)
-            codes, dmin = np.empty((rows, cols // og), np.uint8), np.empty((rows, cols // QK_K), np.float32)
+            scale, zero = np.empty(groups, np.uint8 if fp4 else np.float32), np.empty(groups, np.float32)
             raw = weights.data.view(np.int8 if wtype == ov.Type.i8 else np.uint8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
                 b = min(rows, a + step)
                 q = self.source.blocks(name, (a, b))
                 values, scales = (q.e2m1, q.e8m0) if fp4 else (q.values, q.scale)
-                if offset and zero_point:
-                    values, extra[a:b, :, 0], scales = q.zero_point()
-                elif offset:
-                    extra[a:b, :, 0] = q.offset
-                    if q.offset_codes is not None:
-                        codes[a:b], dmin[a:b] = q.offset_codes, q.offset_step
+                if offset:
+                    values, zero[a:b, :, 0], scales = q.zero_point()
                 raw[a:b] = (pack_nibbles(values) if nibbles else values).reshape(b - a, -1)
                 scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
             if fp4:  # the E8M0 bytes as OpenVINO's f8e8m0 (the same encoding)
                 parts["scale"] = ov.Tensor(ov.Type.f8e8m0, ov.Shape(groups))
                 parts["scale"].data.view(np.uint8)[...] = scale
-            if zero_point:
-                return parts | ({part: ov.Tensor(extra)} if offset else {})
-            if kind in CODED_OFFSET:  # the offsets as their integers times -dmin per 256: exact, a quarter the bytes
-                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, QK_K // og)),
-                                "offset_step": ov.Tensor(dmin[..., None])}
-            return parts | ({"offset": ov.Tensor(extra[..., 0].astype(np.float16))} if offset else {})  # f16 exact
+            return parts | ({"zero_point": ov.Tensor(zero)} if offset else {})
 
         compute = self._once(make)
         q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f32)
-        if offset and zero_point:
-            zp = self._postponed(ov.Type.f32, groups, lambda: compute(part), f"{name}/zero_point")
+        if offset:
+            zp = self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{name}/zero_point")
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
         if fp4:
             scale = op.convert(self._postponed(ov.Type.f8e8m0, groups, lambda: compute("scale"), f"{name}/scale"),
@@ -315,28 +287,7 @@ class _Weights:
         else:
             scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
         x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
-        weight = op.reshape(x, i64([rows, cols]), special_zero=False).output(0)
-        if not offset or zero_point:
-            return weight
-        return OffsetWeight(weight, self._offsets(name, kind, rows, cols // og, compute), og)
-
-    def _offsets(self, name: str, kind: str, rows: int, groups: int, compute: Callable[[str], ov.Tensor]) -> ov.Output:
-        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's, Q5_K's and Q2_K's
-        (``CODED_OFFSET``) as their 6- or 4-bit minima (u8 [rows, groups / k, k]) times -dmin per super-block of k
-        groups (f32 [rows, groups / k, 1]), the compressed pattern (a quarter of f32's bytes); Q4_1's and Q5_1's
-        as f16 (their own type)."""
-        from .gguf import CODED_OFFSET, QK_K, offset_group
-
-        if kind in CODED_OFFSET:
-            k = QK_K // offset_group(kind)
-            codes = self._postponed(ov.Type.u8, [rows, groups // k, k], lambda: compute("offset_codes"),
-                                    f"{name}/offset")
-            step = self._postponed(ov.Type.f32, [rows, groups // k, 1], lambda: compute("offset_step"),
-                                   f"{name}/offset/scale")
-            x = op.multiply(op.convert(codes, ov.Type.f32), step, name=f"{name}/offset/fq_weights_1")
-            return op.reshape(x, i64([rows, groups]), special_zero=False).output(0)
-        offsets = self._postponed(ov.Type.f16, [rows, groups], lambda: compute("offset"), f"{name}/offset")
-        return op.convert(offsets, ov.Type.f32).output(0)
+        return op.reshape(x, i64([rows, cols]), special_zero=False).output(0)
 
     def stacked(self, names: list[str]) -> ov.Output:
         """The weights ``names`` (a Mixture-of-Experts layer's experts' same matrix, [rows, cols] each) as one
@@ -519,7 +470,7 @@ class _Weights:
 
 def name_products(model: ov.Model) -> None:
     """Name every MatMul whose weight comes from a named constant after that weight (``model.layers.3.mlp.
-    down_proj.weight/matmul``; its offset product ``.../offset/matmul``), so a per-op profile (``PERF_COUNT``)
+    down_proj.weight/matmul``, as ``linears`` names fleet's kernels' products), so a per-op profile (``PERF_COUNT``)
     says which matrix each FullyConnected is (bench/kernel_bench.py)."""
     for node in model.get_ordered_ops():
         if node.get_type_name() != "MatMul":

@@ -149,8 +149,13 @@ def runs_compressed(device: str, entry) -> bool:  # noqa: ANN001 - a manifest St
     """Whether a stage (or draft) ``entry`` of a manifest on ``device`` runs on the CPU plugin's compressed kernels
     alone (``compile_config``'s ``compressed_cpu``): int8/int4 weights, or a GGUF build whose matrices are all kept
     blocks. One with f16 matrices (an F16 GGUF, types dequantized to f16) is not: at f32 the plugin would widen
-    those to f32, twice their bytes (an F16 1B stage took 8.2 GB)."""
-    if device.split(".")[0].upper() != "CPU" or entry.weights == "fp16":
+    those to f32, twice their bytes (an F16 1B stage took 8.2 GB). A stage whose matrices fleet's kernels multiply
+    (``entry.kernels``) is: its matrices stay as stored whatever the precision, the rest runs at f32."""
+    if device.split(".")[0].upper() != "CPU":
+        return False
+    if getattr(entry, "kernels", None):
+        return True
+    if entry.weights == "fp16":
         return False
     return entry.weights != "gguf" or not entry.compression.get("tensors", {}).get("f16", 0)
 
