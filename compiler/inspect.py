@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 from fleet_common.manifest import load_manifest, verify_files
-from fleet_common.runtime import stage_core
+from fleet_common.runtime import check_kernels, stage_core
 
 from .layers import ROUTER_SOFTMAX
 
@@ -57,6 +57,8 @@ def inspect(model_dir: Path, device: str = "CPU") -> tuple[list[str], list[Stage
     """Return (hash problems, per-stage fusion reports) for a build directory."""
     loaded = load_manifest(model_dir)
     problems = verify_files(loaded)
+    for s in loaded.manifest.stages:  # one line saying what to install, not OpenVINO's unknown-op error
+        check_kernels(s, f"stage {s.index} of {model_dir}")
     reports = [
         fusion_report(model_dir / s.xml, s.index, (s.start, s.end), device)
         for s in loaded.manifest.stages
