@@ -226,8 +226,7 @@ class _Weights:
         """A linear weight as its tensor's bytes exactly as the source stores them (a GGUF's blocks, rows in the
         file's order; a row range of a fused tensor), a u8 Constant [rows, row bytes] for fleet's ``GgufMatMul``,
         read when the serializer writes it."""
-        rows = self.source.shape(name)[0]
-        width = self.source.block_bytes(name).shape[1]
+        rows, width = self.source.shape(name)[0], self.source.row_bytes(name)
 
         def maker() -> ov.Tensor:
             tensor = ov.Tensor(ov.Type.u8, ov.Shape([rows, width]))

@@ -251,6 +251,11 @@ class GGUFWeights:
         data = np.asarray(t.data)
         return data.view(np.uint8).reshape(t.shape[0], -1)
 
+    def row_bytes(self, name: str) -> int:
+        """Bytes a row of matrix ``name`` takes in the file (``block_bytes``' width); nothing is read."""
+        t = self.tensors[name]
+        return np.asarray(t.data).nbytes // t.shape[0]
+
     def row_order(self, name: str) -> np.ndarray | None:
         """HF's rows of ``name`` as the file's rows (row i of HF's is row ``order[i]`` of the file: llama.cpp's
         Q/K permutation), or None where the file keeps HF's order."""

@@ -173,18 +173,25 @@ class SafetensorsWeights:
         info = self.tensors[name]
         return None if len(info.shape) != 2 else "F16" if info.dtype == "F32" else info.dtype
 
+    def row_bytes(self, name: str) -> int:
+        """Bytes a row of matrix ``name`` takes in ``kernel_type`` (2 a value); nothing is read."""
+        return 2 * int(np.prod(self.tensors[name].shape[1:], dtype=np.int64))
+
     def block_bytes(self, name: str) -> np.ndarray:
-        """Matrix ``name``'s bytes in ``kernel_type``, u8 [rows, cols x 2]: F16 and BF16 as stored (a view of the
-        mapped file, read when used), F32 as float16 (``tensor``, read now). ``WeightsError`` when the file
-        cannot be read or an F32 value is beyond float16's range."""
+        """Matrix ``name``'s bytes in ``kernel_type``, u8 [rows, cols x 2], read now: F16 and BF16 as stored,
+        F32 as float16 (``tensor``). ``WeightsError`` when the file cannot be read, or a value is inf or NaN
+        (an F32 one beyond float16's range)."""
         info = self.tensors[name]
         if info.dtype == "F32":
             return self.tensor(name).view(np.uint8)
         try:
-            return np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.offset,
-                             shape=(info.shape[0], info.nbytes // info.shape[0]))
+            bits = np.array(np.memmap(info.file, dtype=np.uint16, mode="r", offset=info.offset, shape=info.shape))
         except (OSError, ValueError) as exc:
             raise WeightsError(f"{info.file}: tensor {name} cannot be read ({exc})") from None
+        exponent = np.uint16(0x7C00 if info.dtype == "F16" else 0x7F80)  # all ones: inf or NaN
+        if ((bits & exponent) == exponent).any():
+            raise WeightsError(f"{info.file.name}: tensor {name} holds inf or NaN values")
+        return bits.view(np.uint8)
 
     def row_order(self, name: str) -> None:
         """None: a safetensors matrix's rows are in HF's order (``gguf.GGUFWeights.row_order`` has more)."""
