@@ -171,7 +171,9 @@ def whole_runner(build: Path, prompt_ids: list[list[int]], tokens: int) -> tuple
     """The whole-model row: the 1-stage IR compiled here as a shard is, greedy-decoded from numpy."""
     tokenizer = ChatTokenizer(build)
     xml = build / "stage_0" / "openvino_model.xml"
-    request = ov.Core().compile_model(str(xml), "CPU", SHARD_CONFIG).create_infer_request()
+    from fleet_common.runtime import stage_core
+
+    request = stage_core().compile_model(str(xml), "CPU", SHARD_CONFIG).create_infer_request()
     settings = {"model": str(xml), "properties": SHARD_CONFIG, "threads": "OpenVINO default"}
     return settings, lambda i: greedy_whole(request, prompt_ids[i], tokens, tokenizer)
 

@@ -55,10 +55,11 @@ def baseline(build: Path, tokens: int, core: int = 0) -> dict:
 import os, sys, time, json
 import numpy as np, openvino as ov
 from coordinator.tokenizer import ChatTokenizer
+from fleet_common.runtime import stage_core
 os.sched_setaffinity(0, {{{core}}})
 build = {str(build)!r}
 tok = ChatTokenizer(build)
-req = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU",
+req = stage_core().compile_model(build + "/stage_0/openvino_model.xml", "CPU",
     {{"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "INFERENCE_NUM_THREADS": 1}}).create_infer_request()
 rates, ttfts = [], []
 for prompt in {list(PROMPTS[:3])!r} * 2:

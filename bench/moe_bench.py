@@ -41,13 +41,11 @@ def runtime_ops(build: Path, threads: int) -> dict[str, int]:
     """The CPU plugin's node types (``layerType``) in the compiled MoE stage, counted (compiled as a worker
     compiles it): the tiled expert block, matched, shows as three ``GatherMatmul`` per layer; unmatched, as
     MatMuls over every expert."""
-    import openvino as ov
-
     from fleet_common.manifest import load_manifest
-    from fleet_common.runtime import compile_config, runs_compressed
+    from fleet_common.runtime import compile_config, runs_compressed, stage_core
 
     entry = load_manifest(build).manifest.stages[0]
-    compiled = ov.Core().compile_model(str(build / "stage_0" / "openvino_model.xml"), "CPU",
+    compiled = stage_core().compile_model(str(build / "stage_0" / "openvino_model.xml"), "CPU",
                                        compile_config(threads, "auto", runs_compressed("CPU", entry)))
     return dict(Counter(n.get_rt_info()["layerType"].astype(str) for n in compiled.get_runtime_model().get_ordered_ops()))
 

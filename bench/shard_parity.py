@@ -65,6 +65,7 @@ from bench.worker_memory import runtime_baseline, worker_memory
 from compiler.inspect import inspect
 from compiler.quality import EVAL_TEXT, StageChain
 from fleet_common.manifest import MANIFEST_NAME, load_manifest, sha256_file
+from fleet_common.runtime import stage_core
 
 FORMATS = ("fp16", "int8", "int4")
 STAGES = (1, 2, 3)
@@ -115,7 +116,7 @@ def ensure_unhinted(build: Path) -> Path:
     shutil.copytree(build, tmp, copy_function=os.link)
     loaded = load_manifest(build)
     files = dict(loaded.manifest.files)
-    core = ov.Core()
+    core = stage_core()
     for stage in loaded.manifest.stages:
         model = core.read_model(str(build / stage.xml))
         strip_fusion_hints(model)

@@ -20,12 +20,14 @@ from pathlib import Path
 import openvino as ov
 
 from fleet_common import PROTOCOL_VERSION
-from fleet_common.manifest import MANIFEST_NAME, Architecture, Manifest, StageEntry, sha256_file
+from fleet_common.kernels import KERNELS_VERSION
+from fleet_common.manifest import (FORMAT_VERSION, KERNELS_FORMAT, MANIFEST_NAME, Architecture, Manifest, StageEntry,
+                                   sha256_file)
 
 from .arch import ModelConfig
 from .compress import WeightSpec, parse_stage_weights, resolve
 from .draft import check_self_draft, draft_name, export_draft
-from .export import StageSpec, stage_tensors
+from .export import StageSpec, linear_weights, stage_tensors
 from .plan import balanced_split, decode_weights, parse_layers
 from .save import BuildError, Progress, disk_errors, human_size, save_stage, stage_fp16_bytes
 from .source import TOKENIZER_FILES, Source, open_source
@@ -130,7 +132,7 @@ def build(
     ratio: float | None = None,
     draft_weights: str = "fp16",
     progress: bool = False,
-    exact_blocks: bool = False,
+    devices: tuple[str, ...] | None = None,
 ) -> Manifest:
     """Build ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
@@ -141,8 +143,10 @@ def build(
     ``stage_weights`` (``"0=int8,1=int4"``) names its own; int4 and int8 take the model's size
     class defaults, overridden by ``symmetric``, ``group_size`` and ``ratio`` (int4 only) where not
     None; model drafts store ``draft_weights`` the same way. ``progress``: a progress bar on stderr.
-    ``exact_blocks`` (a GGUF): every kept block type as the file has it, Q6_K included (compiler/gguf.py
-    ``NEAR``: by default Q6_K is re-quantized to int8 per 32, near-exact and faster).
+    ``devices`` (one per stage, e.g. a plan's; None: every stage on the CPU): a GGUF's CPU stages multiply its
+    blocks as they lie in the file with fleet's kernels (fleet_common/kernels.py), an HF folder's fp16 CPU stages
+    its matrices as stored (F16, BF16, F32); GPU/NPU stages keep OpenVINO's own forms (the GPU plugin runs no
+    CPU extension op).
     Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
     for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
     file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
@@ -153,7 +157,7 @@ def build(
     with tempfile.TemporaryDirectory() as tmp:
         source = open_source(Path(src), Path(tmp))
         cfg = source.config
-        ranges = _checked_ranges(source, shards, layers, drafts, exact_blocks)
+        ranges = _checked_ranges(source, shards, layers, drafts)
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         specs, keep_stage = _stage_specs(source, len(ranges), weights, stage_weights, overrides)
         staging = _staging_dir(out)
@@ -166,8 +170,14 @@ def build(
                 # drafts first: a draft with another vocabulary fails the build before the long part
                 draft_entries = [export_draft(spec, source, staging, kv_cache_precision, Path(tmp), bar,
                                               draft_weights, **overrides) for spec in drafts]
-                stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i], staging,
-                                       kv_cache_precision, bar) for i, (a, b) in enumerate(ranges)]
+                on_cpu = [True] * len(ranges) if devices is None else [d.split(".")[0].upper() == "CPU"
+                                                                       for d in devices]
+                # fleet's kernels on the CPU: a GGUF's own blocks, an HF folder's matrices as stored (fp16 format)
+                kernels = [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16")
+                           for i in range(len(ranges))]
+                stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i],
+                                       kernels[i], staging, kv_cache_precision, bar)
+                          for i, (a, b) in enumerate(ranges)]
             with disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
                     if (source.folder / name).is_file():
@@ -194,14 +204,12 @@ def _check_output(out: Path, drafts: tuple[str, ...]) -> None:
         raise BuildError(f"{out} is not empty and holds no fleet build; choose another -o folder")
 
 
-def _checked_ranges(source: Source, shards: int, layers: str | None, drafts: tuple[str, ...],
-                    exact_blocks: bool) -> list[tuple[int, int]]:
+def _checked_ranges(source: Source, shards: int, layers: str | None,
+                    drafts: tuple[str, ...]) -> list[tuple[int, int]]:
     """The stages' layer ranges (``stage_ranges``), once everything a build needs of ``source`` is checked
     from its headers: self drafts it may have, no layers beyond its config, a tokenizer.json, and every
-    tensor of every stage there and shaped as the config says. Sets a GGUF's ``exact`` (``exact_blocks``)."""
+    tensor of every stage there and shaped as the config says."""
     cfg = source.config
-    if source.gguf:
-        source.weights.exact = exact_blocks
     for spec in drafts:
         check_self_draft(spec, cfg)
     ranges = stage_ranges(cfg, shards, layers)
@@ -228,17 +236,19 @@ def _stage_specs(source: Source, stages: int, weights: str | None, stage_weights
     return specs, {i: keep and i not in named for i in formats}
 
 
-def _write_stage(source: Source, stage: StageSpec, spec: WeightSpec, keep_blocks: bool, staging: Path,
-                 kv_cache_precision: str, bar: Progress) -> StageEntry:
-    """Build ``stage`` into ``staging/stage_<i>/`` (``save_stage``); return its manifest entry."""
+def _write_stage(source: Source, stage: StageSpec, spec: WeightSpec, keep_blocks: bool, kernels: bool,
+                 staging: Path, kv_cache_precision: str, bar: Progress) -> StageEntry:
+    """Build ``stage`` into ``staging/stage_<i>/`` (``save_stage``; ``kernels``: its linear weights for fleet's
+    kernels); return its manifest entry, which names the kernels' version when the stage holds their op."""
     rel = f"stage_{stage.index}/openvino_model"
     (staging / f"stage_{stage.index}").mkdir()
     fmt = "gguf" if keep_blocks else spec.format
     save_stage(source.config, source.weights, stage, staging / f"{rel}.xml", spec, kv_cache_precision, bar,
-               f"stage {stage.index} [{stage.start}:{stage.end}) {fmt}", keep_blocks=keep_blocks)
+               f"stage {stage.index} [{stage.start}:{stage.end}) {fmt}", keep_blocks=keep_blocks, kernels=kernels)
     compression = kept_formats(source.weights, source.config, stage) if keep_blocks else spec.parameters()
+    uses = kernels and any(source.weights.kernel_type(n) is not None for n in linear_weights(source.config, stage))
     return StageEntry(index=stage.index, start=stage.start, end=stage.end, xml=f"{rel}.xml", bin=f"{rel}.bin",
-                      weights=fmt, compression=compression)
+                      weights=fmt, compression=compression, kernels=KERNELS_VERSION if uses else None)
 
 
 def _manifest(folder: Path, cfg: ModelConfig, src: Path, model_id: str | None, stages: list[StageEntry],
@@ -261,6 +271,7 @@ def _manifest(folder: Path, cfg: ModelConfig, src: Path, model_id: str | None, s
         eos_token_ids=eos,
         files=files,
         drafts=tuple(drafts),
+        format=KERNELS_FORMAT if any(s.kernels for s in stages) else FORMAT_VERSION,
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest

@@ -24,9 +24,6 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's; a "
                                                      ".gguf keeps its Q8_0/Q4_*/Q5_*/Q2_K-Q6_K blocks exactly, README 'GGUF files')")
     g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
-    g.add_argument("--exact-blocks", action="store_true",
-                   help="a .gguf's Q6_K blocks kept exactly (int8 per 16: ~1.3x slower per weight) instead of "
-                        "re-quantized to int8 per 32 (the default; its error: README 'On a model of real size')")
     g.add_argument("--draft-weights", default="fp16", choices=FORMATS,
                    help="weights of model drafts (self-int4 and self-int8 are compressed as named)")
     g.add_argument("--group-size", type=int, help="int4: weights sharing one scale (-1: one per output channel)")
@@ -93,8 +90,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, model_id=located.model_id,
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
-                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(),
-                     exact_blocks=args.exact_blocks)
+                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(), devices=devices)
     if devices is not None:
         from fleet_common.manifest import load_manifest
 

@@ -47,7 +47,7 @@ from openvino.utils.postponed_constant import make_postponed_constant
 from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
 from .gpt_oss import gpt_oss_moe
 from .layers import (
-    OffsetWeight,
+    GgufWeight,
     attention,
     f32,
     gemma_layer,
@@ -65,11 +65,6 @@ from .layers import (
 log = logging.getLogger(__name__)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the linear weights of a layer (int8 compresses them)
-# offset-type (Q4_1/Q4_K/Q5_1/Q5_K/Q2_K) matrices smaller than this keep a float zero point instead of the offset
-# product (``_kept``): the second product's fixed cost per op (~30 us here) outweighs what the faster kernel saves
-# on small matrices (the demo's 576-wide layers ran 15% slower with it, Llama-3.2-1B's 2048-wide 1.25x faster:
-# kernel_bench.py)
-OFFSET_FORM_MIN_WEIGHTS = 1 << 21
 CODE_TYPES = {"i8": ov.Type.i8, "u8": ov.Type.u8, "i4": ov.Type.i4, "u4": ov.Type.u4, "f4e2m1": ov.Type.f4e2m1}
 
 
@@ -112,6 +107,17 @@ def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ..
     return shapes
 
 
+def linear_weights(cfg: ModelConfig, stage: StageSpec) -> list[str]:
+    """HF names of the dense linear weights stage ``stage`` multiplies by (attention's and the MLP's matrices, the
+    LM head or the tied embedding on the last stage): what ``export_stage(kernels=True)`` hands fleet's kernels
+    where their type allows."""
+    names = [name for layer in range(stage.start, stage.end)
+             for role, name in hf_weight_names(cfg, layer).items() if role in MATRICES]
+    if stage.last:
+        names.append(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD)
+    return names
+
+
 def expert_rows(source, names: list[str],  # noqa: ANN001
                 report: Callable[[str, np.ndarray], object] | None = None) -> Callable[[int, int], np.ndarray]:
     """``read(start, stop)``: rows ``[start, stop)`` float16 [stop - start, cols] of the experts ``names``
@@ -145,9 +151,10 @@ class _Weights:
     int4 or int8 pattern."""
 
     def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None,  # noqa: ANN001
-                 keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None) -> None:
+                 keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None,
+                 kernels: bool = False) -> None:
         self.source, self.on_read, self.int8, self.keep_blocks = source, on_read, int8, keep_blocks
-        self.int4 = int4
+        self.int4, self.kernels = int4, kernels
         self.nodes: dict[str, ov.Output] = {}
         self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
 
@@ -177,25 +184,24 @@ class _Weights:
 
         return get
 
-    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | OffsetWeight:
+    def __call__(self, name: str, matrix: bool = False, table: bool = False) -> ov.Output | GgufWeight:
         """``name`` as an f32 graph value [shape]: Constant(f16) -> Convert(f32), or for a ``matrix`` (a
         linear or embedding weight [rows, cols]) of an int8 stage the decompression NNCF writes,
         Constant(u8) -> Convert(f16) -> Subtract(zero point) -> Multiply(scale) -> Convert(f32), or a
-        GGUF's own blocks (``_kept``: an ``OffsetWeight`` for a large matrix of an offset type unless
-        ``table``, the embedding's Gather, asks for one value)."""
-        from .gguf import WITH_OFFSET
-
+        GGUF's own blocks (``_kept``; the embedding's Gather asks for a ``table``), or with ``kernels`` a matrix
+        as its bytes for fleet's kernels (a ``GgufWeight``, ``_blocks``)."""
+        if matrix and self.kernels and (block_type := self.source.kernel_type(name)) is not None:
+            if (name, "kernel") not in self.nodes:
+                self.nodes[(name, "kernel")] = self._blocks(name, block_type)
+            return self.nodes[(name, "kernel")]
         kind = self.source.kind(name)
         kept = (matrix or table) and self.keep_blocks and kind not in ("f16", "f32")
         shape = list(self.source.shape(name))
-        small = math.prod(shape) < OFFSET_FORM_MIN_WEIGHTS
-        # a large offset-type table used as a matrix too (tied) gets both forms; otherwise one form serves both
-        key = (name, "table") if table and kept and kind in WITH_OFFSET and not small else name
-        if key in self.nodes:
-            return self.nodes[key]
+        if name in self.nodes:
+            return self.nodes[name]
         if kept:
-            self.nodes[key] = self._kept(name, shape, zero_point=table or small)
-            return self.nodes[key]
+            self.nodes[name] = self._kept(name, shape)
+            return self.nodes[name]
         matrix = matrix or table
         if matrix and self.int8 is not None:
             self.nodes[name] = self._int8(name, shape, self.int8.symmetric)
@@ -216,66 +222,63 @@ class _Weights:
         self.nodes[name] = (const if dtype == ov.Type.f32 else op.convert(const, ov.Type.f32)).output(0)
         return self.nodes[name]
 
-    def _kept(self, name: str, shape: list[int], zero_point: bool) -> ov.Output | OffsetWeight:
-        """A GGUF weight [rows, cols] in its own blocks (compiler/gguf.py): Constant(i8|u8|i4|u4 [rows, cols/g, g],
-        ``gguf.STORED``) -> Convert(f32) -> Multiply(scale f32 [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32
-        (16 for exact Q6_K), the compressed-weight pattern the CPU plugin runs as is (FullyConnected on packed
-        weights, with int8 activations: "dynamic quantization"). MXFP4: Constant(f4e2m1, the file's E2M1 codes)
-        -> Convert(f32) -> Multiply(Convert(f32) of Constant(f8e8m0, its scale bytes)) -> Reshape, which the plugin
-        runs on its f4e2m1 kernel (its activations stay f32).
+    def _blocks(self, name: str, block_type: str) -> GgufWeight:
+        """A linear weight as its tensor's bytes exactly as the source stores them (a GGUF's blocks, rows in the
+        file's order; a row range of a fused tensor), a u8 Constant [rows, row bytes] for fleet's ``GgufMatMul``,
+        read when the serializer writes it."""
+        rows, width = self.source.shape(name)[0], self.source.row_bytes(name)
 
-        The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K; w = q * scale + offset) come back as
-        an ``OffsetWeight`` whose offsets (per ``gguf.offset_group``: g, or Q2_K's 16) ``linear`` adds as a
-        second, small product: a float zero point, the other exact form, turns the plugin's int8-activation path
-        off and ran 1.25-2x slower (bench/kernel_bench.py). With ``zero_point`` (the embedding's Gather, and
-        matrices under ``OFFSET_FORM_MIN_WEIGHTS``) they are ``(q - zero point) * scale`` per offset group, zero
-        point f32: the form OpenVINO's compressed Gather takes."""
-        from .gguf import CODED_OFFSET, GROUP, QK_K, STORED, WITH_OFFSET, offset_group, pack_nibbles
+        def maker() -> ov.Tensor:
+            tensor = ov.Tensor(ov.Type.u8, ov.Shape([rows, width]))
+            tensor.data[:] = self.source.block_bytes(name)
+            return self._read(name, tensor)
+
+        blocks = self._postponed(ov.Type.u8, [rows, width], maker, name).output(0)
+        return GgufWeight(blocks, block_type, self.source.row_order(name))
+
+    def _kept(self, name: str, shape: list[int]) -> ov.Output:
+        """A GGUF weight [rows, cols] in OpenVINO's compressed form of its blocks (compiler/gguf.py; a GPU/NPU
+        stage's matrices, and every stage's embedding Gather): Constant(i8|u8|i4|u4 [rows, cols/g, g],
+        ``gguf.STORED``) -> Convert(f32) [-> Subtract(zero point f32 [rows, cols/g, 1])] -> Multiply(scale f32
+        [rows, cols/g, 1]) -> Reshape [rows, cols], g = 32 (16 for Q6_K and Q2_K's offsets), the compressed-weight
+        pattern the plugins run as is. The offset types (``gguf.WITH_OFFSET``: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K;
+        w = q * scale + offset) as ``(q - zero point) * scale`` per offset group (``QuantRows.zero_point``), zero
+        point f32: exact, and the form OpenVINO's compressed Gather takes. MXFP4: Constant(f4e2m1, the file's E2M1
+        codes) -> Convert(f32) -> Multiply(Convert(f32) of Constant(f8e8m0, its scale bytes)) -> Reshape."""
+        from .gguf import GROUP, STORED, WITH_OFFSET, offset_group, pack_nibbles
 
         kind = self.source.kind(name)
         rows, cols = shape
         offset = kind in WITH_OFFSET
-        og = offset_group(kind) if offset else GROUP[kind]  # weights per offset
-        g = og if zero_point else GROUP[kind]  # the zero-point form: codes, scale and zero point per offset group
-        groups, per_offset = [rows, cols // g, 1], [rows, cols // og, 1]
+        g = offset_group(kind) if offset else GROUP[kind]  # codes, scale and zero point per offset group
+        groups = [rows, cols // g, 1]
         wtype = CODE_TYPES[STORED[kind]]
         nibbles, fp4 = STORED[kind] in ("i4", "u4", "f4e2m1"), STORED[kind] == "f4e2m1"
-        part = "zero_point" if zero_point else "offset"
 
         def make() -> dict[str, ov.Tensor]:
             weights = ov.Tensor(wtype, ov.Shape([rows, cols // g, g]))
-            scale, extra = np.empty(groups, np.uint8 if fp4 else np.float32), np.empty(per_offset, np.float32)
-            codes, dmin = np.empty((rows, cols // og), np.uint8), np.empty((rows, cols // QK_K), np.float32)
+            scale, zero = np.empty(groups, np.uint8 if fp4 else np.float32), np.empty(groups, np.float32)
             raw = weights.data.view(np.int8 if wtype == ov.Type.i8 else np.uint8).reshape(rows, -1)
             step = max(1, (32 << 20) // cols)
             for a in range(0, rows, step):
                 b = min(rows, a + step)
                 q = self.source.blocks(name, (a, b))
                 values, scales = (q.e2m1, q.e8m0) if fp4 else (q.values, q.scale)
-                if offset and zero_point:
-                    values, extra[a:b, :, 0], scales = q.zero_point()
-                elif offset:
-                    extra[a:b, :, 0] = q.offset
-                    if q.offset_codes is not None:
-                        codes[a:b], dmin[a:b] = q.offset_codes, q.offset_step
+                if offset:
+                    values, zero[a:b, :, 0], scales = q.zero_point()
                 raw[a:b] = (pack_nibbles(values) if nibbles else values).reshape(b - a, -1)
                 scale[a:b, :, 0] = scales
             parts = {"weights": self._read(name, weights), "scale": ov.Tensor(scale)}
             if fp4:  # the E8M0 bytes as OpenVINO's f8e8m0 (the same encoding)
                 parts["scale"] = ov.Tensor(ov.Type.f8e8m0, ov.Shape(groups))
                 parts["scale"].data.view(np.uint8)[...] = scale
-            if zero_point:
-                return parts | ({part: ov.Tensor(extra)} if offset else {})
-            if kind in CODED_OFFSET:  # the offsets as their integers times -dmin per 256: exact, a quarter the bytes
-                return parts | {"offset_codes": ov.Tensor(codes.reshape(rows, -1, QK_K // og)),
-                                "offset_step": ov.Tensor(dmin[..., None])}
-            return parts | ({"offset": ov.Tensor(extra[..., 0].astype(np.float16))} if offset else {})  # f16 exact
+            return parts | ({"zero_point": ov.Tensor(zero)} if offset else {})
 
         compute = self._once(make)
         q = self._postponed(wtype, [rows, cols // g, g], lambda: compute("weights"), name)
         x = op.convert(q, ov.Type.f32)
-        if offset and zero_point:
-            zp = self._postponed(ov.Type.f32, groups, lambda: compute(part), f"{name}/zero_point")
+        if offset:
+            zp = self._postponed(ov.Type.f32, groups, lambda: compute("zero_point"), f"{name}/zero_point")
             x = op.subtract(x, zp, name=f"{name}/zero_point/subtract")
         if fp4:
             scale = op.convert(self._postponed(ov.Type.f8e8m0, groups, lambda: compute("scale"), f"{name}/scale"),
@@ -283,28 +286,7 @@ class _Weights:
         else:
             scale = self._postponed(ov.Type.f32, groups, lambda: compute("scale"), f"{name}/scale")
         x = op.multiply(x, scale, name=f"{name}/fq_weights_1")
-        weight = op.reshape(x, i64([rows, cols]), special_zero=False).output(0)
-        if not offset or zero_point:
-            return weight
-        return OffsetWeight(weight, self._offsets(name, kind, rows, cols // og, compute), og)
-
-    def _offsets(self, name: str, kind: str, rows: int, groups: int, compute: Callable[[str], ov.Tensor]) -> ov.Output:
-        """The offsets [rows, groups] f32 of an ``OffsetWeight``, exact: Q4_K's, Q5_K's and Q2_K's
-        (``CODED_OFFSET``) as their 6- or 4-bit minima (u8 [rows, groups / k, k]) times -dmin per super-block of k
-        groups (f32 [rows, groups / k, 1]), the compressed pattern (a quarter of f32's bytes); Q4_1's and Q5_1's
-        as f16 (their own type)."""
-        from .gguf import CODED_OFFSET, QK_K, offset_group
-
-        if kind in CODED_OFFSET:
-            k = QK_K // offset_group(kind)
-            codes = self._postponed(ov.Type.u8, [rows, groups // k, k], lambda: compute("offset_codes"),
-                                    f"{name}/offset")
-            step = self._postponed(ov.Type.f32, [rows, groups // k, 1], lambda: compute("offset_step"),
-                                   f"{name}/offset/scale")
-            x = op.multiply(op.convert(codes, ov.Type.f32), step, name=f"{name}/offset/fq_weights_1")
-            return op.reshape(x, i64([rows, groups]), special_zero=False).output(0)
-        offsets = self._postponed(ov.Type.f16, [rows, groups], lambda: compute("offset"), f"{name}/offset")
-        return op.convert(offsets, ov.Type.f32).output(0)
+        return op.reshape(x, i64([rows, cols]), special_zero=False).output(0)
 
     def stacked(self, names: list[str]) -> ov.Output:
         """The weights ``names`` (a Mixture-of-Experts layer's experts' same matrix, [rows, cols] each) as one
@@ -487,7 +469,7 @@ class _Weights:
 
 def name_products(model: ov.Model) -> None:
     """Name every MatMul whose weight comes from a named constant after that weight (``model.layers.3.mlp.
-    down_proj.weight/matmul``; its offset product ``.../offset/matmul``), so a per-op profile (``PERF_COUNT``)
+    down_proj.weight/matmul``, as ``linears`` names fleet's kernels' products), so a per-op profile (``PERF_COUNT``)
     says which matrix each FullyConnected is (bench/kernel_bench.py)."""
     for node in model.get_ordered_ops():
         if node.get_type_name() != "MatMul":
@@ -521,7 +503,7 @@ def _feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], 
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
                  int8=None, keep_blocks: bool = False,
-                 int4: dict[str, tuple[str, int]] | None = None) -> ov.Model:  # noqa: ANN001
+                 int4: dict[str, tuple[str, int]] | None = None, kernels: bool = False) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -536,12 +518,14 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     ``int4`` (``compress.int4_plan``, ``{name: (NNCF mode, group size)}``): each weight it names in NNCF's
     int4 (``compress.int4_rows``) or int8 form as it is read, the rest f16.
     ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
-    blocks.
+    blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
+    run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
+    ``GgufMatMul`` (``_Weights._blocks``); the embedding's Gather and the experts keep ``keep_blocks``' forms.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
     source.check(stage_tensors(cfg, stage))
-    weights = _Weights(source, on_read, int8, keep_blocks, int4)
+    weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
         x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]

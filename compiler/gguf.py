@@ -1,5 +1,7 @@
 """GGUF files as a weight source of the stage builder: memory-mapped (gguf-py's ``GGUFReader``), tensor by
-tensor, quantized blocks kept as they are where the CPU plugin runs them compressed.
+tensor. A CPU stage hands each linear weight's bytes, as they lie in the file, to fleet's kernels (``block_bytes``,
+fleet_common/kernels.py); a GPU/NPU stage, the embedding's Gather and Mixture-of-Experts experts keep quantized
+blocks in forms OpenVINO's plugins run compressed (``blocks``).
 
 Names and order: llama.cpp's tensor names map to HF's (``GGUF_TO_HF``); ggml lists dimensions innermost
 first, so a GGUF [cols, rows] tensor is HF's [rows, cols]. llama.cpp's converter permutes the rows of
@@ -7,8 +9,8 @@ llama-family Q and K weights for its interleaved RoPE (``LlamaModel.permute`` in
 they are put back in HF's order (qwen2/qwen3/phi3/gemma3 files are not permuted). gemma3 files name their four norms
 a layer otherwise (``GEMMA3_LAYER_TO_HF``) and store them as 1 + w (``gemma3_config``).
 
-Kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, Q4_K, Q5_1 and Q5_K, a per-block
-offset (the block's minimum), in f32 so ``q * scale + offset`` gives the dequantized GGUF value to f32 rounding,
+OpenVINO's forms of kept blocks (``blocks``), each as integers, a per-block scale and, for Q4_1, Q4_K, Q5_1 and
+Q5_K, a per-block offset (the block's minimum), in f32 so ``q * scale + offset`` gives the dequantized GGUF value to f32 rounding,
 never a second 4- or 8-bit rounding:
 
 =====  ===============================================  ======================================
@@ -29,19 +31,13 @@ Q3_K   256: 2 + 1 bits q, 16 x 6-bit sc, f16 d:         i8 -(sc - 32) q per 32 x
        w = d (sc - 32) q, q = -4..3, per 16
 Q2_K   256: 16 x 4-bit (sc, m), 2-bit q, f16 d, dmin:   u8 sc q (0..45) per 32 x d, offset -dmin m per 16
        w = d sc q - dmin m, per 16
-Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc (exact); by default
-       w = d sc (q - 32)                                re-quantized to i8 per 32 x max|w|/127 f32
+Q6_K   256: 4 + 2 bits q, 16 x int8 sc, f16 d:          i8 (q - 32) per 16, x d sc (exact)
+       w = d sc (q - 32)
 MXFP4  32: u8 e (E8M0), 16 B of E2M1 nibbles:           f4e2m1 codes x f8e8m0 e (the bytes as they
        w = E2M1(q) 2^(e - 127)                          are); experts, embedding: i8 2 E2M1 x 2^(e-128)
 =====  ===============================================  ======================================
 
 MXFP4: compiler/gguf_mxfp4.py.
-
-Q6_K's groups of 16 are too small for the CPU plugin's fast kernels (those need groups of 32 or more): kept
-exactly they ran ~1.3x slower per weight than i8 per 32 (bench/kernel_bench.py). By default (``exact=False``,
-``fleet-compiler build`` without ``--exact-blocks``) Q6_K is re-quantized from its exact values to int8 per 32
-(``requantize_i8``): a second rounding 4x finer than Q6_K's own (README "On a model of real size" gives its
-measured error).
 
 GGUF stores element j of a block in the low nibble of byte j and element j + 16 in its high nibble;
 OpenVINO's u4/i4 hold element 2k in the low nibble of byte k, 2k + 1 in the high one: repacked here.
@@ -93,14 +89,12 @@ GEMMA3_LAYER_TO_HF = {  # gemma3's four norms a layer (llama.cpp's Gemma3Model):
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "MXFP4")
-NEAR = {"Q6_K": "Q6_K~i8g32"}  # types re-quantized unless exact: their groups are too small for the fast kernels
-GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q6_K~i8g32": 32, "Q5_0": 32, "Q5_1": 32,
+GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q6_K": 16, "Q5_0": 32, "Q5_1": 32,
          "Q5_K": 32, "Q3_K": 32, "Q2_K": 32, "MXFP4": 32, "MXFP4/i8": 32}  # weights per scale
 OFFSET_GROUP = {"Q2_K": 16}  # weights per offset where finer than per scale (``offset_group``)
-STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q6_K~i8g32": "i8", "Q5_0": "i8",
+STORED = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "u4", "Q4_K": "u4", "Q6_K": "i8", "Q5_0": "i8",
           "Q5_1": "u8", "Q5_K": "u8", "Q3_K": "i8", "Q2_K": "u8", "MXFP4": "f4e2m1", "MXFP4/i8": "i8"}  # OpenVINO
-WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a second product)
-CODED_OFFSET = ("Q4_K", "Q5_K", "Q2_K")  # offsets = 6-/4-bit codes (u8) x -dmin per super-block of 256 (export.py)
+WITH_OFFSET = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # w = q scale + offset per group (export.py: a zero point)
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
 # GGUF arch -> model_type (and llama with experts: mixtral, gguf_moe.py)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
@@ -145,8 +139,6 @@ class QuantRows:
     values: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
-    offset_codes: np.ndarray | None = None  # CODED_OFFSET: offset = offset_codes * offset_step, u8 like offset
-    offset_step: np.ndarray | None = None  # CODED_OFFSET: -dmin per super-block of 256, f32 [rows, cols / 256]
     e2m1: np.ndarray | None = None  # MXFP4: the E2M1 codes, uint8 0..15 [rows, groups, 32] (values = 2 E2M1)
     e8m0: np.ndarray | None = None  # MXFP4: the scale bytes, uint8 [rows, groups] (scale = 2^(e8m0 - 128))
 
@@ -178,11 +170,10 @@ class GGUFWeights:
     plus ``kind``/``blocks`` for kept quantized blocks). ``config`` is the HF config dict built from the
     metadata (``gguf_config``)."""
 
-    def __init__(self, path: Path, reader, config: dict, exact: bool = False) -> None:  # noqa: ANN001
+    def __init__(self, path: Path, reader, config: dict) -> None:  # noqa: ANN001
         import gguf
 
         self.folder = Path(path)
-        self.exact = exact  # every kept type as the file has it; else NEAR's types re-quantized (near-exact)
         # the mapped files (a split GGUF's parts), whose pages read so far each read gives back to the kernel
         # (fleet_common/residency.py): the mapping lasts the build, and every page read stayed resident with it
         self._files = tuple(getattr(reader, "parts", None) or (path,))
@@ -234,16 +225,42 @@ class GGUFWeights:
         return name in self.tensors
 
     def kind(self, name: str) -> str:
-        """How the builder stores ``name``: a kept block type (``KEPT``), its near-exact form (``NEAR``, unless
-        ``exact``), MXFP4's i8 form for the experts and the embedding (``MXFP4_I8``), ``"f32"`` or ``"f16"``."""
+        """How the builder stores ``name`` in OpenVINO's forms: a kept block type (``KEPT``), MXFP4's i8 form for the
+        experts and the embedding (``MXFP4_I8``), ``"f32"`` or ``"f16"``."""
         qtype = self.tensors[name].qtype
         if self.tensors[name].expert and qtype not in KEPT:  # stacked experts: their blocks, or fp16
             return "f16"
         if qtype == "MXFP4" and (self.tensors[name].expert or name == EMBEDDING):  # folded as f4e2m1 there
             return MXFP4_I8
-        if qtype in NEAR and not self.exact:
-            return NEAR[qtype]
         return qtype if qtype in KEPT else "f32" if qtype == "F32" else "f16"
+
+    def kernel_type(self, name: str) -> str | None:
+        """The GGUF type fleet's kernels multiply ``name`` in (its type as stored, one of
+        ``fleet_common.kernels.BLOCK_TYPES``), or None: a type they lack, or an expert's slice (experts keep
+        today's forms)."""
+        from fleet_common.kernels import BLOCK_TYPES
+
+        t = self.tensors[name]
+        return t.qtype if t.qtype in BLOCK_TYPES and not t.expert and len(t.shape) == 2 else None
+
+    def block_bytes(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as they lie in the file, u8 [rows, row bytes] (rows in the file's order: see
+        ``row_order``): a view of the memory map, read when used."""
+        release(self._files)  # the previous read's pages
+        t = self.tensors[name]
+        data = np.asarray(t.data)
+        return data.view(np.uint8).reshape(t.shape[0], -1)
+
+    def row_bytes(self, name: str) -> int:
+        """Bytes a row of matrix ``name`` takes in the file (``block_bytes``' width); nothing is read."""
+        t = self.tensors[name]
+        return np.asarray(t.data).nbytes // t.shape[0]
+
+    def row_order(self, name: str) -> np.ndarray | None:
+        """HF's rows of ``name`` as the file's rows (row i of HF's is row ``order[i]`` of the file: llama.cpp's
+        Q/K permutation), or None where the file keeps HF's order."""
+        t = self.tensors[name]
+        return unpermute(np.arange(t.shape[0]), t.heads) if t.heads else None
 
     def check(self, expected: dict[str, tuple[int, ...]], where: str = "GGUF metadata") -> None:
         """Raise ``WeightsError`` unless every name in ``expected`` is here with that shape."""
@@ -317,8 +334,7 @@ class GGUFWeights:
                 q = _planes(b[..., 16:], 4)
             else:  # Q5_K: 32 B of fifth bits (bit g of byte i: element i of group g), then Q4_K's nibbles
                 q = _planes(b[..., 48:], 4) | (_planes(b[..., 16:48], 1) << 4)
-            return QuantRows(t.qtype, q.reshape(n, blocks * 8, 32), scale.reshape(n, -1), -minimum.reshape(n, -1),
-                             mins.reshape(n, blocks * 8).astype(np.uint8), -dmin)
+            return QuantRows(t.qtype, q.reshape(n, blocks * 8, 32), scale.reshape(n, -1), -minimum.reshape(n, -1))
         if t.qtype == "Q3_K":  # gguf-py's Q3_K.dequantize_blocks, kept apart
             b = raw.reshape(n, -1, 110)
             blocks = b.shape[1]
@@ -339,17 +355,14 @@ class GGUFWeights:
             codes = sc[..., None] * _planes(b[..., 16:80], 2).reshape(n, blocks, 16, 16)
             d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
             offset = -(dmin[..., None] * mins.astype(np.float32)).reshape(n, -1)
-            return QuantRows("Q2_K", codes.reshape(n, blocks * 8, 32), np.repeat(d, 8, axis=-1), offset,
-                             mins.reshape(n, -1), -dmin)
+            return QuantRows("Q2_K", codes.reshape(n, blocks * 8, 32), np.repeat(d, 8, axis=-1), offset)
         if t.qtype == "Q6_K":  # gguf-py's Q6_K.dequantize_blocks, kept apart
             b = raw.reshape(n, -1, 210)
             ql = _planes(b[..., :128], 4, chunk=64)
             qh = _planes(b[..., 128:192], 2)
             q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, -1, 16)
             scale = (_f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(n, -1)
-            if self.exact:
-                return QuantRows("Q6_K", q, scale, None)
-            return requantize_i8(NEAR["Q6_K"], q.astype(np.float32) * scale[..., None], GROUP[NEAR["Q6_K"]])
+            return QuantRows("Q6_K", q, scale, None)
         if t.qtype == "MXFP4":
             values, scale, codes, e = mxfp4_blocks(self.kind(name), raw.reshape(n, -1, 17), name)
             return QuantRows(self.kind(name), values, scale, None, e2m1=codes, e8m0=e)
@@ -387,18 +400,6 @@ def _planes(data: np.ndarray, width: int, chunk: int = 32) -> np.ndarray:
     shifts = np.arange(0, 8, width, dtype=np.uint8).reshape(-1, 1)
     planes = data.reshape(*data.shape[:-1], -1, 1, chunk) >> shifts
     return (planes & np.uint8((1 << width) - 1)).reshape(*data.shape[:-1], -1)
-
-
-def requantize_i8(kind: str, weights: np.ndarray, group: int) -> QuantRows:
-    """Exact dequantized weights [rows, groups, g] re-quantized to int8 per ``group`` (round to nearest,
-    scale = max |w| / 127 in f32): the near-exact form of a type whose own groups are too small for the
-    plugin's fast kernels."""
-    rows = weights.shape[0]
-    w = weights.reshape(rows, -1, group)
-    scale = np.abs(w).max(axis=-1) / np.float32(127)
-    safe = np.where(scale == 0, np.float32(1), scale)
-    q = np.clip(np.rint(w / safe[..., None]), -127, 127).astype(np.int8)
-    return QuantRows(kind, q, scale.astype(np.float32), None)
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:

@@ -86,6 +86,19 @@ class GptOssWeights:
         view = self.tensors[name]
         return "f32" if isinstance(view, View) and view.expert < 0 else "f16"
 
+    def kernel_type(self, name: str) -> str | None:
+        """``inner``'s (``SafetensorsWeights.kernel_type``), None for an expert's view (experts keep their
+        forms)."""
+        return None if isinstance(self.tensors[name], View) else self.inner.kernel_type(name)
+
+    def block_bytes(self, name: str) -> np.ndarray:
+        """``inner``'s bytes of matrix ``name`` (``SafetensorsWeights.block_bytes``)."""
+        return self.inner.block_bytes(name)
+
+    def row_order(self, name: str) -> None:
+        """None: HF's rows."""
+        return None
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

@@ -6,9 +6,9 @@ import collections
 from dataclasses import dataclass
 from pathlib import Path
 
-import openvino as ov
 
 from fleet_common.manifest import load_manifest, verify_files
+from fleet_common.runtime import check_kernels, stage_core
 
 from .layers import ROUTER_SOFTMAX
 
@@ -35,7 +35,7 @@ def fusion_report(xml: Path, index: int, layers: tuple[int, int], device: str = 
     import time
 
     t0 = time.perf_counter()
-    compiled = ov.Core().compile_model(str(xml), device)
+    compiled = stage_core().compile_model(str(xml), device)
     elapsed = time.perf_counter() - t0
     ops = compiled.get_runtime_model().get_ops()
 
@@ -57,6 +57,8 @@ def inspect(model_dir: Path, device: str = "CPU") -> tuple[list[str], list[Stage
     """Return (hash problems, per-stage fusion reports) for a build directory."""
     loaded = load_manifest(model_dir)
     problems = verify_files(loaded)
+    for s in loaded.manifest.stages:  # one line saying what to install, not OpenVINO's unknown-op error
+        check_kernels(s, f"stage {s.index} of {model_dir}")
     reports = [
         fusion_report(model_dir / s.xml, s.index, (s.start, s.end), device)
         for s in loaded.manifest.stages

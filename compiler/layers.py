@@ -1,5 +1,5 @@
-"""The decoder's graph operations, in OpenVINO ops (opset13): linear layers (with the offset form of
-GGUF types with minimums), RMSNorm, rotary embeddings, the stateful KV cache, attention under the
+"""The decoder's graph operations, in OpenVINO ops (opset13): linear layers (OpenVINO's MatMul, or fleet's
+kernels' product of a GGUF tensor's blocks), RMSNorm, rotary embeddings, the stateful KV cache, attention under the
 visibility mask (and a sliding window), the MLPs (SwiGLU, GeGLU, Mixture-of-Experts) and Gemma 3's
 layer. ``export.py`` assembles a stage from them.
 """
@@ -15,6 +15,7 @@ from openvino import opset13 as op
 from openvino.op.util import Variable, VariableInfo
 from openvino.utils.node_factory import NodeFactory
 
+from fleet_common import kernels
 from fleet_common.sliding_kv import kv_state_names
 
 from .arch import ModelConfig
@@ -24,16 +25,15 @@ ROUTER_SOFTMAX = "/router_softmax"  # the name's end of a Mixture-of-Experts rou
 
 
 @dataclass(frozen=True)
-class OffsetWeight:
-    """A linear weight [rows, cols] kept as ``codes * scale + offset`` per group of ``group`` columns (GGUF's
-    Q4_1, Q4_K, Q5_1, Q5_K, Q2_K): ``weight`` [rows, cols] f32 is the codes times their scales (the compressed
-    pattern), ``offset`` [rows, cols / group] f32 the groups' offsets (``group``: the offsets', Q2_K's 16 finer
-    than its scales' 32). ``linear`` multiplies both."""
+class GgufWeight:
+    """A linear weight [rows, cols] as one GGUF tensor's bytes as they lie in the file (a u8 Constant [rows, row
+    bytes]), multiplied by fleet's own kernel (fleet_common/kernels.py ``GgufMatMul``, type ``block_type``);
+    ``order`` [rows] i64 or None: the product's outputs in HF's row order are its outputs ``order`` (llama.cpp's
+    Q/K row permutation undone on the product, not on the bytes)."""
 
-    weight: ov.Output
-    offset: ov.Output
-    group: int
-
+    blocks: ov.Output
+    block_type: str
+    order: np.ndarray | None = None
 
 
 def i64(values) -> ov.Output:  # noqa: ANN001
@@ -44,30 +44,26 @@ def f32(value: float) -> ov.Output:
     return op.constant(np.float32(value)).output(0)
 
 
-def linear(x: ov.Output, weight: ov.Output | OffsetWeight, bias: ov.Output | None = None) -> ov.Output:
-    """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear); an
-    ``OffsetWeight`` as ``linears`` computes it."""
+def linear(x: ov.Output, weight: ov.Output | GgufWeight, bias: ov.Output | None = None) -> ov.Output:
+    """``x @ weight.T (+ bias)``: x [B, S, in] f32, weight [out, in] -> [B, S, out] (nn.Linear); a ``GgufWeight``
+    as ``linears`` computes it."""
     return linears(x, [weight], [bias])[0]
 
 
-def linears(x: ov.Output, weights: list[ov.Output | OffsetWeight],
+def linears(x: ov.Output, weights: list[ov.Output | GgufWeight],
             biases: list[ov.Output | None] | None = None) -> list[ov.Output]:
     """``x @ w.T (+ b)`` for each weight [out_i, in] of one input x [B, S, in] f32 -> [B, S, out_i] each.
 
-    An ``OffsetWeight`` (w = codes * scale + offset per group of g inputs) is ``x @ (codes * scale).T`` plus
-    ``groupsum(x) @ offset.T``, groupsum(x) [B, S, in / g] the sums of x over each group (computed once per
-    input and group size): exact, and the large product keeps the CPU plugin's int8-activation kernel (a float
-    zero point turns it off)."""
+    A ``GgufWeight`` is fleet's ``GgufMatMul`` over its blocks (named ``<constant>/matmul``), its outputs
+    gathered into HF's order where the file permuted its rows."""
     biases = biases or [None] * len(weights)
-    sums: dict[int, ov.Output] = {}
     out = []
     for w, bias in zip(weights, biases):
-        if isinstance(w, OffsetWeight):
-            if w.group not in sums:
-                sums[w.group] = op.reduce_sum(op.reshape(x, i64([0, 0, -1, w.group]), special_zero=True),
-                                              i64([-1]), keep_dims=False).output(0)
-            y = op.add(op.matmul(x, w.weight, transpose_a=False, transpose_b=True),
-                       op.matmul(sums[w.group], w.offset, transpose_a=False, transpose_b=True))
+        if isinstance(w, GgufWeight):
+            y = kernels.gguf_matmul(x, w.blocks, w.block_type).get_node()
+            y.set_friendly_name(f"{w.blocks.get_node().get_friendly_name()}/matmul")
+            if w.order is not None:
+                y = op.gather(y, i64(w.order), i64(-1))
         else:
             y = op.matmul(x, w, transpose_a=False, transpose_b=True)
         out.append((y if bias is None else op.add(y, bias)).output(0))

@@ -473,5 +473,5 @@ def record_devices(build: Path, devices: tuple[str, ...]) -> None:
     if len(devices) != manifest.num_stages:
         raise ValueError(f"{len(devices)} planned devices for {manifest.num_stages} stages")
     stages = tuple(replace(s, device=d) for s, d in zip(manifest.stages, devices))
-    fmt = DEVICES_FORMAT if any(d != "CPU" for d in devices) else manifest.format
+    fmt = max(DEVICES_FORMAT, manifest.format) if any(d != "CPU" for d in devices) else manifest.format
     (Path(build) / MANIFEST_NAME).write_text(replace(manifest, stages=stages, format=fmt).to_json())

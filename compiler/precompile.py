@@ -18,11 +18,9 @@ import os
 import time
 from pathlib import Path
 
-import openvino as ov
-
 from fleet_common.blobs import BlobKey, blob_name, export_blob
 from fleet_common.manifest import MANIFEST_NAME, BlobEntry, load_manifest
-from fleet_common.runtime import compile_ir, runs_compressed
+from fleet_common.runtime import check_kernels, compile_ir, runs_compressed, stage_core
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +40,13 @@ def precompile(build: Path, devices: tuple[str, ...] = ("CPU",), threads: int = 
     for s in wanted:
         if not 0 <= s < manifest.num_stages:
             raise ValueError(f"stage {s} out of range: this build has stages 0..{manifest.num_stages - 1}")
-    core = ov.Core()
+    core = stage_core()
     entries = []
     for device in devices:
         for s in wanted:
             key = BlobKey.here(manifest, s, device, threads, inference_precision, core)
             entry = manifest.stages[s]
+            check_kernels(entry, f"stage {s} of {build}")
             t0 = time.perf_counter()
             compiled, _, _ = compile_ir(build / entry.xml, device, threads, inference_precision,
                                         manifest.kv_cache_precision, compressed=runs_compressed(device, entry))

@@ -166,6 +166,37 @@ class SafetensorsWeights:
         return np.array(np.memmap(info.file, dtype=DTYPES[info.dtype][0], mode="r", offset=info.offset,
                                   shape=info.shape))
 
+    def kernel_type(self, name: str) -> str | None:
+        """The type fleet's kernels multiply matrix ``name`` in (fleet_common/kernels.py ``BLOCK_TYPES``): its
+        dtype as stored, ``F16`` or ``BF16``; an F32 matrix as ``F16`` (fleet stores float16 weights, as every
+        other form of this builder does); None for a tensor that is not a matrix."""
+        info = self.tensors[name]
+        return None if len(info.shape) != 2 else "F16" if info.dtype == "F32" else info.dtype
+
+    def row_bytes(self, name: str) -> int:
+        """Bytes a row of matrix ``name`` takes in ``kernel_type`` (2 a value); nothing is read."""
+        return 2 * int(np.prod(self.tensors[name].shape[1:], dtype=np.int64))
+
+    def block_bytes(self, name: str) -> np.ndarray:
+        """Matrix ``name``'s bytes in ``kernel_type``, u8 [rows, cols x 2], read now: F16 and BF16 as stored,
+        F32 as float16 (``tensor``). ``WeightsError`` when the file cannot be read, or a value is inf or NaN
+        (an F32 one beyond float16's range)."""
+        info = self.tensors[name]
+        if info.dtype == "F32":
+            return self.tensor(name).view(np.uint8)
+        try:
+            bits = np.array(np.memmap(info.file, dtype=np.uint16, mode="r", offset=info.offset, shape=info.shape))
+        except (OSError, ValueError) as exc:
+            raise WeightsError(f"{info.file}: tensor {name} cannot be read ({exc})") from None
+        exponent = np.uint16(0x7C00 if info.dtype == "F16" else 0x7F80)  # all ones: inf or NaN
+        if ((bits & exponent) == exponent).any():
+            raise WeightsError(f"{info.file.name}: tensor {name} holds inf or NaN values")
+        return bits.view(np.uint8)
+
+    def row_order(self, name: str) -> None:
+        """None: a safetensors matrix's rows are in HF's order (``gguf.GGUFWeights.row_order`` has more)."""
+        return None
+
     def nbytes(self, name: str) -> int:
         """Bytes the tensor takes as f16 (what a build writes)."""
         return int(np.prod(self.tensors[name].shape, dtype=np.int64)) * 2

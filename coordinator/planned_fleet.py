@@ -391,7 +391,8 @@ def build_for_plan(src: Path, p: Plan, cache_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    build(src, tmp, layers=p.layers, weights=None if gguf else p.weights, kv_cache_precision=p.kv_cache_precision)
+    build(src, tmp, layers=p.layers, weights=None if gguf else p.weights, kv_cache_precision=p.kv_cache_precision,
+          devices=tuple(s.node.device for s in p.stages))
     record_devices(tmp, tuple(s.node.device for s in p.stages))
     tmp.rename(out)
     log.info("built layers %s of %s in %.1f s: build key %s (%s)", p.layers, Path(src).name, time.monotonic() - t0,

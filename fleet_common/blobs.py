@@ -7,7 +7,8 @@ A blob is only good for the IR it was compiled from, the device, the OpenVINO ve
 config (precision, threads, KV cache precision) and the hardware it was compiled on (the CPU plugin
 picks its kernels by instruction set, the GPU plugin per GPU). ``BlobKey`` records all of these; a
 worker imports a blob only when its key equals the one it would compile with here, and otherwise says
-which of them differs (``BlobKey.mismatch``).
+which of them differs (``BlobKey.mismatch``). A stage holding fleet's kernels' op also records their version
+(``identity["fleet_kernels"]``): a blob runs the kernels of the install that imports it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from . import kernels
 from .manifest import Manifest
 from .runtime import compile_config, runs_compressed
 
@@ -97,7 +99,10 @@ class BlobKey:
         """The key of a blob compiled here, now, for ``stage`` with this worker config."""
         config = shard_config(threads, inference_precision, manifest.kv_cache_precision,
                               runs_compressed(device, manifest.stages[stage]))
-        return cls(ir_digest(manifest, stage), device, ov.get_version(), device_identity(core or ov.Core(), device),
+        identity = device_identity(core or ov.Core(), device)
+        if manifest.stages[stage].kernels:  # the blob runs fleet's kernels of this install: their version too
+            identity["fleet_kernels"] = kernels.KERNELS_VERSION if kernels.available() else "missing"
+        return cls(ir_digest(manifest, stage), device, ov.get_version(), identity,
                    {k: str(v) for k, v in config.items()})
 
     @classmethod

@@ -18,7 +18,8 @@ from .sliding_kv import SlidingKV, sliding_kv
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2  # 2: per-stage and per-draft weight format + compression parameters
 DEVICES_FORMAT = 3  # 3: a stage names the device it was planned and compiled for (written only when not CPU)
-READABLE_FORMATS = (1, 2, 3)  # format 1 builds are fp16 throughout; 1 and 2 are CPU throughout
+KERNELS_FORMAT = 4  # 4: a stage names the version of fleet's kernels it needs (written only when one does)
+READABLE_FORMATS = (1, 2, 3, 4)  # format 1 builds are fp16 throughout; 1 and 2 are CPU throughout
 
 
 class ManifestError(ValueError):
@@ -55,6 +56,8 @@ class StageEntry:
     weights: str = "fp16"  # "fp16", "int8" or "int4" (compiler/compress.py)
     compression: dict = field(default_factory=dict)  # nncf.compress_weights arguments; empty for fp16
     device: str = "CPU"  # OpenVINO device the plan gave this stage (fleet-compiler build --plan); not a constraint
+    # the version of fleet's kernels (fleet_common/kernels.py KERNELS_VERSION) whose op the stage holds; None: none
+    kernels: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -133,8 +136,9 @@ class Manifest:
         raise ManifestError(f"this build has no draft {name!r}; it has: {have}")
 
     def to_json(self) -> str:
-        """The manifest file's text. A stage on the CPU writes no ``device`` (and a build without blobs no
-        ``blobs``), so such builds read as they did before: older fleets load them."""
+        """The manifest file's text. A stage on the CPU writes no ``device``, one without fleet's kernels no
+        ``kernels`` (and a build without blobs no ``blobs``), so such builds read as they did before: older fleets
+        load them."""
         raw = asdict(self)
         if not raw["blobs"]:
             del raw["blobs"]
@@ -143,6 +147,8 @@ class Manifest:
         for stage in raw["stages"]:
             if stage["device"] == "CPU":
                 del stage["device"]
+            if stage["kernels"] is None:
+                del stage["kernels"]
         return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
     @classmethod

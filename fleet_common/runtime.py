@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from . import kernels
 from .ovinfer import infer_first
 from .sliding_kv import SlidingKV, cut_states, first_needed, needed_slots, pack_local
 
@@ -148,10 +149,46 @@ def runs_compressed(device: str, entry) -> bool:  # noqa: ANN001 - a manifest St
     """Whether a stage (or draft) ``entry`` of a manifest on ``device`` runs on the CPU plugin's compressed kernels
     alone (``compile_config``'s ``compressed_cpu``): int8/int4 weights, or a GGUF build whose matrices are all kept
     blocks. One with f16 matrices (an F16 GGUF, types dequantized to f16) is not: at f32 the plugin would widen
-    those to f32, twice their bytes (an F16 1B stage took 8.2 GB)."""
-    if device.split(".")[0].upper() != "CPU" or entry.weights == "fp16":
+    those to f32, twice their bytes (an F16 1B stage took 8.2 GB). A stage whose matrices fleet's kernels multiply
+    (``entry.kernels``) is: its matrices stay as stored whatever the precision, the rest runs at f32."""
+    if device.split(".")[0].upper() != "CPU":
+        return False
+    if getattr(entry, "kernels", None):
+        return True
+    if entry.weights == "fp16":
         return False
     return entry.weights != "gguf" or not entry.compression.get("tensors", {}).get("f16", 0)
+
+
+def stage_core() -> ov.Core:
+    """The ``ov.Core`` that reads a stage: fleet's kernels registered (``kernels.new_core``) where their library is
+    here; else a plain one, which reads every stage but those holding the kernels' op (a worker refuses those
+    first, by their manifest entry: ``check_kernels``)."""
+    return kernels.new_core() if kernels.available() else ov.Core()
+
+
+def check_kernels(entry, what: str) -> None:  # noqa: ANN001 - a manifest StageEntry
+    """Raise ``kernels.KernelsUnavailable`` (one line: what to install) when ``entry`` (``what``: "stage 1")
+    needs fleet's kernels and this install lacks them or has another version."""
+    if entry.kernels is None:
+        return
+    if entry.kernels != kernels.KERNELS_VERSION:
+        raise kernels.KernelsUnavailable(f"{what} needs fleet's kernels version {entry.kernels}, this fleet has "
+                                         f"version {kernels.KERNELS_VERSION}: install the fleet the build was made "
+                                         "with, or rebuild the model with this one")
+    try:
+        kernels.library_path()
+    except kernels.KernelsUnavailable as exc:
+        raise kernels.KernelsUnavailable(f"{what} needs fleet's kernels: {exc}") from None
+
+
+def kernels_at(model: ov.Model, precision: str) -> ov.Model:
+    """``model`` with every ``GgufMatMul`` (fleet's kernels) set to ``precision`` ("f32": exact products, "int8":
+    activations quantized per 32, the default a build writes); returns it."""
+    for node in model.get_ops():
+        if node.get_type_name() == "GgufMatMul":
+            node.set_attribute("precision", precision)
+    return model
 
 
 def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_precision: str = "auto",
@@ -160,7 +197,8 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
     """Compile one stateful IR for low-latency decoding (``compile_config``; ``compressed``: ``runs_compressed``
     of its manifest entry on ``device``, which "auto" precision follows).
 
-    ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device).
+    ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device) and runs fleet's
+    kernels (``GgufMatMul``) at their exact precision (``kernels_at``).
     ``cache_dir``: OpenVINO's model cache (``CACHE_DIR``, "Model Caching Overview" in the OpenVINO
     docs): a compiled model found there is imported instead of compiled, otherwise it is written there.
     Returns (compiled model, bytes per KV value, compile seconds). Raises ``RuntimeError`` naming the
@@ -172,9 +210,12 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
     if cache_dir is not None:
         config["CACHE_DIR"] = str(cache_dir)
     t0 = time.perf_counter()
-    core = ov.Core()
+    core = stage_core()
     try:
-        compiled = core.compile_model(str(xml), device, config)
+        if inference_precision == "f32":  # fleet's kernels at f32 too: the exact products
+            compiled = core.compile_model(kernels_at(core.read_model(str(xml)), "f32"), device, config)
+        else:
+            compiled = core.compile_model(str(xml), device, config)
     except RuntimeError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
         first_line = lines[-1] if lines else repr(exc)

@@ -24,7 +24,7 @@ import openvino as ov
 
 from fleet_common.blobs import BlobKey, import_blob, ir_digest, shard_config
 from fleet_common.manifest import LoadedManifest, ManifestError, sha256_file, verify_files
-from fleet_common.runtime import KV_VALUE_BYTES, compile_ir, runs_compressed
+from fleet_common.runtime import KV_VALUE_BYTES, check_kernels, compile_ir, runs_compressed, stage_core
 from fleet_common.settings import cache_home
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,17 @@ def load_shard(loaded: LoadedManifest, stage: int, device: str = "CPU", threads:
     ``cache_max_bytes``: after writing a cache entry, the least recently loaded stage folders of the whole
     cache are deleted until it is under this size (the folder just written is always kept).
     Raises ``ManifestError`` when the IR does not match the manifest, ``RuntimeError`` when it does not
-    compile."""
+    compile, ``kernels.KernelsUnavailable`` (a ``RuntimeError``: one line saying what to install) when the stage
+    needs fleet's kernels and this install lacks them or has another version."""
     manifest = loaded.manifest
+    check_kernels(manifest.stages[stage], f"stage {stage} of {loaded.directory}")
     compressed = runs_compressed(device, manifest.stages[stage])
     kv = shard_config(threads, inference_precision, manifest.kv_cache_precision, compressed)["KV_CACHE_PRECISION"]
     kv_bytes = KV_VALUE_BYTES.get(str(kv), 2)
     why_not = ""
     candidates = [b for b in manifest.blobs if b.stage == stage] if blobs else []
     if candidates:
-        core = ov.Core()
+        core = stage_core()
         wanted = BlobKey.here(manifest, stage, device, threads, inference_precision, core)
         reasons = []
         for blob in candidates:

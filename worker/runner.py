@@ -58,8 +58,11 @@ class ShardRunner:
                                cache_max_bytes=cache_max_bytes)
         self.compiled, self.kv_value_bytes = self.load.compiled, self.load.kv_value_bytes
         t0 = time.perf_counter()
-        settle(self._warm_up, self._mapped_files())
-        log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s, weights repacked in %.2f s; RSS %s",
+        if self.entry.kernels:  # fleet's kernels read the weights in the mapped .bin: its pages are the weights
+            self._warm_up()
+        else:  # the plugin repacks the weights at the first inference: the mapped pages read for it go back
+            settle(self._warm_up, self._mapped_files())
+        log.info("stage %d layers [%d, %d) loaded on %s from %s in %.2f s, first inference in %.2f s; RSS %s",
                  stage, self.entry.start, self.entry.end, device, self.load.source, self.load.seconds,
                  time.perf_counter() - t0, ", ".join(f"{k} {v:.0f} MiB" for k, v in resident_mib().items()))
         if self.entry.device.split(".")[0].upper() != device.split(".")[0].upper():  # served anyway

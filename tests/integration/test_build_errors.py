@@ -100,6 +100,9 @@ def _file_of(folder: Path, tensor: str) -> Path:
     return folder / "model.safetensors"
 
 
+NORM = "model.layers.3.post_attention_layernorm.weight"  # a norm: stored as float16, whatever the build
+
+
 def _set_weight(folder: Path, tensor: str, value: float, at: tuple[int, ...] = (3, 5)) -> Path:
     """Set one element of ``tensor`` (bf16) in whichever file holds it; returns that file."""
     from safetensors.torch import load_file, save_file
@@ -357,12 +360,31 @@ def test_part_the_builder_does_not_make_is_refused_by_name(changes, patterns, mo
                                                ("single", float("nan")), ("sharded", 1e6)],
                          ids=["1e6", "-7e4", "inf", "nan", "sharded-1e6"])
 def test_bf16_value_beyond_float16_is_refused(layout, value, models, tmp_path):
-    """The tensor sits in layer 3, the last stage's: stage 0 is written whole before the refusal."""
+    """The tensor, a norm (stored as float16), sits in layer 3, the last stage's: stage 0 is written whole before
+    the refusal."""
     src = _copy(getattr(models, "llama" if layout == "single" else "sharded"), tmp_path / "src")
+    path = _set_weight(src, NORM, value, at=(5,))
+    out = tmp_path / "out"
+    assert_refused(build(src, out), out, re.escape(path.name), re.escape(NORM), "float16")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_bf16_matrix_holding_inf_or_nan_is_refused(value, models, tmp_path):
+    """A matrix fleet's kernels read as stored (bf16) may hold any finite bf16 value, not inf or NaN."""
+    src = _copy(models.llama, tmp_path / "src")
     tensor = "model.layers.3.mlp.down_proj.weight"
     path = _set_weight(src, tensor, value)
     out = tmp_path / "out"
-    assert_refused(build(src, out), out, re.escape(path.name), re.escape(tensor), "float16")
+    assert_refused(build(src, out), out, re.escape(path.name), re.escape(tensor), "inf or NaN")
+
+
+def test_bf16_matrix_beyond_float16_builds_as_stored(models, tmp_path):
+    """1e6 in a bf16 matrix is a bf16 value like any other: a CPU build keeps the matrix's bytes for fleet's
+    kernels, so it builds."""
+    src = _copy(models.llama, tmp_path / "src")
+    _set_weight(src, "model.layers.3.mlp.down_proj.weight", 1e6)
+    result = build(src, tmp_path / "out")
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_missing_tokenizer_is_refused(models, tmp_path):
@@ -483,10 +505,9 @@ def test_bad_weight_on_a_small_disk_is_not_called_disk_full(small_fs, models, tm
     """compiler/save.py's disk_errors reads errors under 64 MiB free as a full disk: a weights error
     raised while a stage is written there must still say what it is."""
     src = _copy(models.llama, tmp_path / "src")
-    tensor = "model.layers.3.mlp.down_proj.weight"
-    _set_weight(src, tensor, 1e6)
+    _set_weight(src, NORM, 1e6, at=(5,))
     out = small_fs / "out"
-    line = assert_refused(build(src, out), out, re.escape(tensor), "float16")
+    line = assert_refused(build(src, out), out, re.escape(NORM), "float16")
     assert "disk full" not in line
     assert list(small_fs.iterdir()) == []
 
@@ -536,7 +557,7 @@ def test_failed_build_keeps_the_previous_build(case, models, tmp_path, request):
     elif case == "config-mismatch":
         _edit_config(src, intermediate_size=96)
     elif case == "bf16-overflow-last-stage":
-        _set_weight(src, "model.layers.3.mlp.down_proj.weight", 1e6)
+        _set_weight(src, NORM, 1e6, at=(5,))
     elif case == "missing-tokenizer":
         (src / "tokenizer.json").unlink()
     elif case == "unsupported":

@@ -8,9 +8,9 @@ import shutil
 import subprocess
 
 import numpy as np
-import openvino as ov
 import pytest
 
+from fleet_common.runtime import compile_ir
 from tests.conftest import BIN, MODELS
 
 pytestmark = pytest.mark.integration
@@ -52,8 +52,7 @@ def test_whole_model_export_matches_transformers(build_1, demo_hf):
     with torch.no_grad():
         expected = model(torch.from_numpy(ids)).logits[0].numpy()  # [S, V]
     manifest = json.loads((build_1 / "manifest.json").read_text())
-    compiled = ov.Core().compile_model(str(build_1 / manifest["stages"][0]["xml"]), "CPU",
-                                       {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"})
+    compiled = compile_ir(build_1 / manifest["stages"][0]["xml"], inference_precision="f32")[0]
     seq = ids.shape[1]
     got = compiled.create_infer_request().infer({
         "input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(seq)[None],

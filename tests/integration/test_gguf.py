@@ -11,9 +11,10 @@ transformers in f32 on the same GGUF's dequantized weights.
   demo's HF folder (the same GGUF dequantized to f32 by gguf-py).
 
 Both compare logits at every position of a 64-token sequence fed as a prefill and decode steps with
-rejected slots (``test_architectures.chained_logits``), in f32 with the CPU plugin's dynamic
-quantization off (``fleet_common.runtime.compile_config``). The kept forms give the dequantized value
-to f32 rounding ((q - zp) * d with an f32 zero point), so the only differences are summation order:
+rejected slots (``test_architectures.chained_logits``), in f32 (fleet's kernels at their exact precision, the
+CPU plugin's dynamic quantization off: ``fleet_common.runtime.compile_ir``). Each matrix is the file's bytes
+multiplied by fleet's kernels (``tests/integration/gguf_bytes.py`` hashes them), the embedding's Gather takes the
+dequantized value to f32 rounding ((q - zp) * d with an f32 zero point), so the only differences are summation order:
 measured <= 2.2e-4 on the demo's logits (magnitude ~30), 1e-5 on the tiny model; the tolerances are
 ~5x those. An integer zero point (OpenVINO GenAI's form) moves the demo's logits by ~0.5: far outside.
 """
@@ -32,6 +33,7 @@ import pytest
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import BIN, MODELS, Fleet, chat
 
+from .gguf_bytes import assert_constants_are_gguf_bytes
 from .reference import TransformersReference, near_ties
 from .test_architectures import SEQ, chained_logits
 
@@ -224,7 +226,7 @@ def demo_gguf(tmp_path_factory):
 def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, demo_gguf)
-    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4", "--exact-blocks")
+    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4")
     kinds = {}
     for stage in manifest["stages"]:
         assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
@@ -233,6 +235,8 @@ def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):
     assert kinds == {"Q8_0": 1 + 2 * LAYERS - 2, "Q4_0": 2 * LAYERS, "Q4_1": 3 * LAYERS - 1 + 1, "Q4_K": 1,
                      "Q6_K": 1, "f16": 1, "f32": 2 * LAYERS + 1}, kinds
     check_blocks_against_gguf_py(path)
+    # every matrix and the head is the file's bytes (Q/K rows in llama.cpp's permuted order), the F16 ffn_up too
+    assert assert_constants_are_gguf_bytes(tmp_path / "build", path, tmp_path / "work") == 7 * LAYERS + 1
     assert_matches_transformers(tmp_path / "build", path)
 
 
@@ -258,7 +262,7 @@ def check_blocks_against_gguf_py(path, kinds=("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q
     from compiler.source import read_gguf
 
     reader, _, config = read_gguf(path)
-    weights = GGUFWeights(path, reader, config, exact=True)
+    weights = GGUFWeights(path, reader, config)
     seen = set()
     for name in weights.tensors:
         if weights.kind(name) in ("f16", "f32"):
@@ -281,43 +285,30 @@ FIVE_BIT = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q5_0", "attn_output":
             "ffn_up": "Q5_0", "ffn_down": "Q5_K"}
 
 
-@pytest.mark.parametrize("offset_form", [False, True])
-def test_tiny_gguf_of_the_5_3_and_2_bit_types_matches_transformers(offset_form, demo_gguf, tmp_path, monkeypatch):
-    """Q5_0 (i8 codes), Q5_1 and Q5_K (u8 codes and offsets), Q3_K (i8 codes -(sc - 32) q times -d per 32) and
-    Q2_K (u8 codes sc q times d per 32, offsets per 16) are kept, not dequantized: a Q5_1 embedding (the Gather's
-    zero-point form) and head (the offset form), Q5_0/Q5_1 layer matrices, Q5_K, Q3_K and Q2_K ``ffn_down``.
-    Built as it comes (small matrices in the zero-point form) and with every offset-type matrix in the offset
-    form (``OFFSET_FORM_MIN_WEIGHTS`` lowered, in process): transformers' f32 logits within 1e-4 either way.
-    Measured: 2.2e-5 and 3.7e-5 (2.4e-5 and 3.3e-5 from transformers in f64, whose own f32 logits are 1.3e-5 off
-    it; each kept product is within 1.5e-7 of sum |x| |w| of f64's)."""
-    from compiler import export
-    from compiler.build import build as build_in_process
-
+def test_tiny_gguf_of_the_5_3_and_2_bit_types_matches_transformers(demo_gguf, tmp_path):
+    """Q5_0, Q5_1, Q5_K, Q3_K and Q2_K are kept, not dequantized: a Q5_1 embedding (the Gather's zero-point form)
+    and head, Q5_0/Q5_1 layer matrices, Q5_K, Q3_K and Q2_K ``ffn_down``, every matrix the file's bytes for fleet's
+    kernels: transformers' f32 logits within 1e-4."""
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, demo_gguf, kinds=FIVE_BIT, down={1: "Q3_K", 2: "Q2_K"}, embedding="Q5_1", output="Q5_1")
-    if offset_form:
-        monkeypatch.setattr(export, "OFFSET_FORM_MIN_WEIGHTS", 0)
-        build_in_process(path, tmp_path / "build", layers="0:1,1:3,3:4", exact_blocks=True)
-        xml = "".join((tmp_path / "build" / f"stage_{i}" / "openvino_model.xml").read_text() for i in range(3))
-        assert xml.count("/offset/matmul") == 3 * LAYERS + 1 + 3, xml.count("/offset/matmul")  # k/o/gate, head, 3 down
-    else:
-        manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4")
-        kinds = {}
-        for stage in manifest["stages"]:
-            assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
-            for kind, n in stage["compression"]["tensors"].items():
-                kinds[kind] = kinds.get(kind, 0) + n
-        assert kinds == {"Q5_0": 3 * LAYERS - 1, "Q5_1": 3 * LAYERS + 2, "Q5_K": LAYERS - 2, "Q3_K": 1, "Q2_K": 1,
-                         "f16": 1, "f32": 2 * LAYERS + 1}, kinds
-        check_blocks_against_gguf_py(path, ("Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"))
+    manifest = build(path, tmp_path / "build", "--layers", "0:1,1:3,3:4")
+    kinds = {}
+    for stage in manifest["stages"]:
+        assert stage["weights"] == "gguf" and stage["compression"]["dequantized_to_f16"] == {}, stage
+        for kind, n in stage["compression"]["tensors"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    assert kinds == {"Q5_0": 3 * LAYERS - 1, "Q5_1": 3 * LAYERS + 2, "Q5_K": LAYERS - 2, "Q3_K": 1, "Q2_K": 1,
+                     "f16": 1, "f32": 2 * LAYERS + 1}, kinds
+    check_blocks_against_gguf_py(path, ("Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"))
+    assert assert_constants_are_gguf_bytes(tmp_path / "build", path, tmp_path / "work") == 7 * LAYERS + 1
     assert_matches_transformers(tmp_path / "build", path)
 
 
 def test_tiny_gguf_of_mxfp4_matches_transformers(demo_gguf, tmp_path):
     """MXFP4 (gguf-py's quantizer) in every layer matrix, the embedding and the head is kept, not dequantized: the
-    layer matrices and the head as the file's E2M1 codes times its E8M0 bytes (``MXFP4`` in the manifest), which
-    the CPU plugin's FullyConnected runs on their f4e2m1 codes, the embedding (a Gather, which folds f4e2m1) as i8
-    per 32 (``MXFP4/i8``); transformers' f32 logits (its GGUF loader: gguf-py's dequantization) within 1e-4."""
+    layer matrices and the head as the file's bytes for fleet's kernels (``MXFP4`` in the manifest; no
+    FullyConnected of the CPU plugin left), the embedding (a Gather, which folds f4e2m1) as i8 per 32
+    (``MXFP4/i8``); transformers' f32 logits (its GGUF loader: gguf-py's dequantization) within 1e-4."""
     from fleet_common.runtime import compile_ir
 
     path = tmp_path / "tiny.gguf"
@@ -331,63 +322,13 @@ def test_tiny_gguf_of_mxfp4_matches_transformers(demo_gguf, tmp_path):
             kinds[kind] = kinds.get(kind, 0) + n
     assert kinds == {"MXFP4": 7 * LAYERS - 1 + 1, "MXFP4/i8": 1, "f16": 1, "f32": 2 * LAYERS + 1}, kinds
     check_blocks_against_gguf_py(path, ("MXFP4", "MXFP4/i8"))
+    assert assert_constants_are_gguf_bytes(tmp_path / "build", path, tmp_path / "work") == 7 * LAYERS + 1
     for stage in manifest["stages"]:
         compiled = compile_ir(tmp_path / "build" / stage["xml"], threads=1, inference_precision="f32")[0]
-        weights = Counter(str(node.input(1).get_source_output().get_element_type().get_type_name())
-                          for node in compiled.get_runtime_model().get_ordered_ops()
-                          if node.get_rt_info()["layerType"].astype(str) == "FullyConnected")
-        want = {"f4e2m1": 7 * (stage["end"] - stage["start"]) - (stage["index"] == 1) + (stage["index"] == 1),
-                "f32": stage["index"] == 1}  # stage 1: layer 1's F16 ffn_up (an f32 copy), the head
-        assert weights == Counter({k: n for k, n in want.items() if n}), weights
+        layers = Counter(str(node.get_rt_info()["layerType"].astype(str))
+                         for node in compiled.get_runtime_model().get_ordered_ops())
+        assert layers["FullyConnected"] == 0, layers
     assert_matches_transformers(tmp_path / "build", path)
-
-
-def test_offset_form_of_q4_k_and_q4_1_matches_transformers(demo_gguf, tmp_path, monkeypatch):
-    """Q4_1/Q4_K matrices of 2M weights or more are ``codes * scale`` plus a second product of per-group input
-    sums with the offsets (compiler/export.py ``linears``); the tiny model's are smaller, so the threshold is
-    lowered here to build every one of them that way: still transformers' f32 logits within 1e-4."""
-
-    from compiler import export
-    from compiler.build import build as build_in_process
-
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, demo_gguf)
-    monkeypatch.setattr(export, "OFFSET_FORM_MIN_WEIGHTS", 0)
-    build_in_process(path, tmp_path / "build", layers="0:1,1:3,3:4", exact_blocks=True)
-    xml = "".join((tmp_path / "build" / f"stage_{i}" / "openvino_model.xml").read_text() for i in range(3))
-    assert xml.count("/offset/matmul") >= 3 * LAYERS, xml.count("/offset/matmul")  # q/k/v, gate/up, ... per layer
-    assert_matches_transformers(tmp_path / "build", path)
-
-
-def test_near_exact_q6_k_is_int8_per_32_within_half_a_step(demo_gguf, tmp_path):
-    """By default Q6_K is re-quantized to int8 per 32 (compiler/gguf.py ``NEAR``): every weight within half an
-    int8 step (max |w| / 254 of its group of 32) of gguf-py's dequantization, the manifest names the form, and
-    the build's logits stay within 2% of the exact build's logit range with the same argmax almost everywhere."""
-    from compiler.gguf import NEAR, GGUFWeights
-    from compiler.source import read_gguf
-
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, demo_gguf)
-    reader, _, config = read_gguf(path)
-    weights = GGUFWeights(path, reader, config)
-    names = [n for n in weights.tensors if weights.tensors[n].qtype == "Q6_K"]
-    assert names and all(weights.kind(n) == NEAR["Q6_K"] for n in names)
-    for name in names:
-        shape = weights.shape(name)
-        q = weights.blocks(name, (0, shape[0]))
-        assert q.values.dtype == np.int8 and q.values.shape[-1] == 32 and q.offset is None
-        ours = q.values.astype(np.float32) * q.scale[..., None]
-        theirs = weights.tensor(name, out=np.empty(shape, np.float32)).reshape(ours.shape)
-        step = np.abs(theirs).max(axis=-1, keepdims=True) / 127
-        assert (np.abs(ours - theirs) <= step / 2 * (1 + 1e-5) + 1e-12).all(), name
-    near = build(path, tmp_path / "near", "--shards", "2")
-    assert sum(s["compression"]["tensors"].get(NEAR["Q6_K"], 0) for s in near["stages"]) == len(names)
-    build(path, tmp_path / "exact", "--shards", "2", "--exact-blocks")
-    ids = np.random.default_rng(1).integers(0, 49152, SEQ)
-    garbage = np.random.default_rng(2).integers(0, 49152, 16)
-    got, exact = (chained_logits(tmp_path / b, ids, garbage) for b in ("near", "exact"))
-    assert np.abs(got - exact).max() < 0.02 * np.ptp(exact, axis=-1).min(), np.abs(got - exact).max()
-    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ tensor_mapping): each layer's experts stacked into ``blk.N.ffn_gate_exps`` / ``f
 (``permute``). Attention matrices Q8_0 / Q4_0 / Q4_1, experts (``EXPERT_KINDS``) Q4_0, Q4_1, Q8_0 (qwen3moe) and
 Q8_0, Q5_1, F16 (mixtral): gguf-py ``gguf.quants``. A third, "qwen3moe-mxfp4", has its attention matrices, head
 and experts in MXFP4 (gpt-oss's type): the experts kept as i8 per 32 (the CPU plugin's GatherMatmul folds f4e2m1
-into an f32 copy), the rest as f4e2m1.
+into an f32 copy), the attention matrices and the head as the file's bytes for fleet's kernels.
 
 The reference is transformers' model of the HF config with every weight the file's value as gguf-py dequantizes it
-(Q/K rows put back by this module's own inverse of the permutation): the build keeps every block, the stacked
-experts' too (``--exact-blocks``; compiler/export.py ``_Weights.stacked``), and the F16 experts are fp16 as stored.
+(Q/K rows put back by this module's own inverse of the permutation): the build keeps every block (the dense
+matrices as the file's bytes for fleet's kernels), the stacked experts' too (compiler/export.py
+``_Weights.stacked``), and the F16 experts are fp16 as stored.
 
 * 1 stage, in this process: the whole model's logits at every one of 64 positions (f32 inference) and the experts
   each layer's TopK picks for every token, against transformers' logits and the top-2 of its router
@@ -250,18 +251,22 @@ def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_bl
     picks, for every token, the top-k of transformers' router (``output_router_logits``); every expert is picked
     somewhere, so each one's slice of the stacked constants is checked. Returns the element types the compiled
     model's FullyConnected and GatherMatmul nodes hold their weights in, ``Counter`` of (layer type, type name)."""
-    import openvino as ov
     import torch
 
     from compiler.export import StageSpec, export_stage
     from fleet_common.runtime import compile_config
 
-    model = export_stage(cfg, weights, StageSpec(0, 0, cfg.num_layers, cfg.num_layers), keep_blocks=keep_blocks)
+    from fleet_common.runtime import kernels_at, stage_core
+
+    # a CPU stage: a GGUF's dense matrices for fleet's kernels, an HF folder's too (its fp16 build)
+    model = export_stage(cfg, weights, StageSpec(0, 0, cfg.num_layers, cfg.num_layers), keep_blocks=keep_blocks,
+                         kernels=True)
     topks = [node for node in model.get_ordered_ops() if node.get_type_name() == "TopK"]
     assert len(topks) == cfg.num_layers
     model.add_outputs([node.output(1) for node in topks])
-    # f32 as a stage runs it: compressed (GGUF-block) weights with the dynamic quantization of activations off
-    compiled = ov.Core().compile_model(model, "CPU", compile_config(threads=1, inference_precision="f32"))
+    # f32 as a stage runs it: fleet's kernels exact, the dynamic quantization of activations off
+    compiled = stage_core().compile_model(kernels_at(model, "f32"), "CPU",
+                                          compile_config(threads=1, inference_precision="f32"))
     kinds = Counter(n.get_rt_info()["layerType"].astype(str) for n in compiled.get_runtime_model().get_ordered_ops())
     # the tiled expert block (compiler/layers.py moe_tiled) is the CPU plugin's: one GatherMatmul per matrix
     want = 3 * cfg.num_layers
@@ -296,7 +301,7 @@ def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
     whole model as one stage (every block kept, the experts' stacked) gives transformers' logits on the
     file's values and its router's picks (``check_one_stage``); also for a Mixtral file of one tensor per expert,
     and for a qwen3moe file in MXFP4, whose experts the plugin's GatherMatmul reads as i8 codes and whose other
-    matrices its FullyConnected reads as f4e2m1 codes (the router F32)."""
+    matrices fleet's kernels multiply (the router F32, a FullyConnected)."""
     from compiler.arch import ModelConfig
     from compiler.source import open_source
 
@@ -312,11 +317,10 @@ def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
         (hf.moe_layers, hf.num_experts, hf.experts_per_token, hf.moe_intermediate_size, hf.norm_topk_prob) == \
         ((0, 1, 2, 3), EXPERTS, TOP_K, WIDTH, True)
     assert cfg.head_dim == hf.head_dim and cfg.qk_norm == (name == "qwen3moe")
-    source.weights.exact = True
     weights = check_one_stage(case, cfg, source.weights, zoo.reference(case), zoo.ids, keep_blocks=True)
-    if case.endswith("-mxfp4"):  # q, k, v, o a layer and the head; the router's f32 (F32)
-        assert weights == {("GatherMatmul", "i8"): 3 * cfg.num_layers, ("FullyConnected", "f4e2m1"):
-                           4 * cfg.num_layers + 1, ("FullyConnected", "f32"): cfg.num_layers}, weights
+    if case.endswith("-mxfp4"):  # q, k, v, o a layer and the head are fleet's kernels'; the router's f32 (F32)
+        assert weights == {("GatherMatmul", "i8"): 3 * cfg.num_layers, ("FullyConnected", "f32"): cfg.num_layers}, \
+            weights
 
 
 def test_mixtral_hf_folder_matches_transformers(zoo):
@@ -342,7 +346,7 @@ def test_moe_gguf_fleet_greedy_matches_transformers(name, zoo, tmp_path):
     from coordinator.tokenizer import ChatTokenizer
 
     out = tmp_path / "build"
-    manifest = build(zoo.gguf(name), out, "--layers", "0:2,2:4", "--exact-blocks")
+    manifest = build(zoo.gguf(name), out, "--layers", "0:2,2:4")
     assert manifest["architecture"]["model_type"] == {"qwen3moe": "qwen3_moe", "mixtral": "mixtral"}[name]
     for stage in manifest["stages"]:
         compression = stage["compression"]

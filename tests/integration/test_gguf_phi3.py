@@ -40,6 +40,7 @@ from .test_architectures import (
     hf_greedy,
     make_tiny_model,
 )
+from .gguf_bytes import assert_constants_are_gguf_bytes
 from .test_gguf import add_demo_tokenizer, build, demo_gguf, demo_vocabulary, save_gguf, transformers_logits  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -210,7 +211,7 @@ def test_phi3_gguf_config_is_the_hf_config(zoo):
 def test_phi3_gguf_stages_match_transformers(arch, stages, zoo, tmp_path):
     """The build keeps the file's blocks (the fused tensors' row ranges, nothing dequantized) and its chained stages
     give transformers' f32 logits on the file's values within ``ATOL``, with the same argmax everywhere."""
-    manifest = build(zoo.gguf(arch), tmp_path / "build", "--layers", LAYERS[stages], "--exact-blocks")
+    manifest = build(zoo.gguf(arch), tmp_path / "build", "--layers", LAYERS[stages])
     assert len(manifest["stages"]) == stages and manifest["architecture"]["model_type"] == "phi3"
     kinds: dict[str, int] = {}
     for stage in manifest["stages"]:
@@ -221,6 +222,8 @@ def test_phi3_gguf_stages_match_transformers(arch, stages, zoo, tmp_path):
     # per layer q, k, v Q8_0 (attn_qkv), o Q4_1, gate and up Q4_0 (ffn_up), down Q8_0; the embedding Q8_0 (twice
     # when tied: the last stage's head), the head Q4_1 otherwise; 2 norms per layer and the final one F32
     assert kinds == {"Q8_0": 4 * 4 + 1 + tied, "Q4_1": 4 + (not tied), "Q4_0": 2 * 4, "f32": 2 * 4 + 1}, kinds
+    # each matrix (q/k/v and gate/up: row ranges of the fused tensors) and the head: the file's bytes, hashed
+    assert assert_constants_are_gguf_bytes(tmp_path / "build", zoo.gguf(arch), tmp_path / "work") == 7 * 4 + 1
     got = chained_logits(tmp_path / "build", zoo.ids, zoo.garbage)
     expected = zoo.reference_logits(arch)
     err = np.abs(got - expected).max()

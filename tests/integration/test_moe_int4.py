@@ -35,7 +35,9 @@ def test_int4_moe_stages_equal_nncf_on_the_fp16_stage(demo_hf, tmp_path, monkeyp
 
     src = make_tiny_model("qwen3moe", tmp_path / "hf", demo_hf)["f32"]
     cfg = ModelConfig.from_folder(src)
-    build(src, tmp_path / "fp16", shards=2)
+    # OpenVINO's own fp16 forms (a GPU stage's) as NNCF's input: a CPU build's matrices are fleet's
+    # kernels' bytes
+    build(src, tmp_path / "fp16", shards=2, devices=("GPU",) * 2)
     with monkeypatch.context() as patch:  # the int4 build never hands NNCF a whole stage
         patch.setattr(nncf, "compress_weights", lambda *a, **k: pytest.fail("NNCF ran on a whole int4 stage"))
         build(src, tmp_path / "int4", shards=2, weights="int4")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from compiler.cli import main as compiler_main
-from fleet_common.manifest import DEVICES_FORMAT, load_manifest
+from fleet_common.kernels import KERNELS_VERSION
+from fleet_common.manifest import KERNELS_FORMAT, load_manifest
 from tests.conftest import BIN, MODELS, ROOT, Fleet, chat, compiler_key
 from tests.integration.test_compiler import run_cli
 
@@ -87,7 +88,9 @@ def test_planned_build_answers_as_the_default_split(planned, build_2, tmp_path):
     build, layers = planned
     manifest = load_manifest(build).manifest
     assert layers == "0:12,12:30" and [(s.start, s.end) for s in manifest.stages] == [(0, 12), (12, 30)]
-    assert [s.device for s in manifest.stages] == ["GPU", "CPU"] and manifest.format == DEVICES_FORMAT
+    assert [s.device for s in manifest.stages] == ["GPU", "CPU"] and manifest.format == KERNELS_FORMAT
+    # the GPU stage in OpenVINO's forms, the CPU stage on fleet's kernels (a GPU plugin runs no CPU extension op)
+    assert [s.kernels for s in manifest.stages] == [None, KERNELS_VERSION]
     assert [(s.start, s.end) for s in load_manifest(build_2).manifest.stages] == [(0, 19), (19, 30)]
     shown = run_cli("inspect", str(build))
     assert shown.returncode == 0, shown.stdout + shown.stderr

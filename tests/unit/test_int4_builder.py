@@ -53,7 +53,9 @@ def test_int4_stages_equal_nncf_on_the_whole_stage(shards, tied, symmetric, grou
 
     monkeypatch.setattr(compiler.compress, "ROW_BLOCK_BYTES", 4096)  # several blocks per weight, a tail merged
     src = tiny_model(tmp_path / "tiny", tied)
-    build(src, tmp_path / "fp16", shards=shards)
+    # OpenVINO's own fp16 forms (a GPU stage's) as NNCF's input: a CPU build's matrices are fleet's
+    # kernels' bytes
+    build(src, tmp_path / "fp16", shards=shards, devices=("GPU",) * shards)
     monkeypatch.setattr(nncf, "compress_weights", whole_stage)
     build(src, tmp_path / "int4", shards=shards, weights="int4", symmetric=symmetric, group_size=group, ratio=ratio)
     monkeypatch.undo()  # NNCF on the fp16 stages below, for the reference

@@ -24,7 +24,9 @@ def test_int8_stages_equal_nncf_on_the_whole_stage(symmetric, tmp_path, monkeypa
 
     monkeypatch.setattr(compiler.compress, "ROW_BLOCK_BYTES", 4096)  # several blocks per weight
     src = tiny_llama(tmp_path / "tiny")
-    build(src, tmp_path / "fp16", shards=2)
+    # OpenVINO's own fp16 forms (a GPU stage's) as NNCF's input: a CPU build's matrices are fleet's
+    # kernels' bytes
+    build(src, tmp_path / "fp16", shards=2, devices=("GPU",) * 2)
     build(src, tmp_path / "int8", shards=2, weights="int8", symmetric=symmetric)
     core = ov.Core()
     for stage in (0, 1):

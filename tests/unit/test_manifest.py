@@ -64,11 +64,28 @@ def test_stage_weights_round_trip_and_format_1_builds_still_load(tmp_path):
     old = load_manifest(tmp_path).manifest
     assert [s.weights for s in old.stages] == ["fp16", "fp16"] and old.stages[0].compression == {}
 
-    raw["format"] = 4
+    raw["format"] = 5
     (tmp_path / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(ManifestError, match="manifest format 4: this fleet reads formats 1, 2, 3; rebuild with this "
-                                            "fleet-compiler, or upgrade fleet"):
+    with pytest.raises(ManifestError, match="manifest format 5: this fleet reads formats 1, 2, 3, 4; rebuild with "
+                                            "this fleet-compiler, or upgrade fleet"):
         load_manifest(tmp_path)
+
+
+def test_a_stage_names_the_kernels_it_needs(tmp_path):
+    """Format 4: a stage holding fleet's kernels' op names their version (``kernels``), written only when it does,
+    so a manifest without such stages reads as before."""
+    import dataclasses
+    import json
+
+    m = make(tmp_path)
+    plain = json.loads(m.to_json())
+    assert all("kernels" not in s for s in plain["stages"])
+    m = dataclasses.replace(m, format=4, stages=(dataclasses.replace(m.stages[0], kernels="1"), m.stages[1]))
+    (tmp_path / "manifest.json").write_text(m.to_json())
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    assert raw["stages"][0]["kernels"] == "1" and "kernels" not in raw["stages"][1]
+    loaded = load_manifest(tmp_path).manifest
+    assert loaded == m and [s.kernels for s in loaded.stages] == ["1", None]
 
 
 def test_stage_devices_round_trip_and_cpu_builds_keep_format_2(tmp_path):
