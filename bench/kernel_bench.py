@@ -1,5 +1,5 @@
 """One process, one model, per weight type: fleet's 1-stage IR beside llama.cpp on the same GGUF, decode tok/s and
-peak RSS at 1 and 2 threads, table + JSON; with ``--profile``, OpenVINO's per-op profile (``PERF_COUNT``) of each
+a 512-token prefill's tok/s and peak RSS at 1 and 2 threads, table + JSON; with ``--profile``, OpenVINO's per-op profile (``PERF_COUNT``) of each
 fleet build, the decode step's time by op type and by matrix role (q, k, v, o, gate, up, down, head).
 
 The GGUFs are random-weight files of a real model's dimensions (``bench/real_gguf.py``: F16 by gguf-py, every other
@@ -51,25 +51,40 @@ def ensure_build(gguf: Path, weights: str | None, cache: Path) -> Path:
     return harness.ensure_build(gguf, cache, 1, options=("--weights", weights) if weights else ())
 
 
+PREFILL = 512  # the prefill column's prompt (tokens)
 FLEET_RUN = r"""
 import json, os, sys, time
 import numpy as np, openvino as ov
 build, threads, tokens, prompt, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-precision = sys.argv[6]
+precision, PREFILL = sys.argv[6], int(sys.argv[7])
 from fleet_common.residency import resident_mib, settle
 from fleet_common.manifest import load_manifest
-from fleet_common.runtime import compile_config, runs_compressed
+from fleet_common.runtime import compile_config, kernels_at, runs_compressed, stage_core
 os.sched_setaffinity(0, set(range(threads)))
 entry = load_manifest(build).manifest.stages[0]
 config = compile_config(threads, precision, runs_compressed("CPU", entry))  # as a worker compiles it
 if profile:
     config["PERF_COUNT"] = True
-compiled = ov.Core().compile_model(build + "/stage_0/openvino_model.xml", "CPU", config)
+core = stage_core()
+model = core.read_model(build + "/stage_0/openvino_model.xml")
+compiled = core.compile_model(kernels_at(model, "f32") if precision == "f32" else model, "CPU", config)
 one = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 1), np.int64),
        "position_ids": np.zeros((1, 1), np.int64), "beam_idx": np.zeros(1, np.int32), "logits_index": np.zeros(1, np.int64)}
-settle(lambda: compiled.create_infer_request().infer(one), [build + "/stage_0/openvino_model.bin"])  # as a worker loads
+if entry.kernels:  # as a worker loads: fleet's kernels read the mapped .bin, nothing is repacked or given back
+    compiled.create_infer_request().infer(one)
+else:
+    settle(lambda: compiled.create_infer_request().infer(one), [build + "/stage_0/openvino_model.bin"])
 req = compiled.create_infer_request()
 rng = np.random.default_rng(0)
+prefill_s = []
+for run in range(2):  # a prompt of PREFILL tokens in one chunk
+    req.reset_state()
+    ids = rng.integers(0, 49152, (1, PREFILL))
+    t0 = time.perf_counter()
+    req.infer({"input_ids": ids, "attention_mask": np.ones((1, PREFILL), np.int64),
+               "position_ids": np.arange(PREFILL, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32),
+               "logits_index": np.array([PREFILL - 1], np.int64)})
+    prefill_s.append(time.perf_counter() - t0)
 rates, ops = [], {}
 for run in range(3):
     req.reset_state()
@@ -91,7 +106,7 @@ for run in range(3):
     rates.append((len(out) - 1) / (time.perf_counter() - first))
 mib = resident_mib()
 steps = tokens - 1
-print(json.dumps({"tok_s": sorted(rates)[1], "runs": rates, "peak_rss_mib": mib["VmHWM"], "rss_mib": mib["VmRSS"],
+print(json.dumps({"tok_s": sorted(rates)[1], "runs": rates, "prefill_tok_s": PREFILL / min(prefill_s), "peak_rss_mib": mib["VmHWM"], "rss_mib": mib["VmRSS"],
                   "anon_mib": mib["RssAnon"], "file_mib": mib["RssFile"],
                   "ops": [[t, e, n, s * 1000 / steps] for (t, e, n), s in ops.items()]}))
 """
@@ -101,7 +116,7 @@ def fleet_cell(build: Path, threads: int, tokens: int, prompt: int, profile: boo
     """Decode tok/s, memory and (``profile``) per-op ms per step of ``build`` in its own process, loaded as a
     worker loads it (fleet_common/residency.py: the weights repacked at load, the mapped .bin given back)."""
     run = subprocess.run([sys.executable, "-c", FLEET_RUN, str(build), str(threads), str(tokens), str(prompt),
-                          "1" if profile else "0", precision], capture_output=True, text=True, cwd=harness.ROOT,
+                          "1" if profile else "0", precision, str(PREFILL)], capture_output=True, text=True, cwd=harness.ROOT,
                          env=harness.repo_env())
     if run.returncode:
         raise RuntimeError(f"fleet run of {build} failed:\n{run.stderr[-3000:]}")
@@ -119,9 +134,10 @@ def poll_peak(proc: subprocess.Popen, peak: list[float]) -> None:
 
 
 def llama_cell(gguf: Path, threads: int, tokens: int) -> dict:
-    """llama-bench's decode tok/s (``tg`` of ``tokens`` from an empty context) and its peak RSS."""
+    """llama-bench's decode tok/s (``tg`` of ``tokens`` from an empty context), its prefill tok/s (``pp`` of
+    ``PREFILL`` tokens) and its peak RSS."""
     cmd = ["taskset", "-c", ",".join(map(str, range(threads))), str(harness.llama_cpp_tool("llama-bench")),
-           "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3", "-o", "json"]  # -d crashes this build
+           "-m", str(gguf), "-p", str(PREFILL), "-n", str(tokens), "-t", str(threads), "-r", "3", "-o", "json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0.0]
     poller = threading.Thread(target=poll_peak, args=(proc, peak), daemon=True)
@@ -131,7 +147,9 @@ def llama_cell(gguf: Path, threads: int, tokens: int) -> dict:
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
     rows = [r for r in json.loads(out) if r.get("n_gen")]
-    return {"tok_s": rows[0]["avg_ts"], "stddev": rows[0]["stddev_ts"], "peak_rss_mib": peak[0], "command": cmd}
+    prefill = [r for r in json.loads(out) if r.get("n_prompt") and not r.get("n_gen")]
+    return {"tok_s": rows[0]["avg_ts"], "stddev": rows[0]["stddev_ts"], "prefill_tok_s": prefill[0]["avg_ts"],
+            "peak_rss_mib": peak[0], "command": cmd}
 
 
 def paired_cells(build: Path, gguf: Path | None, threads: int, args: argparse.Namespace) -> dict:
@@ -159,6 +177,8 @@ def paired_cells(build: Path, gguf: Path | None, threads: int, args: argparse.Na
     if gguf is not None:
         ratios = sorted(f["tok_s"] / l["tok_s"] for f, l in zip(runs["fleet"], runs["llama_cpp"]))
         out["ratio"], out["ratio_range"] = statistics.median(ratios), [ratios[0], ratios[-1]]
+        out["prefill_ratio"] = statistics.median(f["prefill_tok_s"] / l["prefill_tok_s"]
+                                                 for f, l in zip(runs["fleet"], runs["llama_cpp"]))
     return out
 
 
@@ -197,10 +217,13 @@ def table(rows: list[dict]) -> str:
             f = r[key]
             out.append([r["type"], r["threads"], key.partition("_")[2] or "default", f"{f['tok_s']:.1f}",
                         f"{l.get('tok_s', float('nan')):.1f}", ratio_cell(r, key) if l else "–",
+                        f"{f['prefill_tok_s']:.1f}", f"{l.get('prefill_tok_s', float('nan')):.1f}",
+                        f"{f['prefill_tok_s'] / l['prefill_tok_s']:.2f}" if l else "–",
                         f"{f['peak_rss_mib']:.0f} ({f['anon_mib']:.0f} + {f['file_mib']:.0f})",
                         f"{l.get('peak_rss_mib', float('nan')):.0f}",
                         f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–", f"{r['bin_mb']:.0f}"])
     return harness.table(["type", "threads", "fleet", "tok/s", "llama.cpp tok/s", "fleet ÷ llama.cpp",
+                          f"prefill {PREFILL} tok/s", "llama.cpp prefill tok/s", "prefill ÷",
                           "fleet peak RSS MiB (anon + file)", "llama.cpp peak RSS MiB", "RSS ÷", "stage bin MB"], out)
 
 
