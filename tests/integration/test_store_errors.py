@@ -1,13 +1,15 @@
-"""An empty worker's stage-store errors name no folder of its PC to the caller (issue 45 item 5): each bad
+"""Errors of an empty worker's stage store. Its refusals name no folder of its PC to the caller (issue 45 item 5): each bad
 StageStatus / PutStage / ReuseStage / LoadStage a stranger can send, and a manifest damaged on the worker's disk,
 is refused over real gRPC by a real ``fleet-worker`` process with details that do not hold its stage folder (as
-given or resolved); the worker's own log keeps the whole message, path included.
+given or resolved); the worker's own log keeps the whole message, path included. And the shipper counts as
+sent only what the worker accepted (pieces it refused unread are not).
 
 Workers run with --no-announce on loopback: other tests on this machine must not find them."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.security import Security, open_channel
+from fleet_common.shipping import ShippingError, ship_stage
 from tests.integration.test_shipping import rpc_error
 from tests.integration.test_store_hostile import chunk, empty_worker, synthetic_build
 
@@ -68,3 +71,46 @@ def test_refusals_name_no_path_of_the_stage_folder(tmp_path: Path) -> None:
     # the worker's own log keeps where: its stage folder, named in the damaged manifest's line
     assert f"{folder}/{sha}/manifest.json is damaged" in log or f"{folder.resolve()}/{sha}/manifest.json" in log, \
         log[-3000:]
+
+
+def test_pieces_the_worker_refuses_unread_are_not_counted_as_sent(tmp_path: Path) -> None:
+    """The build's manifest leaves the worker's cache mid-shipping (as when another coordinator's build made room
+    under --stages-max-gb): the next PutStage is refused at its first piece, while the shipper has streamed
+    more pieces behind it. The shipper's progress (the coordinator's bars and its /health line) must end at
+    the bytes the worker holds, not at the pieces that left."""
+    build, _, sha = synthetic_build(tmp_path / "build", [b"a" * 1000, os.urandom(1 << 20) * 4])
+    calls: list[tuple[str, int, int]] = []
+    manifest = tmp_path / "w" / sha / "manifest.json"
+    puts = []
+
+    class SecondPutFindsNoManifest(grpc.aio.StreamUnaryClientInterceptor):
+        """Deletes the worker's copy of the manifest as the second PutStage (the .bin's) starts."""
+
+        async def intercept_stream_unary(self, continuation, details, request_iterator):  # noqa: ANN001, ANN201
+            if details.method.endswith(b"/PutStage"):
+                puts.append(details.method)
+                if len(puts) == 2:
+                    manifest.unlink()
+            return await continuation(details, request_iterator)
+
+    with ExitStack() as stack:
+        _, address = empty_worker(tmp_path, stack)
+
+        async def run() -> tuple[ShippingError, dict[str, int]]:
+            async with grpc.aio.insecure_channel(address, interceptors=[SecondPutFindsNoManifest()]) as channel:
+                with pytest.raises(ShippingError) as refused:
+                    await ship_stage(channel, build, 1, lambda *a: calls.append(a), address=address,
+                                     chunk_bytes=64 << 10, resumes=0)
+                data = (build / "manifest.json").read_bytes()
+                status = await pb_grpc.StageStoreStub(channel).StageStatus(pb.StageStatusRequest(
+                    model_id="tiny", manifest_sha256=sha, stage=1, manifest=data), timeout=30)
+                return refused.value, {f.path: f.bytes for f in status.files}
+
+        refused, held = asyncio.run(run())
+    print(f"refused: {refused}\nheld: {held}\nprogress calls: {calls}")
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "no manifest" in str(refused), refused
+    for path, bytes_held in held.items():
+        shown = [done for p, done, _ in calls if p == path]
+        assert shown, (path, calls)
+        assert shown[-1] == bytes_held, f"the last progress shows {shown[-1]:,} bytes of {path}, the worker holds " \
+                                        f"{bytes_held:,}"
