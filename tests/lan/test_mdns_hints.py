@@ -10,8 +10,11 @@ once per record why it ignored it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,7 +38,7 @@ from .conftest import LanWorker, stop_all
 pytestmark = pytest.mark.lan
 
 STRANGER_PORT = 50777
-LISTEN_S = 14.0  # the registry browses this long: resolves (3 s a try) and 3 probe rounds of 2 s, 1 s apart
+LISTEN_S = 14.0  # a browse: resolves (3 s a try) and 3 probe rounds of 2 s, 1 s apart
 EMPTY_TXT = {"state": "empty", "proto": str(PROTOCOL_VERSION), "id": "x", "mem": str(8 << 30), "device": "CPU",
              "msgb": "5.0"}
 
@@ -80,23 +83,31 @@ def stranger_pc(address: str, stranger: Stranger, stop: threading.Event) -> None
     asyncio.run(run())
 
 
-def coordinator_pc(build: Path) -> tuple[dict[str, pb.InfoReply | None], set[str]]:
-    """In PC ``coord``: a registry browsing zeroconf for ``LISTEN_S`` (as ``serve --model BUILD`` does) beside
-    the planner's collection (``browsing``, as ``serve --model SOURCE`` does); (the workers the registry holds
-    then: address -> their Info, the addresses the collection would ask Info)."""
-    async def run() -> tuple[dict[str, pb.InfoReply | None], set[str]]:
-        registry = Registry(load_manifest(build), Channels())
-        async with browsing() as heard:
-            await registry.start(discover=True)
-            await asyncio.sleep(LISTEN_S)
-        found = {a: w.info for a, w in registry.workers.items()}
+def coordinator_pc(build: str, worker: str) -> None:
+    """Run as a process in PC ``coord`` (``python -c``; its log on stderr): a registry browsing zeroconf (as
+    ``serve --model BUILD`` does) until it holds ``worker`` and has ignored 5 records, at most ``LISTEN_S`` x 3;
+    then the planner's collection (``browsing``, as ``serve --model SOURCE`` does) for ``LISTEN_S`` (one after
+    the other: two zeroconf instances of one PC share the unicast answers). Prints one JSON line: the workers
+    the registry held (address -> [worker id, empty] or None), the addresses the collection would ask Info."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+
+    async def run() -> dict:
+        registry = Registry(load_manifest(Path(build)), Channels())
+        await registry.start(discover=True)
+        deadline = time.monotonic() + 3 * LISTEN_S
+        while time.monotonic() < deadline and not (worker in registry.workers and len(getattr(registry, "_ignored", ())) >= 5):
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(3.0)  # a stranger's record probed late would be held by now
+        found = {a: [w.info.worker_id, w.info.empty] if w.info else None for a, w in registry.workers.items()}
         await registry.stop()
-        return found, set(heard)
+        async with browsing() as heard:
+            await asyncio.sleep(LISTEN_S)
+        return {"found": found, "heard": sorted(heard)}
 
-    return asyncio.run(run())
+    print(json.dumps(asyncio.run(run())), flush=True)
 
 
-def test_the_coordinator_checks_an_mdns_record_names_a_fleet_worker_first(lan, tmp_path, caplog):  # noqa: ANN001
+def test_the_coordinator_checks_an_mdns_record_names_a_fleet_worker_first(lan, tmp_path):  # noqa: ANN001
     for name in ("coord", "stranger", "w"):
         lan.add_pc(name)
     build, _, _ = synthetic_build(tmp_path / "build", [b"a" * 1000])
@@ -106,18 +117,22 @@ def test_the_coordinator_checks_an_mdns_record_names_a_fleet_worker_first(lan, t
         address = worker.ready(120)
         announcing = lan.executor("stranger").submit(stranger_pc, lan.pcs["stranger"].address, stranger, stop)
         time.sleep(1.0)
-        with caplog.at_level(logging.INFO):
-            found, heard = lan.call_in("coord", coordinator_pc, build)
+        script = f"from tests.lan.test_mdns_hints import coordinator_pc; coordinator_pc({str(build)!r}, {address!r})"
+        coord = subprocess.run(lan.pcs["coord"].cmd(sys.executable, "-c", script), capture_output=True, text=True,
+                               timeout=6 * LISTEN_S, cwd=Path(__file__).parents[2])
     finally:
         stop.set()
         stop_all([worker])
     announcing.result(30)
-    ignored = [f"{r.name}: {r.getMessage()}" for r in caplog.records if "zeroconf: ignoring" in r.getMessage()]
-    print("found:", {a: (i.worker_id, i.empty) if i else None for a, i in found.items()})
+    assert coord.returncode == 0, coord.stderr[-3000:]
+    result = json.loads(coord.stdout.strip().splitlines()[-1])
+    found, heard = result["found"], set(result["heard"])
+    ignored = [line for line in coord.stderr.splitlines() if "zeroconf: ignoring" in line]
+    print("found:", found)
     print("the stranger was asked:", [(r.owner, r.challenge) for r in stranger.asked])
     print("\n".join(ignored))
     print("the planner's collection heard:", heard)
-    assert address in found and found[address] is not None and found[address].empty, found
+    assert address in found and found[address] is not None and found[address][1], found
     assert set(found) == {address}, found  # none of the stranger's records
     assert stranger.asked, "the record naming the stranger's server was never probed"
     assert all(not r.owner and not r.challenge for r in stranger.asked), \
@@ -125,7 +140,7 @@ def test_the_coordinator_checks_an_mdns_record_names_a_fleet_worker_first(lan, t
     for name, why in {"notaworker": "none answers Info as a fleet worker", "public": "8.8.8.8 is not a LAN address",
                       "privileged": "port 22", "malformed": "bad fleet TXT record",
                       "otherproto": "names protocol '999'"}.items():
-        lines = [m for m in ignored if f"fleet-empty-{name}." in m and "coordinator.registry" in m]
+        lines = [m for m in ignored if f"fleet-empty-{name}." in m and m.startswith("coordinator.registry")]
         assert len(lines) == 1 and why in lines[0], (name, lines)
     # the planner's collection asks Info of the worker and of the stranger's well-formed record only (Info then
     # finds it is no worker: collect_capacities), never of a public address, a privileged port or a bad record
