@@ -28,7 +28,7 @@ import grpc
 
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
-from fleet_common.discovery import Capacity, implausible, printable
+from fleet_common.discovery import Capacity, implausible, implausible_endpoint, printable, record_problem
 from fleet_common.security import Security, open_channel
 from fleet_common.settings import cache_home
 
@@ -257,13 +257,23 @@ async def browsing() -> AsyncIterator[set[str]]:
     from fleet_common import SERVICE_TYPE
 
     heard: set[str] = set()
+    ignored: set[str] = set()  # names logged as ignored (a malformed TXT, an address no LAN worker has): once each
     tasks: set[asyncio.Future] = set()
     zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
 
     async def resolve(name: str) -> None:
         info = AsyncServiceInfo(SERVICE_TYPE, name)
         if await info.async_request(zc.zeroconf, RESOLVE_TIMEOUT_MS):
-            new = {f"{h}:{info.port}" for h in info.parsed_addresses(IPVersion.V4Only)} - heard
+            # a hint anyone on the LAN can send: a malformed record, or an address no LAN worker has, is never dialed
+            problem = record_problem(info.properties, info.port)
+            bad = {} if problem else {h: why for h in info.parsed_addresses(IPVersion.V4Only)
+                                      if (why := implausible_endpoint(h, info.port))}
+            hosts = [] if problem else [h for h in info.parsed_addresses(IPVersion.V4Only) if h not in bad]
+            if (problem or bad) and name not in ignored:
+                ignored.add(name)
+                log.warning("zeroconf: ignoring %s: %s", printable(name, 200),
+                            problem or "; ".join(f"{h}:{info.port}: {why}" for h, why in bad.items()))
+            new = {f"{h}:{info.port}" for h in hosts} - heard
             if new:
                 log.info("zeroconf: %s at %s", name, ", ".join(sorted(new)))
             heard.update(new)

@@ -25,7 +25,7 @@ import grpc
 
 from fleet_common import PROTOCOL_VERSION, SERVICE_TYPE
 from fleet_common import fleet_pb2 as pb
-from fleet_common.discovery import EmptyWorker, decode_txt, printable
+from fleet_common.discovery import implausible_endpoint, printable, record_problem
 from fleet_common.manifest import LoadedManifest
 
 from .errors import PipelineUnavailable, StageFailure, stage_lost, stages_phrase
@@ -38,6 +38,8 @@ LOST_PROBE_S = 5.0  # a worker found by mDNS and dropped after missed health che
 LOST_FORGET_S = 600.0  # ... for this long (a cable back in, a link back up: it rejoins by itself)
 NOTHING_HEARD_S = 5.0  # no worker heard by zeroconf this long after the start: say so, and which interfaces
 RESOLVE_ATTEMPTS = 5  # tries to resolve an announced name (3 s each) before saying it was not resolved
+PROBE_ROUNDS, PROBE_GAP_S = 3, 1.0  # an announced worker's bare Info asked this often, this far apart, before it is ignored
+IGNORED_LOG_S = 60.0  # an ignored mDNS record is logged once per name this often at most (a LAN may repeat it)
 _DNS_A, _DNS_SRV, _DNS_IN = 1, 33, 1  # DNS record types and class (RFC 1035, RFC 2782)
 
 
@@ -75,6 +77,7 @@ class Registry:
         self._tasks: set[asyncio.Task] = set()
         self._heard: dict[str, list[str]] = {}  # zeroconf service names resolved -> the addresses added for them
         self._lost: dict[str, tuple[int, float, float]] = {}  # mDNS address -> (stage, dropped at, next probe)
+        self._ignored: dict[str, float] = {}  # zeroconf name -> when its record was last logged as ignored
         self.switching = False  # a re-plan (replan.py) loads another build's stages: refusals are expected
         self.planned = False  # serve --model SOURCE: empty workers are planned in, lost stages re-planned (replan.py)
         # called (address, seconds) when a worker answers after a longer gap than missed checks allow
@@ -351,12 +354,8 @@ class Registry:
                 log.warning("zeroconf: %s announced but not resolved (no SRV/TXT/address answer in %d tries of 3 s)",
                             name, attempt + 1)
                 return
-        try:
-            decode_txt(info.properties, "", info.port)
-        except EmptyWorker:
-            pass  # added: its Info says it is empty; a planned fleet (serve --model SOURCE) may plan it in
-        except ValueError as exc:
-            log.warning("%s (%s)", exc, name)
+        if (problem := record_problem(info.properties, info.port)) is not None:  # a hint anyone on the LAN can send
+            self._ignore(name, problem)
             return
         added = self._heard.setdefault(name, [])
         endpoints = [f"{h}:{info.port}" for h in info.parsed_addresses(IPVersion.V4Only)]
@@ -365,15 +364,24 @@ class Registry:
             for a in cache.async_all_by_details(srv.server, _DNS_A, _DNS_IN):
                 if f"{socket.inet_ntoa(a.address)}:{srv.port}" not in endpoints:
                     endpoints.append(f"{socket.inet_ntoa(a.address)}:{srv.port}")
+        bad = {e: why for e in endpoints if (why := implausible_endpoint(*_split(e)))}
+        endpoints = [e for e in endpoints if e not in bad]
         if not endpoints:
-            log.warning("zeroconf: %s announces no IPv4 address (the coordinator dials IPv4 only)", name)
+            self._ignore(name, "it announces no address a LAN worker has" + "".join(
+                f"; {e}: {why}" for e, why in bad.items()) + " (the coordinator dials IPv4 LAN addresses only)")
             return
-        found = await self._answering(endpoints) if len(endpoints) > 1 else {"": endpoints[0]}
+        found = await self._answering(endpoints)  # a bare Info first (no lease, no challenge): a fleet worker's?
+        for _ in range(PROBE_ROUNDS - 1):
+            if found:
+                break
+            await asyncio.sleep(PROBE_GAP_S)
+            found = await self._answering(endpoints)
         if not found:
-            log.warning("worker %s announced %s and answers on none of them: trying %s (a worker must announce an "
-                        "address this coordinator routes to: fleet-worker --advertise-addr)", name,
-                        ", ".join(endpoints), endpoints[0])
-            found = {"": endpoints[0]}
+            self._ignore(name, f"it announced {', '.join(endpoints)} and none answers Info as a fleet worker of "
+                               f"protocol {PROTOCOL_VERSION} within {PROBE_TIMEOUT_S:g} s ({PROBE_ROUNDS} tries; a "
+                               "worker must announce an address this coordinator routes to: fleet-worker "
+                               "--advertise-addr)")
+            return
         if len(found) > 1:
             log.warning("%d workers announce the same name %s (cloned PCs?): %s; each is used", len(found), name,
                         ", ".join(f"{a} (id {w})" for w, a in found.items()))
@@ -387,15 +395,27 @@ class Registry:
                 added.append(address)
             self.add_peer(address, "mdns")
 
+    def _ignore(self, name: str, why: str) -> None:
+        """Log that the mDNS record ``name`` is ignored and ``why``: once per ``IGNORED_LOG_S`` per name."""
+        now = time.monotonic()
+        if now - self._ignored.get(name, -IGNORED_LOG_S) >= IGNORED_LOG_S:
+            self._ignored[name] = now
+            log.warning("zeroconf: ignoring %s: %s", printable(name, 200), why)
+
     async def _answering(self, endpoints: list[str]) -> dict[str, str]:
-        """Worker id -> its first address (in ``endpoints`` order) that answers an Info RPC in time."""
+        """Worker id -> its first address (in ``endpoints`` order) that answers a bare Info RPC (no owner: no
+        lease renewed; no challenge) within ``PROBE_TIMEOUT_S`` as a fleet worker does: a worker id and this
+        coordinator's protocol version."""
         async def probe(address: str) -> str | None:
             try:
-                return (await self.channels.stub(address).Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S)).worker_id
+                reply = await self.channels.stub(address).Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S)
             except grpc.aio.AioRpcError:
-                if address not in self.workers:
-                    await self.channels.drop(address)
-                return None
+                reply = None
+            if reply is not None and reply.worker_id and reply.protocol_version == PROTOCOL_VERSION:
+                return reply.worker_id
+            if address not in self.workers:
+                await self.channels.drop(address)
+            return None
 
         found: dict[str, str] = {}
         for address, worker_id in zip(endpoints, await asyncio.gather(*(probe(e) for e in endpoints))):
@@ -436,6 +456,12 @@ class Registry:
             await self._browser.async_cancel()
         if self._zc is not None:
             await self._zc.async_close()
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    """``"10.0.0.5:50051"`` -> ``("10.0.0.5", 50051)``."""
+    host, port = endpoint.rsplit(":", 1)
+    return host, int(port)
 
 
 def _interfaces() -> str:

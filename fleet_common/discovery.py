@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,6 +130,45 @@ def decode_txt(props: dict[bytes, bytes | None], host: str, port: int) -> Worker
         raise
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"bad fleet TXT record from {host}:{port}: {exc!r}") from exc
+
+
+def record_problem(props: dict[bytes, bytes | None], port: int) -> str | None:
+    """Why a ``_fleet._tcp`` record's TXT ``props`` are not a fleet worker's of this protocol (missing or bad
+    fields, another ``proto``), or None. The record is a hint only: its address still has to answer Info."""
+    from . import PROTOCOL_VERSION
+
+    try:
+        decode_txt(props, "", port)
+    except EmptyWorker:
+        pass
+    except ValueError as exc:
+        return str(exc)
+    proto = (props.get(b"proto") or b"").decode(errors="replace")
+    if proto != str(PROTOCOL_VERSION):
+        return f"its TXT record names protocol {printable(proto)!r}, this coordinator speaks {PROTOCOL_VERSION}"
+    return None
+
+
+MIN_PORT = 1024  # a worker's port: never a privileged one (nor 0)
+CGNAT = ipaddress.IPv4Network("100.64.0.0/10")  # shared address space: a VPN's LAN (Tailscale), not the internet
+
+
+def implausible_endpoint(host: str, port: int) -> str | None:
+    """Why ``host:port`` (from an mDNS record, which anyone on the LAN can send) is not a fleet worker's
+    address worth dialing, or None. A worker listens on an IPv4 address of the LAN (private, loopback,
+    link-local, or a VPN's 100.64.0.0/10) and a port in ``MIN_PORT``..65535; a public, multicast, broadcast,
+    unspecified or reserved address, or a privileged port, is refused."""
+    try:
+        addr = ipaddress.IPv4Address(host)
+    except ValueError:
+        return f"{printable(host)!r} is not an IPv4 address"
+    if not MIN_PORT <= port <= 65535:
+        return f"port {port} (a worker listens on {MIN_PORT}..65535)"
+    if addr.is_unspecified or addr.is_multicast or addr.is_reserved or addr == ipaddress.IPv4Address("255.255.255.255"):
+        return f"{addr} is not a host's address"
+    if not (addr.is_private or addr.is_loopback or addr.is_link_local or addr in CGNAT):
+        return f"{addr} is not a LAN address (private, loopback, link-local or 100.64.0.0/10)"
+    return None
 
 
 def local_ipv4() -> list[str]:

@@ -58,8 +58,9 @@ def resumable(exc: ShippingError) -> bool:
     return exc.code is grpc.StatusCode.INTERNAL and CORE_CUT in str(exc)
 
 Progress = Callable[[str, int, int], None]
-"""``progress(path, bytes done, bytes of the file)``, called after each piece sent (and once per file at
-its start, with the bytes the worker already held)."""
+"""``progress(path, bytes done, bytes of the file)``, called after each piece sent, once per file at its start
+with the bytes the worker already holds, and after a PutStage call that failed with the bytes the worker had
+accepted before it (the pieces it refused unread are not counted: a bar goes back)."""
 
 
 class ShippingError(RuntimeError):
@@ -93,7 +94,7 @@ class ShipReport:
 
 
 async def _pieces(path: Path, rel: str, model_id: str, sha: str, offset: int, size: int, chunk_bytes: int,
-                  progress: Progress | None, counter: list[int], end: int | None = None) -> AsyncIterator[pb.StageChunk]:
+                  progress: Progress | None, end: int | None = None) -> AsyncIterator[pb.StageChunk]:
     """``path``'s bytes from ``offset`` to ``end`` (default ``size``, the file's) as StageChunks of
     ``chunk_bytes``, read one at a time (off the event loop: a read from disk can take milliseconds)."""
     end = size if end is None else end
@@ -108,7 +109,6 @@ async def _pieces(path: Path, rel: str, model_id: str, sha: str, offset: int, si
                 raise ShippingError(f"{path} shrank while it was sent (at {offset} of {size} bytes)")
             yield pb.StageChunk(model_id=model_id, manifest_sha256=sha, path=rel, offset=offset, data=data, size=size)
             offset += len(data)
-            counter[0] += len(data)
             if progress is not None:
                 progress(rel, offset, size)
     finally:
@@ -141,7 +141,8 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
             if not resumable(exc) or attempt == resumes:
                 raise
             wait = RESUME_AFTER_S * 2 ** attempt
-            log.warning("%s: %d bytes sent so far; resuming in %.0f s (attempt %d of %d)", exc, sent, wait,
+            log.warning("%s: %d bytes accepted by the worker so far; resuming in %.0f s (attempt %d of %d)", exc, sent,
+                        wait,
                         attempt + 2, resumes + 1)
             await asyncio.sleep(wait)
             continue
@@ -158,7 +159,9 @@ async def ship_stage(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
 
 async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, progress: Progress | None,
                      address: str, chunk_bytes: int, counter: list[int], state: dict) -> ShipReport:
-    """One attempt of ``ship_stage``; ``counter[0]`` counts the file bytes it sent (also when it raises),
+    """One attempt of ``ship_stage``; ``counter[0]`` counts the file bytes the worker accepted (PutStage's
+    ``bytes_written``: also when a later call raises; not the pieces of a call that failed, which the next
+    StageStatus counts as held),
     ``state["held"]`` is set to the bytes the worker held at the first attempt that got its StageStatus and
     ``state["completed"]`` gets each file put in place."""
     loaded = load_manifest(build_dir)
@@ -194,6 +197,8 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         if held.complete:
             continue
         size, offset = sizes[held.path], held.bytes if held.bytes <= sizes[held.path] else 0  # longer: restarted
+        if progress is not None:
+            progress(held.path, offset, size)
         segments = await asyncio.to_thread(_segments, Path(build_dir), manifest.stages[shard]) \
             if held.path == manifest.stages[shard].bin and state["reuse"] and status.holds_stages else None
         try:
@@ -281,10 +286,12 @@ async def _send_file(stub: pb_grpc.StageStoreStub, loaded, build_dir: Path, rel:
                     if h and s.offset > offset and s.size >= MIN_REUSE_BYTES), size)
         before = counter[0]
         pieces = _pieces(build_dir / rel, rel, loaded.manifest.model_id, loaded.sha256, offset, size, chunk_bytes,
-                         progress, counter, end)
+                         progress, end)
         try:
             reply = await stub.PutStage(pieces, timeout=30.0 + (end - offset) / MIN_RATE_BYTES_S)
         except grpc.aio.AioRpcError as exc:
+            if progress is not None:  # the pieces that left are not the worker's until it says so (StageStatus)
+                progress(rel, offset, size)
             raise _failed(address, f"PutStage of {rel} (from byte {offset:,} of {size:,})", exc) from None
         counter[0] = before + reply.bytes_written  # what the worker wrote, not what left this side
         report.sent_bytes += reply.bytes_written

@@ -174,7 +174,7 @@ class StageCache:
         folder = self.build_dir(manifest_sha256)
         path = folder / MANIFEST_NAME
         if not path.is_file():
-            raise StageCacheError(f"no manifest {manifest_sha256[:12]} in the stage cache {self.root}: send it with "
+            raise StageCacheError(f"no manifest {manifest_sha256[:12]} in the stage cache: send it with "
                                   "StageStatus first", "FAILED_PRECONDITION")
         try:
             if path.stat().st_size > MAX_MANIFEST_BYTES:
@@ -187,6 +187,15 @@ class StageCache:
         if model_id and manifest.model_id != model_id:
             raise StageCacheError(f"manifest {manifest_sha256[:12]} is of model {manifest.model_id!r}, not {model_id!r}")
         return LoadedManifest(manifest, folder, manifest_sha256)
+
+    def public(self, message: str) -> str:
+        """``message`` (an error the worker logs) as a caller may read it: the stage cache's folder (as given and
+        resolved) is left out, so a file in it is named by its path inside the cache (``<build>/<path>``) and
+        the cache itself as "the stage cache"; the worker's own log keeps the whole message."""
+        for root in sorted({str(self.root), str(self.root.absolute()), str(self.root.resolve())}, key=len,
+                           reverse=True):
+            message = message.replace(f" ({root})", "").replace(root + os.sep, "").replace(root, "the stage cache")
+        return message
 
     def put_manifest(self, manifest_sha256: str, data: bytes, model_id: str = "") -> LoadedManifest:
         """Store a build's ``manifest.json`` bytes (its ``blobs`` dropped) unless the cache has it. Raises
@@ -236,7 +245,7 @@ class StageCache:
                 Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StageCacheError(
-                    f"disk full in the stage cache {self.root} storing {folder / MANIFEST_NAME} "
+                    f"disk full in the stage cache ({self.root}) storing {folder / MANIFEST_NAME} "
                     f"({shutil.disk_usage(self.root).free:,} bytes free, {len(text.encode()):,} needed): free space or "
                     "give fleet-worker another --stages-dir", "RESOURCE_EXHAUSTED") from None
             raise
@@ -348,7 +357,7 @@ class StageCache:
             os.ftruncate(fd, offset)  # nothing of a piece that did not fit stays
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StageCacheError(
-                    f"disk full in the stage cache {self.root} writing {path} at {offset:,} of {size:,} bytes "
+                    f"disk full in the stage cache ({self.root}) writing {path} at {offset:,} of {size:,} bytes "
                     f"({shutil.disk_usage(self.root).free:,} bytes free, {size - offset:,} more needed for this "
                     "file): free space or give fleet-worker another --stages-dir", "RESOURCE_EXHAUSTED") from None
             raise

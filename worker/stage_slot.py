@@ -115,11 +115,12 @@ class StageStoreService(pb_grpc.StageStoreServicer):
         self._statuses = 0  # StageStatus calls running
         self.loaded: tuple[str, int] | None = None  # (manifest sha256, stage) served
 
-    @staticmethod
-    async def _refuse(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        """End the call with ``exc``'s code and message, logged whole here; the caller's copy names no path
+        of this PC (``StageCache.public``)."""
         code = getattr(grpc.StatusCode, getattr(exc, "code", "INVALID_ARGUMENT"))
         log.warning("stage store: %s", exc)
-        await context.abort(code, str(exc))
+        await context.abort(code, self.cache.public(str(exc)))
 
     async def StageStatus(self, request: pb.StageStatusRequest, context: grpc.aio.ServicerContext) -> pb.StageStatusReply:
         """Store the manifest when sent (and new), then say how much of each of the stage's files is here. A
