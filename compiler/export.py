@@ -44,6 +44,8 @@ import openvino as ov
 from openvino import opset13 as op
 from openvino.utils.postponed_constant import make_postponed_constant
 
+from fleet_common import kernels as fleet_kernels  # the parameter `kernels` below is a flag
+
 from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
 from .gpt_oss import gpt_oss_moe
 from .layers import (
@@ -520,7 +522,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
     blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
     run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
-    ``GgufMatMul`` (``_Weights._blocks``); the embedding's Gather and the experts keep ``keep_blocks``' forms.
+    ``GgufMatMul`` (``_Weights._blocks``), and the embedding's rows are taken from the same bytes by ``GgufEmbedding``
+    (one Constant for a tied table and LM head in one stage); the experts keep ``keep_blocks``' forms.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
@@ -528,7 +531,11 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
-        x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]
+        table = weights(EMBEDDING, matrix=True) if weights.kernels and source.kernel_type(EMBEDDING) else None
+        if isinstance(table, GgufWeight) and table.order is None:  # the rows as they lie: no second copy
+            x = fleet_kernels.gguf_embedding(table.blocks, first, table.block_type)  # [B, S, H]
+        else:
+            x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]
         if cfg.embed_scale != 1.0:  # Gemma: x sqrt(hidden)
             x = op.multiply(x, f32(cfg.embed_scale)).output(0)
     else:
