@@ -502,6 +502,16 @@ def _feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], 
     return gpt_oss_moe(x, w, experts, cfg, layer) if cfg.gpt_oss else moe(x, w, experts, cfg, layer)
 
 
+def _embedding(weights: _Weights, source, ids: ov.Node) -> ov.Output:  # noqa: ANN001 - a weight source
+    """The token embedding's rows [B, S, H] of ``ids`` [B, S]: taken from the table's bytes by fleet's
+    ``GgufEmbedding`` where a kernels stage holds it as blocks (no second copy; one Constant with a tied LM head),
+    else a Gather of its ``table`` form."""
+    table = weights(EMBEDDING, matrix=True) if weights.kernels and source.kernel_type(EMBEDDING) else None
+    if isinstance(table, GgufWeight) and table.order is None:  # the rows as they lie in the file
+        return fleet_kernels.gguf_embedding(table.blocks, ids, table.block_type)
+    return op.gather(weights(EMBEDDING, table=True), ids, i64(0)).output(0)
+
+
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
                  int8=None, keep_blocks: bool = False,
@@ -522,8 +532,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
     blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
     run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
-    ``GgufMatMul`` (``_Weights._blocks``), and the embedding's rows are taken from the same bytes by ``GgufEmbedding``
-    (one Constant for a tied table and LM head in one stage); the experts keep ``keep_blocks``' forms.
+    ``GgufMatMul`` (``_Weights._blocks``), its embedding rows too (``_embedding``); experts keep ``keep_blocks``'.
     Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
     ``cfg`` implies.
     """
@@ -531,11 +540,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
-        table = weights(EMBEDDING, matrix=True) if weights.kernels and source.kernel_type(EMBEDDING) else None
-        if isinstance(table, GgufWeight) and table.order is None:  # the rows as they lie: no second copy
-            x = fleet_kernels.gguf_embedding(table.blocks, first, table.block_type)  # [B, S, H]
-        else:
-            x = op.gather(weights(EMBEDDING, table=True), first, i64(0)).output(0)  # [B, S, H]
+        x = _embedding(weights, source, first)  # [B, S, H]
         if cfg.embed_scale != 1.0:  # Gemma: x sqrt(hidden)
             x = op.multiply(x, f32(cfg.embed_scale)).output(0)
     else:
