@@ -66,20 +66,30 @@ static inline __m256 load8(const float* p, int span) {  // p[0..span), zeros aft
     return _mm256_load_ps(t);
 }
 
+// Activation rows m .. m + MB - 1 of a product: their int8 values, scales, half sums and lane sums.
+template <int MB>
+struct QuantizedRows {
+    const int8_t* q[MB];
+    const float *d[MB], *ds0[MB], *ds1[MB];
+    const int32_t* lanes[MB];
+    QuantizedRows(const Activations& a, int64_t m) {
+        for (int i = 0; i < MB; ++i) {
+            q[i] = a.q_row(m + i); d[i] = a.d_row(m + i);
+            ds0[i] = a.dsum_row(m + i, 0); ds1[i] = a.dsum_row(m + i, 1);
+            lanes[i] = a.lanes_row(m + i);
+        }
+    }
+};
+
 template <class F, int R, int MB>
 static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
-    const Activations& a = *p.a;
     const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
-    const int8_t* q[MB];
-    const float *da[MB], *ds0[MB], *ds1[MB];
-    const int32_t* lanes[MB];
-    for (int i = 0; i < MB; ++i) {
-        q[i] = a.q_row(m + i); da[i] = a.d_row(m + i);
-        ds0[i] = a.dsum_row(m + i, 0); ds1[i] = a.dsum_row(m + i, 1);
-        lanes[i] = a.lanes_row(m + i);
-    }
+    const QuantizedRows<MB> act(*p.a, m);
+    const int8_t* const* q = act.q;
+    const float *const *da = act.d, *const *ds0 = act.ds0, *const *ds1 = act.ds1;
+    const int32_t* const* lanes = act.lanes;
     __m256 acc[R][MB], corr[R][MB];
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); corr[r][i] = _mm256_setzero_ps(); }
@@ -228,16 +238,11 @@ struct TileView {
 template <class F, int MB>
 static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
-    const Activations& a = *p.a;
     const int64_t groups = t.groups;
-    const int8_t* q[MB];
-    const float *da[MB], *ds0[MB], *ds1[MB];
-    const int32_t* lanes[MB];
-    for (int i = 0; i < MB; ++i) {
-        q[i] = a.q_row(m + i); da[i] = a.d_row(m + i);
-        ds0[i] = a.dsum_row(m + i, 0); ds1[i] = a.dsum_row(m + i, 1);
-        lanes[i] = a.lanes_row(m + i);
-    }
+    const QuantizedRows<MB> act(*p.a, m);
+    const int8_t* const* q = act.q;
+    const float *const *da = act.d, *const *ds0 = act.ds0, *const *ds1 = act.ds1;
+    const int32_t* const* lanes = act.lanes;
     __m256 acc[R][MB];
     alignas(32) float corr[R][MB][8];
     for (int r = 0; r < R; ++r)
