@@ -95,6 +95,10 @@ class GptOssWeights:
         """``inner``'s bytes of matrix ``name`` (``SafetensorsWeights.block_bytes``)."""
         return self.inner.block_bytes(name)
 
+    def row_bytes(self, name: str) -> int:
+        """``inner``'s bytes per row of matrix ``name`` (``SafetensorsWeights.row_bytes``)."""
+        return self.inner.row_bytes(name)
+
     def row_order(self, name: str) -> None:
         """None: HF's rows."""
         return None
