@@ -6,13 +6,19 @@
 
 namespace fleet {
 
+float float_weight(const Format& f, const uint8_t* row, int64_t k) {
+    if (f.type == BlockType::F32) {
+        float v;
+        std::memcpy(&v, row + 4 * k, 4);
+        return v;
+    }
+    const uint16_t bits = uint16_t(row[2 * k] | (row[2 * k + 1] << 8));
+    return f.type == BlockType::F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
+}
+
 void dequantize_row(const Format& f, const uint8_t* row, int64_t cols, float* out) {
     if (f.is_float) {
-        for (int64_t k = 0; k < cols; ++k) {
-            if (f.type == BlockType::F32) std::memcpy(&out[k], row + 4 * k, 4);
-            else if (f.type == BlockType::F16) out[k] = f16_to_f32(uint16_t(row[2 * k] | (row[2 * k + 1] << 8)));
-            else out[k] = bf16_to_f32(uint16_t(row[2 * k] | (row[2 * k + 1] << 8)));
-        }
+        for (int64_t k = 0; k < cols; ++k) out[k] = float_weight(f, row, k);
         return;
     }
     SubBlock sb;

@@ -67,6 +67,9 @@ extern const int8_t kE2m1Doubled[16];
 
 namespace fleet {
 
+// Weight k of a row of a float type (F32, F16, BF16) at `row`, as f32 (exact).
+float float_weight(const Format& f, const uint8_t* row, int64_t k);
+
 // One row of `cols` weights of type f at `row`, dequantized to f32: fma(s, c, o) per weight, the f32
 // path's own values (float types converted exactly).
 void dequantize_row(const Format& f, const uint8_t* row, int64_t cols, float* out);

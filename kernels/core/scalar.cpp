@@ -8,14 +8,6 @@
 namespace fleet {
 namespace {
 
-float float_weight(const Format& f, const uint8_t* row, int64_t k) {
-    switch (f.type) {
-    case BlockType::F32: { float v; __builtin_memcpy(&v, row + 4 * k, 4); return v; }
-    case BlockType::F16: return f16_to_f32(uint16_t(row[2 * k] | (row[2 * k + 1] << 8)));
-    default: return bf16_to_f32(uint16_t(row[2 * k] | (row[2 * k + 1] << 8)));
-    }
-}
-
 // Float weights: y = sum over k of w x in order (both modes).
 void float_rows(const Product& p, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {

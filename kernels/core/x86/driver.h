@@ -340,17 +340,10 @@ static inline void tile_float(const Product& p, int64_t n, int64_t m) {
         for (int i = 0; i < MB; ++i) {
             float y = hsum(acc[r][i]);
             const float* x = p.a->x_row(m + i);
-            for (int64_t k = k8; k < p.K; ++k) {
-                float wk;
-                if constexpr (T == BlockType::F32) __builtin_memcpy(&wk, row + 4 * k, 4);
-                else if constexpr (T == BlockType::F16) wk = f16_to_f32(uint16_t(row[2 * k] | (row[2 * k + 1] << 8)));
-                else wk = bf16_to_f32(uint16_t(row[2 * k] | (row[2 * k + 1] << 8)));
-                y = std::fma(wk, x[k], y);
-            }
+            for (int64_t k = k8; k < p.K; ++k) y = std::fma(float_weight(f, row, k), x[k], y);
             p.y[(m + i) * p.ldy + n + r] = y;
         }
     }
-    (void)f;
 }
 
 // Columns [n0, n1) for every activation row: tiles of 4 weight rows x 2 activation rows, then the edges.
