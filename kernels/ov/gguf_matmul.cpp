@@ -11,23 +11,11 @@ GgufMatMul::GgufMatMul(const ov::Output<ov::Node>& x, const ov::Output<ov::Node>
 }
 
 void GgufMatMul::validate_and_infer_types() {
-    const Format* f = format_by_name(block_type_.c_str());
-    NODE_VALIDATION_CHECK(this, f != nullptr, "GgufMatMul: block type '", block_type_,
-                          "' is not one fleet's kernels run");
-    NODE_VALIDATION_CHECK(this, precision_ == "int8" || precision_ == "f32", "GgufMatMul: precision '",
-                          precision_, "' is neither int8 nor f32");
-    NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "GgufMatMul: activations must be f32");
-    NODE_VALIDATION_CHECK(this, get_input_element_type(1) == ov::element::u8, "GgufMatMul: blocks must be u8");
     const auto& xs = get_input_partial_shape(0);
     const auto& ws = get_input_partial_shape(1);
     NODE_VALIDATION_CHECK(this, ws.rank().is_static() && ws.rank().get_length() == 2, "GgufMatMul: blocks [N, bytes]");
     NODE_VALIDATION_CHECK(this, xs.rank().is_static() && xs.rank().get_length() >= 1, "GgufMatMul: activations [..., K]");
-    const auto& k = xs[xs.size() - 1];
-    if (k.is_static() && ws[1].is_static()) {
-        const size_t bytes = row_bytes(*f, k.get_length());
-        NODE_VALIDATION_CHECK(this, bytes != 0 && int64_t(bytes) == ws[1].get_length(), "GgufMatMul: ",
-                              block_type_, " rows of K = ", k.get_length(), " take ", bytes, " bytes, not ", ws[1]);
-    }
+    validate_product(this, block_type_, precision_, xs, ws);
     ov::PartialShape out = xs;
     out[out.size() - 1] = ws[0];
     set_output_type(0, ov::element::f32, out);

@@ -16,12 +16,6 @@ GgufMoeMatMul::GgufMoeMatMul(const ov::Output<ov::Node>& x, const ov::Output<ov:
 }
 
 void GgufMoeMatMul::validate_and_infer_types() {
-    const Format* f = format_by_name(block_type_.c_str());
-    NODE_VALIDATION_CHECK(this, f != nullptr, "GgufMoeMatMul: block type '", block_type_, "' is not one fleet's kernels run");
-    NODE_VALIDATION_CHECK(this, precision_ == "int8" || precision_ == "f32", "GgufMoeMatMul: precision '", precision_,
-                          "' is neither int8 nor f32");
-    NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "GgufMoeMatMul: activations must be f32");
-    NODE_VALIDATION_CHECK(this, get_input_element_type(1) == ov::element::u8, "GgufMoeMatMul: blocks must be u8");
     const auto ct = get_input_element_type(2);
     NODE_VALIDATION_CHECK(this, ct == ov::element::i32 || ct == ov::element::i64, "GgufMoeMatMul: chosen must be i32 or i64");
     const auto& xs = get_input_partial_shape(0);
@@ -30,11 +24,7 @@ void GgufMoeMatMul::validate_and_infer_types() {
     NODE_VALIDATION_CHECK(this, xs.rank().is_static() && xs.rank().get_length() == 2, "GgufMoeMatMul: activations [T, K]");
     NODE_VALIDATION_CHECK(this, ws.rank().is_static() && ws.rank().get_length() == 3, "GgufMoeMatMul: blocks [E, N, bytes]");
     NODE_VALIDATION_CHECK(this, cs.rank().is_static() && cs.rank().get_length() == 2, "GgufMoeMatMul: chosen [T, k]");
-    if (xs[1].is_static() && ws[2].is_static()) {
-        const size_t bytes = row_bytes(*f, xs[1].get_length());
-        NODE_VALIDATION_CHECK(this, bytes != 0 && int64_t(bytes) == ws[2].get_length(), "GgufMoeMatMul: ", block_type_,
-                              " rows of K = ", xs[1].get_length(), " take ", bytes, " bytes, not ", ws[2]);
-    }
+    validate_product(this, block_type_, precision_, xs, ws);
     set_output_type(0, ov::element::f32, ov::PartialShape{xs[0], cs[1], ws[1]});
 }
 

@@ -14,6 +14,24 @@ void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K
         quantize_rows(a, 0, rows);
 }
 
+void validate_product(const ov::Node* node, const std::string& block_type, const std::string& precision,
+                      const ov::PartialShape& xs, const ov::PartialShape& ws) {
+    const std::string op = node->get_type_name();
+    const Format* f = format_by_name(block_type.c_str());
+    NODE_VALIDATION_CHECK(node, f != nullptr, op, ": block type '", block_type, "' is not one fleet's kernels run");
+    NODE_VALIDATION_CHECK(node, precision == "int8" || precision == "f32", op, ": precision '", precision,
+                          "' is neither int8 nor f32");
+    NODE_VALIDATION_CHECK(node, node->get_input_element_type(0) == ov::element::f32, op, ": activations must be f32");
+    NODE_VALIDATION_CHECK(node, node->get_input_element_type(1) == ov::element::u8, op, ": blocks must be u8");
+    const auto& k = xs[xs.size() - 1];
+    const auto& bytes = ws[ws.size() - 1];
+    if (k.is_static() && bytes.is_static()) {
+        const size_t want = row_bytes(*f, k.get_length());
+        NODE_VALIDATION_CHECK(node, want != 0 && int64_t(want) == bytes.get_length(), op, ": ", block_type,
+                              " rows of K = ", k.get_length(), " take ", want, " bytes, not ", bytes);
+    }
+}
+
 void run_product(const Product& p) {
     const RowsKernel kernel = select_kernel(p);
     // Contiguous ranges of tiles of 4 rows per thread: each thread streams its own part of the blocks.

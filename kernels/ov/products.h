@@ -1,12 +1,21 @@
 // What the ops share: quantizing a product's activations and running it over the stage's threads.
 #pragma once
 
+#include <openvino/core/node.hpp>
+#include <string>
+
 #include "../core/product.h"
 
 namespace fleet {
 
 // Points `a` at x [rows, K] and quantizes it unless p.exact (rows split over threads when there are many).
 void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K, bool exact);
+
+// The checks GgufMatMul and GgufMoeMatMul share: a block type the kernels run, precision int8 or f32, f32
+// activations xs [..., K] and u8 blocks ws [..., row bytes] whose rows hold K weights of that type. The ops
+// check their own ranks first. Errors name the op (NODE_VALIDATION_CHECK).
+void validate_product(const ov::Node* node, const std::string& block_type, const std::string& precision,
+                      const ov::PartialShape& xs, const ov::PartialShape& ws);
 
 // Runs `p` (kernel from the chosen instruction set) with the output rows split into one contiguous range
 // per thread of the calling arena (INFERENCE_NUM_THREADS).
