@@ -43,7 +43,7 @@ def test_the_port_serves_the_preparation_then_is_free(tmp_path):
 
         async def answer() -> bytes:
             serving = asyncio.ensure_future(api.serve(sockets=[listening]))
-            reply = await asyncio.to_thread(early.recv, 4096)
+            reply = await asyncio.to_thread(_read_until_closed, early)
             api.should_exit = True
             await serving
             return reply
@@ -53,6 +53,14 @@ def test_the_port_serves_the_preparation_then_is_free(tmp_path):
     with socket.socket() as again:  # closed by the caller: the port is free
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", port))
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Every byte the server sends before it closes (the headers and the body may come in separate reads)."""
+    reply = b""
+    while chunk := sock.recv(4096):
+        reply += chunk
+    return reply
 
 
 def _api_app():  # noqa: ANN202 - a FastAPI app
