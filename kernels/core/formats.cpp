@@ -108,55 +108,71 @@ void block_scales(const Format& f, const uint8_t* b, float* s, float* o) {
     case BlockType::Q8_0:
     case BlockType::IQ4_NL: s[0] = s[1] = h(b); o[0] = o[1] = 0.0f; break;
     case BlockType::MXFP4: s[0] = s[1] = e8m0_half(b[0]); o[0] = o[1] = 0.0f; break;
-    case BlockType::Q2_K: {  // scales[16]: 4-bit scale | 4-bit min << 4, per 16 weights; d, dmin at 80
-        const float d = h(b + 80), dmin = h(b + 82);
-        for (int g = 0; g < 16; ++g) {
-            s[g] = d * float(b[g] & 15);
-            o[g] = -(dmin * float(b[g] >> 4));
-        }
-        break;
-    }
-    case BlockType::Q3_K: {  // scales[12] at 96: 16 x 6 bits (low 4 in bytes 0-7, high 2 in bytes 8-11); d at 108
-        const uint8_t* sc = b + 96;
-        const float d = h(b + 108);
-        for (int g = 0; g < 16; ++g) {
-            const int lo = g < 8 ? (sc[g] & 15) : (sc[g - 8] >> 4);
-            const int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
-            s[g] = d * float((lo | (hi << 4)) - 32);
-            o[g] = -4.0f * s[g];
-        }
-        break;
-    }
+    case BlockType::Q2_K:
+    case BlockType::Q3_K:
     case BlockType::Q4_K:
-    case BlockType::Q5_K: {  // d, dmin, scales[12]: 8 x (6-bit scale, 6-bit min)
-        const float d = h(b), dmin = h(b + 2);
-        for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            scale_min_k4(b + 4, j, sc, m);
-            s[2 * j] = s[2 * j + 1] = d * float(sc);
-            o[2 * j] = o[2 * j + 1] = -(dmin * float(m));
-        }
-        break;
-    }
-    case BlockType::Q6_K: {  // scales[16] int8 at 192, d at 208
-        const float d = h(b + 208);
+    case BlockType::Q5_K:
+    case BlockType::Q6_K:
+    case BlockType::IQ4_XS: {  // w = d scale (c - zero) - dmin min, per 16
+        IntegerScales is;
+        integer_scales(f, b, is);
         for (int g = 0; g < 16; ++g) {
-            s[g] = d * float(int8_t(b[192 + g]));
-            o[g] = -32.0f * s[g];
-        }
-        break;
-    }
-    case BlockType::IQ4_XS: {  // d, scales_h (u16: 2 bits a sub-block), scales_l[4] (4 bits a sub-block)
-        const float d = h(b);
-        for (int j = 0; j < 8; ++j) {
-            const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((u16(b + 2) >> (2 * j)) & 3) << 4);
-            s[2 * j] = s[2 * j + 1] = d * float(ls - 32);
-            o[2 * j] = o[2 * j + 1] = 0.0f;
+            s[g] = is.d * float(is.scale[g]);
+            o[g] = f.zero ? -float(f.zero) * s[g] : -(is.dmin * float(is.min[g]));
         }
         break;
     }
     default:
         for (int g = 0; g < 2 * (f.block / 32); ++g) s[g] = o[g] = 0.0f;
+    }
+}
+
+bool integer_scales(const Format& f, const uint8_t* b, IntegerScales& out) {
+    std::memset(out.min, 0, sizeof out.min);
+    out.dmin = 0.0f;
+    switch (f.type) {
+    case BlockType::Q2_K:  // scales[16]: 4-bit scale | 4-bit min << 4, per 16 weights; d, dmin at 80
+        out.d = h(b + 80);
+        out.dmin = h(b + 82);
+        for (int g = 0; g < 16; ++g) {
+            out.scale[g] = int16_t(b[g] & 15);
+            out.min[g] = int16_t(b[g] >> 4);
+        }
+        return true;
+    case BlockType::Q3_K: {  // scales[12] at 96: 16 x 6 bits (low 4 in bytes 0-7, high 2 in bytes 8-11), less 32; d at 108
+        const uint8_t* sc = b + 96;
+        out.d = h(b + 108);
+        for (int g = 0; g < 16; ++g) {
+            const int lo = g < 8 ? (sc[g] & 15) : (sc[g - 8] >> 4);
+            const int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+            out.scale[g] = int16_t((lo | (hi << 4)) - 32);
+        }
+        return true;
+    }
+    case BlockType::Q4_K:
+    case BlockType::Q5_K:  // d, dmin, scales[12]: 8 x (6-bit scale, 6-bit min), per 32
+        out.d = h(b);
+        out.dmin = h(b + 2);
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            scale_min_k4(b + 4, j, sc, m);
+            out.scale[2 * j] = out.scale[2 * j + 1] = int16_t(sc);
+            out.min[2 * j] = out.min[2 * j + 1] = int16_t(m);
+        }
+        return true;
+    case BlockType::Q6_K:  // scales[16] int8 at 192, d at 208
+        out.d = h(b + 208);
+        for (int g = 0; g < 16; ++g) out.scale[g] = int8_t(b[192 + g]);
+        return true;
+    case BlockType::IQ4_XS:  // d, scales_h (u16: 2 bits a sub-block), scales_l[4] (4 bits a sub-block), less 32
+        out.d = h(b);
+        for (int j = 0; j < 8; ++j) {
+            const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((u16(b + 2) >> (2 * j)) & 3) << 4);
+            out.scale[2 * j] = out.scale[2 * j + 1] = int16_t(ls - 32);
+        }
+        return true;
+    default:
+        return false;
     }
 }
 

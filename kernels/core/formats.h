@@ -49,6 +49,17 @@ void decode_sub(const Format& f, const uint8_t* blk, int sub, SubBlock& out);
 // Every scale and offset of the integer block at `blk`, per 16 weights: scale[block / 16], offset[block / 16].
 void block_scales(const Format& f, const uint8_t* blk, float* scale, float* offset);
 
+// The 256-weight types (K-quants, IQ4_XS) in integers: per 16 weights an integer scale and minimum, and the
+// block's f32 d and dmin, such that w = d * scale[g] * (c - zero) - dmin * min[g] for the codes c of group g
+// of 16 (zero: Format::zero; min all 0 for the types without one). |scale| <= 128, 0 <= min < 64.
+struct IntegerScales {
+    int16_t scale[16];
+    int16_t min[16];
+    float d, dmin;
+};
+// Fills `out` for the block at `blk` of a 256-weight type; false for any other type.
+bool integer_scales(const Format& f, const uint8_t* blk, IntegerScales& out);
+
 // f16 and bf16 bits to f32 (exact).
 float f16_to_f32(uint16_t h);
 inline float bf16_to_f32(uint16_t h) {

@@ -11,11 +11,13 @@ namespace fleet {
 namespace avx2 {
 
 #define FLEET_DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define FLEET_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #define FLEET_VNNI 0  // a real vpdpbusd: u8 codes up to 255 do not saturate
 #define FLEET_WIDE_REGISTERS 0  // 32 vector registers (EVEX)
 #include "x86/unpack.h"
 #include "x86/driver.h"
 #undef FLEET_DPBUSD
+#undef FLEET_DPWSSD
 #undef FLEET_VNNI
 #undef FLEET_WIDE_REGISTERS
 

@@ -11,11 +11,13 @@ namespace fleet {
 namespace avxvnni {
 
 #define FLEET_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define FLEET_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #define FLEET_VNNI 1  // a real vpdpbusd: u8 codes up to 255 do not saturate
 #define FLEET_WIDE_REGISTERS 0  // 32 vector registers (EVEX)
 #include "x86/unpack.h"
 #include "x86/driver.h"
 #undef FLEET_DPBUSD
+#undef FLEET_DPWSSD
 #undef FLEET_VNNI
 #undef FLEET_WIDE_REGISTERS
 

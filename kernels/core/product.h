@@ -25,12 +25,15 @@ struct Product {
 };
 
 using RowsKernel = void (*)(const Product& p, int64_t n0, int64_t n1);
+// Quantizes rows [r0, r1) of prepared activations (activations.h): every instruction set gives the same bits.
+using QuantizeRows = void (*)(Activations& a, int64_t r0, int64_t r1);
 
 // An instruction set's kernels, indexed by GGML type number; a null entry falls back to the scalar one.
 struct KernelTable {
     const char* isa;
     RowsKernel quantized[kNumTypeIds];
     RowsKernel exact[kNumTypeIds];
+    QuantizeRows quantize;
 };
 
 // The tables (dispatch.cpp picks one): scalar.cpp, isa_avx2.cpp, isa_avxvnni.cpp, isa_avx512vnni.cpp.

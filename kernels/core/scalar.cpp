@@ -21,9 +21,48 @@ void float_rows(const Product& p, int64_t n0, int64_t n1) {
     }
 }
 
+// The 256-weight types, activations quantized per 256: each block's sums are integers, exact,
+//   isum = sum over g of scale[g] sum((c - z) q) (16 values a group), msum = sum over g of min[g] b[g],
+// then y += float(isum) (d d_x) + float(msum) (-dmin d_x).
+void superblock_rows(const Product& p, int64_t n0, int64_t n1) {
+    const Format& f = *p.fmt;
+    const int64_t blocks = p.K / 256;
+    IntegerScales is;
+    SubBlock sb;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = p.w + n * p.row_bytes;
+        for (int64_t m = 0; m < p.M; ++m) {
+            const int8_t* q = p.a->q_row(m);
+            const int16_t* bsums = p.a->bsums_row(m);
+            float acc = 0.0f;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t* blk = row + b * f.bytes;
+                integer_scales(f, blk, is);
+                int32_t isum = 0, msum = 0;
+                for (int sub = 0; sub < 8; ++sub) {
+                    decode_sub(f, blk, sub, sb);
+                    for (int half = 0; half < 2; ++half) {
+                        const int g = 2 * sub + half;
+                        int32_t dot = 0;
+                        for (int j = 16 * half; j < 16 * half + 16; ++j)
+                            dot += (int32_t(sb.codes[j]) - f.zero) * q[b * 256 + sub * 32 + j];
+                        isum += int32_t(is.scale[g]) * dot;
+                        msum += int32_t(is.min[g]) * bsums[b * 16 + bsum_slot(g)];
+                    }
+                }
+                const float d = p.a->d_row(m)[b];
+                acc += float(isum) * (is.d * d);
+                acc += float(msum) * (-is.dmin * d);
+            }
+            p.y[m * p.ldy + n] = acc;
+        }
+    }
+}
+
 // Integer weights, quantized activations: per half of 16, s d_x sum((c - z) q) + o d_x sum(q).
 void quantized_rows(const Product& p, int64_t n0, int64_t n1) {
     const Format& f = *p.fmt;
+    if (f.block == 256) return superblock_rows(p, n0, n1);
     const int64_t blocks = p.K / f.block;
     const int subs = f.block / 32;
     std::vector<float> acc(size_t(p.M)), corr(size_t(p.M));
@@ -79,7 +118,7 @@ void exact_rows(const Product& p, int64_t n0, int64_t n1) {
 }
 
 KernelTable make_table() {
-    KernelTable t{"scalar", {}, {}};
+    KernelTable t{"scalar", {}, {}, quantize_rows};
     for (int id = 0; id < kNumTypeIds; ++id) {
         const Format* f = format_by_type(id);
         if (f == nullptr) continue;

@@ -56,7 +56,7 @@ bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
     if (M == 0 || N == 0) return true;
 
     thread_local Activations activations;  // reused across calls: no allocation per decode step
-    prepare_activations(activations, x.data<const float>(), M, K, p.exact);
+    prepare_activations(activations, x.data<const float>(), M, K, *p.fmt, p.exact);
     p.a = &activations;
     run_product(p);
     return true;

@@ -76,7 +76,7 @@ bool GgufMoeMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& 
         rows.resize(size_t(M * K));
         out.resize(size_t(M * N));
         for (int64_t m = 0; m < M; ++m) std::memcpy(&rows[size_t(m * K)], xs + list[size_t(m)].first * K, size_t(K) * 4);
-        prepare_activations(activations, rows.data(), M, K, p.exact);
+        prepare_activations(activations, rows.data(), M, K, *p.fmt, p.exact);
         p.w = base + size_t(e) * size_t(N) * p.row_bytes;
         p.M = M;
         p.a = &activations;

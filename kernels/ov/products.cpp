@@ -4,14 +4,15 @@
 
 namespace fleet {
 
-void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K, bool exact) {
-    prepare(a, x, rows, K, !exact);
+void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K, const Format& f, bool exact) {
+    prepare(a, x, rows, K, !exact, f.block == 256 ? 256 : 32);
     if (exact) return;
+    const QuantizeRows quantize = active_kernels().quantize;
     Activations* ap = &a;  // a thread_local of the caller must be reached through a pointer in the lambda
     if (rows >= 16)
-        ov::parallel_for(size_t(rows), [ap](size_t m) { quantize_rows(*ap, int64_t(m), int64_t(m) + 1); });
+        ov::parallel_for(size_t(rows), [ap, quantize](size_t m) { quantize(*ap, int64_t(m), int64_t(m) + 1); });
     else
-        quantize_rows(a, 0, rows);
+        quantize(a, 0, rows);
 }
 
 void validate_product(const ov::Node* node, const std::string& block_type, const std::string& precision,

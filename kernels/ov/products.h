@@ -8,8 +8,9 @@
 
 namespace fleet {
 
-// Points `a` at x [rows, K] and quantizes it unless p.exact (rows split over threads when there are many).
-void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K, bool exact);
+// Points `a` at x [rows, K] and quantizes it unless `exact` (rows split over threads when there are many), per
+// 256 values for the 256-weight types of `f`, else per 32.
+void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K, const Format& f, bool exact);
 
 // The checks GgufMatMul and GgufMoeMatMul share: a block type the kernels run, precision int8 or f32, f32
 // activations xs [..., K] and u8 blocks ws [..., row bytes] whose rows hold K weights of that type. The ops

@@ -69,11 +69,11 @@ double rel(const std::vector<float>& a, const std::vector<float>& b) {
     return std::sqrt(num / std::max(den, 1e-300));
 }
 
-std::vector<float> run(RowsKernel kernel, const Format& f, const std::vector<uint8_t>& w, int64_t n, int64_t k,
-                       const std::vector<float>& x, int64_t m, bool exact) {
+std::vector<float> run(RowsKernel kernel, QuantizeRows quantize, const Format& f, const std::vector<uint8_t>& w,
+                       int64_t n, int64_t k, const std::vector<float>& x, int64_t m, bool exact) {
     Activations a;
-    prepare(a, x.data(), m, k, !exact && !f.is_float);
-    if (!exact && !f.is_float) quantize_rows(a, 0, m);
+    prepare(a, x.data(), m, k, !exact && !f.is_float, f.block == 256 ? 256 : 32);
+    if (!exact && !f.is_float) quantize(a, 0, m);
     std::vector<float> y(size_t(m * n));
     Product p;
     p.fmt = &f; p.w = w.data(); p.row_bytes = row_bytes(f, k); p.K = k; p.N = n; p.M = m;
@@ -85,10 +85,36 @@ std::vector<float> run(RowsKernel kernel, const Format& f, const std::vector<uin
 
 }  // namespace
 
+// Each instruction set's activation quantization against the scalar one: the same bits, every field.
+int quantization_failures(const KernelTable& t, std::mt19937& g) {
+    int failures = 0;
+    std::normal_distribution<float> nd;
+    for (int group : {32, 256}) {
+        const int64_t rows = 3, cols = 3 * 256;
+        std::vector<float> x(size_t(rows * cols));
+        for (auto& v : x) v = nd(g) * 3.0f;
+        for (int64_t j = 0; j < cols / 2; ++j) x[size_t(cols + j)] = 0.0f;  // zero groups
+        x[5] = 1e30f;                                                        // one huge value
+        Activations want, got;
+        prepare(want, x.data(), rows, cols, true, group);
+        prepare(got, x.data(), rows, cols, true, group);
+        scalar_kernels().quantize(want, 0, rows);
+        t.quantize(got, 0, rows);
+        if (want.q != got.q || want.d != got.d || want.dsum != got.dsum || want.lanes != got.lanes ||
+            want.bsums != got.bsums) {
+            std::printf("FAIL %s quantization (group %d) differs from the scalar one\n", t.isa, group);
+            ++failures;
+        }
+    }
+    return failures;
+}
+
 int main() {
     std::mt19937 g(12345);
     int failures = 0, checks = 0;
     const KernelTable* isas[] = {&avx2_kernels(), &avxvnni_kernels(), &avx512vnni_kernels()};
+    for (const KernelTable* t : isas)
+        if (cpu_has(t->isa)) { failures += quantization_failures(*t, g); ++checks; }
     for (const char* name : kTypes) {
         const Format& f = *format_by_name(name);
         const int64_t per = f.block == 1 ? 32 : f.block;
@@ -101,12 +127,12 @@ int main() {
                 for (auto& v : x) v = nd(g);
                 for (bool exact : {false, true}) {
                     const int id = int(f.type);
-                    const auto want = run(exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id], f, w,
-                                          n, k, x, 8, exact);
+                    const auto want = run(exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id],
+                                          scalar_kernels().quantize, f, w, n, k, x, 8, exact);
                     for (const KernelTable* t : isas) {
                         if (!cpu_has(t->isa)) continue;
                         RowsKernel kernel = exact ? t->exact[id] : t->quantized[id];
-                        const auto got = run(kernel, f, w, n, k, x, 8, exact);
+                        const auto got = run(kernel, t->quantize, f, w, n, k, x, 8, exact);
                         ++checks;
                         if (!(rel(got, want) <= 1e-5)) {
                             std::printf("FAIL %s %s n=%ld k=%ld exact=%d rel=%g\n", t->isa, name, long(n), long(k),
@@ -115,7 +141,7 @@ int main() {
                         }
                         for (int64_t m = 0; m < 8; m += 3) {  // rows 0, 3, 6 alone: bitwise the batch's
                             std::vector<float> one(x.begin() + m * k, x.begin() + (m + 1) * k);
-                            const auto alone = run(kernel, f, w, n, k, one, 1, exact);
+                            const auto alone = run(kernel, t->quantize, f, w, n, k, one, 1, exact);
                             if (std::memcmp(alone.data(), got.data() + m * n, size_t(n) * 4) != 0) {
                                 std::printf("FAIL %s %s row %ld alone differs from the batch\n", t->isa, name, long(m));
                                 ++failures;

@@ -3,7 +3,8 @@
 For every block type, every instruction set this CPU runs (FLEET_KERNEL_ISA), odd and even shapes, M in
 {1, 2, 3, 5, 8, 64} activation rows and 1 and 2 threads:
 - int8 mode: within 1e-6 (relative L2) of float64 (gguf-py's dequantized blocks) x (the activations quantized
-  as the kernels quantize them: per 32 values, d = max|x| / 127, q = rint(x 127 / max|x|));
+  as the kernels quantize them: per 32 values, or 256 for the 256-weight types, d = max|x| / 127,
+  q = rint(x 127 / max|x|));
 - f32 mode: within 1e-6 of float64 (dequantized blocks) x (the activations as they are);
 - invariance, bitwise: each row's result is the same computed alone, in any batch, and on 1 or 2 threads.
 """
@@ -44,9 +45,10 @@ def dequantized(name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
     return gguf.quants.dequantize(blocks, qtype(name)).reshape(blocks.shape[0], cols).astype(np.float64)
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """float64: x quantized as the kernels do (per 32: d = max|x| / 127, q = rint(x * (127 / max|x|)))."""
-    g = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+def quantized_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
+    """float64: x quantized as the kernels do (per ``group`` values, 32, or 256 for the 256-weight types:
+    d = max|x| / 127, q = rint(x * (127 / max|x|)))."""
+    g = x.astype(np.float32).reshape(*x.shape[:-1], -1, group)
     amax = np.abs(g).max(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
@@ -106,7 +108,7 @@ def test_products_match_float64_and_do_not_depend_on_batch_or_threads(name: str,
         x = rng.standard_normal((max(ROWS), cols)).astype(np.float32)
         x[1] *= 40.0  # rows of other magnitudes
         x[2, : cols // 2] = 0.0  # and zero groups
-        ref_int8 = (quantized_activations(x) if per > 1 else x.astype(np.float64)) @ w.T
+        ref_int8 = (quantized_activations(x, min(per, 256)) if per > 1 else x.astype(np.float64)) @ w.T
         ref_f32 = x.astype(np.float64) @ w.T
         solo = {}
         for threads in (1, 2):
@@ -171,7 +173,7 @@ def test_experts_read_only_the_chosen_and_match_float64(name: str) -> None:
     tokens = rng.standard_normal((5, cols)).astype(np.float32)
     picks = np.array([[0, 3], [3, 5], [5, 0], [3, 3], [1, 4]], np.int32)  # expert 3 three times, 2 never
     y8, y32 = compiled([tokens, picks])[0], compiled([tokens, picks])[1]
-    xq = quantized_activations(tokens) if block_size(name)[0] > 1 else tokens.astype(np.float64)
+    xq = quantized_activations(tokens, block_size(name)[0]) if block_size(name)[0] > 1 else tokens.astype(np.float64)
     for t in range(5):
         for j in range(2):
             e = picks[t, j]

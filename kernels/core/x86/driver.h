@@ -9,6 +9,8 @@
 //   float offsets (OFFSET): corr += o0 dsum0 + o1 dsum1 (8 sub-blocks a vector)
 // and y = hsum(acc) + hsum(corr).
 
+#include "quantize.h"
+
 // Software prefetch in address order: while a tile's rows are read (interleaved, R streams), the bytes of the
 // next tile and kPrefetchAhead beyond are requested front to back, at the pace the tile is consumed. The
 // hardware prefetcher alone fed several interleaved streams at a fraction of one sequential read here.
@@ -143,6 +145,69 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     }
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(corr[r][i]);
+}
+
+// ---- the 256-weight types: activations per 256 (activations.h), each block's sums kept in integers.
+// Sub-block j of row n against activation row m: 16 int16 pair sums (vpmaddubsw: |c| <= 63 or the signed
+// codes' magnitudes <= 127 against |q| <= 127, no pair saturates) times sub-block j's scales, accumulated in
+// int32 over the block (vpdpwssd; at most 8 x 2 x 32258 x 128 < 2^31, exact). At the block's end, for 8 lanes:
+//   isum -= z x (scales . bsums)   (an integer zero point, exact)
+//   acc  += float(isum) x (d d_x)
+//   acc  += float(mins . bsums) x (-dmin d_x)   (types with a minimum)
+// and y = hsum(acc). The scalar reference sums the same integers (scalar.cpp superblock_rows).
+static inline __m256i pick_scales(__m256i scales, int j) {  // sub-block j's: word j of each lane, everywhere
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16(short(((2 * j + 1) << 8) | (2 * j))));
+}
+
+template <class F, int R, int MB>
+static inline void tile_super(const Product& p, int64_t n, int64_t m) {
+    const int64_t blocks = p.K / 256;
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    const int8_t* q[MB];
+    const float* da[MB];
+    const int16_t* bsums[MB];
+    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    const uint8_t* tile_end = rows[0] + R * p.row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_next(tile_end, size_t(R) * F::BYTES, b);
+        SuperScales sc[R];
+        for (int r = 0; r < R; ++r) F::super(rows[r] + b * F::BYTES, sc[r]);
+        __m256i isum[R][MB];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < MB; ++i) isum[r][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            __m256i qv[MB];
+            for (int i = 0; i < MB; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + b * 256 + j * 32));
+            for (int r = 0; r < R; ++r) {
+                const __m256i c = F::codes(rows[r] + b * F::BYTES, j);
+                const __m256i u = F::SIGNED ? _mm256_abs_epi8(c) : c;
+                const __m256i s = pick_scales(sc[r].scales, j);
+                for (int i = 0; i < MB; ++i) {
+                    const __m256i v = F::SIGNED ? _mm256_sign_epi8(qv[i], c) : qv[i];
+                    isum[r][i] = FLEET_DPWSSD(isum[r][i], _mm256_maddubs_epi16(u, v), s);
+                }
+            }
+        }
+        for (int i = 0; i < MB; ++i) {
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
+            for (int r = 0; r < R; ++r) {
+                __m256i total = isum[r][i];
+                if constexpr (F::ZSHIFT >= 0)
+                    total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(sc[r].scales, bs), F::ZSHIFT));
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(sc[r].d * da[i][b]), acc[r][i]);
+                if constexpr (F::OFFSET)
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc[r].mins, bs)),
+                                                _mm256_set1_ps(-sc[r].dmin * da[i][b]), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]);
 }
 
 template <class F, int R, int MB>
@@ -367,6 +432,8 @@ static inline void sweep(const Product& p, int64_t n0, int64_t n1, Tile4x2 t42, 
 
 template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
+    if constexpr (F::QK == 256)
+        return sweep(p, n0, n1, tile_super<F, 4, 2>, tile_super<F, 4, 1>, tile_super<F, 1, 2>, tile_super<F, 1, 1>);
     if (p.M >= kPrefillRows && (FLEET_VNNI || !F::SIGNED)) return rows_prefill<F>(p, n0, n1);
     sweep(p, n0, n1, tile_quantized<F, 4, 2>, tile_quantized<F, 4, 1>, tile_quantized<F, 1, 2>, tile_quantized<F, 1, 1>);
 }
@@ -380,7 +447,7 @@ static void rows_float(const Product& p, int64_t n0, int64_t n1) {
 }
 
 static KernelTable make_table(const char* isa) {
-    KernelTable t{isa, {}, {}};
+    KernelTable t{isa, {}, {}, quantize_rows_simd};
 #define FLEET_INTEGER(T) t.quantized[int(BlockType::T)] = rows_quantized<F##T>; t.exact[int(BlockType::T)] = rows_exact<F##T>;
     FLEET_INTEGER(Q4_0) FLEET_INTEGER(Q4_1) FLEET_INTEGER(Q5_0) FLEET_INTEGER(Q5_1) FLEET_INTEGER(Q8_0)
     FLEET_INTEGER(IQ4_NL) FLEET_INTEGER(MXFP4) FLEET_INTEGER(Q2_K) FLEET_INTEGER(Q3_K) FLEET_INTEGER(Q4_K)

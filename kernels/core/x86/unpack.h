@@ -120,10 +120,30 @@ struct FMXFP4 : Layout32 {
     static inline __m256i codes(const uint8_t* b, int) { return lookup(kE2m1Doubled, nibbles32(b + 1)); }
 };
 
+// A 256-weight block's integer form in registers (formats.h IntegerScales): int16 scales and minimums per 16
+// weights in the order s0, s2, ..., s14 | s1, s3, ..., s15 (the activations' bsums order, activations.h), so
+// that one in-lane shuffle gives sub-block j's scales (s2j in the low lane: its first 16 weights, s2j+1 in
+// the high lane) and one vpmaddwd against the bsums gives sum scale[g] b[g].
+struct SuperScales {
+    __m256i scales, mins;
+    float d, dmin;
+};
+
 // The 256-weight types: the scales of one block's 8 sub-blocks (Q4_K, Q5_K and Q6_K unpacked here, the
 // rarer ones by the scalar reference, once per 256 weights).
 template <BlockType T>
 struct KScales {
+    static inline void super(const uint8_t* b, SuperScales& out) {  // by the scalar reference, reordered
+        static const Format* const f = format_by_type(int(T));
+        IntegerScales is;
+        integer_scales(*f, b, is);
+        alignas(32) int16_t sc[16], mn[16];
+        for (int g = 0; g < 16; ++g) { sc[bsum_slot(g)] = is.scale[g]; mn[bsum_slot(g)] = is.min[g]; }
+        out.scales = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc));
+        out.mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn));
+        out.d = is.d;
+        out.dmin = is.dmin;
+    }
     static inline void span(const uint8_t* b, int, float* s0, float* s1, float* o0, float* o1) {
         static const Format* const f = format_by_type(int(T));
         float s[16], o[16];
@@ -135,14 +155,36 @@ struct KScales {
     }
 };
 struct K4Scales {  // Q4_K, Q5_K: d, dmin, then 8 x (6-bit scale, 6-bit min) in 12 bytes, unpacked in 32-bit words
-    static inline void span(const uint8_t* b, int, float* s0, float*, float* o0, float*) {
+    static inline void unpack_scales(const uint8_t* b, uint64_t& sc, uint64_t& mn) {  // byte j: sub-block j's
         const uint32_t w0 = le32(b + 4), w1 = le32(b + 8), w2 = le32(b + 12);
-        const uint64_t sc = uint64_t(w0 & 0x3f3f3f3fu) | uint64_t((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
-        const uint64_t mn = uint64_t(w1 & 0x3f3f3f3fu) | uint64_t(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+        sc = uint64_t(w0 & 0x3f3f3f3fu) | uint64_t((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+        mn = uint64_t(w1 & 0x3f3f3f3fu) | uint64_t(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+    }
+    static inline void span(const uint8_t* b, int, float* s0, float*, float* o0, float*) {
+        uint64_t sc, mn;
+        unpack_scales(b, sc, mn);
         const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc))));
         const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn))));
         _mm256_store_ps(s0, _mm256_mul_ps(_mm256_set1_ps(f16(b)), scf));
         _mm256_store_ps(o0, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf)));
+    }
+    // In one 16-byte register (d, dmin, then the 12 bytes s0..s11): byte j of `r` is scale j, byte 8 + j min j:
+    //   j < 4: s[j] & 63, s[j + 4] & 63;   j >= 4: (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, (s[j + 4] >> 4) | (s[j] >> 6) << 4
+    static inline void super(const uint8_t* b, SuperScales& out) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+        const __m128i none = _mm_set1_epi8(char(0x80));
+        const __m128i low = _mm_and_si128(_mm_shuffle_epi8(x, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 0, 0, 0, 0)),
+                                          _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+        const __m128i nibble = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
+        const __m128i min_low = _mm_shuffle_epi8(nibble, _mm_blend_epi16(none, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 13, 14, 15), 0xC0));
+        const __m128i top = _mm_and_si128(_mm_srli_epi16(x, 2), _mm_set1_epi8(0x30));  // (byte >> 6) << 4
+        const __m128i high = _mm_shuffle_epi8(top, _mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
+        const __m128i r = _mm_or_si128(_mm_or_si128(low, min_low), high);
+        out.scales = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(r, r));  // a scale per 32: both halves alike
+        out.mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(r, r));
+        const __m128 dd = _mm_cvtph_ps(x);  // d, dmin
+        out.d = _mm_cvtss_f32(dd);
+        out.dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
     }
 };
 
@@ -165,9 +207,18 @@ struct FQ5_K : Layout256, K4Scales {
 struct FQ6_K : Layout256 {
     static constexpr int BYTES = 210; static constexpr bool SIGNED = false, PER16 = true;
     static constexpr int ZSHIFT = 5; static constexpr bool OFFSET = false;
-    static inline void span(const uint8_t* b, int, float* s0, float* s1, float*, float*) {  // int8 scales[16] at 192
-        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
-                                            _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    static inline __m128i even_odd_scales(const uint8_t* b) {  // int8 scales[16] at 192: s0, s2, .., s14, s1, s3, ..
+        return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
+                                _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    }
+    static inline void super(const uint8_t* b, SuperScales& out) {
+        out.scales = _mm256_cvtepi8_epi16(even_odd_scales(b));
+        out.mins = _mm256_setzero_si256();
+        out.d = f16(b + 208);
+        out.dmin = 0.0f;
+    }
+    static inline void span(const uint8_t* b, int, float* s0, float* s1, float*, float*) {
+        const __m128i sc = even_odd_scales(b);
         const __m256 d = _mm256_set1_ps(f16(b + 208));
         _mm256_store_ps(s0, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
         _mm256_store_ps(s1, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
