@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target), not images
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+TABLE_RULE = re.compile(r"^\|[-:| ]+\|$")  # a table's second line: |---|:--|
 MAX_README_LINES = 200
 MISSING_PAGE = "no-such-page" + ".md"  # spelt in two parts: test_layout checks the documents a file names
 
@@ -124,3 +125,18 @@ def test_the_readme_is_a_front_page_whose_first_commands_are_the_demo_and_the_te
     assert readme.index("bash deploy/demo.sh") < readme.index("bash deploy/test.sh") < readme.index("## Quickstart")
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^bash deploy/test\.sh\b", ci, re.M), ci  # CI runs the README's test command
+
+
+def test_every_table_has_its_header_and_rule():
+    """A table split by a stray line renders as text on GitHub and in the site without a warning: each table's
+    first row is followed by its rule, and each rule follows a header row."""
+    broken = []
+    for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]:
+        lines = CODE_BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), path.read_text()).splitlines()
+        for i, line in enumerate(lines):
+            starts = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
+            if TABLE_RULE.match(line) and starts:
+                broken.append(f"{path.relative_to(ROOT)}:{i + 1}: a rule without a header row")
+            elif starts and not (i + 1 < len(lines) and TABLE_RULE.match(lines[i + 1])):
+                broken.append(f"{path.relative_to(ROOT)}:{i + 1}: a table without its rule")
+    assert not broken, broken
