@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install fleet with the compiler extra: what the demo needs (deploy/demo.sh), no torch.
 # `setup.sh --test` (deploy/test.sh) adds the test tools (CPU-only torch and transformers: the tests' reference,
-# fleet itself needs neither) and the apt packages the tests use (chromium, node, iproute2).
+# fleet itself needs neither), mkdocs for the docs site's test, and the apt packages the tests use (chromium,
+# node, iproute2).
 # Idempotent: a second run with an unchanged pyproject.toml (and no new mode) returns at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +75,7 @@ if [ "$MODE" = test ]; then
   # elsewhere set FLEET_TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's default Linux wheel is a
   # multi-GB CUDA build).
   "${PIP[@]}" torch==2.13.0 ${FLEET_TORCH_INDEX:+--index-url "$FLEET_TORCH_INDEX"}
-  "${PIP[@]}" -e ".[compile,dev]"
+  "${PIP[@]}" -e ".[compile,dev,docs]"  # docs: the suite builds the documentation site (mkdocs)
 else
   "${PIP[@]}" -e ".[compile]"
 fi
