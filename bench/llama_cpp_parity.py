@@ -50,7 +50,7 @@ if __package__ in (None, ""):
 import httpx
 import numpy as np
 
-from bench import harness
+from bench import harness, real_gguf
 from coordinator.local import free_port
 
 N_PROBS = 8  # llama.cpp candidates per step compared
@@ -119,14 +119,17 @@ def llama_greedy(url: str, prompt: list[int], tokens: int, n_probs: int = N_PROB
 
 
 class FleetModel:
-    """A fleet build's stages chained in this process at f32 (compiler/quality.py ``StageChain``)."""
+    """A fleet build's stages chained in this process at f32 (compiler/quality.py ``StageChain``), fleet's kernels
+    at ``kernels`` precision: "f32" (exact products) or "int8" (activations rounded to 8-bit blocks, as llama.cpp's
+    CPU kernels round them: per 32, per 256 for the 256-weight types)."""
 
-    def __init__(self, build: Path, threads: int = 1) -> None:
+    def __init__(self, build: Path, threads: int = 1, kernels: str = "f32") -> None:
         from compiler.quality import StageChain
         from fleet_common.manifest import load_manifest
 
         loaded = load_manifest(build)
-        self.chain, self.max_context = StageChain(loaded, threads=threads), loaded.manifest.architecture.max_context
+        self.chain = StageChain(loaded, threads=threads, kernels=kernels)
+        self.max_context = loaded.manifest.architecture.max_context
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
         """The greedy continuation of ``prompt`` (never stopping at end-of-sequence)."""
@@ -230,18 +233,37 @@ def run_llama_cpp(name: str, llama_gguf: Path, llama_input: str, model: FleetMod
 
 def run_file(gguf: Path, build: Path, prompts: list[list[int]], tokens: int, work: Path,
              bin_dir: Path = harness.LLAMA_CPP_BIN) -> tuple[FileResult, FileResult]:
-    """The fleet build ``build`` of ``gguf`` against llama.cpp on its f32 copy (written in ``work``) and on the
-    file as is: (exact, as is)."""
-    model = FleetModel(build)
+    """The fleet build ``build`` of ``gguf`` against llama.cpp on its f32 copy (written in ``work``), fleet's
+    kernels exact, and on the file as is, fleet's kernels rounding activations as llama.cpp's do: (exact, as is)."""
     copy = dequantized_copy(gguf, work / f"{gguf.stem}-f32.gguf")
-    exact = run_llama_cpp(gguf.stem, copy, EXACT, model, prompts, tokens, work, bin_dir)
-    return exact, run_llama_cpp(gguf.stem, gguf, AS_IS, model, prompts, tokens, work, bin_dir)
+    exact = run_llama_cpp(gguf.stem, copy, EXACT, FleetModel(build, kernels="f32"), prompts, tokens, work, bin_dir)
+    return exact, run_as_is(gguf, build, prompts, tokens, work, bin_dir)
 
 
-def build_gguf(gguf: Path, out: Path) -> Path:
-    """``fleet-compiler build GGUF --shards 1 -o OUT`` (blocks kept); ``out``. Raises ``RuntimeError`` with the
+def run_as_is(gguf: Path, build: Path, prompts: list[list[int]], tokens: int, work: Path,
+              bin_dir: Path = harness.LLAMA_CPP_BIN) -> FileResult:
+    """llama.cpp on the file as is against the fleet build with its kernels at int8 (both sides round the
+    activations to 8-bit blocks before each product)."""
+    return run_llama_cpp(gguf.stem, gguf, AS_IS, FleetModel(build, kernels="int8"), prompts, tokens, work, bin_dir)
+
+
+def demo_of_type(qtype: str, cache: Path) -> Path:
+    """The demo's GGUF (SmolLM2-135M, Q4_1 in its wheel) re-quantized by ``llama-quantize`` to ``qtype`` (one of
+    real_gguf's ``TYPES``: llama.cpp's own mixture), made once into ``cache``."""
+    from bench.real_gguf import demo_gguf, llama_quantize
+
+    out = cache / f"demo.{qtype}.gguf"
+    if not out.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        llama_quantize(demo_gguf(), out, qtype, requantize=True)
+    return out
+
+
+def build_gguf(gguf: Path, out: Path, shards: int = 1) -> Path:
+    """``fleet-compiler build GGUF --shards N -o OUT`` (blocks kept); ``out``. Raises ``RuntimeError`` with the
     compiler's stderr if it fails."""
-    cmd = [*harness.tool("fleet-compiler"), "build", str(gguf.resolve()), "--shards", "1", "-o", str(out.resolve())]
+    cmd = [*harness.tool("fleet-compiler"), "build", str(gguf.resolve()), "--shards", str(shards), "-o",
+           str(out.resolve())]
     result = subprocess.run(cmd, capture_output=True, text=True, env=harness.repo_env())
     if result.returncode != 0:
         raise RuntimeError(f"building {gguf} failed:\n{result.stderr[-3000:]}")
@@ -264,28 +286,37 @@ def report_table(results: list[FileResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: compare each GGUF given; exit 1 if one is a ``mismatch`` (llama.cpp computing in f32)."""
+    """Command line: compare each GGUF given (or the demo re-quantized to each of ``--types``); exit 1 if one is a
+    ``mismatch`` (llama.cpp computing in f32)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("gguf", nargs="+", type=Path, help="GGUF files (each built into a temporary folder)")
+    parser.add_argument("gguf", nargs="*", type=Path, help="GGUF files (each built into a temporary folder)")
+    parser.add_argument("--types", default="", help="comma-separated llama-quantize types (Q4_0, Q4_K_M, ...): the "
+                        "demo re-quantized to each, compared as is only")
+    parser.add_argument("--shards", type=int, default=1, help="stages of each build (chained in this process)")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     parser.add_argument("--prompts", type=int, default=3, help="random token-id prompts (8, 20, 40 tokens)")
     parser.add_argument("--vocab", type=int, default=2048, help="prompt ids are drawn below this")
     parser.add_argument("--llama-cpp-bin", type=Path, default=harness.LLAMA_CPP_BIN)
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
+    types = [t for t in args.types.split(",") if t]
+    if not args.gguf and not types:
+        parser.error("give GGUF files or --types")
     prompts = default_prompts(args.prompts, args.vocab)
     results = []
     with tempfile.TemporaryDirectory(prefix="llama-cpp-parity-") as tmp:
+        work = Path(tmp)
         for gguf in args.gguf:
-            build = build_gguf(gguf, Path(tmp) / gguf.stem)
-            for res in run_file(gguf, build, prompts, args.tokens, Path(tmp), args.llama_cpp_bin):
-                results.append(res)
-                print(f"{gguf.name}, llama.cpp on the {res.llama_cpp_input}: {res.verdict}, max |logprob diff| "
-                      f"{res.max_logprob_diff:.3g}", flush=True)
+            build = build_gguf(gguf, work / gguf.stem, args.shards)
+            results += run_file(gguf, build, prompts, args.tokens, work, args.llama_cpp_bin)
+        for qtype in types:
+            gguf = demo_of_type(qtype, real_gguf.CACHE / "parity")
+            build = build_gguf(gguf, work / gguf.stem, args.shards)
+            results.append(run_as_is(gguf, build, prompts, args.tokens, work, args.llama_cpp_bin))
     print(report_table(results))
     if args.json:
         harness.write_json(args.json, "llama_cpp_parity", {"tokens": args.tokens, "prompts": prompts,
-                                                          "files": [asdict(r) for r in results]})
+                                                          "shards": args.shards, "files": [asdict(r) for r in results]})
     return int(any(r.verdict == "mismatch" for r in results))
 
 

@@ -146,12 +146,14 @@ def write_f16(name: str, layers: int, out: Path) -> Path:
     return out
 
 
-def llama_quantize(f16: Path, out: Path, qtype: str) -> Path:
+def llama_quantize(f16: Path, out: Path, qtype: str, requantize: bool = False) -> Path:
     """``llama-quantize F16 OUT TYPE`` (llama.cpp's mixture for ``qtype``), built by bench/build_llama_cpp.sh
-    when missing; written beside ``out`` and renamed when complete. ``RuntimeError`` with its log on failure."""
+    when missing; written beside ``out`` and renamed when complete. ``requantize``: the source may itself be
+    quantized (``--allow-requantize``: its values dequantized first). ``RuntimeError`` with its log on failure."""
     binary = harness.llama_cpp_tool("llama-quantize")
     tmp = out.with_name(out.name + ".partial")
-    run = subprocess.run([str(binary), str(f16), str(tmp), qtype, str(os.cpu_count() or 1)],
+    flags = ["--allow-requantize"] if requantize else []
+    run = subprocess.run([str(binary), *flags, str(f16), str(tmp), qtype, str(os.cpu_count() or 1)],
                          capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"llama-quantize {f16} {qtype} failed:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")

@@ -121,10 +121,11 @@ class StageChain:
     """Every stage of a build compiled in this process; a sequence runs through them in order with
     one KV session per stage (the fleet's pipeline without the network)."""
 
-    def __init__(self, loaded: LoadedManifest, threads: int = 0, precision: str = PRECISION) -> None:
+    def __init__(self, loaded: LoadedManifest, threads: int = 0, precision: str = PRECISION,
+                 kernels: str | None = None) -> None:
         m = loaded.manifest
-        self.compiled = [compile_ir(loaded.directory / s.xml, "CPU", threads, precision, m.kv_cache_precision)[0]
-                         for s in m.stages]
+        self.compiled = [compile_ir(loaded.directory / s.xml, "CPU", threads, precision, m.kv_cache_precision,
+                                    kernels=kernels)[0] for s in m.stages]
         self.requests = [c.create_infer_request() for c in self.compiled]
         self.sessions: list[KVSession] = []
 

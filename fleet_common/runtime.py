@@ -184,21 +184,23 @@ def check_kernels(entry, what: str) -> None:  # noqa: ANN001 - a manifest StageE
 
 def kernels_at(model: ov.Model, precision: str) -> ov.Model:
     """``model`` with every ``GgufMatMul`` (fleet's kernels) set to ``precision`` ("f32": exact products, "int8":
-    activations quantized per 32, the default a build writes); returns it."""
+    activations quantized per 32, or per 256 for the 256-weight types: the default a build writes); returns it."""
     for node in model.get_ops():
-        if node.get_type_name() == "GgufMatMul":
+        if node.get_type_name() in ("GgufMatMul", "GgufMoeMatMul"):
             node.set_attribute("precision", precision)
     return model
 
 
 def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_precision: str = "auto",
                kv_cache_precision: str = "f16", cache_dir: Path | None = None,
-               compressed: bool = False) -> tuple[ov.CompiledModel, int, float]:
+               compressed: bool = False, kernels: str | None = None) -> tuple[ov.CompiledModel, int, float]:
     """Compile one stateful IR for low-latency decoding (``compile_config``; ``compressed``: ``runs_compressed``
     of its manifest entry on ``device``, which "auto" precision follows).
 
     ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device) and runs fleet's
-    kernels (``GgufMatMul``) at their exact precision (``kernels_at``).
+    kernels (``GgufMatMul``) at their exact precision (``kernels_at``). ``kernels`` ("int8" or "f32") sets the
+    kernels' precision whatever ``inference_precision`` is (bench/llama_cpp_parity.py: the rest in f32, the
+    products as llama.cpp computes them).
     ``cache_dir``: OpenVINO's model cache (``CACHE_DIR``, "Model Caching Overview" in the OpenVINO
     docs): a compiled model found there is imported instead of compiled, otherwise it is written there.
     Returns (compiled model, bytes per KV value, compile seconds). Raises ``RuntimeError`` naming the
@@ -211,9 +213,11 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
         config["CACHE_DIR"] = str(cache_dir)
     t0 = time.perf_counter()
     core = stage_core()
+    if kernels is None and inference_precision == "f32":  # fleet's kernels at f32 too: the exact products
+        kernels = "f32"
     try:
-        if inference_precision == "f32":  # fleet's kernels at f32 too: the exact products
-            compiled = core.compile_model(kernels_at(core.read_model(str(xml)), "f32"), device, config)
+        if kernels is not None:
+            compiled = core.compile_model(kernels_at(core.read_model(str(xml)), kernels), device, config)
         else:
             compiled = core.compile_model(str(xml), device, config)
     except RuntimeError as exc:

@@ -47,7 +47,7 @@ static inline uint32_t le32(const uint8_t* p) { uint32_t v; __builtin_memcpy(&v,
 static inline uint16_t le16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
 
 // The f16 at `p` in each of `span` blocks of `stride` bytes, as 8 floats (0 past span).
-static inline void f16_span(const uint8_t* p, int stride, int span, float* out) {
+__attribute__((always_inline)) static inline void f16_span(const uint8_t* p, int stride, int span, float* out) {
     if (span == 8) {  // in registers: no store-to-load forwarding stall
         __m128i h = _mm_cvtsi32_si128(le16(p));
         h = _mm_insert_epi16(h, le16(p + stride), 1);
