@@ -1,5 +1,5 @@
 """What one infer call of a stage costs at batch B, beside the alternative of copying sessions' KV in
-and out of a batched request: the measurement batch groups (coordinator/group.py) are built on.
+and out of a batched request: the measurement batch groups (coordinator/engine/group.py) are built on.
 
 Stage 0 of the 2-stage demo build, one thread pinned to one core, f32. For contexts 128, 512, 1024
 and chunk lengths 1 (plain decode) and 4 (a speculative verify): the median step time at batch 1 and

@@ -100,7 +100,7 @@ def first_token(url: str) -> float:
 
 def run(src: Path, link_name: str, workers: int, cache: Path, logs: Path) -> dict:
     """One cold start, then a re-plan, of ``src`` over ``workers`` empty workers behind ``link_name`` links."""
-    from coordinator.local import free_port
+    from coordinator.fleet.local import free_port
 
     row: dict = {"source": src.name, "link": link_name}
     with ExitStack() as stack:

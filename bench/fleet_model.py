@@ -55,7 +55,7 @@ The terms, and where each number comes from (times in ms):
   accounting (a worker's CPU ms per token minus its inference ms); on a shared machine it runs on
   the worker's core beside (not behind) its inference thread.
 * **draft** ``draft_ms_per_token``: the draft model's time per drafted token, on one draft thread
-  that serves every user in turn (``coordinator/draft.py``). The sweep measures it per cell as the
+  that serves every user in turn (``coordinator/engine/draft.py``). The sweep measures it per cell as the
   coordinator sees it: wall time per drafted token, *including* the wait for the draft thread while
   another user's draft runs (and the catch-up on tokens decoded without drafts). The model simulates
   that wait, so for a cell it uses the service time whose simulated wall time per drafted token

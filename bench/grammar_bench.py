@@ -1,4 +1,4 @@
-"""What grammar-constrained decoding costs per token: llguidance (fleet's, ``coordinator/constraint.py``) beside
+"""What grammar-constrained decoding costs per token: llguidance (fleet's, ``coordinator/engine/constraint.py``) beside
 xgrammar, at the demo's 49,152-token vocabulary and at Gemma 3's 262,144, on the twenty JSON schemas of
 ``tests/compat/schemas.py`` plus ``json_object`` (``{"type": "object"}``); table + JSON.
 
@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
-from coordinator.constraint import Constraint, Grammars, Matcher, mask_words
+from coordinator.engine.constraint import Constraint, Grammars, Matcher, mask_words
 from fleet_common.runtime import top_candidates, unpack_token_mask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def extend_vocabulary(tokenizer_json: str, size: int, seed: int = 0) -> str:
 
 
 class Llguidance:
-    """fleet's path: ``coordinator.constraint`` over llguidance (``Grammars``, ``Matcher``)."""
+    """fleet's path: ``coordinator.engine.constraint`` over llguidance (``Grammars``, ``Matcher``)."""
 
     name = "llguidance"
 

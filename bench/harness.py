@@ -162,7 +162,7 @@ def start_coordinator(build: Path, log: Path, *args: str, stack: ExitStack | Non
     ``peers``, ``--no-announce`` unless ``announce``) and ``args``; returns it and its base URL once it
     listens (it prints "chat page: URL", whatever ``--log-level``) or, with ``healthy``, once ``/health`` says
     200 (every stage served). Raises as :func:`start_worker`."""
-    from coordinator.local import free_port
+    from coordinator.fleet.local import free_port
 
     port = free_port()
     route = ("--no-discover", *(a for p in peers for a in ("--peer", p))) if peers else ()

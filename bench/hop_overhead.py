@@ -43,7 +43,7 @@ from bench import clients, harness, models
 from bench.clients import run_users
 from bench.interleave_bench import baseline
 from bench.models import counts, positive_int
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 
 # (category, regex on one frame); the innermost frame of a sample that matches any decides it
 CATEGORIES: tuple[tuple[str, str], ...] = (

@@ -42,7 +42,7 @@ import psutil
 
 from bench import harness, models
 from bench.clients import peak_rss_mib, run_users, warm_up
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 
 LLAMA_CPP_PYTHON = harness.LLAMA_CPP_PYTHON
 DEFAULT_BIN = harness.LLAMA_CPP_BIN  # where bench/build_llama_cpp.sh puts llama-server and rpc-server

@@ -51,7 +51,7 @@ import httpx
 import numpy as np
 
 from bench import harness
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 
 N_PROBS = 8  # llama.cpp candidates per step compared
 EXACT, AS_IS = "f32 copy", "as is"  # what llama.cpp runs: the file's values dequantized to F32, or the file

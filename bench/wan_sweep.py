@@ -136,7 +136,7 @@ def sweep_fleet(build: Path, stages: int, delays: list[float], tokens: int, logs
 async def logits_return(addresses: list[str], build: Path, tokens: int, top_k: int) -> dict:
     """Greedy decode through the pipeline client, the last stage returning ``top_k`` candidates per
     token (the vocabulary size = full logits): decode tok/s and bytes per result."""
-    from coordinator.pipeline import Channels, Pipeline
+    from coordinator.engine.pipeline import Channels, Pipeline
     from coordinator.tokenizer import ChatTokenizer
     from fleet_common.manifest import load_manifest
 
