@@ -4,7 +4,7 @@ residual is caught by the same check)."""
 import numpy as np
 import pytest
 
-from coordinator.engine.engine import speculative
+from coordinator.engine import speculative
 from coordinator.engine.sampling import SparseDist, target_distribution
 from coordinator.engine.speculative import AdaptiveK, StepCosts, StepCostsByLoad, expected_tokens, ngram_draft, verify
 
