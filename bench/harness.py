@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from bench.wan import LinkProfile
+    from bench.wan.links import LinkProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -235,7 +235,7 @@ class Fleet:
                     build, shard, logs / f"{prefix}worker{name}.log", *(() if zeroconf else ("--no-announce",)),
                     *extra, stack=self._stack, core=i if pin else None, timeout_s=worker_timeout_s))
             if link is not None:
-                from bench.wan import WanLink
+                from bench.wan.links import WanLink
 
                 for _, address in self.workers:
                     self.links.append(WanLink(address, link).start())

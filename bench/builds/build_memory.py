@@ -2,8 +2,8 @@
 torch path's on the same model, and a 4-stage fleet of it answering through real workers; or
 (``--source qwen3-30b-a3b``) on a Mixture-of-Experts GGUF of Qwen3-30B-A3B's shape.
 
-    python bench/build_memory.py --json results.json        # ~20 minutes on 2 cores, ~17 GB of disk
-    python bench/build_memory.py --source qwen3-30b-a3b --layers 4 --shards 2 --no-fleet --json moe.json
+    python bench/builds/build_memory.py --json results.json        # ~20 minutes on 2 cores, ~17 GB of disk
+    python bench/builds/build_memory.py --source qwen3-30b-a3b --layers 4 --shards 2 --no-fleet --json moe.json
 
 1. **The model**: a synthetic Llama with Llama-3.1-8B's dimensions (hidden 4096, 32 query and 8 KV
    heads, head 128, intermediate 14336, vocabulary 128256, untied head, ``llama3`` RoPE scaling) and

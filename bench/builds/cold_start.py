@@ -9,7 +9,7 @@ from other processes hits them alike. ``load s`` is the import/compile time the 
 RPC ``load_s``), ``peak RSS`` its VmHWM when ready. Files are in the page cache for every mode (the
 blob was just written, the IR just read): this measures compile/import, not the disk.
 
-    python bench/cold_start.py --model BUILD [--runs 5] [--threads 1] [--inference-precision f32] [--json PATH]
+    python bench/builds/cold_start.py --model BUILD [--runs 5] [--threads 1] [--inference-precision f32] [--json PATH]
 """
 
 from __future__ import annotations

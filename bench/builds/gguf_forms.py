@@ -33,7 +33,7 @@ Each is built with ``fleet-compiler build X.gguf --shards 1``, the reference wit
 * perplexity, teacher-forced greedy agreement and identical answers against fp16 (``compiler.quality``,
   what ``fleet-compiler inspect --quality --reference FP16`` prints; f32 inference; cached per build).
 
-    python bench/gguf_forms.py [--json PATH] [--forms Q8_0,Q4_0,Q5_0,Q3_K] [--steps 64] [--rounds 5]
+    python bench/builds/gguf_forms.py [--json PATH] [--forms Q8_0,Q4_0,Q5_0,Q3_K] [--steps 64] [--rounds 5]
                                [--no-memory] [--no-quality] [--hf DIR] [--cache DIR]
 """
 
@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
-from bench.decoding import WARM_UP_STEPS, Whole, load_kv, prefill, step
+from bench.kernels.decoding import WARM_UP_STEPS, Whole, load_kv, prefill, step
 
 FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "MXFP4")
 BY_LLAMA_QUANTIZE = ("Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_K", "Q3_K", "Q2_K")  # gguf-py has no quantizer for k-quants
@@ -252,10 +252,10 @@ def speed_cells(configs: list[Config]) -> dict[str, dict[str, dict]]:
 def worker_memory(builds: dict[str, Path], tokens: list[int], steps: int, logs: Path) -> tuple[dict, int]:
     """{form: {precision: worker row}} of a real ``fleet-worker`` serving each 1-stage build (one thread,
     the IR compiled: no blob, no model cache) through one session of ``CONTEXT`` + ``steps`` tokens
-    (``bench/worker_memory.py``), each row with ``own_bytes`` = RSS - the runtime's - mapped ``.bin``; and
+    (``bench/kernels/worker_memory.py``), each row with ``own_bytes`` = RSS - the runtime's - mapped ``.bin``; and
     the runtime's RSS (a worker process that loaded nothing)."""
-    from bench.worker_memory import runtime_baseline
-    from bench.worker_memory import worker_memory as serve
+    from bench.kernels.worker_memory import runtime_baseline
+    from bench.kernels.worker_memory import worker_memory as serve
 
     baseline = runtime_baseline()
     out: dict[str, dict] = {}

@@ -1,4 +1,4 @@
-"""Greedy parity with llama.cpp on the same GGUF file: ``python bench/llama_cpp_parity.py FILE.gguf ... [--json OUT]``.
+"""Greedy parity with llama.cpp on the same GGUF file: ``python bench/builds/llama_cpp_parity.py FILE.gguf ... [--json OUT]``.
 
 For each file: the fleet's build of it (``fleet-compiler build FILE --shards 1``, its blocks kept; run in this
 process at f32 inference, f32 KV cache, no dynamic activation quantization: compiler/quality.py ``StageChain``, the
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx
 import numpy as np

@@ -7,7 +7,7 @@ on the shipped public-domain text, teacher-forced greedy agreement, identical fr
 and the stage's bytes. About a minute per recipe on 2 cores (builds and measurements are cached
 under ``--cache``).
 
-    python bench/weights_sweep.py [--json PATH] [--recipes int8,int4:asym:32:0.8] [--hf DIR] [--cache DIR]
+    python bench/builds/weights_sweep.py [--json PATH] [--recipes int8,int4:asym:32:0.8] [--hf DIR] [--cache DIR]
 """
 
 from __future__ import annotations

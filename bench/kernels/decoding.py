@@ -2,7 +2,7 @@
 numpy (:class:`Whole`, the reference) or the stages chained through the worker's code path
 (``compiler.quality.StageChain``); their KV states saved after a prefill and put back (:func:`save_kv`,
 :func:`load_kv`), and teacher-forced decode steps from there (:func:`step`, :func:`decode`, :func:`prefill`).
-Used by ``bench/shard_parity.py`` and ``bench/gguf_forms.py``."""
+Used by ``bench/kernels/shard_parity.py`` and ``bench/builds/gguf_forms.py``."""
 
 from __future__ import annotations
 

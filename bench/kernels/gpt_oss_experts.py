@@ -18,7 +18,7 @@ TOKENS -t THREADS -r 3``, pinned to the same cores, its peak RSS polled), the tw
 swapped order (``kernel_bench.paired_cells``); the fleet's ms/token is then the median of its rounds, and fleet ÷
 llama.cpp the median of the rounds' tok/s ratios (with their range).
 
-    python bench/gpt_oss_experts.py [--layers 2] [--experts 32] [--top-k 4] [--threads 1] [--tokens 32]
+    python bench/kernels/gpt_oss_experts.py [--layers 2] [--experts 32] [--top-k 4] [--threads 1] [--tokens 32]
                                     [--llama-cpp [--rounds 3]] [--json PATH]
 
 It prints a table (GGUF and stage sizes, decode ms/token, peak RSS of the timed process, llama.cpp's, the stored
@@ -33,8 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import harness, kernel_bench
+from bench import harness
 
+
+from bench.kernels import kernel_bench
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, WIDTH, WINDOW = 2880, 64, 8, 64, 2880, 128  # gpt-oss-20b's config.json
 STD, SEED = 0.02, 0
 

@@ -68,7 +68,7 @@ import json, os, statistics, sys, threading, time
 import numpy as np, openvino as ov
 from openvino import opset13 as op
 from fleet_common import kernels
-from bench.kernel_ops import random_blocks
+from bench.kernels.kernel_ops import random_blocks
 types, threads, n, k, matrices, runs, prefill = json.loads(sys.argv[1])
 os.sched_setaffinity(0, set(range(threads)))
 

@@ -25,7 +25,7 @@ form's own dequantized weights (DQ's int8 activations show there; a requantizing
 ``--probe`` also runs each form once in a child process with ``ONEDNN_VERBOSE=1`` and reports whether oneDNN took
 the int8-activation kernel (``src_dyn_quant``): PERF_COUNT's exec type names the same ``brgemm_avx512_*`` either way.
 
-    python bench/layout_bench.py [--shape 8192x2048] [--threads 1] [--rounds 9] [--calls 30] [--probe] [--realtime]
+    python bench/kernels/layout_bench.py [--shape 8192x2048] [--threads 1] [--rounds 9] [--calls 30] [--probe] [--realtime]
                                  [--json PATH]
 """
 

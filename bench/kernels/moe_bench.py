@@ -9,7 +9,7 @@ GGUF. One run, three cells, same thread count, one after the other:
 * llama.cpp on the MoE file: ``llama-bench -p 0 -n TOKENS -t T`` (and on the dense file, so that a gap to it
   splits into what is MoE's and what is the kernels').
 
-Each fleet cell is ``bench/kernel_bench.py``'s: ``fleet-compiler build FILE --shards 1``, loaded and compiled as a
+Each fleet cell is ``bench/kernels/kernel_bench.py``'s: ``fleet-compiler build FILE --shards 1``, loaded and compiled as a
 worker does in its own process pinned to cores ``0..T-1``, ``--prompt`` tokens prefilled then ``--tokens`` greedy
 steps, three times, the median tok/s; peak RSS is that process's VmHWM. ``--profile`` adds OpenVINO's per-op
 profile (``PERF_COUNT``) of both fleet builds: ms per step by op type, and the runtime graph's node types of the MoE
@@ -19,7 +19,7 @@ GatherMatmul, compressed, per expert matrix).
 Both files carry the demo's 49,152-token vocabulary (``real_gguf``: its tokenizer is copied so that both systems
 read the same file), not Qwen3's 151,936: the head is 0.1 GB of Q6_K, not 0.3 GB.
 
-    python bench/moe_bench.py [--layers 4] [--threads 2] [--tokens 48] [--prompt 8] [--profile] [--json PATH]
+    python bench/kernels/moe_bench.py [--layers 4] [--threads 2] [--tokens 48] [--prompt 8] [--profile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench import harness, kernel_bench, real_gguf
+from bench import harness, real_gguf
 
+
+from bench.kernels import kernel_bench
 MOE, DENSE = "qwen3-30b-a3b", "qwen3-30b-a3b-dense"
 QTYPE = "Q4_K_M"
 GOAL_OVER_DENSE, GOAL_OVER_LLAMA = 1.3, 1.0  # ms/token MoE <= 1.3 x dense; fleet tok/s >= 1.0 x llama.cpp

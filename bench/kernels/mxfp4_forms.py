@@ -17,7 +17,7 @@ GatherMatmul (its codes' when compressed, f32 when the plugin folded the decompr
 Timing: ``--rounds`` rounds, every cell ``--calls`` calls in turn, a cell's time the median of its round medians,
 "x f16" the median of per-round ratios against the f16 cell of the same kind and setting.
 
-    python bench/mxfp4_forms.py [--dense 2048x2048] [--moe 32x1024x1024x4] [--threads 1] [--rounds 7]
+    python bench/kernels/mxfp4_forms.py [--dense 2048x2048] [--moe 32x1024x1024x4] [--threads 1] [--rounds 7]
                                 [--calls 30] [--json PATH]
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench import harness  # noqa: E402
 

@@ -41,7 +41,7 @@ gRPC, OpenVINO's CPU plugin) is measured once as the fixed runtime.
 Targets (issue 5; goals, not assertions): N-stage / whole <= 1.05 at both contexts; no-hints >= 1.5x
 slower than hints; worker RSS <= 1.25x (shard weights + KV).
 
-    python bench/shard_parity.py [--json PATH] [--quick] [--formats fp16,int8,int4] [--contexts 128,1024]
+    python bench/kernels/shard_parity.py [--json PATH] [--quick] [--formats fp16,int8,int4] [--contexts 128,1024]
                                  [--steps 32] [--rounds 6] [--threads 0] [--no-memory] [--hf DIR] [--cache DIR]
 """
 
@@ -60,8 +60,8 @@ from pathlib import Path
 import openvino as ov
 
 from bench import harness
-from bench.decoding import WARM_UP_STEPS, Whole, decode, load_kv, prefill, step
-from bench.worker_memory import runtime_baseline, worker_memory
+from bench.kernels.decoding import WARM_UP_STEPS, Whole, decode, load_kv, prefill, step
+from bench.kernels.worker_memory import runtime_baseline, worker_memory
 from compiler.inspect import inspect
 from compiler.quality import EVAL_TEXT, StageChain
 from fleet_common.manifest import MANIFEST_NAME, load_manifest, sha256_file

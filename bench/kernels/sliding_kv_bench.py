@@ -14,7 +14,7 @@ same build:
 Reported per cell: prefill seconds, decode ms/token (median), the KV bytes the session's states hold at the end
 (f16) and the process's peak RSS (VmHWM); the table puts capped / full side by side with their ratios.
 
-    python bench/sliding_kv_bench.py [--layers 6] [--contexts 2048 8192 16384] [--tokens 32] [--threads 2]
+    python bench/kernels/sliding_kv_bench.py [--layers 6] [--contexts 2048 8192 16384] [--tokens 32] [--threads 2]
                                      [--json PATH]
 """
 
@@ -96,7 +96,7 @@ def cell(build: Path, mode: str, context: int, tokens: int, threads: int) -> dic
 
 def run_cell(build: Path, mode: str, context: int, tokens: int, threads: int) -> dict:
     """``cell`` in a process of its own (its peak RSS is its own)."""
-    out = subprocess.run([sys.executable, "-m", "bench.sliding_kv_bench", "--cell", mode, str(context),
+    out = subprocess.run([sys.executable, "-m", "bench.kernels.sliding_kv_bench", "--cell", mode, str(context),
                           "--build", str(build), "--tokens", str(tokens), "--threads", str(threads)],
                          capture_output=True, text=True, cwd=harness.ROOT, env=harness.repo_env(), check=False)
     if out.returncode:

@@ -1,7 +1,7 @@
 """What a real ``fleet-worker`` holds in memory once it serves: every stage of a build started as a worker,
 one session run through the chain over gRPC, then each worker's RSS (and its parts, and the resident pages
-of its mapped weight file) against its shard's weights plus KV. Used by ``bench/shard_parity.py`` and
-``bench/gguf_forms.py``; :func:`runtime_baseline` is a worker process that has loaded nothing."""
+of its mapped weight file) against its shard's weights plus KV. Used by ``bench/kernels/shard_parity.py`` and
+``bench/builds/gguf_forms.py``; :func:`runtime_baseline` is a worker process that has loaded nothing."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and chunk lengths 1 (plain decode) and 4 (a speculative verify): the median step
 its ratio at batch 2 and 4 (< 2 and < 4 mean batching pays), and the time to copy two sessions' KV
 into one batch-2 request and back (what batching without persistent groups would add to each step).
 
-    python bench/batch_probe.py [--json PATH]
+    python bench/pipeline/batch_probe.py [--json PATH]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the same answers (greedy, f32): the run stops if they differ.
 
 Goal (issue 16): with reuse, turn 8's TTFT <= 1.5 x turn 2's.
 
-    python bench/chat_bench.py [--turns 8] [--tokens 200] [--build DIR] [--json PATH]
+    python bench/pipeline/chat_bench.py [--turns 8] [--tokens 200] [--build DIR] [--json PATH]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ fleet build used as it is (then ``--stages`` defaults to its own count, and the 
 1-stage build). The GenAI row needs an HF folder (the demo's, or ``--model``'s); for a GGUF or a build it is left
 out, with a note.
 
-    python bench/decode_bench.py [--model PATH] [--stages 1,2,3] [--json PATH] [--tokens 128] [--prompts 3]
+    python bench/pipeline/decode_bench.py [--model PATH] [--stages 1,2,3] [--json PATH] [--tokens 128] [--prompts 3]
                                  [--quick] [--hf DIR] [--cache DIR]
 """
 

@@ -37,7 +37,7 @@ prefixes, so the mask walks (llguidance's trie walk, xgrammar's per-state
 token caches) meet as many tokens that run on past a lexeme's end as a large real vocabulary has. It is a
 tokenizer.json like any other (no merges make the new tokens: the libraries only read the tokens' bytes).
 
-    python bench/grammar_bench.py [--vocab 49152,262144] [--libraries llguidance,xgrammar] [--repeat 3]
+    python bench/pipeline/grammar_bench.py [--vocab 49152,262144] [--libraries llguidance,xgrammar] [--repeat 3]
                                   [--tokens 64] [--token-ms 49152=20,262144=100] [--url http://127.0.0.1:8000]
                                   [--tokenizer models/test/SmolLM2-135M-Instruct/tokenizer.json] [--json PATH]
 
@@ -64,7 +64,7 @@ from bench import harness
 from coordinator.engine.constraint import Constraint, Grammars, Matcher, mask_words
 from fleet_common.runtime import top_candidates, unpack_token_mask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_TOKENIZER = ROOT / "models" / "test" / "SmolLM2-135M-Instruct" / "tokenizer.json"
 EOS = 2  # <|im_end|>, the demo's end of sequence
 DRAFTS = 4

@@ -1,5 +1,5 @@
 """What gRPC's Python side costs per message on this machine, before any of fleet's code: the floor
-under ``bench/hop_overhead.py``'s overhead.
+under ``bench/pipeline/hop_overhead.py``'s overhead.
 
 Three processes on loopback, each pinned to a core: a client, a relay and a sink. The relay does with
 bare grpc.aio what a stage does with a step: it reads a ``ForwardRequest`` (a decode step's hidden
@@ -10,7 +10,7 @@ writes 2, the client writes 1 and reads 1. The bench prints the relay's and the 
 trip (``psutil``, user + system), per message handled and the wall time per round trip, for
 ``--messages`` round trips after 200 of warm-up, and writes them with ``--json``.
 
-    python bench/grpc_floor.py [--messages 3000] [--hidden 576] [--json PATH]
+    python bench/pipeline/grpc_floor.py [--messages 3000] [--hidden 576] [--json PATH]
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = []
     try:
         for core, (role, port, down) in enumerate((("sink", sink_port, 0), ("relay", relay_port, sink_port))):
-            proc = subprocess.Popen(harness.pinned(core + 1, [sys.executable, "-m", "bench.grpc_floor", "--serve", role,
+            proc = subprocess.Popen(harness.pinned(core + 1, [sys.executable, "-m", "bench.pipeline.grpc_floor", "--serve", role,
                                                               str(port), str(down)]),
                                     stdout=subprocess.PIPE, text=True, cwd=harness.ROOT, env=harness.repo_env())
             procs.append(proc)

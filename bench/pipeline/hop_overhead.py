@@ -16,7 +16,7 @@ innermost frame it recognises (:data:`CATEGORIES`): gRPC, protobuf, numpy, the i
 asyncio, thread hand-offs, HTTP, tokenizer, sampling, logging, other Python. The table gives each
 category's share of the process's measured CPU per token, in ms.
 
-    python bench/hop_overhead.py [--model PATH] [--stages 2,3] [--users 1,2,4] [--tokens 128] [--json PATH] [--profile]
+    python bench/pipeline/hop_overhead.py [--model PATH] [--stages 2,3] [--users 1,2,4] [--tokens 128] [--json PATH] [--profile]
 
 The baseline is ``interleave_bench.baseline``: the whole model in one process on one core (a 1-stage build).
 ``--model PATH`` (bench/models.py): a GGUF file or an HF folder, built into ``--cache`` per stage count (and 1
@@ -41,7 +41,7 @@ import httpx
 
 from bench import clients, harness, models
 from bench.clients import run_users
-from bench.interleave_bench import baseline
+from bench.pipeline.interleave_bench import baseline
 from bench.models import counts, positive_int
 from coordinator.fleet.local import free_port
 

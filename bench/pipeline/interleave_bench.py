@@ -17,7 +17,7 @@ Each fleet runs twice: ``interleave`` (``--max-batch 1``: every session its own 
 different users overlap across the stages) and ``batch groups`` (the default: sessions of a group
 share one infer call per stage, and groups interleave).
 
-    python bench/interleave_bench.py [--model PATH] [--json PATH] [--tokens 64] [--users 1,2,4,8] [--stages 1,2,3]
+    python bench/pipeline/interleave_bench.py [--model PATH] [--json PATH] [--tokens 64] [--users 1,2,4,8] [--stages 1,2,3]
 
 ``--model PATH`` (bench/models.py): a GGUF file or an HF folder, built into ``--cache`` per stage count (and
 the 2-stage even split), or a fleet build used as it is: ``--stages`` then defaults to its own count, and the
@@ -25,9 +25,9 @@ baseline (a 1-stage build), the even split and the fairness runs (2 stages) run 
 
 ``--llama-cpp`` runs instead the fleet against llama.cpp's RPC fleet on one GGUF (the demo's Q4_1, or
 ``--model FILE.gguf``: llama.cpp needs a GGUF, and the fleet is built from the same file), 2 stages, 1, 2 and
-4 users, fleet ÷ llama.cpp per cell (bench/llama_cpp.py; build llama.cpp once with bench/build_llama_cpp.sh):
+4 users, fleet ÷ llama.cpp per cell (bench/pipeline/llama_cpp.py; build llama.cpp once with bench/build_llama_cpp.sh):
 
-    python bench/interleave_bench.py --llama-cpp [--model FILE.gguf] [--llama-cpp-bin DIR] [--repeats 5] [--json PATH]
+    python bench/pipeline/interleave_bench.py --llama-cpp [--model FILE.gguf] [--llama-cpp-bin DIR] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -163,10 +163,10 @@ def fleet_cells(build: Path, stages: int, users_list: list[int], tokens: int, lo
 
 
 def add_llama_cpp_options(parser: argparse.ArgumentParser) -> None:
-    """The ``--llama-cpp`` comparison's options (bench/llama_cpp.py runs it)."""
+    """The ``--llama-cpp`` comparison's options (bench/pipeline/llama_cpp.py runs it)."""
     parser.add_argument("--llama-cpp", action="store_true",
                         help="instead: the fleet against llama.cpp's RPC fleet on the same GGUF (the demo's Q4_1, or "
-                        "--model FILE.gguf), 2 stages (bench/llama_cpp.py; build llama.cpp with bench/build_llama_cpp.sh)")
+                        "--model FILE.gguf), 2 stages (bench/pipeline/llama_cpp.py; build llama.cpp with bench/build_llama_cpp.sh)")
     parser.add_argument("--llama-cpp-bin", type=Path, metavar="DIR", default=None,
                         help="folder with llama-server and rpc-server (default: bench/build_llama_cpp.sh's)")
     parser.add_argument("--llama-cpp-single", action="store_true",
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the bench or, with ``--llama-cpp``, the comparison; prints the tables, writes ``--json``."""
     args = parse_args(argv)
     if args.llama_cpp:
-        from bench.llama_cpp import DEFAULT_BIN, binaries
+        from bench.pipeline.llama_cpp import DEFAULT_BIN, binaries
 
         try:
             binaries(args.llama_cpp_bin or DEFAULT_BIN)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if args.llama_cpp:
-        from bench.llama_cpp import compare
+        from bench.pipeline.llama_cpp import compare
 
         gguf = args.model.path if args.model else harness.demo_gguf(models.from_args(None, cache).path)
         return compare(gguf, cache, args.users, args.tokens, args)

@@ -10,7 +10,7 @@ run (top-2 logprob gap below ``--tie``). ``--failover`` adds, per configuration,
 stage-1 worker: one stream is run to the end, then again with the stage-1 worker serving it killed
 (SIGKILL) after 30 tokens, and the two are compared the same way.
 
-    python bench/invariance.py [--configs defaults,f32,...] [--tokens 128] [--failover] [--json PATH]
+    python bench/pipeline/invariance.py [--configs defaults,f32,...] [--tokens 128] [--failover] [--json PATH]
 
 Findings (README "Precision", 2-stage demo, 128 tokens): at the defaults 5, 6 and 7 of 8 streams differed in
 three runs and the failover diverged at token 57; ``--threads 1`` 3/8, ``--draft none`` 3/8,

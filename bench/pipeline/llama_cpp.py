@@ -1,4 +1,4 @@
-"""The fleet beside llama.cpp's RPC fleet on the same GGUF: ``bench/interleave_bench.py --llama-cpp [--model FILE.gguf]``.
+"""The fleet beside llama.cpp's RPC fleet on the same GGUF: ``bench/pipeline/interleave_bench.py --llama-cpp [--model FILE.gguf]``.
 
 Both run one GGUF file split into the same 2 stages, one core each: the demo's
 (``SmolLM2-135M-Instruct.Q4_1.gguf``), or ``--model FILE.gguf`` (it must be a GGUF: llama.cpp runs nothing else,

@@ -8,14 +8,14 @@
 (b) Decode tokens/s with speculation off and on, per draft source (ngram, self-int8, self-int4,
     the 8-layer early-exit model), adaptive K, over 8 prompt categories, with acceptance rates, on a 2-stage
     fleet (a worker process per stage, gRPC on loopback) ...
-(c) ... with a one-way delay per hop of 0, 10 and 50 ms: a fleet-wan link per worker (bench/wan.py)
+(c) ... with a one-way delay per hop of 0, 10 and 50 ms: a fleet-wan link per worker (bench/wan/links.py)
     in front of each worker, so coordinator -> stage 0 -> stage 1 -> coordinator (the result stream)
     each cross one delayed link. (b) is the 0 ms row of (c).
 
 Within a delay, prompts run round-robin across the draft sources so machine load hits all alike;
 a cell is the median over categories of the coordinator's decode tokens/s (first token -> last).
 
-    python bench/spec_bench.py [--json PATH] [--tokens 96] [--delays 0,10,50] [--quick]
+    python bench/pipeline/spec_bench.py [--json PATH] [--tokens 96] [--delays 0,10,50] [--quick]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from bench import harness
-from bench.wan import LinkProfile
+from bench.wan.links import LinkProfile
 
 CATEGORIES = {
     "short factual": "What is the capital of Australia, and when did it become the capital?",

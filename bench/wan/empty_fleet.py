@@ -24,7 +24,7 @@ links) holds that plan's build already (``build s``: the coordinator's own figur
 Every run's workers start empty and measure their speed again, so two runs may plan other splits. Workers run at
 the build's default precision with ``--threads 1`` (two cores here).
 
-    python bench/empty_fleet.py [--source demo|llama-3.2-1b:Q4_K_M|PATH] [--links loopback,1gbit,100mbit]
+    python bench/wan/empty_fleet.py [--source demo|llama-3.2-1b:Q4_K_M|PATH] [--links loopback,1gbit,100mbit]
                                 [--workers 2] [--json PATH]
 """
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from bench import clients, harness, models, real_gguf
-from bench.wan import WanLink, profile
+from bench.wan.links import WanLink, profile
 from fleet_common.manifest import load_manifest
 
 LINKS = {"loopback": None, "1gbit": profile("lan"), "100mbit": profile("lan", rate_mbit=100)}

@@ -1,11 +1,11 @@
-"""Calibration measurements of this machine for ``bench/fleet_model.py``: per-stage and draft chunk
-cost (``profile_stages``, ``profile_draft``: ``bench/wan_sweep.py`` runs both at its start), each
+"""Calibration measurements of this machine for ``bench/wan/fleet_model.py``: per-stage and draft chunk
+cost (``profile_stages``, ``profile_draft``: ``bench/wan/sweep.py`` runs both at its start), each
 process's CPU per decode step (``measure_hop_cpu``) and fleet-wan's timer term
 (``measure_link_timers``). The constants the model keeps from the last two are in its docstring;
 re-measure with
 
-    python bench/fleet_calibrate.py link-timers          # a few seconds
-    python bench/fleet_calibrate.py hop-cpu BUILD        # a 2-stage build; about a minute
+    python bench/wan/fleet_calibrate.py link-timers          # a few seconds
+    python bench/wan/fleet_calibrate.py hop-cpu BUILD        # a 2-stage build; about a minute
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import fleet_sim
+from bench.wan import fleet_sim
 
 DRAFT_SEQS = (*range(1, 10), 16, 24, 32, 48)  # a draft feeds 1 token, or the ones it missed while adaptive K
 # decoded plainly, or (prefill) the prompt: the sweep's prompts are 40 and 46 tokens
@@ -95,7 +95,7 @@ def measure_hop_cpu(build: Path, tokens: int = 48, runs: int = 3) -> dict:
 
     from bench.clients import run_users, warm_up
     from bench.harness import Fleet
-    from bench.wan import LinkProfile
+    from bench.wan.links import LinkProfile
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-model-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def measure_link_timers(sizes: tuple[int, ...] = (100, 1200, 2400, 4000), round_
     import threading
     import time
 
-    from bench.wan import LinkProfile, WanLink
+    from bench.wan.links import LinkProfile, WanLink
 
     class Echo(socketserver.BaseRequestHandler):
         def handle(self) -> None:

@@ -1,6 +1,6 @@
 """A discrete-event model of a fleet: predicts decode tokens/s (and TTFT) from per-stage compute,
 link delay and bandwidth, hidden size, draft cost, acceptance, K and the number of users. The simulator is
-``bench/fleet_sim.py`` (``Fleet``, ``simulate``); this module calibrates it on measured sweeps, validates it
+``bench/wan/fleet_sim.py`` (``Fleet``, ``simulate``); this module calibrates it on measured sweeps, validates it
 and predicts paper-scale fleets.
 
 A user's decode step (one batch group's): the coordinator's draft model proposes K tokens -> the chunk
@@ -13,7 +13,7 @@ beyond the batch groups share a group's steps at ``batch_cost(rows)`` times one 
 The terms, and where each number comes from (times in ms):
 
 * **stage compute** ``stage_ms[i](seq)``, one chunk of ``seq`` tokens of one row. This machine: the
-  profile ``bench/wan_sweep.py`` takes at its start (``profile_stages``: in-process, one inference
+  profile ``bench/wan/sweep.py`` takes at its start (``profile_stages``: in-process, one inference
   thread on one core, median of 15, seq 1-9 at context 64), linear between whole seqs (a mean K of
   1.4 is a 2.4-token verify) and along the last segment's slope beyond seq 9 (prompts), divided by
   the fleet's calibrated ``speed`` (below). Paper PCs:
@@ -29,7 +29,7 @@ The terms, and where each number comes from (times in ms):
   protobuf fields and HTTP/2 + gRPC framing, an estimate) at ``rate_mbit`` behind the messages before
   it, then adds the one-way ``delay_ms`` (many messages may be in flight). Payloads: token ids 8 bytes
   per token, hidden states ``hidden_size`` x 4 bytes per token, results 8 bytes per candidate.
-* **fleet-wan timers** (``link_timers``, only for the simulated links of ``bench/wan.py``): a byte whose
+* **fleet-wan timers** (``link_timers``, only for the simulated links of ``bench/wan/links.py``): a byte whose
   release time is ahead of the proxy's event loop waits in an asyncio timer, and Python's epoll
   selector rounds the timeout *up to whole milliseconds*. A message then arrives at
   ``eps + ceil(wait - eps)`` instead of ``wait`` (wait = queueing + serialisation + delay;
@@ -51,7 +51,7 @@ The terms, and where each number comes from (times in ms):
   decode step over the step's crossings). When users interleave, that work competes
   with the stages' compute (in a naive cell one core is always free for it).
 * **hop CPU on the receiving stage** ``hop_cpu_ms`` (1.8 ms here, ``LOCAL_HOP_CPU_MS``): a worker's CPU
-  per chunk beyond inference (receive, forward, reply), from ``bench/interleave_bench.py``'s CPU
+  per chunk beyond inference (receive, forward, reply), from ``bench/pipeline/interleave_bench.py``'s CPU
   accounting (a worker's CPU ms per token minus its inference ms); on a shared machine it runs on
   the worker's core beside (not behind) its inference thread.
 * **draft** ``draft_ms_per_token``: the draft model's time per drafted token, on one draft thread
@@ -72,7 +72,7 @@ The terms, and where each number comes from (times in ms):
   and ``verify_share`` (share of decode steps that carry drafts: adaptive K decodes plainly when
   drafting does not pay) are the cell's measurements (``verify_share`` from its ``plain_steps``;
   sweeps that did not record them count every step as a verify step).
-* **the benchmark's window** (``bench_tokens`` > 0): ``bench/wan_sweep.py`` times users x (tokens - 1)
+* **the benchmark's window** (``bench_tokens`` > 0): ``bench/wan/sweep.py`` times users x (tokens - 1)
   tokens from the first token of any user to the last token of any user. So the model runs each
   user's request whole: an ``OpenSession`` round trip, its prompt (``prompt_tokens``: the sweep's two
   prompts through the chat template are 40 and 46 tokens) through the stages (users prefill
@@ -89,19 +89,19 @@ ms per step; the 6% the 20 Mbit/s links add is what the model gives). Over minut
 in ``wan_sweep_quiet.json`` the naive 20 Mbit/s cells, which differ from the 1 Gbit/s cells that
 calibrate the model only in the link rate, came out 15-19% slower (2 stages) and 17-30% faster (3
 stages) than predicted at 0-10 ms, and the same draft's cost per token varied from 20 to 50 ms over
-the +spec cells. Hence ``bench/wan_sweep.py``'s repeats (median of up to 3 runs, the modes taking
+the +spec cells. Hence ``bench/wan/sweep.py``'s repeats (median of up to 3 runs, the modes taking
 turns, the spread kept) and both rates of a delay back to back. Sweeps from before that change also
 lack the plain-step counts: there every decode step of a speculative cell counts as a verify step,
 which over-predicts cells where adaptive K mostly decoded plainly (in a fresh 2-stage run at 0 ms, two
 repeats on the loaded machine, it verified drafts in 2 steps and decoded 42 plainly with one user, in
 7 and 78 with two).
 
-``python bench/fleet_model.py --sweep bench/results/wan_sweep.json`` validates the model against a
-``bench/wan_sweep.py`` run (the naive cells over the fastest link calibrate ``speed`` and ``hop_ms``,
+``python bench/wan/fleet_model.py --sweep bench/results/wan_sweep.json`` validates the model against a
+``bench/wan/sweep.py`` run (the naive cells over the fastest link calibrate ``speed`` and ``hop_ms``,
 every other cell is a prediction) and prints predicted fleets of Llama-3.1-8B (1-4 nodes) and 70B
 (4-8 nodes) on LAN/Wi-Fi and WAN links with a PNG plot, from the paper's device figures (Berenbaum & Venkatachalam,
 arXiv 2608.19147: ~20-23 ms per 16-layer INT4 stage on an Arc iGPU, 6 ms TCP RTT on Wi-Fi).
-``bench/fleet_calibrate.py`` re-measures the fleet-wan timer term and the processes' CPU per decode step.
+``bench/wan/fleet_calibrate.py`` re-measures the fleet-wan timer term and the processes' CPU per decode step.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import harness
-from bench.fleet_sim import Fleet, simulate
+from bench.wan.fleet_sim import Fleet, simulate
 
 
 # -- calibration on this machine -------------------------------------------------------------------
@@ -141,7 +141,7 @@ LOCAL_HOP_CPU_MS = 1.8
 # of the 2-stage fleet behind 1 Gbit/s links, over its 3 crossings (measure_hop_cpu: naive, 48 tokens, median of 3
 # runs; the machine was loaded, load average ~4, which inflated the workers' inference CPU ~1.3x over the profile)
 LOCAL_HOP_WORK_MS = 1.1
-PROMPT_TOKENS = (40, 46)  # bench/wan_sweep.py's two prompts through the demo's chat template
+PROMPT_TOKENS = (40, 46)  # bench/wan/sweep.py's two prompts through the demo's chat template
 
 
 def local_fleet(profile: dict, cell: dict, sweep: dict, hop_ms: float, speed: float = 1.0) -> Fleet:

@@ -1,6 +1,6 @@
-"""The discrete-event simulator under ``bench/fleet_model.py``: a :class:`Fleet` (per-stage compute, links,
+"""The discrete-event simulator under ``bench/wan/fleet_model.py``: a :class:`Fleet` (per-stage compute, links,
 hop overheads, draft, speculation, users, the benchmark's window) decoded by :func:`simulate` on processors
-that time-share (:class:`Machine`). Every term and where its number comes from is in ``bench/fleet_model.py``'s
+that time-share (:class:`Machine`). Every term and where its number comes from is in ``bench/wan/fleet_model.py``'s
 docstring; that module calibrates the fleet against measured sweeps and predicts paper-scale fleets."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Fleet:
     prefill_chunk: int = 64
     shared_cores: int = 0  # > 0: every stage, the coordinator and the proxies time-share this many cores
     link_timers: bool = False  # links are fleet-wan proxies (their timers round waits up to whole ms)
-    bench_tokens: int = 0  # > 0: time users x (bench_tokens - 1) tokens as bench/wan_sweep.py does
+    bench_tokens: int = 0  # > 0: time users x (bench_tokens - 1) tokens as bench/wan/sweep.py does
 
     @property
     def emitted_per_step(self) -> float:
@@ -330,7 +330,7 @@ class _Run:
 def simulate(fleet: Fleet, steps_per_user: int = 200) -> dict:
     """Decode tok/s (aggregate and per user), the modelled TTFT (ms) and the draft's wall time per
     drafted token (queueing included). Steady state over ``steps_per_user`` steps of every group, or,
-    with ``fleet.bench_tokens``, the benchmark's window (see ``bench/fleet_model.py``'s docstring)."""
+    with ``fleet.bench_tokens``, the benchmark's window (see ``bench/wan/fleet_model.py``'s docstring)."""
     run = _Run(fleet, steps_per_user)
     for g in range(run.n_groups):
         run.machine.later(0.0, (lambda g=g: run.start(g)) if fleet.bench_tokens else (lambda g=g: run.step(g)))

@@ -9,14 +9,14 @@ one-way delay per hop 0/10/25/50/100 ms at 1 Gbit/s and 20 Mbit/s, for
 and, at the ``relay`` profile, a greedy decode whose last stage returns the full vocabulary's
 logits per token (what a naive stack ships) vs only the top-1 candidate (what fleet ships). Prints
 the paper's table shape (full stack / naive per delay) and writes every cell to JSON. The
-measured cells also calibrate and validate ``bench/fleet_model.py``.
+measured cells also calibrate and validate ``bench/wan/fleet_model.py``.
 
 Workers run one inference thread each, pinned to core ``stage mod nproc``; every worker has its
 own link (the coordinator reaches stage 0 and the last stage's result stream through them, and
 each stage reaches the next through the next one's link), so a step crosses N+1 links.
 
 Repeats: on a shared 2-core machine one run of a cell at small delays varies by about +-10-15% with the
-machine's other load, which also drifts over minutes (``bench/fleet_model.py``'s docstring has the numbers).
+machine's other load, which also drifts over minutes (``bench/wan/fleet_model.py``'s docstring has the numbers).
 So each cell runs up to ``--repeats`` times (default 3), its modes taking turns, until its runs took
 ``--cell-budget-s`` (cheap low-delay cells get every repeat, the 100 ms cells one run), and the JSON
 keeps the median tok/s with every run's value and the spread (max - min) / median; speculation
@@ -28,7 +28,7 @@ self-int8 draft (``fleet-compiler build SRC --shards N --draft self-int8``), or 
 must have a ``self-int8`` draft, ``--stages`` defaults to its own count, and the relay cells run on it (2 stages
 otherwise). The relay's full-logits return is the manifest's vocabulary, the model's hidden size comes from it too.
 
-    python bench/wan_sweep.py [--model PATH] [--json PATH] [--tokens 24] [--delays 0,10,25,50,100] [--stages 2,3]
+    python bench/wan/sweep.py [--model PATH] [--json PATH] [--tokens 24] [--delays 0,10,25,50,100] [--stages 2,3]
                               [--repeats 3] [--cell-budget-s 4]
 """
 
@@ -45,8 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import clients, fleet_calibrate, fleet_model, harness, models
-from bench.wan import PROFILES, LinkProfile
+from bench import clients, harness, models
+
+from bench.wan import fleet_calibrate, fleet_model
+from bench.wan.links import PROFILES, LinkProfile
 
 PROMPTS = clients.PROMPTS[:2]
 MODES = {"naive": (1, False), "+spec": (1, True), "+interleave": (2, False), "full stack": (2, True)}
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "hidden_size": models.architecture(next(iter(builds.values()))).hidden_size})
     checked = fleet_model.validate(result)
     worst = max(abs(c["error"]) for c in checked)
-    print(f"fleet model (bench/fleet_model.py): within 15% on {sum(abs(c['error']) <= 0.15 for c in checked)} of "
+    print(f"fleet model (bench/wan/fleet_model.py): within 15% on {sum(abs(c['error']) <= 0.15 for c in checked)} of "
           f"{len(checked)} cells, worst {worst:.1%}")
     print(f"sweep took {time.monotonic() - t0:.0f} s")
     harness.write_json(args.json, "wan_sweep", result)

@@ -1,7 +1,7 @@
 """Batch groups: sessions that decode in lock-step, one infer call per stage for all of them.
 
 A stage's decode step is weight-bound on these PCs: at batch 2 one call costs 1.12-1.27x batch 1
-and batch 4 1.4-1.8x (seq 1, contexts 128-1024, one thread, ``bench/batch_probe.py``), while copying
+and batch 4 1.4-1.8x (seq 1, contexts 128-1024, one thread, ``bench/pipeline/batch_probe.py``), while copying
 two sessions' KV into a batched request and back costs 8-51 ms, more than the step itself. So a
 group's KV lives in *one* stateful request per stage with one row per session (``Merge`` RPC, once
 when a session joins after its solo prefill), rows step together, and

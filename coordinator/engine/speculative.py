@@ -141,7 +141,7 @@ class StepCostsByLoad:
 
     Steps and drafts cost differently at different loads: with two users interleaved on two stages a
     step waits behind the other user's, and a draft model sharing cores with the stages runs slower
-    while both are busy (``bench/wan_sweep.py``: 13 ms per draft token at 1 user, 35-69 at 2, with
+    while both are busy (``bench/wan/sweep.py``: 13 ms per draft token at 1 user, 35-69 at 2, with
     everything on 2 cores). One shared estimate mixed the two, so each request began from the other
     load's costs. Same interface as ``StepCosts``.
     """
@@ -185,7 +185,7 @@ class AdaptiveK:
     the draft call's own costs (its thread hop, catching up on tokens it has not seen, sampling) and,
     in a batch group, the other members waiting for a drafting one. Without the margin a draft at
     break-even drafted on half the steps at 0 ms per hop and ran at 0.94x plain decoding
-    (bench/wan_sweep.py, a self-int8 draft as costly per token as 0.75 of the model).
+    (bench/wan/sweep.py, a self-int8 draft as costly per token as 0.75 of the model).
     """
 
     min_gain = 1.15
