@@ -50,7 +50,7 @@ LINKS = {"loopback": None, "1gbit": profile("lan"), "100mbit": profile("lan", ra
 PROMPT = "Name three colours of the rainbow."
 SHIPPED = re.compile(r"stage (\d+) shipped to (\S+): (\d+) bytes sent, (\d+) held already, ([\d.]+) s \(([\d.]+) MB/s")
 REUSED = re.compile(r"stage \d+ shipped to (\S+): .*, (\d+) reused from the stages it holds")
-BUILT = re.compile(r"planned_fleet: built layers .* in ([\d.]+) s")
+BUILT = re.compile(r"coordinator.fleet.planned: built layers .* in ([\d.]+) s")
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*"  # fleet's log line: asctime first
 
 
