@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = []
     try:
         for core, (role, port, down) in enumerate((("sink", sink_port, 0), ("relay", relay_port, sink_port))):
-            proc = subprocess.Popen(harness.pinned(core + 1, [sys.executable, "-m", "bench.pipeline.grpc_floor", "--serve", role,
-                                                              str(port), str(down)]),
+            proc = subprocess.Popen(harness.pinned(core + 1, [sys.executable, "-m", "bench.pipeline.grpc_floor",
+                                                              "--serve", role, str(port), str(down)]),
                                     stdout=subprocess.PIPE, text=True, cwd=harness.ROOT, env=harness.repo_env())
             procs.append(proc)
             if proc.stdout.readline().strip() != "serving":

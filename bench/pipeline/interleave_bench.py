@@ -166,7 +166,8 @@ def add_llama_cpp_options(parser: argparse.ArgumentParser) -> None:
     """The ``--llama-cpp`` comparison's options (bench/pipeline/llama_cpp.py runs it)."""
     parser.add_argument("--llama-cpp", action="store_true",
                         help="instead: the fleet against llama.cpp's RPC fleet on the same GGUF (the demo's Q4_1, or "
-                        "--model FILE.gguf), 2 stages (bench/pipeline/llama_cpp.py; build llama.cpp with bench/build_llama_cpp.sh)")
+                        "--model FILE.gguf), 2 stages (bench/pipeline/llama_cpp.py; build llama.cpp with "
+                        "bench/build_llama_cpp.sh)")
     parser.add_argument("--llama-cpp-bin", type=Path, metavar="DIR", default=None,
                         help="folder with llama-server and rpc-server (default: bench/build_llama_cpp.sh's)")
     parser.add_argument("--llama-cpp-single", action="store_true",

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fleet_common.manifest import LoadedManifest
 
@@ -27,13 +28,15 @@ from .loop import LoopContext, Moved, StepLoop
 from .metrics import CoordinatorMetrics
 from .output import OutputProcessor
 from .prefix_cache import PrefixCache, Retained
-from ..fleet.registry import Registry
 from .request import Request, RequestStatus, SamplingParams, TextDelta
 from .sampling import generation_defaults
 from .scheduler import Scheduler, Seq
 from ..settings import CoordinatorSettings
 from .speculative import StepCostsByLoad
 from ..tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    from ..fleet.registry import Registry  # the engine asks it for pipelines; cli.py makes it
 
 log = logging.getLogger(__name__)
 
