@@ -367,7 +367,7 @@ def predictions_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Validate against ``--sweep`` (if given), check the paper's figures, print and plot the predictions."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", type=Path, help="wan_sweep.py JSON to validate against")
+    parser.add_argument("--sweep", type=Path, help="bench/wan/sweep.py's JSON to validate against")
     parser.add_argument("--json", type=Path, help="write the validation and predictions here")
     parser.add_argument("--plot", type=Path, default=Path("bench/results/fleet_model.png"))
     args = parser.parse_args(argv)
