@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server and rpc-server (RPC backend on, CPU, native ISA) for the comparison in
-# bench/interleave_bench.py --llama-cpp, llama-quantize for the K-quant GGUFs of bench/gguf_forms.py and bench/real_gguf.py, and llama-bench for bench/kernel_bench.py. The source is the llama.cpp vendored in PyPI's llama-cpp-python
+# bench/pipeline/interleave_bench.py --llama-cpp, llama-quantize for the K-quant GGUFs of bench/builds/gguf_forms.py and bench/real_gguf.py, and llama-bench for bench/kernels/kernel_bench.py. The source is the llama.cpp vendored in PyPI's llama-cpp-python
 # sdist at a pinned version (the machine reaches PyPI, not GitHub). Nothing lands in the repository:
 # the build goes to $LLAMA_CPP_DIR (default ~/.cache/fleet/llama.cpp). Idempotent: a finished build at
 # the same version only prints the binaries' paths. About 5 minutes on 2 cores (5 min 10 s here).
-#   bench/build_llama_cpp.sh            # then: bench/interleave_bench.py --llama-cpp
+#   bench/build_llama_cpp.sh            # then: bench/pipeline/interleave_bench.py --llama-cpp
 #   LLAMA_CPP_DIR=/tmp/lc JOBS=4 bench/build_llama_cpp.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from bench.wan import LinkProfile
+    from bench.wan.links import LinkProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -162,7 +162,7 @@ def start_coordinator(build: Path, log: Path, *args: str, stack: ExitStack | Non
     ``peers``, ``--no-announce`` unless ``announce``) and ``args``; returns it and its base URL once it
     listens (it prints "chat page: URL", whatever ``--log-level``) or, with ``healthy``, once ``/health`` says
     200 (every stage served). Raises as :func:`start_worker`."""
-    from coordinator.local import free_port
+    from coordinator.fleet.local import free_port
 
     port = free_port()
     route = ("--no-discover", *(a for p in peers for a in ("--peer", p))) if peers else ()
@@ -235,7 +235,7 @@ class Fleet:
                     build, shard, logs / f"{prefix}worker{name}.log", *(() if zeroconf else ("--no-announce",)),
                     *extra, stack=self._stack, core=i if pin else None, timeout_s=worker_timeout_s))
             if link is not None:
-                from bench.wan import WanLink
+                from bench.wan.links import WanLink
 
                 for _, address in self.workers:
                     self.links.append(WanLink(address, link).start())

@@ -22,16 +22,16 @@ from fleet_common.cli import describe_validation_error, dump_tasks_on_signal
 from fleet_common.discovery import announce_addresses
 from fleet_common.manifest import ManifestError, load_manifest
 
-from .api import create_app
-from .engine import Engine
-from .leases import LeaseCheck
-from .http_guard import ConnectionLimits, SignalFreeServer, guarded_protocol
-from .pipeline import Channels
-from .planned_fleet import PlannedFleet, SourceError
-from .registry import Registry
+from .api.app import create_app
+from .engine.engine import Engine
+from .engine.leases import LeaseCheck
+from .api.http_guard import ConnectionLimits, SignalFreeServer, guarded_protocol
+from .engine.pipeline import Channels
+from .fleet.planned import PlannedFleet, SourceError
+from .fleet.registry import Registry
 from .settings import CoordinatorSettings
 from .tokenizer import ChatTokenizer
-from .web import print_page_urls
+from .api.web import print_page_urls
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class _Shutdown:
 
 async def _start_local_workers(settings: CoordinatorSettings, loaded, registry: Registry):  # noqa: ANN001, ANN202
     """``--local-workers N``: start one worker per stage here and add them as peers; the LocalWorkers."""
-    from .local import LocalWorkers
+    from .fleet.local import LocalWorkers
 
     if settings.local_workers != loaded.manifest.num_stages:
         raise ManifestError(f"--local-workers {settings.local_workers}: this build has "
@@ -205,8 +205,8 @@ async def serve(settings: CoordinatorSettings) -> None:
     dump_tasks_on_signal()
     planned = None  # planned_fleet.PlannedFleet of a SOURCE
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
-        from .planned_fleet import prepare_build  # a SOURCE, not a build: plan, build and ship first
-        from .preparing import Preparation, serving_while  # the page and /health show it meanwhile
+        from .fleet.planned import prepare_build  # a SOURCE, not a build: plan, build and ship first
+        from .fleet.preparing import Preparation, serving_while  # the page and /health show it meanwhile
 
         prep = Preparation(str(settings.model))
         # announced while it prepares too (fleet-chat finds it and waits on its 503 fleet_preparing), under the
@@ -245,7 +245,7 @@ async def _serve_build(settings: CoordinatorSettings, planned: PlannedFleet | No
     engine = Engine(settings, loaded, registry, tokenizer)  # first: a bad --draft fails before workers start
     registry.on_lease_gap = LeaseCheck(engine.prefix_cache, settings.rpc_timeout_s)
     if planned is not None:  # a stage that loses its last worker is re-planned over the workers left
-        from .replan import Replanner
+        from .fleet.replan import Replanner
 
         free = engine.prefix_cache.clear if engine.prefix_cache is not None else (lambda: None)
         engine.replan = Replanner(settings, planned, registry, free)
@@ -355,7 +355,7 @@ def render_status(url: str, health: dict) -> str:
                      + (f", {fleet['progress']}" if fleet.get("progress") else "")
                      + (f" ({fleet['reason']})" if fleet.get("reason") else "")
                      + f"; layers {fleet.get('layers') or '?'}, {fleet.get('replans', 0)} re-plan(s)")
-    if "workers" not in health:  # a coordinator with API keys shows them only with a key (coordinator/access.py)
+    if "workers" not in health:  # a coordinator with API keys shows them only with a key (coordinator/api/access.py)
         return "\n".join([*lines, f"workers not shown: {health.get('workers_hidden', 'not in the answer')} "
                                    "(fleet-coordinator status --api-key KEY, or $FLEET_API_KEY)"])
     refused = [w for w in health["workers"] if w.get("refused")]
@@ -386,7 +386,7 @@ class Status(BaseModel):
     def cli_cmd(self) -> None:
         import httpx
 
-        from .chat import NoCoordinator, choose_api, discover_apis
+        from .chat.client import NoCoordinator, choose_api, discover_apis
 
         try:
             url = self.url or choose_api(discover_apis(), self.model, "fleet-coordinator status")

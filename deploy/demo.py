@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

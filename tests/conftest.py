@@ -116,7 +116,7 @@ class Fleet(harness.Fleet):
     def __init__(self, build: Path, log_dir: Path, *coord_args: str, announce: bool = False, peers: bool = False,
                  worker_args: tuple[str, ...] = (), defaults: bool = False, link_ms: float = 0.0,
                  coordinator: bool = True) -> None:
-        from bench.wan import LinkProfile
+        from bench.wan.links import LinkProfile
 
         self.log_dir = log_dir
         super().__init__(build, log_dir, *coord_args, worker_args=(*(() if defaults else EXACT_WORKER), *worker_args),
@@ -138,8 +138,8 @@ def defaults_fleet(build_2, tmp_path_factory):
 
 # At the shipped defaults a token's logits depend on the shape of the steps that computed its context (bf16
 # inference: a session's first chunk, batch rows and chunk lengths with more than one thread;
-# bench/invariance.py, README "Precision"), so a greedy stream may leave another run of the same prompt where
-# the top two candidates are close. Measured on the demo (bench/invariance.py, 5 runs of 8 streams): every
+# bench/pipeline/invariance.py, README "Precision"), so a greedy stream may leave another run of the same prompt where
+# the top two candidates are close. Measured on the demo (bench/pipeline/invariance.py, 5 runs of 8 streams): every
 # divergence was at a top-two gap below 0.15; 10-11% of all positions have a gap below 0.25, 31-35% below 1.0.
 DEFAULTS_NEAR_TIE = 0.3  # top-two logprob gap (= logit gap) below which two default runs may pick differently
 

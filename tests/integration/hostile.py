@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 
 CHAT = "/v1/chat/completions"
-MAX_MESSAGES = 2048  # coordinator.limits.MAX_MESSAGES, restated: a test must not take the limit from the code it tests
+MAX_MESSAGES = 2048  # coordinator.api.limits.MAX_MESSAGES, restated: a test must not take the limit from the code it tests
 OVERLOADED = (429, 503)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 HOSTILE_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "allOf": [

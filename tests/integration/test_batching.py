@@ -120,13 +120,13 @@ def test_step_loop_over_real_workers_equals_solo_and_a_slow_reader_stalls_nobody
 
     import grpc
 
-    from coordinator.loop import LoopContext, StepLoop
-    from coordinator.metrics import CoordinatorMetrics
-    from coordinator.output import OutputProcessor
-    from coordinator.pipeline import Channels, Pipeline
-    from coordinator.request import Request, SamplingParams
-    from coordinator.scheduler import Scheduler, Seq
-    from coordinator.speculative import StepCostsByLoad
+    from coordinator.engine.loop import LoopContext, StepLoop
+    from coordinator.engine.metrics import CoordinatorMetrics
+    from coordinator.engine.output import OutputProcessor
+    from coordinator.engine.pipeline import Channels, Pipeline
+    from coordinator.engine.request import Request, SamplingParams
+    from coordinator.engine.scheduler import Scheduler, Seq
+    from coordinator.engine.speculative import StepCostsByLoad
     from coordinator.tokenizer import ChatTokenizer
     from fleet_common import fleet_pb2 as pb
     from fleet_common import fleet_pb2_grpc as pb_grpc

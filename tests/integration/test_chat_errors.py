@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 from tests.conftest import BIN, ROOT, Fleet, chat
 
 pytestmark = pytest.mark.integration

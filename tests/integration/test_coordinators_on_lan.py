@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from coordinator.chat import NoCoordinator, choose_api
+from coordinator.chat.client import NoCoordinator, choose_api
 from tests.conftest import BIN, start_coordinator
 
 pytestmark = pytest.mark.integration

@@ -77,7 +77,7 @@ def test_worker_of_another_protocol_version_is_refused_and_status_exits_3(build_
     try:
         reason = (f"refusing worker {old_address}: protocol version {PROTOCOL_VERSION - 1}, coordinator speaks "
                   f"{PROTOCOL_VERSION}")
-        coordinator.wait_for(f"ERROR coordinator coordinator.registry: {reason}", timeout=30)
+        coordinator.wait_for(f"ERROR coordinator coordinator.fleet.registry: {reason}", timeout=30)
 
         def status(*args: str) -> subprocess.CompletedProcess:
             return subprocess.run([str(BIN / "fleet-coordinator"), "status", "--url", url, *args],

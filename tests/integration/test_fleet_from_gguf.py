@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import harness
-from coordinator.planned_fleet import collect_capacities
+from coordinator.fleet.planned import collect_capacities
 from fleet_common.manifest import load_manifest
 from fleet_common.security import Security
 from tests.conftest import Fleet, greedy_with_gaps, start_coordinator, wait_ready

@@ -1,4 +1,4 @@
-"""coordinator/planned_fleet.py on real processes (issue 30 item 2): two empty ``fleet-worker``s on loopback
+"""coordinator/fleet/planned.py on real processes (issue 30 item 2): two empty ``fleet-worker``s on loopback
 (--no-announce) answer Info with their capacity; collect_capacities finds both and the planner splits the
 demo-shaped model over them; the plan's build is cached; each worker is shipped only its stage; and
 ``fleet-coordinator serve --model SOURCE`` over them answers, and after a restart ships nothing; while it
@@ -12,7 +12,7 @@ from contextlib import ExitStack
 import pytest
 
 from compiler.planner import ModelDims
-from coordinator.planned_fleet import collect_capacities, plan_fleet
+from coordinator.fleet.planned import collect_capacities, plan_fleet
 from fleet_common.security import Security
 from tests.integration.test_shipping import serving, spawn_worker
 from tests.integration.test_web_page import browser  # noqa: F401 - the module's Chromium fixture
@@ -37,7 +37,7 @@ def test_build_for_plan_is_cached_by_source_plan_and_weights(tmp_path, demo_hf):
     import time
 
     from compiler.planner import read_model
-    from coordinator.planned_fleet import build_for_plan
+    from coordinator.fleet.planned import build_for_plan
     from fleet_common.discovery import Capacity
     from fleet_common.manifest import load_manifest
 
@@ -56,7 +56,7 @@ def test_ship_plan_sends_each_worker_only_its_stage_then_nothing(tmp_path, demo_
     import json
 
     from compiler.planner import read_model
-    from coordinator.planned_fleet import build_for_plan, ship_plan
+    from coordinator.fleet.planned import build_for_plan, ship_plan
     from fleet_common.manifest import load_manifest
 
     with ExitStack() as stack:
@@ -113,7 +113,7 @@ PANEL = """return [document.getElementById('fleet-plan').dataset.state || '',
 
 
 def test_the_page_and_health_show_the_preparation_until_the_fleet_serves(tmp_path, demo_hf, browser):  # noqa: F811
-    """While ``serve --model SOURCE`` collects, plans, builds and ships (coordinator/preparing.py), its port
+    """While ``serve --model SOURCE`` collects, plans, builds and ships (coordinator/fleet/preparing.py), its port
     serves the chat page and ``/health`` (503, ``fleet.state`` preparing with each phase), and the API answers
     503 with the progress and Retry-After; then the API takes the port and the page, open all along, shows
     the fleet serving and the model's name."""
@@ -122,7 +122,7 @@ def test_the_page_and_health_show_the_preparation_until_the_fleet_serves(tmp_pat
     import httpx
 
     from bench import harness
-    from coordinator.local import free_port
+    from coordinator.fleet.local import free_port
     from tests.integration.test_web_page import wait_until
 
     with ExitStack() as stack:

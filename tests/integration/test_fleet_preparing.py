@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from bench import harness
-from coordinator.local import free_port
-from coordinator.planned_fleet import collect_capacities
-from coordinator.preparing import Preparation
+from coordinator.fleet.local import free_port
+from coordinator.fleet.planned import collect_capacities
+from coordinator.fleet.preparing import Preparation
 from fleet_common.security import Security
 from tests.integration.test_shipping import serving, spawn_worker
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import harness
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 from tests.integration.test_shipping import serving, spawn_worker
 
 pytestmark = pytest.mark.integration

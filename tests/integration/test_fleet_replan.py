@@ -1,4 +1,4 @@
-"""Re-planning a planned fleet when a PC leaves (issue 30 item 3, coordinator/replan.py) on real processes: three
+"""Re-planning a planned fleet when a PC leaves (issue 30 item 3, coordinator/fleet/replan.py) on real processes: three
 empty ``fleet-worker``s on loopback (--no-announce, each its own --stages-dir), ``fleet-coordinator serve --model``
 the demo's HF folder over them by --peer (three stages), then stage 1's worker is killed (SIGKILL) while a greedy
 answer streams. The coordinator re-plans over the two left, builds the 2-stage plan, ships it and serves again:

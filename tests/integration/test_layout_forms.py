@@ -1,4 +1,4 @@
-"""The weight layouts of bench/layout_bench.py and bench/mxfp4_forms.py on OpenVINO's real CPU plugin, at a small
+"""The weight layouts of bench/kernels/layout_bench.py and bench/kernels/mxfp4_forms.py on OpenVINO's real CPU plugin, at a small
 shape: the forms fleet keeps GGUF blocks in are matched by the plugin's compressed-weight pattern (it holds their
 codes, not a float copy) and are exact at f32 with its int8 activations off; the decompression in the other order is
 folded into a float copy (why compiler/export.py writes Q4_K as codes times scale plus a second product)."""
@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from bench import layout_bench
+from bench.kernels import layout_bench
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,10 @@ def test_scale_then_offset_is_folded_into_a_float_weight(cells):
 
 
 def test_mxfp4_forms_run_where_compiler_gguf_mxfp4_says():
-    """bench/mxfp4_forms.py at a small shape: a FullyConnected holds MXFP4's f4e2m1 codes (dense matrices keep
+    """bench/kernels/mxfp4_forms.py at a small shape: a FullyConnected holds MXFP4's f4e2m1 codes (dense matrices keep
     them), a GatherMatmul folds them into f32 but holds the i8 form's codes (the experts' form); every form gives
     gguf-py's values at f32 activations."""
-    from bench import mxfp4_forms
+    from bench.kernels import mxfp4_forms
 
     args = argparse.Namespace(dense=(256, 512), moe=(4, 128, 64, 2), threads=1, rounds=1, calls=1)
     cells = {(c["kind"], c["form"], c["dq"]): c for c in mxfp4_forms.measure(args)}

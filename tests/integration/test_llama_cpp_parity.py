@@ -1,4 +1,4 @@
-"""Issue 28's architectures against llama.cpp on the same GGUF file (bench/llama_cpp_parity.py): opt-in, skipped
+"""Issue 28's architectures against llama.cpp on the same GGUF file (bench/builds/llama_cpp_parity.py): opt-in, skipped
 unless ``bench/build_llama_cpp.sh`` has built llama-server (CI has no llama.cpp; the skip costs nothing).
 
 The tiny random GGUFs are the ones the other GGUF tests write as llama.cpp's converter writes them: gemma3
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from bench import harness
-from bench.llama_cpp_parity import TIE, build_gguf, default_prompts, report_table, run_file
+from bench.builds.llama_cpp_parity import TIE, build_gguf, default_prompts, report_table, run_file
 
 from .test_gguf import demo_gguf  # noqa: F401 - a fixture
 

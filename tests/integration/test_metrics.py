@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from tests.conftest import Fleet, chat, start_coordinator, start_worker, wait_ready

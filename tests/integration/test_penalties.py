@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from coordinator.sampling import FALLBACK_SAMPLING
+from coordinator.engine.sampling import FALLBACK_SAMPLING
 from tests.conftest import Fleet, start_coordinator, wait_ready
 
 POEM = "Write a short poem about the sea."

@@ -1,4 +1,4 @@
-"""Prefix caching across requests (coordinator/prefix_cache.py) on real fleets of the demo: multi-turn
+"""Prefix caching across requests (coordinator/engine/prefix_cache.py) on real fleets of the demo: multi-turn
 chats prefill only what each turn adds, and every greedy answer still equals transformers' (f32, on the
 same prompt ids; near-ties bounded as in test_equivalence), whether its KV came from a retained session,
 a copy of one, or a fresh prefill."""
@@ -11,7 +11,7 @@ import functools
 import httpx
 import pytest
 
-from coordinator.prefix_cache import common_prefix
+from coordinator.engine.prefix_cache import common_prefix
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import DRAFTS, Fleet
 

@@ -65,9 +65,9 @@ ALPHA = 1e-3  # each of the 4 tests (t2-t4, bonus): seeds are fixed, so the outc
 # the test by a crash, not by the distribution.)
 BROKEN_COORDINATOR = """
 import sys
-import coordinator.output
+import coordinator.engine.output
 from coordinator.cli import main
-from coordinator.sampling import SparseDist
+from coordinator.engine.sampling import SparseDist
 
 def verify(draft_tokens, draft_dists, target_dists, rngs):
     out = []
@@ -80,7 +80,7 @@ def verify(draft_tokens, draft_dists, target_dists, rngs):
         return out
     return out + [target_dists[-1].sample(rngs[-1])]
 
-coordinator.output.verify = verify
+coordinator.engine.output.verify = verify
 sys.exit(main())
 """
 
@@ -262,7 +262,7 @@ def tiny_fleet(tmp_path_factory, demo_hf):  # noqa: ANN201 - a tuple
 
 def serve(build: Path, addresses: list[str], log_dir: Path, broken: bool) -> tuple[Proc, str]:
     """A coordinator over the workers at ``addresses`` drafting with the build's model draft, K = 2."""
-    from coordinator.local import free_port
+    from coordinator.fleet.local import free_port
 
     args = ["--no-discover", *(a for address in addresses for a in ("--peer", address)), "--draft", "draft",
             "--spec-k", str(SPEC_K), "--inference-precision", "f32", "--no-prefix-cache"]

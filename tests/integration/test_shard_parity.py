@@ -1,4 +1,4 @@
-"""The parity bench's no-hints variant (bench/shard_parity.py): stripping the fusion hint from a shard
+"""The parity bench's no-hints variant (bench/kernels/shard_parity.py): stripping the fusion hint from a shard
 unfuses its attention on CPU and changes none of its outputs at batch 1, so the bench compares like
 with like."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from bench.shard_parity import strip_fusion_hints
+from bench.kernels.shard_parity import strip_fusion_hints
 from compiler.inspect import fusion_report
 from fleet_common.runtime import KVSession, compile_ir, run_chunk
 

@@ -215,7 +215,7 @@ def test_a_link_that_keeps_dropping_is_resumed_until_the_stage_arrives(build_2, 
     bytes (both directions): ``ship_stage`` resumes it over new connections from what the worker holds, each
     attempt sending the next third, and the report counts every byte once; the stage loads (its files' hashes
     are the manifest's)."""
-    from bench.wan import WanLink, profile
+    from bench.wan.links import WanLink, profile
 
     loaded = load_manifest(build_2)
     files = [loaded.manifest.stages[1].xml, loaded.manifest.stages[1].bin]

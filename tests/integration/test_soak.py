@@ -36,7 +36,7 @@ import grpc
 import httpx
 import pytest
 
-from coordinator.local import free_port
+from coordinator.fleet.local import free_port
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.manifest import load_manifest

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from bench import harness
-from coordinator.planned_fleet import collect_capacities
+from coordinator.fleet.planned import collect_capacities
 from fleet_common import PROTOCOL_VERSION
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 KEY = "page-key-5d1e"
 QUESTION = "What is the capital of France?"
-# greedy without a penalty loops on this to any max_tokens (coordinator/chat.py): a long answer to stop
+# greedy without a penalty loops on this to any max_tokens (coordinator/chat/client.py): a long answer to stop
 LONG = "Write a poem about the sea."
 
 # the last assistant message: [state, text, rendered HTML, stats line]

@@ -1,8 +1,8 @@
-// The chat page's store (coordinator/static/conversation.js): conversations, settings and the key kept in a
+// The chat page's store (coordinator/api/static/conversation.js): conversations, settings and the key kept in a
 // localStorage-like storage, checks of what comes from outside the page, the numbers line.
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { ConversationStore, KEYS, conversationProblem, statsLine } from "../../coordinator/static/conversation.js";
+import { ConversationStore, KEYS, conversationProblem, statsLine } from "../../coordinator/api/static/conversation.js";
 
 // localStorage's interface over a Map; `quota` (characters) makes setItem throw as a full browser's does.
 class MemoryStorage {

@@ -1,8 +1,8 @@
-// The fleet panel's planned-fleet line (coordinator/static/fleet_state.js) from /health's `fleet` entry,
-// in the shape coordinator/replan.py Replanner.status() gives it.
+// The fleet panel's planned-fleet line (coordinator/api/static/fleet_state.js) from /health's `fleet` entry,
+// in the shape coordinator/fleet/replan.py Replanner.status() gives it.
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { plannedFleet } from "../../coordinator/static/fleet_state.js";
+import { plannedFleet } from "../../coordinator/api/static/fleet_state.js";
 
 const BASE = { layers: "0:15,15:30", workers: ["10.0.0.2:7070", "10.0.0.3:7070"], replans: 0, last_replan_s: null };
 

@@ -1,7 +1,7 @@
-// The chat page's markdown renderer (coordinator/static/markdown.js: markdown-it, html off, links sanitised).
+// The chat page's markdown renderer (coordinator/api/static/markdown.js: markdown-it, html off, links sanitised).
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { MAX_DEPTH, renderMarkdown } from "../../coordinator/static/markdown.js";
+import { MAX_DEPTH, renderMarkdown } from "../../coordinator/api/static/markdown.js";
 
 const LINK = 'target="_blank" rel="noopener noreferrer"';
 const flat = (html) => html.replace(/\n/g, "");

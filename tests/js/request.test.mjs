@@ -1,7 +1,7 @@
-// What the chat page sends (coordinator/static/request.js): the sampling fallback comes from /v1/models.
+// What the chat page sends (coordinator/api/static/request.js): the sampling fallback comes from /v1/models.
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { modelInfo, requestBody, samplingFields, samplingHint } from "../../coordinator/static/request.js";
+import { modelInfo, requestBody, samplingFields, samplingHint } from "../../coordinator/api/static/request.js";
 
 const UNSET = { system: "", temperature: "", maxTokens: "" };
 const FALLBACK = { temperature: 0, frequency_penalty: 0.3 };

@@ -1,7 +1,7 @@
-// The chat page's answer stream (coordinator/static/sse.js): the SSE reader and what chunks add to an answer.
+// The chat page's answer stream (coordinator/api/static/sse.js): the SSE reader and what chunks add to an answer.
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { SseParser, applyChunk, endAnswer, finishStats, newTiming, sseData } from "../../coordinator/static/sse.js";
+import { SseParser, applyChunk, endAnswer, finishStats, newTiming, sseData } from "../../coordinator/api/static/sse.js";
 
 // A ReadableStream of the UTF-8 bytes of `pieces`, one read each (as a network delivers them).
 function stream(pieces) {

@@ -1,13 +1,13 @@
-// Tool calls on the chat page (coordinator/static/tools.js, and where sse.js, conversation.js and request.js
+// Tool calls on the chat page (coordinator/api/static/tools.js, and where sse.js, conversation.js and request.js
 // use it): calls assembled from streamed deltas, kept through export and import, sent back in OpenAI's
 // shape, results given to the calls that wait, the settings' tools checked.
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { applyChunk, endAnswer, finishStats, newTiming } from "../../coordinator/static/sse.js";
-import { ConversationStore, conversationProblem } from "../../coordinator/static/conversation.js";
-import { requestBody, toolFields } from "../../coordinator/static/request.js";
+import { applyChunk, endAnswer, finishStats, newTiming } from "../../coordinator/api/static/sse.js";
+import { ConversationStore, conversationProblem } from "../../coordinator/api/static/conversation.js";
+import { requestBody, toolFields } from "../../coordinator/api/static/request.js";
 import { addToolCallDeltas, apiMessage, callOf, parseTools, pendingCalls, prettyArguments }
-  from "../../coordinator/static/tools.js";
+  from "../../coordinator/api/static/tools.js";
 
 class MemoryStorage {
   constructor() { this.items = new Map(); }
@@ -23,7 +23,7 @@ const WEATHER = [{ type: "function", function: { name: "get_weather", descriptio
 const event = (delta, finish = null) => JSON.stringify({ id: "c", object: "chat.completion.chunk",
   choices: [{ index: 0, delta, finish_reason: finish }] });
 
-// An answer of two calls as coordinator/tool_chat.py streams it: each call's first piece brings its
+// An answer of two calls as coordinator/api/tool_chat.py streams it: each call's first piece brings its
 // index, id, type and name (and the first arguments), the later ones more arguments for an index.
 const STREAM = [
   event({ role: "assistant", content: "" }),

@@ -94,7 +94,7 @@ class LanCoordinator:
 
     def __init__(self, lan: Lan, pc: str, build: Path, log_dir: Path, *extra: str, name: str = "coordinator",
                  announce: bool = False) -> None:
-        from coordinator.local import free_port
+        from coordinator.fleet.local import free_port
 
         self.lan, self.pc, self.port = lan, pc, free_port()
         if "--draft" not in extra:

@@ -3,7 +3,7 @@ that it names a fleet worker before anything else. On a LAN of network namespace
 real gRPC), a PC ``stranger`` announces records: one pointing at its own gRPC server that is no fleet worker
 (its Info answers with no worker id), one at a public address, one at a privileged port, one with a malformed
 TXT record and one of another protocol; a real empty ``fleet-worker`` announces itself on PC ``w``. The
-coordinator (``coordinator.registry.Registry``, browsing zeroconf in PC ``coord``) must add the worker, send
+coordinator (``coordinator.fleet.registry.Registry``, browsing zeroconf in PC ``coord``) must add the worker, send
 the stranger nothing but a bare Info (no owner: no lease; no challenge), add none of the others, and say
 once per record why it ignored it."""
 
@@ -24,9 +24,9 @@ import pytest
 from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from coordinator.pipeline import Channels
-from coordinator.planned_fleet import browsing
-from coordinator.registry import Registry
+from coordinator.engine.pipeline import Channels
+from coordinator.fleet.planned import browsing
+from coordinator.fleet.registry import Registry
 from fleet_common import PROTOCOL_VERSION, SERVICE_TYPE
 from fleet_common import fleet_pb2 as pb
 from fleet_common import fleet_pb2_grpc as pb_grpc
@@ -140,7 +140,7 @@ def test_the_coordinator_checks_an_mdns_record_names_a_fleet_worker_first(lan, t
     for name, why in {"notaworker": "none answers Info as a fleet worker", "public": "8.8.8.8 is not a LAN address",
                       "privileged": "port 22", "malformed": "bad fleet TXT record",
                       "otherproto": "names protocol '999'"}.items():
-        lines = [m for m in ignored if f"fleet-empty-{name}." in m and m.startswith("coordinator.registry")]
+        lines = [m for m in ignored if f"fleet-empty-{name}." in m and m.startswith("coordinator.fleet.registry")]
         assert len(lines) == 1 and why in lines[0], (name, lines)
     # the planner's collection asks Info of the worker and of the stranger's well-formed record only (Info then
     # finds it is no worker: collect_capacities), never of a public address, a privileged port or a bad record

@@ -14,13 +14,13 @@ import httpx2
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.access import cache_scope
-from coordinator.anthropic_api import ContentBlocks, stop_sequence
-from coordinator.anthropic_schema import MessagesRequest
-from coordinator.api import create_app
+from coordinator.api.access import cache_scope
+from coordinator.api.anthropic_api import ContentBlocks, stop_sequence
+from coordinator.api.anthropic_schema import MessagesRequest
+from coordinator.api.app import create_app
 from coordinator.errors import Overloaded, stage_failed
-from coordinator.request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta
-from coordinator.tools import AUTO, DEFAULT, Tool, ToolCall, ToolChoice
+from coordinator.engine.request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta
+from coordinator.api.tools import AUTO, DEFAULT, Tool, ToolCall, ToolChoice
 from tests.unit.test_responder import LOCAL, StandInEngine, health
 
 HI = {"model": "stand-in", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}

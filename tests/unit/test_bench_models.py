@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import harness, models
-from bench.interleave_bench import parse_args
+from bench.pipeline.interleave_bench import parse_args
 from fleet_common.manifest import Architecture, Manifest, StageEntry
 
 from .test_compile_deps import tiny_llama

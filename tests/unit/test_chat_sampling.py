@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from coordinator.chat import parse_args, sampling_fields, served_model
-from coordinator.sampling import FALLBACK_SAMPLING
+from coordinator.chat.client import parse_args, sampling_fields, served_model
+from coordinator.engine.sampling import FALLBACK_SAMPLING
 
 
 def models_client(card: dict) -> httpx.Client:

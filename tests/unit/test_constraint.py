@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.constraint import Constraint, Grammars, allowed_tokens, mask_words
+from coordinator.engine.constraint import Constraint, Grammars, allowed_tokens, mask_words
 from coordinator.errors import InvalidRequest
-from coordinator.group import BatchGroup, Chunk, Member
-from coordinator.output import OutputProcessor
-from coordinator.request import FinishReason, Request, SamplingParams
-from coordinator.speculative import StepCostsByLoad
+from coordinator.engine.group import BatchGroup, Chunk, Member
+from coordinator.engine.output import OutputProcessor
+from coordinator.engine.request import FinishReason, Request, SamplingParams
+from coordinator.engine.speculative import StepCostsByLoad
 from coordinator.tokenizer import ChatTokenizer
 from fleet_common.runtime import top_candidates, unpack_token_mask
 
@@ -156,7 +156,7 @@ def test_json_schemas_unknown_fields_are_refused_by_name():
 
 
 def chat_request(**fields):  # noqa: ANN201 - ChatCompletionRequest
-    from coordinator.openai_schema import ChatCompletionRequest
+    from coordinator.api.openai_schema import ChatCompletionRequest
 
     return ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
 

@@ -1,6 +1,6 @@
-"""The fleet model (bench/fleet_model.py) on hand-made fleets: its simulator's physics (bench/fleet_sim.py:
+"""The fleet model (bench/wan/fleet_model.py) on hand-made fleets: its simulator's physics (bench/wan/fleet_sim.py:
 processor sharing, fleet-wan timers, the benchmark's window), its calibration and draft deconvolution on a
-synthetic sweep, the paper checks; and bench/wan_sweep.py's pooling of repeated runs."""
+synthetic sweep, the paper checks; and bench/wan/sweep.py's pooling of repeated runs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from bench import fleet_model as fm
-from bench import fleet_sim as sim
+from bench.wan import fleet_model as fm
+from bench.wan import fleet_sim as sim
 
 
 def _flat(ms: float):  # noqa: ANN202 - a stage curve
@@ -122,7 +122,7 @@ def test_paper_checks_and_predictions():
 
 
 def test_wan_sweep_pools_repeated_runs():
-    from bench.wan_sweep import pool_runs
+    from bench.wan.sweep import pool_runs
 
     runs = [{"tok_s": t, "ttft_ms": 200.0 + t, "drafted": 10, "accepted": 9, "verify_steps": 5, "plain_steps": 1,
              "draft_ms": 250.0} for t in (20.0, 25.0, 22.0)]

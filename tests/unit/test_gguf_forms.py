@@ -1,4 +1,4 @@
-"""bench/gguf_forms.py without builds or llama.cpp: the GGUFs it writes with gguf-py (metadata copied, layer
+"""bench/builds/gguf_forms.py without builds or llama.cpp: the GGUFs it writes with gguf-py (metadata copied, layer
 matrices re-quantized by gguf-py's own quantizer, the rest untouched) and its speed cells and table."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import gguf
 import numpy as np
 
-from bench.gguf_forms import is_layer_matrix, same_tensors, speed_cells, table, tensor_types, write_gguf
+from bench.builds.gguf_forms import is_layer_matrix, same_tensors, speed_cells, table, tensor_types, write_gguf
 
 Q = gguf.GGMLQuantizationType
 

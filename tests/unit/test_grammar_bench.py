@@ -1,4 +1,4 @@
-"""bench/grammar_bench.py: the larger vocabulary it builds from the demo's tokenizer (its size, the demo's tokens
+"""bench/pipeline/grammar_bench.py: the larger vocabulary it builds from the demo's tokenizer (its size, the demo's tokens
 kept, new tokens unique concatenations, the same for the same seed, loadable by llguidance) and one schema's
 walk on it with llguidance alone (the path is valid and ends the grammar, every position timed)."""
 
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import grammar_bench as gb
+from bench.pipeline import grammar_bench as gb
 
 SIZE = 49_152 + 2_000
 

@@ -1,4 +1,4 @@
-"""The grammar checker (coordinator/grammar_check.py): real checking processes over the demo's real tokenizer,
+"""The grammar checker (coordinator/engine/grammar_check.py): real checking processes over the demo's real tokenizer,
 each constraint compiled and followed for its first tokens within a time and a memory budget. Through a real
 fleet and each API: tests/integration/test_hostile_schemas.py."""
 
@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from coordinator.constraint import Constraint
+from coordinator.engine.constraint import Constraint
 from coordinator.errors import InvalidRequest
-from coordinator.grammar_check import GrammarChecker
+from coordinator.engine.grammar_check import GrammarChecker
 from coordinator.tokenizer import ChatTokenizer
-from coordinator.tools import parse_tools, tool_schemas
+from coordinator.api.tools import parse_tools, tool_schemas
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -20,7 +20,7 @@ import openvino as ov
 import pytest
 from openvino import opset13 as op
 
-from bench.kernel_ops import random_blocks
+from bench.kernels.kernel_ops import random_blocks
 from fleet_common import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="fleet's kernels are not built")

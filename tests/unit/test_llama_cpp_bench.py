@@ -1,4 +1,4 @@
-"""bench/interleave_bench.py --llama-cpp without llama.cpp: its options, the layer split it gives
+"""bench/pipeline/interleave_bench.py --llama-cpp without llama.cpp: its options, the layer split it gives
 llama-server, and the comparison tables (the runs themselves need bench/build_llama_cpp.sh's build)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.interleave_bench import parse_args
-from bench.llama_cpp import binaries, comparison_table, median_cell, memory_rows, tensor_split
+from bench.pipeline.interleave_bench import parse_args
+from bench.pipeline.llama_cpp import binaries, comparison_table, median_cell, memory_rows, tensor_split
 
 
 def test_options_default_to_1_2_4_users_with_llama_cpp(tmp_path: Path) -> None:

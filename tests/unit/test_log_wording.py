@@ -11,8 +11,8 @@ import logging
 import pytest
 
 from coordinator.errors import stages_phrase
-from coordinator.pipeline import Channels
-from coordinator.registry import Registry
+from coordinator.engine.pipeline import Channels
+from coordinator.fleet.registry import Registry
 from fleet_common import PROTOCOL_VERSION
 from fleet_common import fleet_pb2 as pb
 from fleet_common.manifest import load_manifest

@@ -1,4 +1,4 @@
-"""Logprob records (coordinator/logprobs.py): which candidates each token's record takes, what goes
+"""Logprob records (coordinator/engine/logprobs.py): which candidates each token's record takes, what goes
 out with which text, and the raw bytes of tokens, checked against HF tokenizers' own encoding."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from coordinator.logprobs import (UNKNOWN_LOGPROB, LogprobLog, TokenBytes, bytes_to_unicode, chat_logprobs,
+from coordinator.engine.logprobs import (UNKNOWN_LOGPROB, LogprobLog, TokenBytes, bytes_to_unicode, chat_logprobs,
                                   completion_logprobs)
 from tests.conftest import MODELS
 

@@ -1,6 +1,6 @@
 """Issue 28 item 3: the planner counts every expert's bytes for memory and only the chosen experts' for speed, on
 published Mixture-of-Experts configs (Qwen3-30B-A3B, Mixtral-8x7B's dimensions): the weights a stage stores, the
-ms per token it is predicted from an empty worker's ms_per_gb (coordinator/planned_fleet.py) or a ``fleet-worker
+ms per token it is predicted from an empty worker's ms_per_gb (coordinator/fleet/planned.py) or a ``fleet-worker
 --profile`` record (compiler/nodes.py), and the build's default split (compiler/build.py ``stage_ranges``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from compiler.compress import resolve
 from compiler.nodes import node_from_record
 from compiler.plan import balanced_split, decode_weights
 from compiler.planner import ModelDims, plan, report_lines, runtime_bytes, weight_bytes
-from coordinator.planned_fleet import nodes_from_capacities
+from coordinator.fleet.planned import nodes_from_capacities
 from fleet_common.discovery import Capacity
 
 GIB = 1 << 30

@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from coordinator.planned_fleet import answering, planning_speeds
+from coordinator.fleet.planned import answering, planning_speeds
 from fleet_common import fleet_pb2_grpc as pb_grpc
 from fleet_common.discovery import Capacity
 from fleet_common.security import Security, open_server
@@ -58,7 +58,7 @@ def test_every_worker_gets_a_planning_speed_whatever_its_figure():
 
 def test_a_worker_too_small_for_one_layer_is_left_out_of_a_replan_and_named():
     from compiler.planner import ModelDims, ModelSource
-    from coordinator.planned_fleet import plan_without_small
+    from coordinator.fleet.planned import plan_without_small
     from tests.unit.test_planner import CONFIG
 
     source = ModelSource(ModelDims.from_config(CONFIG, "m"), "fp16", "f16")
@@ -77,7 +77,7 @@ def test_a_worker_too_small_for_one_layer_is_left_out_of_a_replan_and_named():
 
 
 def test_two_pcs_with_one_worker_id_are_a_clear_error_naming_both():
-    from coordinator.planned_fleet import DuplicateWorkerId
+    from coordinator.fleet.planned import DuplicateWorkerId
 
     async def run():
         async with slots(("0123456789ab", Capacity(8 * GIB, "CPU", 30.0)),
@@ -106,7 +106,7 @@ def test_with_a_secret_only_workers_proving_it_are_counted_or_shipped_to(tmp_pat
     worker without it (anyone on the LAN, heard by mDNS) answers Info, but its answer carries no proof of the key
     (fleet_common/security.py ``worker_proof`` over the coordinator's challenge), so it is named and not counted,
     ``ship_plan`` ships it nothing, and the health check refuses it; a worker with the key proves it."""
-    from coordinator.planned_fleet import ship_plan
+    from coordinator.fleet.planned import ship_plan
     from fleet_common.shipping import ShippingError
     from tests.unit.test_stage_cache import make_build
 

@@ -1,4 +1,4 @@
-"""The Ollama API's pure parts (coordinator/ollama_schema, ollama_api): ``options`` mapped onto the sampling
+"""The Ollama API's pure parts (coordinator/api/ollama_schema, ollama_api): ``options`` mapped onto the sampling
 fields or refused by name, model names with Ollama's tag, ``format`` as a constraint, a conversation's
 calls and results matched by ``tool_name``, and the answer's tool calls spelled as Ollama does (arguments
 as an object), whole and streamed. Through a real fleet and the real ``ollama`` client:
@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from coordinator.access import ApiKeys
+from coordinator.api.access import ApiKeys
 from coordinator.errors import InvalidRequest, ModelNotFound
-from coordinator.ollama_api import ChatSpelling
-from coordinator.ollama_errors import ollama_error
-from coordinator.ollama_schema import (
+from coordinator.api.ollama_api import ChatSpelling
+from coordinator.api.ollama_errors import ollama_error
+from coordinator.api.ollama_schema import (
     OllamaChatRequest,
     OllamaGenerateRequest,
     chat_messages,
@@ -22,8 +22,8 @@ from coordinator.ollama_schema import (
     format_constraint,
     sampling_request,
 )
-from coordinator.tool_chat import ToolAnswer
-from coordinator.tools import AUTO, DEFAULT, parse_tools
+from coordinator.api.tool_chat import ToolAnswer
+from coordinator.api.tools import AUTO, DEFAULT, parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,4 +1,4 @@
-"""The chat page's pure modules (coordinator/static: the SSE reader, the conversation store, the request's
+"""The chat page's pure modules (coordinator/api/static: the SSE reader, the conversation store, the request's
 sampling, the markdown renderer) under node's own test runner: ``node --test tests/js/*.test.mjs``. node
 is a system package (deploy/setup.sh installs it where missing); without it the test skips, or fails in
 CI. And the vendored renderer is the file vendor/README.md names."""
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 JS_TESTS = ROOT / "tests" / "js"
-VENDOR = ROOT / "coordinator" / "static" / "vendor"
+VENDOR = ROOT / "coordinator" / "api" / "static" / "vendor"
 
 
 def node() -> str:

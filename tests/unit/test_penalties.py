@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from coordinator.openai_schema import ChatCompletionRequest, resolve_sampling
-from coordinator.sampling import Penalties, generation_defaults, penalize, penalized_distribution
+from coordinator.api.openai_schema import ChatCompletionRequest, resolve_sampling
+from coordinator.engine.sampling import Penalties, generation_defaults, penalize, penalized_distribution
 
 IDS = np.array([7, 3, 9], dtype=np.int64)
 LOGPROBS = np.array([-0.5, -1.0, -3.0], dtype=np.float32)
@@ -79,7 +79,7 @@ def test_without_model_defaults_openai_defaults_apply():
 def test_verify_targets_count_the_drafts_before_their_position():
     """In a verify step, position i's target is penalized for the drafts before it (its context if they are
     accepted): the same distribution plain decoding would sample from there."""
-    from coordinator.request import Request, SamplingParams
+    from coordinator.engine.request import Request, SamplingParams
 
     request = Request("r", [1, 2], SamplingParams(max_tokens=8, temperature=0.0, penalties=Penalties(frequency=1.0)))
     assert request.target(IDS, LOGPROBS).ids.tolist() == [7]

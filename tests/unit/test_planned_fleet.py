@@ -1,4 +1,4 @@
-"""coordinator/planned_fleet.py: empty workers' capacities become planner nodes and a plan; a too-small
+"""coordinator/fleet/planned.py: empty workers' capacities become planner nodes and a plan; a too-small
 fleet is refused naming the worker; the build key follows source, ranges and weights."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from compiler.planner import ModelDims, PlanRefused
-from coordinator.planned_fleet import build_key, nodes_from_capacities, plan_fleet
+from coordinator.fleet.planned import build_key, nodes_from_capacities, plan_fleet
 from fleet_common.discovery import Capacity
 from tests.unit.test_planner import CONFIG
 
@@ -40,7 +40,7 @@ def test_collect_times_out_naming_what_was_not_found():
     import asyncio
     import socket
 
-    from coordinator.planned_fleet import collect_capacities
+    from coordinator.fleet.planned import collect_capacities
     from fleet_common.security import Security
 
     with socket.socket() as s:  # a free port nothing listens on
@@ -67,7 +67,7 @@ def test_source_hash_is_kept_by_path_size_and_mtime(tmp_path):
     import json
     import os
 
-    from coordinator.planned_fleet import SOURCE_HASHES, source_sha256
+    from coordinator.fleet.planned import SOURCE_HASHES, source_sha256
 
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF" + bytes(range(256)) * 64)
@@ -88,7 +88,7 @@ def test_collect_without_expect_waits_for_one_heard_address_at_least():
     import asyncio
     import socket
 
-    from coordinator.planned_fleet import collect_capacities
+    from coordinator.fleet.planned import collect_capacities
     from fleet_common.security import Security
 
     with socket.socket() as s:  # a free port nothing listens on, as if zeroconf had heard it
@@ -100,7 +100,7 @@ def test_collect_without_expect_waits_for_one_heard_address_at_least():
 
 
 def test_speeds_within_the_tolerance_are_planned_as_equal_and_split_evenly():
-    from coordinator.planned_fleet import planning_speeds
+    from coordinator.fleet.planned import planning_speeds
 
     assert planning_speeds({"a": 10.0, "b": 11.5, "c": 30.0, "d": 35.0, "e": 100.0}) == {
         "a": 10.75, "b": 10.75, "c": 32.5, "d": 32.5, "e": 100.0}

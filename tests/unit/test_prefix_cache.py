@@ -1,8 +1,8 @@
-"""The prefix cache's choices (coordinator/prefix_cache.py): what a prompt reuses, and what is evicted."""
+"""The prefix cache's choices (coordinator/engine/prefix_cache.py): what a prompt reuses, and what is evicted."""
 
 from types import SimpleNamespace
 
-from coordinator.prefix_cache import PrefixCache, Retained, common_prefix
+from coordinator.engine.prefix_cache import PrefixCache, Retained, common_prefix
 
 LIVE = SimpleNamespace(healthy=True)
 

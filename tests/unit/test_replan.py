@@ -1,12 +1,12 @@
-"""coordinator/replan.py's rule for a worker that joins a planned fleet (issue 30 item 3): re-plan only when the
+"""coordinator/fleet/replan.py's rule for a worker that joins a planned fleet (issue 30 item 3): re-plan only when the
 model fits now and did not, or when the planner predicts decode >= 15 % faster; computed on empty workers'
 capacities (fleet_common.discovery.Capacity: memory, device, ms per GB) with the real planner."""
 
 from __future__ import annotations
 
 from compiler.planner import ModelDims, ModelSource
-from coordinator.planned_fleet import plan_fleet
-from coordinator.replan import SPEEDUP, join_decision, worth_replanning
+from coordinator.fleet.planned import plan_fleet
+from coordinator.fleet.replan import SPEEDUP, join_decision, worth_replanning
 from fleet_common.discovery import Capacity
 from tests.unit.test_planner import CONFIG
 
@@ -78,9 +78,9 @@ def test_a_worker_left_too_small_for_the_model_refuses_with_its_name_and_bytes(t
 
     import pytest
 
-    from coordinator import replan
+    from coordinator.fleet import replan
     from coordinator.errors import PipelineUnavailable
-    from coordinator.planned_fleet import PlannedFleet
+    from coordinator.fleet.planned import PlannedFleet
     from coordinator.settings import CoordinatorSettings
 
     two = caps(a=(SMALL, 10.0), b=(SMALL, 10.0))

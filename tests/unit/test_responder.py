@@ -14,11 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from coordinator.access import cache_scope
-from coordinator.api import create_app
-from coordinator.grammar_check import GrammarChecker
-from coordinator.request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta
-from coordinator.sampling import FALLBACK_SAMPLING
+from coordinator.api.access import cache_scope
+from coordinator.api.app import create_app
+from coordinator.engine.grammar_check import GrammarChecker
+from coordinator.engine.request import FinishReason, Request, RequestStatus, SamplingParams, TextDelta
+from coordinator.engine.sampling import FALLBACK_SAMPLING
 from coordinator.settings import CoordinatorSettings
 from coordinator.tokenizer import ChatTokenizer
 

@@ -14,7 +14,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError('blocked for this test: ' + name)
 sys.meta_path.insert(0, Block())
 import worker.cli, worker.server, worker.runner, worker.announce
-import coordinator.cli, coordinator.api, coordinator.engine, coordinator.chat, coordinator.registry
+import coordinator.cli, coordinator.api.app, coordinator.engine.engine, coordinator.chat.client
+import coordinator.fleet.registry
 print('ok')
 """
 

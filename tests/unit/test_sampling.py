@@ -1,6 +1,6 @@
 import numpy as np
 
-from coordinator.sampling import FALLBACK_SAMPLING, fallback_sampling, target_distribution
+from coordinator.engine.sampling import FALLBACK_SAMPLING, fallback_sampling, target_distribution
 
 IDS = np.array([7, 3, 9, 1], dtype=np.int32)
 LOGPROBS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))

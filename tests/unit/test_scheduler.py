@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.group import BatchGroup, Member
-from coordinator.pipeline import StepOutput
-from coordinator.request import Request, SamplingParams
-from coordinator.scheduler import (
+from coordinator.engine.group import BatchGroup, Member
+from coordinator.engine.pipeline import StepOutput
+from coordinator.engine.request import Request, SamplingParams
+from coordinator.engine.scheduler import (
     CloseGroup,
     Compact,
     CopyOut,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator.access import ApiKeys, bearer_key, cache_scope
+from coordinator.api.access import ApiKeys, bearer_key, cache_scope
 from coordinator.settings import CoordinatorSettings, read_api_keys
 from fleet_common.discovery import WorkerAd, encode_txt
 from fleet_common.security import MAX_SKEW_S, Security, SecurityError, TokenError, check_token, make_token, read_secret

@@ -4,9 +4,9 @@ residual is caught by the same check)."""
 import numpy as np
 import pytest
 
-from coordinator import speculative
-from coordinator.sampling import SparseDist, target_distribution
-from coordinator.speculative import AdaptiveK, StepCosts, StepCostsByLoad, expected_tokens, ngram_draft, verify
+from coordinator.engine import speculative
+from coordinator.engine.sampling import SparseDist, target_distribution
+from coordinator.engine.speculative import AdaptiveK, StepCosts, StepCostsByLoad, expected_tokens, ngram_draft, verify
 
 VOCAB = 6
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from coordinator.errors import StageFailure
-from coordinator.loop import LoopContext, Moved, StepLoop
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.output import OutputProcessor
-from coordinator.pipeline import StepOutput
-from coordinator.request import FinishReason, Request, SamplingParams, TextDelta
-from coordinator.scheduler import Scheduler, Seq
-from coordinator.speculative import StepCostsByLoad
+from coordinator.engine.loop import LoopContext, Moved, StepLoop
+from coordinator.engine.metrics import CoordinatorMetrics
+from coordinator.engine.output import OutputProcessor
+from coordinator.engine.pipeline import StepOutput
+from coordinator.engine.request import FinishReason, Request, SamplingParams, TextDelta
+from coordinator.engine.scheduler import Scheduler, Seq
+from coordinator.engine.speculative import StepCostsByLoad
 
 VOCAB = 1000
 

@@ -1,4 +1,4 @@
-"""Tool calling's pure parts (coordinator/tools): OpenAI's tools and tool_choice parsed and refused by
+"""Tool calling's pure parts (coordinator/api/tools): OpenAI's tools and tool_choice parsed and refused by
 name, each family's format found in its template, a conversation with calls and results rendered, the
 answer parsed as a whole and as a stream split at every character, and the forced-call grammar compiled
 and followed by llguidance over the demo's real tokenizer. Through a real fleet: tests/compat/test_tools.py."""
@@ -12,8 +12,8 @@ import pytest
 
 from coordinator.errors import InvalidRequest
 from coordinator.tokenizer import ChatTokenizer
-from coordinator.tool_chat import ToolAnswer
-from coordinator.tools import (
+from coordinator.api.tool_chat import ToolAnswer
+from coordinator.api.tools import (
     DEFAULT,
     ToolCall,
     ToolCallParser,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.wan import LinkProfile, WanLink, load_config, main, profile
+from bench.wan.links import LinkProfile, WanLink, load_config, main, profile
 
 
 class _Echo(socketserver.BaseRequestHandler):

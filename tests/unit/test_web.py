@@ -1,4 +1,4 @@
-"""The chat page's serving (coordinator/web.py): routes, headers, the key middleware leaving the page open,
+"""The chat page's serving (coordinator/api/web.py): routes, headers, the key middleware leaving the page open,
 the addresses ``serve`` prints, and the static files in a built wheel."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from coordinator.api import ApiKeys
-from coordinator.web import STATIC, add_web_routes, lan_addresses, page_urls
+from coordinator.api.app import ApiKeys
+from coordinator.api.web import STATIC, add_web_routes, lan_addresses, page_urls
 
 ROOT = Path(__file__).resolve().parents[2]
 # every file of the page: its ES modules (app.js imports the others), the vendored renderer and its licence
@@ -84,8 +84,8 @@ def test_a_built_wheel_holds_the_page(tmp_path):
                    check=True, capture_output=True, timeout=120)
     (wheel,) = (tmp_path / "dist").glob("fleet-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"coordinator/static/{name}" for name in PAGE_FILES} <= names
-    assert "coordinator/web.py" in names
+    assert {f"coordinator/api/static/{name}" for name in PAGE_FILES} <= names
+    assert "coordinator/api/web.py" in names
 
 
 def test_every_module_the_page_imports_is_a_page_file():

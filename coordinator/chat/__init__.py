@@ -1,0 +1,1 @@
+"""``fleet-chat``: the terminal chat client (``client``) and the status line it shows while it waits."""
