@@ -20,7 +20,7 @@ elsewhere hits them alike; the ratio is the median of the rounds' fleet ÷ llama
 shared with other work, ``--realtime`` (root) runs the cells at SCHED_FIFO priority, so that nothing else preempts
 them on their cores (memory bandwidth is still shared).
 
-    python bench/kernel_bench.py [--model llama-3.2-1b | --model FILE.gguf] [--layers N] [--rounds 3] [--realtime]
+    python bench/kernels/kernel_bench.py [--model llama-3.2-1b | --model FILE.gguf] [--layers N] [--rounds 3] [--realtime]
                                  [--types Q4_0,Q4_K_M,...] [--threads 1,2] [--tokens 48] [--profile] [--json PATH]
 """
 

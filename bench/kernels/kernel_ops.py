@@ -13,7 +13,7 @@ Per thread count T (a child process pinned to cores 0..T-1, ``INFERENCE_NUM_THRE
   ``-p 512 -n 0`` on ``bench/real_gguf.py``'s Llama-3.2-1B of the matching file type, same cores and
   threads; its effective read rate = the file's matrix bytes (every tensor but token_embd) x tokens/s.
 
-    python bench/kernel_ops.py [--types Q4_0,Q4_K,Q6_K,...] [--threads 1,2] [--llama-cpp] [--json PATH]
+    python bench/kernels/kernel_ops.py [--types Q4_0,Q4_K,Q6_K,...] [--threads 1,2] [--llama-cpp] [--json PATH]
 """
 
 from __future__ import annotations
