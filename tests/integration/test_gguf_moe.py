@@ -9,13 +9,12 @@ tensor_mapping): each layer's experts stacked into ``blk.N.ffn_gate_exps`` / ``f
 ``.expert_used_count`` (and qwen3moe's ``.expert_feed_forward_length``); the llama file's Q/K rows permuted
 (``permute``). Attention matrices Q8_0 / Q4_0 / Q4_1, experts (``EXPERT_KINDS``) Q4_0, Q4_1, Q8_0 (qwen3moe) and
 Q8_0, Q5_1, F16 (mixtral): gguf-py ``gguf.quants``. A third, "qwen3moe-mxfp4", has its attention matrices, head
-and experts in MXFP4 (gpt-oss's type): the experts kept as i8 per 32 (the CPU plugin's GatherMatmul folds f4e2m1
-into an f32 copy), the attention matrices and the head as the file's bytes for fleet's kernels.
+and experts in MXFP4 (gpt-oss's type). Every CPU stage multiplies the experts with fleet's ``GgufMoeMatMul`` over
+the file's ``ffn_*_exps`` bytes (compiler/experts.py), the dense matrices with ``GgufMatMul``.
 
 The reference is transformers' model of the HF config with every weight the file's value as gguf-py dequantizes it
-(Q/K rows put back by this module's own inverse of the permutation): the build keeps every block (the dense
-matrices as the file's bytes for fleet's kernels), the stacked experts' too (compiler/export.py
-``_Weights.stacked``), and the F16 experts are fp16 as stored.
+(Q/K rows put back by this module's own inverse of the permutation): the build keeps every block as the file's
+bytes (the F16 experts too).
 
 * 1 stage, in this process: the whole model's logits at every one of 64 positions (f32 inference) and the experts
   each layer's TopK picks for every token, against transformers' logits and the top-2 of its router
@@ -23,7 +22,8 @@ matrices as the file's bytes for fleet's kernels), the stacked experts' too (com
   logits |max| 5.3-6.0; ``ATOL`` is ~14x the worst. Faults are far above it (qwen3moe): the experts rounded to
   fp16 instead of kept in their blocks move the logits by 1.9e-3, top-2 weights not renormalised by 1.4. Each layer picks 4 to 8 of its 8 experts over the 64 tokens, every expert is picked
   in some layer.
-* 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id.
+* 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id;
+  each expert constant of that build is the file's ``ffn_*_exps`` tensor byte for byte, no GatherMatmul is left.
 * A file whose expert_count contradicts its stacked tensors is refused naming the tensor and the metadata.
 """
 

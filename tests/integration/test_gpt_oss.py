@@ -22,8 +22,9 @@ every parameter rounded to fp16 and back (the values the build stores: test_arch
   one stage's logits within ``ATOL`` and a 2-stage fleet's greedy tokens.
 
 Measured (2 stages): max |error| 5.2e-6 on logits |max| 6.2 (smallest top-2 gap of the reference 3.3e-4);
-``ATOL`` is ~20x that. Setting the sinks to 0 in the reference moves its logits by 1.47. The CPU plugin runs the
-experts as GatherMatmul nodes (two a layer: gate_up and down).
+``ATOL`` is ~20x that. Setting the sinks to 0 in the reference moves its logits by 1.47. The HF folder's experts
+run as the CPU plugin's GatherMatmul nodes (two a layer: gate_up and down), the GGUF's as fleet's ``GgufMoeMatMul``
+over the file's MXFP4 bytes (three a layer: gate, up, down).
 """
 
 from __future__ import annotations
