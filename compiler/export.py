@@ -47,7 +47,7 @@ from openvino.utils.postponed_constant import make_postponed_constant
 from fleet_common import kernels as fleet_kernels  # the parameter `kernels` below is a flag
 
 from .arch import EMBEDDING, FINAL_NORM, LM_HEAD, ModelConfig, expected_shapes, hf_weight_names
-from .gpt_oss import gpt_oss_moe
+from .experts import GgufExperts, expert_rows, feed_forward, stacked_name
 from .layers import (
     GgufWeight,
     attention,
@@ -55,8 +55,6 @@ from .layers import (
     gemma_layer,
     i64,
     linear,
-    mlp,
-    moe,
     norm_weight,
     rms_norm,
     rope_tables,
@@ -110,40 +108,14 @@ def stage_tensors(cfg: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ..
 
 
 def linear_weights(cfg: ModelConfig, stage: StageSpec) -> list[str]:
-    """HF names of the dense linear weights stage ``stage`` multiplies by (attention's and the MLP's matrices, the
-    LM head or the tied embedding on the last stage): what ``export_stage(kernels=True)`` hands fleet's kernels
-    where their type allows."""
+    """HF names of the linear weights stage ``stage`` multiplies by (attention's and the MLP's matrices or the
+    experts', the LM head or the tied embedding on the last stage): what ``export_stage(kernels=True)`` hands
+    fleet's kernels where their type allows."""
     names = [name for layer in range(stage.start, stage.end)
-             for role, name in hf_weight_names(cfg, layer).items() if role in MATRICES]
+             for role, name in hf_weight_names(cfg, layer).items() if role in MATRICES or role.startswith("expert.")]
     if stage.last:
         names.append(EMBEDDING if cfg.tie_word_embeddings else LM_HEAD)
     return names
-
-
-def expert_rows(source, names: list[str],  # noqa: ANN001
-                report: Callable[[str, np.ndarray], object] | None = None) -> Callable[[int, int], np.ndarray]:
-    """``read(start, stop)``: rows ``[start, stop)`` float16 [stop - start, cols] of the experts ``names``
-    ([rows, cols] each, read from ``source``) stacked and flattened to [E * rows, cols], each expert's share
-    read on its own; ``report(name, rows)`` follows an expert's last row. ``read.shape``: (E * rows, cols)."""
-    rows, cols = source.shape(names[0])
-
-    def read(start: int, stop: int) -> np.ndarray:
-        parts = []
-        for e in range(start // rows, -(-stop // rows)):
-            a, b = max(start, e * rows) - e * rows, min(stop, (e + 1) * rows) - e * rows
-            parts.append(source.tensor(names[e], rows=(a, b)))
-            if report is not None and b == rows:
-                report(names[e], parts[-1])
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    read.shape = (len(names) * rows, cols)
-    return read
-
-
-def stacked_name(names: list[str]) -> str:
-    """The stacked constant's name for the experts ``names`` (HF names of one matrix, expert 0 first):
-    ``model.layers.3.mlp.experts.gate_proj.weight``."""
-    return names[0].replace(".experts.0.", ".experts.")
 
 
 class _Weights:
@@ -320,6 +292,32 @@ class _Weights:
 
         return op.convert(self._postponed(ov.Type.f16, shape, maker, base), ov.Type.f32).output(0)
 
+    def experts(self, names: list[str]) -> GgufExperts | None:
+        """The experts ``names`` (one matrix of a Mixture-of-Experts layer, [rows, cols] each, expert 0 first) as
+        their tensors' bytes for fleet's ``GgufMoeMatMul`` (compiler/experts.py): a u8 Constant [E, rows, row bytes],
+        expert e's bytes as the source stores them (a GGUF's ``ffn_*_exps`` [E, rows, row bytes] as it lies), read
+        when the serializer writes it. None unless this stage runs fleet's kernels and every expert is in the source
+        and of one type they multiply (``kernel_type``)."""
+        if not self.kernels or any(name not in self.source for name in names):
+            return None
+        types = {self.source.kernel_type(name) for name in names}
+        if len(types) != 1 or None in types:
+            return None
+        base = stacked_name(names)
+        if (base, "kernel") not in self.nodes:
+            shape = [len(names), self.source.shape(names[0])[0], self.source.row_bytes(names[0])]
+
+            def maker() -> ov.Tensor:
+                tensor = ov.Tensor(ov.Type.u8, ov.Shape(shape))
+                for e, name in enumerate(names):
+                    tensor.data[e] = self.source.block_bytes(name)
+                    self._read(name, tensor)
+                return tensor
+
+            self.nodes[(base, "kernel")] = GgufExperts(self._postponed(ov.Type.u8, shape, maker, base).output(0),
+                                                       types.pop())
+        return self.nodes[(base, "kernel")]
+
     def _stacked_blocks(self, names: list[str], base: str) -> ov.Output:
         """``stacked`` for a GGUF's experts of a kept block type (compiler/gguf_moe.py: each expert a slice of one
         stacked tensor, all of one type): codes [E, rows, cols / g, g] (``gguf.STORED``), scale and, for an offset
@@ -489,19 +487,6 @@ def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
     return param
 
 
-def _feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], weights: _Weights, cfg: ModelConfig,
-                  layer: int) -> ov.Output:
-    """A layer's MLP on its normed input x [B, S, H] -> [B, S, H]: SwiGLU, or in a Mixture-of-Experts layer its
-    router and experts, each matrix stacked over the experts (gpt-oss's biased ``gate_up``/``down``, or
-    ``gate``/``up``/``down``)."""
-    if layer not in cfg.moe_layers:
-        return mlp(x, w)
-    parts = ("gate_up", "down") if cfg.gpt_oss else ("gate", "up", "down")
-    experts = {part: weights.stacked([names[f"expert.{e}.{part}"] for e in range(cfg.num_experts)])
-               for part in parts}
-    return gpt_oss_moe(x, w, experts, cfg, layer) if cfg.gpt_oss else moe(x, w, experts, cfg, layer)
-
-
 def _embedding(weights: _Weights, source, ids: ov.Node) -> ov.Output:  # noqa: ANN001 - a weight source
     """The token embedding's rows [B, S, H] of ``ids`` [B, S]: taken from the table's bytes by fleet's
     ``GgufEmbedding`` where a kernels stage holds it as blocks (no second copy; one Constant with a tied LM head),
@@ -532,10 +517,9 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     ``keep_blocks`` (a GGUF source, compiler/gguf.py): its weights of a kept type (``gguf.KEPT``) keep their
     blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
     run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
-    ``GgufMatMul`` (``_Weights._blocks``), its embedding rows too (``_embedding``); experts keep ``keep_blocks``'.
-    Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another shape than
-    ``cfg`` implies.
-    """
+    ``GgufMatMul`` (``_Weights._blocks``), its embedding rows too (``_embedding``), its experts by ``GgufMoeMatMul``
+    where all of a layer's are of such a type (compiler/experts.py). Raises ``compiler.weights.WeightsError``
+    when a tensor is missing or has another shape than ``cfg`` implies."""
     source.check(stage_tensors(cfg, stage))
     weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels)
     if stage.first:
@@ -574,7 +558,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
         h, layer_sinks = attention(rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, cfg, *here,
                                    beam_idx.output(0), batch, layer, sliding)
         x = op.add(x, h).output(0)
-        x = op.add(x, _feed_forward(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, names, weights, cfg,
+        x = op.add(x, feed_forward(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w, names, weights, cfg,
                                     layer)).output(0)
         sinks += layer_sinks
     if stage.last:

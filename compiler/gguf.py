@@ -236,12 +236,12 @@ class GGUFWeights:
 
     def kernel_type(self, name: str) -> str | None:
         """The GGUF type fleet's kernels multiply ``name`` in (its type as stored, one of
-        ``fleet_common.kernels.BLOCK_TYPES``), or None: a type they lack, or an expert's slice (experts keep
-        today's forms)."""
+        ``fleet_common.kernels.BLOCK_TYPES``), or None: a type they lack, not a matrix, or rows not lying in the
+        file as one array (gpt-oss's ``gate_up``, gate and up rows interleaved from two tensors)."""
         from fleet_common.kernels import BLOCK_TYPES
 
         t = self.tensors[name]
-        return t.qtype if t.qtype in BLOCK_TYPES and not t.expert and len(t.shape) == 2 else None
+        return t.qtype if t.qtype in BLOCK_TYPES and len(t.shape) == 2 and isinstance(t.data, np.ndarray) else None
 
     def block_bytes(self, name: str) -> np.ndarray:
         """Tensor ``name``'s bytes as they lie in the file, u8 [rows, row bytes] (rows in the file's order: see

@@ -83,8 +83,11 @@ def gguf_experts(stacked: dict[str, object], num_layers: int, tensor) -> dict[st
     """The builder's tensors of a gpt-oss GGUF's experts: ``stacked`` maps ``blk.N.ffn_{gate,up,down}_exps.{weight,
     bias}`` to gguf-py ``ReaderTensor``s; ``tensor(data, qtype, shape, expert)`` makes compiler/gguf.py's
     ``GGUFTensor``. Per layer and expert ``mlp.experts.{e}.gate_up_proj.weight`` [2I, H] (gate and up rows
-    interleaved, ``Interleaved``) and ``down_proj.weight`` [H, I], the blocks as the file has them, and the biases
-    ``mlp.experts.gate_up_proj.bias`` [E, 1, 2I] / ``down_proj.bias`` [E, 1, H] (F32). Nothing is read.
+    interleaved, ``Interleaved``: OpenVINO's form) and ``down_proj.weight`` [H, I], the blocks as the file has them,
+    and the biases ``mlp.experts.gate_up_proj.bias`` [E, 1, 2I] / ``down_proj.bias`` [E, 1, H] (F32); for fleet's
+    kernels (compiler/experts.py) gate and up apart as they lie, ``mlp.experts.{e}.gate_proj.weight`` /
+    ``up_proj.weight`` [I, H], with their biases ``mlp.experts.gate_proj.bias`` / ``up_proj.bias`` [E, I]. Nothing
+    is read.
     ``WeightsError`` naming a missing tensor, or gate and up of different types."""
     import gguf
 
@@ -107,9 +110,14 @@ def gguf_experts(stacked: dict[str, object], num_layers: int, tensor) -> dict[st
         for e in range(experts):
             out[f"{p}{e}.gate_up_proj.weight"] = tensor(Interleaved(gate.data[e], up.data[e]), qtype,
                                                          (2 * inter, hidden), True)
+            out[f"{p}{e}.gate_proj.weight"] = tensor(gate.data[e], qtype, (inter, hidden), True)
+            out[f"{p}{e}.up_proj.weight"] = tensor(up.data[e], qtype, (inter, hidden), True)
             out[f"{p}{e}.down_proj.weight"] = tensor(down.data[e], gguf.GGMLQuantizationType(down.tensor_type).name,
                                                      (hidden, inter), True)
         gate_bias, up_bias, down_bias = (get(role, "bias") for role in GGUF_EXPERTS)
+        for role, bias in (("gate_proj", gate_bias), ("up_proj", up_bias)):
+            out[f"{p}{role}.bias"] = tensor(np.asarray(bias.data).reshape(experts, inter), "F32", (experts, inter),
+                                            False)
         out[p + "gate_up_proj.bias"] = tensor(InterleavedBias(gate_bias.data, up_bias.data), "F32",
                                               (experts, 1, 2 * inter), False)
         out[p + "down_proj.bias"] = tensor(np.asarray(down_bias.data).reshape(experts, 1, hidden), "F32",

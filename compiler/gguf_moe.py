@@ -1,7 +1,6 @@
 """Mixture-of-Experts GGUF files (``qwen3moe``, and Mixtral as ``llama`` with experts) as the stage builder reads
 them: their metadata as an HF ``qwen3_moe`` / ``mixtral`` config, their stacked expert tensors as one tensor per
-expert under HF's names, so the HF path (compiler/export.py ``_Weights.stacked``: one stacked constant per matrix,
-a Gather of the chosen experts) builds them unchanged.
+expert under HF's names, so the HF path (compiler/experts.py) builds them unchanged.
 
 llama.cpp's converter (convert_hf_to_gguf.py: ``Qwen2MoeModel.modify_tensors``, which ``Qwen3MoeModel`` inherits,
 and ``LlamaModel.modify_tensors`` for Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) stacks each layer's
@@ -14,11 +13,13 @@ llama graphs; Mixtral's rule, transformers' ``MixtralSparseMoeBlock``), and make
 converted before llama.cpp stacked the experts (early 2024, e.g. the first published Mixtral GGUFs) hold one tensor
 per expert, ``blk.N.ffn_gate.E.weight`` [I, H] and so on; llama.cpp still loads them, and so does the builder.
 
-Each expert is the slice ``data[e]`` of the memory-mapped tensor: quantized rows stay whole blocks. Experts of a
-kept type (``gguf.KEPT``) keep their blocks in one stacked constant per matrix (compiler/export.py
-``_Weights.stacked``: codes [E, rows, cols / g, g], scale and, for offset types, a zero point per group, which
-the CPU plugin's GatherMatmulCompressed reads for the chosen experts only); F16/BF16/F32 experts, any other type (dequantized by gguf-py, with the warning) and
-``--weights int8`` builds stack them as the HF path does.
+Each expert is the slice ``data[e]`` of the memory-mapped tensor: quantized rows stay whole blocks. On a CPU stage
+the experts of a type fleet's kernels multiply are the stacked tensor's bytes as they lie, [E, rows, row bytes]
+(compiler/export.py ``_Weights.experts``, fleet's ``GgufMoeMatMul``: only the chosen experts' blocks are read). On
+a GPU/NPU stage experts of a kept type (``gguf.KEPT``) keep their blocks in one stacked constant per matrix
+(``_Weights.stacked``: codes [E, rows, cols / g, g], scale and, for offset types, a zero point per group, which the
+plugin's GatherMatmulCompressed reads for the chosen experts only); any other type (dequantized by gguf-py, with
+the warning) and ``--weights int8`` builds stack them as the HF path does.
 """
 
 from __future__ import annotations

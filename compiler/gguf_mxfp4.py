@@ -13,7 +13,8 @@ take compressed: the doubled values -12..12 as i8 per 32 times 2^(e - 128) f32 (
 ones (every expert's decompression runs each call) and 2.7 ms as fp16 (held as f32); one 2048 x 2048 matrix in
 f4e2m1 0.97x the time of its fp16 copy, the same values as i8 per 32 0.43x (int8 activations) / 0.80x (off): the
 f4e2m1 kernel takes no int8 activations, so dense MXFP4 is kept in half the bytes of i8, not faster than it
-(README, "Bring your own model", has the demo's whole-model figures).
+(README, "Bring your own model", has the demo's whole-model figures). These are GPU/NPU stages' forms: a CPU stage
+multiplies MXFP4 matrices and experts as the file's bytes with fleet's kernels (compiler/experts.py).
 Two scale bytes differ: OpenVINO reads e = 0 as 0, not 2^-127 (its weights are below 2^-124, f32 denormals: read
 as 0; gguf-py's quantizer writes it only for such blocks), and e = 255 as NaN (the MX spec's; gguf-py 2^127): a
 tensor with a 255 is refused.

@@ -140,20 +140,14 @@ def gpt_oss_moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Out
     experts not chosen), the form ``FuseVectorizedMOE2GEMM`` turns into one MoE op (the CPU plugin's GatherMatmul
     nodes: each token reads only its chosen experts). The router's Softmax is named as compiler/layers.py
     ``moe`` names Qwen3-MoE's (``ROUTER_SOFTMAX``)."""
-    hidden, k, e = cfg.hidden_size, cfg.experts_per_token, cfg.num_experts
-    flat = op.reshape(x, i64([-1, hidden]), special_zero=False)  # [N, H]
-    logits = op.add(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), w["router_bias"])  # [N, E]
-    top = op.topk(logits, i64(k), axis=-1, mode="max", sort="value", index_element_type=ov.Type.i64)
-    weights = op.softmax(top.output(0), -1, name=f"model.layers.{layer}.mlp.router{ROUTER_SOFTMAX}").output(0)
-    chosen = top.output(1)  # [N, k], as the weights
+    hidden, e = cfg.hidden_size, cfg.num_experts
+    flat, weights, chosen = gpt_oss_routing(x, w, cfg, layer)
     tiled = op.reshape(op.tile(flat, i64([e, 1])), i64([e, -1, hidden]), special_zero=False)  # [E, N, H]
     gate_up = op.add(op.matmul(tiled, experts["gate_up"], transpose_a=False, transpose_b=True),
                      w["experts.gate_up_bias"])  # [E, N, 2I]
     end = i64([np.iinfo(np.int64).max])
-    up = op.slice(gate_up, i64([1]), end, i64([2]), i64([2]))
-    up = op.add(op.clamp(up, -SWIGLU_LIMIT, SWIGLU_LIMIT), f32(1.0))
-    gate = op.minimum(op.slice(gate_up, i64([0]), end, i64([2]), i64([2])), f32(SWIGLU_LIMIT))
-    act = op.multiply(up, op.swish(gate, f32(SWIGLU_ALPHA)))  # (up + 1) * gate * sigmoid(alpha * gate)
+    act = clamped_swiglu(op.slice(gate_up, i64([0]), end, i64([2]), i64([2])).output(0),
+                         op.slice(gate_up, i64([1]), end, i64([2]), i64([2])).output(0))
     down = op.add(op.matmul(act, experts["down"], transpose_a=False, transpose_b=True), w["experts.down_bias"])
     down = op.reshape(down, i64([e, 0, hidden]), special_zero=True)  # [E, N, H]
     rows = op.gather(op.shape_of(chosen, output_type="i64"), i64([0]), i64(0))  # [1]: N
@@ -162,3 +156,25 @@ def gpt_oss_moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Out
     routing = op.unsqueeze(op.reshape(op.transpose(routing, i64([1, 0])), i64([e, 0]), special_zero=True), i64([2]))
     out = op.reduce_sum(op.multiply(down, routing), i64([0]), keep_dims=False)  # [N, H]
     return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)
+
+
+def gpt_oss_routing(x: ov.Output, w: dict[str, ov.Output], cfg,  # noqa: ANN001
+                    layer: int) -> tuple[ov.Output, ov.Output, ov.Output]:
+    """gpt-oss's router (transformers ``GptOssTopKRouter``) for x [B, S, H]: (x flattened [N, H], the weights [N, k]
+    f32, the chosen experts [N, k] i64): logits ``x W^T + b`` [N, E], their top ``experts_per_token`` softmaxed
+    among themselves. The Softmax is named as compiler/layers.py ``moe_routing`` names Qwen3-MoE's
+    (``ROUTER_SOFTMAX``)."""
+    flat = op.reshape(x, i64([-1, cfg.hidden_size]), special_zero=False)  # [N, H]
+    logits = op.add(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), w["router_bias"])  # [N, E]
+    top = op.topk(logits, i64(cfg.experts_per_token), axis=-1, mode="max", sort="value",
+                  index_element_type=ov.Type.i64)
+    weights = op.softmax(top.output(0), -1, name=f"model.layers.{layer}.mlp.router{ROUTER_SOFTMAX}").output(0)
+    return flat.output(0), weights, top.output(1)
+
+
+def clamped_swiglu(gate: ov.Output, up: ov.Output) -> ov.Output:
+    """gpt-oss's activation of an expert's gate and up outputs (transformers ``GptOssExperts._apply_gate``):
+    ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, g = min(gate, 7); any shape, f32."""
+    up = op.add(op.clamp(up, -SWIGLU_LIMIT, SWIGLU_LIMIT), f32(1.0))
+    gate = op.minimum(gate, f32(SWIGLU_LIMIT))
+    return op.multiply(up, op.swish(gate, f32(SWIGLU_ALPHA))).output(0)

@@ -214,17 +214,27 @@ def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
 def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Output],
         cfg: ModelConfig, layer: int) -> ov.Output:
     """A sparse Mixture-of-Experts MLP (Qwen3-MoE; transformers' ``Qwen3MoeSparseMoeBlock``), x [B, S, H] ->
-    [B, S, H]: the router's softmax over the experts, its top ``experts_per_token`` (TopK) weights
-    renormalised to sum 1 when ``norm_topk_prob``, and the weighted sum of the chosen experts' SwiGLU outputs
-    (``experts``: ``_Weights.stacked`` of gate, up [E, I, H] and down [E, H, I]). The router's Softmax is named
-    ``model.layers.{layer}.mlp.gate/router_softmax`` (``ROUTER_SOFTMAX``: compiler/inspect.py counts Softmax
-    nodes left by unfused attention, not this one).
+    [B, S, H]: the router's choice (``moe_routing``) and the weighted sum of the chosen experts' SwiGLU outputs
+    (``experts``: ``_Weights.stacked`` of gate, up [E, I, H] and down [E, H, I]).
 
     The experts are written as OpenVINO's tiled MoE block (``moe_tiled``), which the CPU plugin's
     ``ConvertTiledMoeBlockToGatherMatmuls`` turns into GatherMatmul(Compressed) nodes: each token reads only
-    its chosen experts' blocks, still compressed, inside the kernel. It replaced an explicit Gather of the
+    its chosen experts' blocks, still compressed, inside the kernel (a CPU stage of fleet's kernels multiplies
+    the experts' bytes itself instead: compiler/experts.py). It replaced an explicit Gather of the
     chosen experts' slices, decompressed to f32 before a batched MatMul, 6.8x slower on the CPU (117 against
     17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M, bench/moe_bench.py; the README keeps that row)."""
+    flat, weights, chosen = moe_routing(x, w, cfg, layer)
+    out = moe_tiled(flat, weights, chosen, experts, cfg.num_experts)  # [N, H]
+    return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
+
+
+def moe_routing(x: ov.Output, w: dict[str, ov.Output], cfg: ModelConfig,
+                layer: int) -> tuple[ov.Output, ov.Output, ov.Output]:
+    """A Qwen3-MoE / Mixtral router's choice for x [B, S, H]: (x flattened [N, H], the weights [N, k] f32, the
+    chosen experts [N, k] i64): the router's softmax over the experts, its top ``experts_per_token`` (TopK) weights
+    renormalised to sum 1 when ``norm_topk_prob``. The Softmax is named ``model.layers.{layer}.mlp.gate/
+    router_softmax`` (``ROUTER_SOFTMAX``: compiler/inspect.py counts Softmax nodes left by unfused attention, not
+    this one)."""
     hidden, k = cfg.hidden_size, cfg.experts_per_token
     flat = op.reshape(x, i64([-1, hidden]), special_zero=False)  # [N, H]
     probs = op.softmax(op.matmul(flat, w["router"], transpose_a=False, transpose_b=True), -1,
@@ -233,8 +243,7 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Output],
     weights, chosen = top.output(0), top.output(1)  # [N, k] each
     if cfg.norm_topk_prob:
         weights = op.divide(weights, op.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
-    out = moe_tiled(flat.output(0), weights, chosen, experts, cfg.num_experts)  # [N, H]
-    return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]
+    return flat.output(0), weights, chosen
 
 
 def moe_tiled(flat: ov.Output, weights: ov.Output, chosen: ov.Output,

@@ -16,7 +16,8 @@ import openvino as ov
 
 from .arch import ModelConfig, hf_weight_names
 from .compress import WeightSpec, int4_plan, sensitivity, weight_order
-from .export import StageSpec, expert_rows, export_stage, stacked_name, stage_tensors
+from .experts import expert_rows, stacked_name
+from .export import StageSpec, export_stage, stage_tensors
 
 
 class BuildError(ValueError):

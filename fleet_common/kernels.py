@@ -29,6 +29,7 @@ PRECISIONS = ("int8", "f32")
 BLOCK_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
+PRODUCTS = ("GgufMatMul", "GgufMoeMatMul")  # the ops with a ``precision`` (runtime.kernels_at sets it)
 INSTALL_HINT = "reinstall fleet with its kernels (pip install . in fleet's folder; it needs a C++ compiler and cmake)"
 
 

@@ -183,10 +183,11 @@ def check_kernels(entry, what: str) -> None:  # noqa: ANN001 - a manifest StageE
 
 
 def kernels_at(model: ov.Model, precision: str) -> ov.Model:
-    """``model`` with every ``GgufMatMul`` (fleet's kernels) set to ``precision`` ("f32": exact products, "int8":
-    activations quantized per 32, or per 256 for the 256-weight types: the default a build writes); returns it."""
+    """``model`` with every product of fleet's kernels (``GgufMatMul``, ``GgufMoeMatMul``: ``kernels.PRODUCTS``) set
+    to ``precision`` ("f32": exact products, "int8": activations quantized per 32, or per 256 for the
+    256-weight types: the default a build writes); returns it."""
     for node in model.get_ops():
-        if node.get_type_name() in ("GgufMatMul", "GgufMoeMatMul"):
+        if node.get_type_name() in kernels.PRODUCTS:
             node.set_attribute("precision", precision)
     return model
 

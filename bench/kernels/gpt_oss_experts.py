@@ -8,6 +8,8 @@ vocabulary, as bench/real_gguf.py): gpt-oss-20b's shape (hidden 2880, 64 query /
 quantizer of N(0, 0.02)), norms 1, biases and sinks N(0, 0.02) F32. The experts' MXFP4 blocks are random bytes (any
 nibble is an E2M1 code; scale bytes 118..122, weights up to 6 x 2^-5): in one file as they are, in the other as
 gguf-py dequantizes them, F16 (what the gpt-oss build stored before its experts kept their blocks: the same values).
+A CPU build multiplies both as the file's bytes with fleet's ``GgufMoeMatMul`` (compiler/experts.py: gate, up and
+down, each token's chosen experts only), in MXFP4 or F16 blocks.
 
 Each is built by ``fleet-compiler build FILE --shards 1`` (cached by ``bench/harness.ensure_build``) and timed by
 ``bench/kernel_bench.fleet_cell``: loaded as a worker loads it, in its own process pinned to ``--threads`` cores,
@@ -15,11 +17,11 @@ Each is built by ``fleet-compiler build FILE --shards 1`` (cached by ``bench/har
 
 With ``--llama-cpp``, llama.cpp's ``llama-bench`` on the same file beside it (``kernel_bench.llama_cell``: ``-p 0 -n
 TOKENS -t THREADS -r 3``, pinned to the same cores, its peak RSS polled), the two taking turns ``--rounds`` times in
-swapped order (``kernel_bench.paired_cells``); the fleet's ms/token is then the median of its rounds, and fleet ÷
-llama.cpp the median of the rounds' tok/s ratios (with their range).
+swapped order (``kernel_bench.paired_cells``; ``--realtime``: at SCHED_FIFO priority, root); the fleet's ms/token
+is then the median of its rounds, and fleet ÷ llama.cpp the median of the rounds' tok/s ratios (with their range).
 
     python bench/kernels/gpt_oss_experts.py [--layers 2] [--experts 32] [--top-k 4] [--threads 1] [--tokens 32]
-                                    [--llama-cpp [--rounds 3]] [--json PATH]
+                                            [--llama-cpp [--rounds 3] [--realtime]] [--json PATH]
 
 It prints a table (GGUF and stage sizes, decode ms/token, peak RSS of the timed process, llama.cpp's, the stored
 forms) with the kept/fp16 ratios, and writes it with the machine's facts to ``--json``.
@@ -119,7 +121,7 @@ def measure(path: Path, build: Path, args: argparse.Namespace) -> dict:
            / 1e6, "stored": manifest["stages"][0]["compression"]["tensors"]}
     if args.llama_cpp:
         cells = kernel_bench.paired_cells(build, path, args.threads, argparse.Namespace(
-            rounds=args.rounds, realtime=False, also_precision=[], tokens=args.tokens, prompt=args.prompt))
+            rounds=args.rounds, realtime=args.realtime, also_precision=[], tokens=args.tokens, prompt=args.prompt))
         fleet, llama = cells["fleet"], cells["llama_cpp"]
         row |= {"llama_cpp_ms_per_token": 1000 / llama["tok_s"], "llama_cpp_runs_tok_s": llama["rounds_tok_s"],
                 "llama_cpp_peak_rss_MiB": llama["peak_rss_mib"], "llama_cpp_command": llama["command"],
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp", action="store_true", help="also llama-bench on each file (built by "
                         "bench/build_llama_cpp.sh when missing)")
     parser.add_argument("--rounds", type=int, default=3, help="with --llama-cpp: fleet/llama.cpp pairs per file")
+    parser.add_argument("--realtime", action="store_true", help="with --llama-cpp: the cells at SCHED_FIFO "
+                        "priority (root; kernel_bench.paired_cells)")
     parser.add_argument("--cache", type=Path, default=harness.CACHE / "gpt-oss-experts")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -12,9 +12,9 @@ GGUF. One run, three cells, same thread count, one after the other:
 Each fleet cell is ``bench/kernels/kernel_bench.py``'s: ``fleet-compiler build FILE --shards 1``, loaded and compiled as a
 worker does in its own process pinned to cores ``0..T-1``, ``--prompt`` tokens prefilled then ``--tokens`` greedy
 steps, three times, the median tok/s; peak RSS is that process's VmHWM. ``--profile`` adds OpenVINO's per-op
-profile (``PERF_COUNT``) of both fleet builds: ms per step by op type, and the runtime graph's node types of the MoE
-build (whether the CPU plugin matched the tiled expert block of compiler/layers.py ``moe_tiled``: one
-GatherMatmul, compressed, per expert matrix).
+profile (``PERF_COUNT``) of both fleet builds: ms per step by op type, the experts' products (fleet's
+``GgufMoeMatMul``, compiler/experts.py: three a layer, named after their constants) by matrix, and the runtime
+graph's node types of the MoE build (fleet's ops show as ``Reference``; no ``GatherMatmul`` is left).
 
 Both files carry the demo's 49,152-token vocabulary (``real_gguf``: its tokenizer is copied so that both systems
 read the same file), not Qwen3's 151,936: the head is 0.1 GB of Q6_K, not 0.3 GB.
@@ -41,8 +41,7 @@ GOAL_OVER_DENSE, GOAL_OVER_LLAMA = 1.3, 1.0  # ms/token MoE <= 1.3 x dense; flee
 
 def runtime_ops(build: Path, threads: int) -> dict[str, int]:
     """The CPU plugin's node types (``layerType``) in the compiled MoE stage, counted (compiled as a worker
-    compiles it): the tiled expert block, matched, shows as three ``GatherMatmul`` per layer; unmatched, as
-    MatMuls over every expert."""
+    compiles it): fleet's ops (``GgufMatMul``, ``GgufMoeMatMul``) as ``Reference``."""
     from fleet_common.manifest import load_manifest
     from fleet_common.runtime import compile_config, runs_compressed, stage_core
 
@@ -50,6 +49,17 @@ def runtime_ops(build: Path, threads: int) -> dict[str, int]:
     compiled = stage_core().compile_model(str(build / "stage_0" / "openvino_model.xml"), "CPU",
                                        compile_config(threads, "auto", runs_compressed("CPU", entry)))
     return dict(Counter(n.get_rt_info()["layerType"].astype(str) for n in compiled.get_runtime_model().get_ordered_ops()))
+
+
+def experts_ms(ops: list) -> dict[str, float]:
+    """ms per decode step of the experts' products (``GgufMoeMatMul``, named ``model.layers.N.mlp.experts.
+    gate_proj.weight/matmul``) by matrix (gate, up, down), summed over the layers, from ``fleet_cell``'s ops."""
+    out: dict[str, float] = {}
+    for _, _, name, ms in ops:
+        if ".experts." in name and name.endswith("/matmul"):
+            part = name.split(".")[-2].removesuffix("_proj")
+            out[part] = out.get(part, 0.0) + ms
+    return out
 
 
 def cells(args: argparse.Namespace) -> dict:
@@ -65,7 +75,7 @@ def cells(args: argparse.Namespace) -> dict:
                      "bin_mb": sum(p.stat().st_size for p in build.glob("stage_*/*.bin")) / 1e6, "fleet": cell}
         if args.profile:
             ops = kernel_bench.fleet_cell(build, args.threads, min(args.tokens, 21), args.prompt, True)["ops"]
-            out[name]["profile"] = kernel_bench.profile_summary(ops)
+            out[name]["profile"] = kernel_bench.profile_summary(ops) | {"experts_ms": experts_ms(ops)}
             out[name]["runtime_ops"] = runtime_ops(build, args.threads)
     if not args.no_llama_cpp:
         for name in (MOE, DENSE):  # the dense file too: which part of a gap is MoE's, which the kernels'
@@ -103,6 +113,8 @@ def summary(c: dict) -> tuple[str, dict]:
             p = c[name]["profile"]
             text += (f"\n{name} profile: {p['total_ms']:.1f} ms/step; by op: "
                      + ", ".join(f"{k} {v:.1f}" for k, v in p["by_type_ms"].items())
+                     + (f"; experts' products: {', '.join(f'{k} {v:.2f}' for k, v in p['experts_ms'].items())}"
+                        if p["experts_ms"] else "")
                      + f"; runtime node types: {c[name]['runtime_ops']}")
     return text, ratios
 

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import numpy as np
 
+EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
-def kernel_constants(xml: Path) -> dict[str, tuple[str, str, int, int]]:
-    """The Constants the ``GgufMatMul`` nodes of IR ``xml`` multiply by: name -> (block type, precision, byte
-    offset in the ``.bin``, size), read from the IR's own XML."""
+
+def kernel_constants(xml: Path, op: str = "GgufMatMul") -> dict[str, tuple[str, str, int, int]]:
+    """The Constants the ``op`` nodes (``GgufMatMul``, ``GgufMoeMatMul``) of IR ``xml`` multiply by: name -> (block
+    type, precision, byte offset in the ``.bin``, size), read from the IR's own XML."""
     root = ET.parse(xml).getroot()
     layers = {layer.get("id"): layer for layer in root.iter("layer")}
     into = {(e.get("to-layer"), e.get("to-port")): e.get("from-layer") for e in root.iter("edge")}
     found = {}
     for layer in layers.values():
-        if layer.get("type") != "GgufMatMul":
+        if layer.get("type") != op:
             continue
         ports = [p.get("id") for p in layer.find("input").iter("port")]
         const = layers[into[(layer.get("id"), ports[1])]]
@@ -49,6 +51,30 @@ def assert_constants_are_gguf_bytes(build: Path, gguf_path: Path, work: Path) ->
             t = weights.tensors[name]
             want = np.ascontiguousarray(np.asarray(t.data)).view(np.uint8)
             assert (block_type, precision) == (t.qtype, "int8"), (name, block_type, precision, t.qtype)
+            got = hashlib.sha256(blob[offset:offset + size]).hexdigest()
+            assert size == want.nbytes and got == hashlib.sha256(want).hexdigest(), name
+            checked += 1
+    return checked
+
+
+def assert_experts_are_gguf_bytes(build: Path, gguf_path: Path) -> int:
+    """Every ``GgufMoeMatMul`` constant of every stage of ``build`` (``model.layers.N.mlp.experts.gate_proj.weight``:
+    one expert matrix of layer N, all experts) holds, byte for byte (sha256), the GGUF's stacked expert tensor
+    ``blk.N.ffn_gate_exps.weight`` (up, down likewise) as the file holds it, with the file's type. Returns how many
+    were checked."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    manifest = json.loads((build / "manifest.json").read_text())
+    checked = 0
+    for stage in manifest["stages"]:
+        blob = np.memmap(build / stage["bin"], dtype=np.uint8, mode="r")
+        for name, (block_type, precision, offset, size) in kernel_constants(build / stage["xml"],
+                                                                            "GgufMoeMatMul").items():
+            layer, part = name.split(".")[2], EXPERT_PARTS[name.split(".")[-2]]
+            t = tensors[f"blk.{layer}.ffn_{part}_exps.weight"]
+            want = np.ascontiguousarray(np.asarray(t.data)).view(np.uint8)
+            assert (block_type, precision) == (gguf.GGMLQuantizationType(t.tensor_type).name, "int8"), name
             got = hashlib.sha256(blob[offset:offset + size]).hexdigest()
             assert size == want.nbytes and got == hashlib.sha256(want).hexdigest(), name
             checked += 1

@@ -9,13 +9,12 @@ tensor_mapping): each layer's experts stacked into ``blk.N.ffn_gate_exps`` / ``f
 ``.expert_used_count`` (and qwen3moe's ``.expert_feed_forward_length``); the llama file's Q/K rows permuted
 (``permute``). Attention matrices Q8_0 / Q4_0 / Q4_1, experts (``EXPERT_KINDS``) Q4_0, Q4_1, Q8_0 (qwen3moe) and
 Q8_0, Q5_1, F16 (mixtral): gguf-py ``gguf.quants``. A third, "qwen3moe-mxfp4", has its attention matrices, head
-and experts in MXFP4 (gpt-oss's type): the experts kept as i8 per 32 (the CPU plugin's GatherMatmul folds f4e2m1
-into an f32 copy), the attention matrices and the head as the file's bytes for fleet's kernels.
+and experts in MXFP4 (gpt-oss's type). Every CPU stage multiplies the experts with fleet's ``GgufMoeMatMul`` over
+the file's ``ffn_*_exps`` bytes (compiler/experts.py), the dense matrices with ``GgufMatMul``.
 
 The reference is transformers' model of the HF config with every weight the file's value as gguf-py dequantizes it
-(Q/K rows put back by this module's own inverse of the permutation): the build keeps every block (the dense
-matrices as the file's bytes for fleet's kernels), the stacked experts' too (compiler/export.py
-``_Weights.stacked``), and the F16 experts are fp16 as stored.
+(Q/K rows put back by this module's own inverse of the permutation): the build keeps every block as the file's
+bytes (the F16 experts too).
 
 * 1 stage, in this process: the whole model's logits at every one of 64 positions (f32 inference) and the experts
   each layer's TopK picks for every token, against transformers' logits and the top-2 of its router
@@ -23,7 +22,8 @@ matrices as the file's bytes for fleet's kernels), the stacked experts' too (com
   logits |max| 5.3-6.0; ``ATOL`` is ~14x the worst. Faults are far above it (qwen3moe): the experts rounded to
   fp16 instead of kept in their blocks move the logits by 1.9e-3, top-2 weights not renormalised by 1.4. Each layer picks 4 to 8 of its 8 experts over the 64 tokens, every expert is picked
   in some layer.
-* 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id.
+* 2 stages through a real fleet (worker processes in f32, coordinator): transformers' greedy tokens, id for id;
+  each expert constant of that build is the file's ``ffn_*_exps`` tensor byte for byte, no GatherMatmul is left.
 * A file whose expert_count contradicts its stacked tensors is refused naming the tensor and the metadata.
 """
 
@@ -239,6 +239,13 @@ class Zoo:
     def reference(self, case: str):  # noqa: ANN201 - a transformers model
         return gguf_reference(self.hf(case.split("-")[0]), self.gguf(case))
 
+    @cache  # noqa: B019
+    def build(self, case: str) -> tuple[Path, dict]:
+        """The GGUF of ``case`` built by ``fleet-compiler build --layers 0:2,2:4`` (both stages on the CPU): its
+        folder and manifest."""
+        out = self.root / case / "build"
+        return out, build(self.gguf(case), out, "--layers", "0:2,2:4")
+
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory, demo_hf, demo_gguf) -> Zoo:  # noqa: F811 - demo_gguf is a fixture
@@ -246,11 +253,13 @@ def zoo(tmp_path_factory, demo_hf, demo_gguf) -> Zoo:  # noqa: F811 - demo_gguf 
 
 
 def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_blocks: bool) -> Counter:  # noqa: ANN001
-    """The whole model of ``cfg`` as one stage from ``weights`` (f32 inference) against the transformers model
-    ``reference`` on ``ids``: logits at every position within ``ATOL`` with the same argmax, and each layer's TopK
-    picks, for every token, the top-k of transformers' router (``output_router_logits``); every expert is picked
-    somewhere, so each one's slice of the stacked constants is checked. Returns the element types the compiled
-    model's FullyConnected and GatherMatmul nodes hold their weights in, ``Counter`` of (layer type, type name)."""
+    """The whole model of ``cfg`` as one CPU stage of fleet's kernels from ``weights`` (f32 inference) against the
+    transformers model ``reference`` on ``ids``: every layer's three expert matrices ``GgufMoeMatMul`` nodes (no
+    OpenVINO expert form: no Tile of the tokens over the experts, no GatherMatmul), logits at every position within
+    ``ATOL`` with the same argmax, and each layer's TopK picks, for every token, the top-k of transformers' router
+    (``output_router_logits``); every expert is picked somewhere, so each one's blocks are checked. Returns the
+    element types the compiled model's FullyConnected and GatherMatmul nodes hold their weights in, ``Counter`` of
+    (layer type, type name)."""
     import torch
 
     from compiler.export import StageSpec, export_stage
@@ -263,14 +272,14 @@ def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_bl
                          kernels=True)
     topks = [node for node in model.get_ordered_ops() if node.get_type_name() == "TopK"]
     assert len(topks) == cfg.num_layers
+    ops = Counter(node.get_type_name() for node in model.get_ordered_ops())
+    assert ops["GgufMoeMatMul"] == 3 * cfg.num_layers and not ops["Tile"], f"{name}: {ops}"
     model.add_outputs([node.output(1) for node in topks])
     # f32 as a stage runs it: fleet's kernels exact, the dynamic quantization of activations off
     compiled = stage_core().compile_model(kernels_at(model, "f32"), "CPU",
                                           compile_config(threads=1, inference_precision="f32"))
     kinds = Counter(n.get_rt_info()["layerType"].astype(str) for n in compiled.get_runtime_model().get_ordered_ops())
-    # the tiled expert block (compiler/layers.py moe_tiled) is the CPU plugin's: one GatherMatmul per matrix
-    want = 3 * cfg.num_layers
-    assert kinds["GatherMatmul"] == want, f"{name}: {want} GatherMatmul nodes expected (the tiled block): {kinds}"
+    assert not kinds["GatherMatmul"], f"{name}: {kinds}"
     batch = ids[None].astype(np.int64)
     out = compiled.create_infer_request().infer({"input_ids": batch, "attention_mask": np.ones_like(batch),
                                                  "position_ids": np.arange(SEQ)[None], "beam_idx": np.zeros(1, np.int32),
@@ -298,10 +307,10 @@ def check_one_stage(name: str, cfg, weights, reference, ids: np.ndarray, keep_bl
 @pytest.mark.parametrize("case", [*MODELS, "mixtral-legacy", "qwen3moe-mxfp4"])
 def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
     """The GGUF's config is the HF folder's (experts, top-k, expert width, sparse layers, renormalised), and the
-    whole model as one stage (every block kept, the experts' stacked) gives transformers' logits on the
-    file's values and its router's picks (``check_one_stage``); also for a Mixtral file of one tensor per expert,
-    and for a qwen3moe file in MXFP4, whose experts the plugin's GatherMatmul reads as i8 codes and whose other
-    matrices fleet's kernels multiply (the router F32, a FullyConnected)."""
+    whole model as one stage (every block kept, the experts' for ``GgufMoeMatMul``) gives transformers' logits on
+    the file's values and its router's picks (``check_one_stage``); also for a Mixtral file of one tensor per
+    expert, and for a qwen3moe file in MXFP4, all of whose matrices fleet's kernels multiply (the router F32, the
+    one FullyConnected a layer)."""
     from compiler.arch import ModelConfig
     from compiler.source import open_source
 
@@ -318,9 +327,8 @@ def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
         ((0, 1, 2, 3), EXPERTS, TOP_K, WIDTH, True)
     assert cfg.head_dim == hf.head_dim and cfg.qk_norm == (name == "qwen3moe")
     weights = check_one_stage(case, cfg, source.weights, zoo.reference(case), zoo.ids, keep_blocks=True)
-    if case.endswith("-mxfp4"):  # q, k, v, o a layer and the head are fleet's kernels'; the router's f32 (F32)
-        assert weights == {("GatherMatmul", "i8"): 3 * cfg.num_layers, ("FullyConnected", "f32"): cfg.num_layers}, \
-            weights
+    if case.endswith("-mxfp4"):  # q, k, v, o, the experts and the head are fleet's kernels'; the router's f32 (F32)
+        assert weights == {("FullyConnected", "f32"): cfg.num_layers}, weights
 
 
 def test_mixtral_hf_folder_matches_transformers(zoo):
@@ -345,8 +353,7 @@ def test_moe_gguf_fleet_greedy_matches_transformers(name, zoo, tmp_path):
     transformers' greedy tokens on the file's values, id for id."""
     from coordinator.tokenizer import ChatTokenizer
 
-    out = tmp_path / "build"
-    manifest = build(zoo.gguf(name), out, "--layers", "0:2,2:4")
+    out, manifest = zoo.build(name)
     assert manifest["architecture"]["model_type"] == {"qwen3moe": "qwen3_moe", "mixtral": "mixtral"}[name]
     for stage in manifest["stages"]:
         compression = stage["compression"]
@@ -360,6 +367,31 @@ def test_moe_gguf_fleet_greedy_matches_transformers(name, zoo, tmp_path):
     assert len(prompt) + NEW_TOKENS <= MAX_POSITIONS
     expected = hf_greedy(zoo.reference(name), prompt, NEW_TOKENS)
     assert fleet_greedy(out, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_moe_cpu_stages_multiply_the_experts_bytes_as_they_lie(name, zoo):
+    """A CPU build of the GGUF multiplies each layer's experts with fleet's ``GgufMoeMatMul``: three a layer (gate,
+    up, down), each over a u8 constant whose bytes in the stage's ``.bin`` are the file's ``ffn_*_exps`` tensor
+    (sha256), in its type (Q4_0, Q4_1, Q8_0; Q8_0, Q5_1, F16); no OpenVINO expert form is left (no Tile of the
+    tokens over the experts in the IR, no GatherMatmul in the compiled stage); each manifest entry names the
+    kernels' version."""
+    from fleet_common.kernels import KERNELS_VERSION
+    from fleet_common.runtime import compile_ir
+
+    from .gguf_bytes import assert_experts_are_gguf_bytes
+
+    out, manifest = zoo.build(name)
+    assert [stage["kernels"] for stage in manifest["stages"]] == [KERNELS_VERSION] * 2
+    assert assert_experts_are_gguf_bytes(out, zoo.gguf(name)) == 3 * 4
+    for stage in manifest["stages"]:
+        xml = (out / stage["xml"]).read_text()
+        assert xml.count('type="GgufMoeMatMul"') == 3 * 2 and 'type="Tile"' not in xml, stage["xml"]
+        compiled = compile_ir(out / stage["xml"], threads=1)[0]
+        runtime = compiled.get_runtime_model().get_ordered_ops()
+        kinds = Counter(n.get_rt_info()["layerType"].astype(str) for n in runtime)
+        assert not kinds["GatherMatmul"], kinds
+        print(stage["xml"], dict(kinds))
 
 
 def test_moe_gguf_whose_expert_count_contradicts_its_tensors_is_refused(zoo, tmp_path):
