@@ -240,6 +240,32 @@ def pytest_configure(config: pytest.Config) -> None:
     own_network()
 
 
+# The slowest test files, slowest first (wall seconds of each, fixtures included, in the serial rehearsal of
+# 2026-12-06): xdist starts them first, so that neither worker is left running a long one alone at the end.
+RUN_FIRST = (
+    "tests/unit/test_kernels_sanitized.py",
+    "tests/integration/test_speculative_equivalence.py",
+    "tests/integration/test_weights.py",
+    "tests/integration/test_fleet_replan.py",
+    "tests/integration/test_prefix_cache.py",
+    "tests/lan/test_empty_fleet.py",
+    "tests/integration/test_fuzz.py",
+    "tests/integration/test_architectures.py",
+    "tests/integration/test_concurrency.py",
+    "tests/integration/test_soak.py",
+    "tests/integration/test_penalties.py",
+    "tests/integration/test_fleet_from_gguf.py",
+    "tests/lan/test_discovery.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``RUN_FIRST``'s files first (in its order; pyproject.toml's addopts keep xdist from reordering), the
+    others after them as collected; a file's tests keep their order."""
+    rank = {path: i for i, path in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 # ---------------------------------------------------------------- where the suite's time goes
 
 _FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests]
