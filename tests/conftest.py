@@ -259,9 +259,28 @@ RUN_FIRST = (
 )
 
 
+# The development tier, ``pytest -m quick`` (README): the unit tests but the slow ones, and one or two real
+# fleets' files for each part the unit tests cannot reach (processes, gRPC, the APIs' real clients, mDNS).
+QUICK_SLOW_UNIT = ("tests/unit/test_kernels_sanitized.py",)  # the kernels under ASan/UBSan: a build of their own
+QUICK = (
+    "tests/integration/test_api.py",  # the OpenAI API over a 2-stage fleet, fleet-chat finding it by zeroconf
+    "tests/integration/test_compiler.py",  # builds from HF and GGUF, inspect, drafts
+    "tests/integration/test_chat_terminal.py",  # fleet-chat in a terminal
+    "tests/compat/test_anthropic.py",  # the real Anthropic client
+    "tests/integration/test_fleet_from_gguf.py",  # empty workers: a GGUF planned and shipped to them
+    "tests/lan/test_mdns_hints.py",  # a LAN of namespaces: real mDNS across a bridge
+)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``RUN_FIRST``'s files first (in its order; pyproject.toml's addopts keep xdist from reordering), the
-    others after them as collected; a file's tests keep their order."""
+    """Mark the ``quick`` tier (``QUICK``, ``tests/unit`` but ``QUICK_SLOW_UNIT``); then ``RUN_FIRST``'s
+    files first (in its order; pyproject.toml's addopts keep xdist from reordering), the others after them as
+    collected; a file's tests keep their order."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path in QUICK or (path.startswith("tests/unit/") and path not in QUICK_SLOW_UNIT):
+            item.add_marker(pytest.mark.quick)
     rank = {path: i for i, path in enumerate(RUN_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
