@@ -13,8 +13,8 @@ fleets, stopped with their process groups), cached builds, the machine's facts, 
 * **Reports.** :func:`machine` is the one shape of machine facts every JSON report carries,
   :func:`write_json` writes a report, :func:`table` formats a markdown table.
 
-The benchmarks run as ``python bench/NAME.py`` (the venv's editable install makes ``bench`` a package) or
-``python -m bench.NAME`` from the repository's root.
+The benchmarks run as ``python bench/PART/NAME.py`` (the venv's editable install makes ``bench`` a package) or
+``python -m bench.PART.NAME`` from the repository's root.
 """
 
 from __future__ import annotations

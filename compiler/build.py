@@ -4,7 +4,7 @@ The source is opened by compiler/source.py (headers and metadata only). Each sta
 compiler/export.py straight from the memory-mapped weights and written at once (compiler/save.py),
 one tensor in memory at a time (fp16, int8 and int4 by NNCF's own lowering, a GGUF's own blocks); only
 int4 stages with Mixture-of-Experts layers are compressed by NNCF from the fp16 stage IR read back
-memory-mapped. So builds peak at about one tensor, not the model (bench/build_memory.py measures it). The build is
+memory-mapped. So builds peak at about one tensor, not the model (see bench/builds/build_memory.py). The build is
 written into a hidden folder beside ``out`` and moved into place only when complete: a failed build
 (bad file, full disk, Ctrl-C) leaves ``out`` as it was and nothing half-written.
 """

@@ -11,7 +11,7 @@ with an error saying so, completions still work. That includes Llama 2 and Mistr
 cannot be told from the file, and fleet does not guess (llama.cpp's chatml fallback would be wrong for both).
 
 The templates offer no tools (no ``tools`` variable): the coordinator then puts the tools in a system prompt
-(``coordinator/tools``, llama.cpp's polyfill). BOS is written by the template as ``bos_token`` when the file's
+(``coordinator/api/tools``, llama.cpp's polyfill). BOS is written by the template as ``bos_token`` when the file's
 tokenizer adds BOS (``tokenizer.ggml.add_bos_token``): fleet encodes a rendered prompt without adding specials.
 """
 

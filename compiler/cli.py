@@ -22,7 +22,8 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weights", "NNCF weight compression (compiler/compress.py); int4 defaults depend on the "
                                         "model's size: asymmetric, group 32, ratio 0.8 under 1B parameters")
     g.add_argument("--weights", choices=FORMATS, help="every stage's weights (default fp16, or the --plan's; a "
-                                                     ".gguf keeps its Q8_0/Q4_*/Q5_*/Q2_K-Q6_K blocks exactly, README 'GGUF files')")
+                                                     ".gguf keeps its Q8_0/Q4_*/Q5_*/Q2_K-Q6_K blocks exactly, "
+                                                     "see docs/gguf.md)")
     g.add_argument("--stage-weights", metavar="I=FMT,...", help="per-stage override, e.g. 0=int8,1=int4")
     g.add_argument("--draft-weights", default="fp16", choices=FORMATS,
                    help="weights of model drafts (self-int4 and self-int8 are compressed as named)")

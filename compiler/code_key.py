@@ -1,6 +1,6 @@
 """The compiler's code key: a short hash of the source files a build runs and of the wire protocol version, so
 that a cached build is made again when either changes. The one definition: the tests' and benches' build caches
-(bench/harness.py ``compiler_key``) and the coordinator's (coordinator/planned_fleet.py ``build_key``) call it.
+(bench/harness.py ``compiler_key``) and the coordinator's (coordinator/fleet/planned.py ``build_key``) call it.
 
 The files are every module of fleet's own packages that ``compiler.build`` and ``compiler.draft`` import, at
 module level and inside functions (their import statements, followed until no new module turns up), listed

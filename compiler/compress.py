@@ -28,7 +28,7 @@ layout for a stacked weight (compiler/export.py ``_Weights._stacked_int4``; test
 Defaults per size class (``SIZE_CLASSES``), by the model's parameter count, for int4 (int8 is
 per-channel asymmetric at every size, measured +0.16% perplexity on the demo against +0.50%
 symmetric): under 1B parameters, asymmetric, group 32, 80% of the layers at 4 bit. Measured on the
-demo (README, "Weight compression"): group 32 beats 64 and 128, and keeping 20% of the layers at
+demo (docs/compression.md): group 32 beats 64 and 128, and keeping 20% of the layers at
 int8 cuts the perplexity increase from +24.5% to +14.8% for 10% more bytes; small models lose the
 most, as OpenVINO's guide warns. From 1B: symmetric, group 128, ratio 0.8 (the guide's recommended
 configuration for Llama-2-7B-chat and other 7B models); from 10B: symmetric, group 128, ratio 1.0.

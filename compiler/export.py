@@ -470,7 +470,7 @@ class _Weights:
 def name_products(model: ov.Model) -> None:
     """Name every MatMul whose weight comes from a named constant after that weight (``model.layers.3.mlp.
     down_proj.weight/matmul``, as ``linears`` names fleet's kernels' products), so a per-op profile (``PERF_COUNT``)
-    says which matrix each FullyConnected is (bench/kernel_bench.py)."""
+    says which matrix each FullyConnected is (bench/kernels/kernel_bench.py)."""
     for node in model.get_ordered_ops():
         if node.get_type_name() != "MatMul":
             continue

@@ -7,14 +7,14 @@ and gguf-py's ``kvalues`` are those values doubled, times ``e8m0_to_fp32_half(e)
 scale bytes, and the CPU plugin runs them on its f4e2m1 FullyConnected kernel, exact at f32. Its Gather (the
 embedding) and GatherMatmul (stacked experts) fold f4e2m1 into an f32 copy instead, so those keep the form both
 take compressed: the doubled values -12..12 as i8 per 32 times 2^(e - 128) f32 (``MXFP4_I8``), exact as well
-(E2M1 has 15 values on no affine grid, so no 4-bit integer form holds them). Measured (bench/mxfp4_forms.py, OpenVINO
-2026.4.1's CPU plugin, 2-core AMD EPYC, 1 thread, f32 inference): the tiled MoE block (compiler/layers.py
-``moe_tiled``) of 32 experts of 1024 x 1024, top 4, one token, 0.66 ms with i8 experts against 3.4 ms with f4e2m1
-ones (every expert's decompression runs each call) and 2.7 ms as fp16 (held as f32); one 2048 x 2048 matrix in
-f4e2m1 0.97x the time of its fp16 copy, the same values as i8 per 32 0.43x (int8 activations) / 0.80x (off): the
-f4e2m1 kernel takes no int8 activations, so dense MXFP4 is kept in half the bytes of i8, not faster than it
-(README, "Bring your own model", has the demo's whole-model figures). These are GPU/NPU stages' forms: a CPU stage
-multiplies MXFP4 matrices and experts as the file's bytes with fleet's kernels (compiler/experts.py).
+(E2M1 has 15 values on no affine grid, so no 4-bit integer form holds them). Measured (bench/kernels/mxfp4_forms.py,
+OpenVINO 2026.4.1's CPU plugin, 2-core AMD EPYC, 1 thread, f32 inference): the tiled MoE block (compiler/layers.py
+``moe_tiled``) of 32 experts of 1024 x 1024, top 4, one token, 0.66 ms with i8 experts against 3.4 ms with f4e2m1 ones
+(every expert's decompression runs each call) and 2.7 ms as fp16 (held as f32); one 2048 x 2048 matrix in f4e2m1 0.97x
+the time of its fp16 copy, the same values as i8 per 32 0.43x (int8 activations) / 0.80x (off): the f4e2m1 kernel takes
+no int8 activations, so dense MXFP4 is kept in half the bytes of i8, not faster than it (docs/gguf.md, "Every kept form
+on the demo", has the demo's whole-model figures). These are GPU/NPU stages' forms: a CPU stage multiplies MXFP4
+matrices and experts as the file's bytes with fleet's kernels (compiler/experts.py).
 Two scale bytes differ: OpenVINO reads e = 0 as 0, not 2^-127 (its weights are below 2^-124, f32 denormals: read
 as 0; gguf-py's quantizer writes it only for such blocks), and e = 255 as NaN (the MX spec's; gguf-py 2^127): a
 tensor with a 255 is refused.

@@ -70,7 +70,7 @@ class Floor:
 
 
 # Floors per the least precise weight format of a build, set from measurements on the demo model
-# (README, "Weight compression": the table they come from and why).
+# (docs/compression.md, "The floors": the table they come from and why).
 FLOORS = {
     "fp16": Floor(0.001, 0.99),
     "gguf": Floor(0.001, 0.99),  # a GGUF's own blocks: the same values as an fp16 build of it, but not rounded

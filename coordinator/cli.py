@@ -200,10 +200,10 @@ def _http_protocol(settings: CoordinatorSettings) -> type:
 
 async def serve(settings: CoordinatorSettings) -> None:
     """Run the coordinator until SIGINT/SIGTERM (see ``_Shutdown``; SIGUSR1 logs what every task
-    awaits). Raises ``ManifestError`` for a bad build folder, ``planned_fleet.SourceError`` for a model source
+    awaits). Raises ``ManifestError`` for a bad build folder, ``fleet.planned.SourceError`` for a model source
     that could not be collected for, planned, built or shipped (the message names the worker and the numbers)."""
     dump_tasks_on_signal()
-    planned = None  # planned_fleet.PlannedFleet of a SOURCE
+    planned = None  # fleet.planned.PlannedFleet of a SOURCE
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
         from .fleet.planned import prepare_build  # a SOURCE, not a build: plan, build and ship first
         from .fleet.preparing import Preparation, serving_while  # the page and /health show it meanwhile

@@ -38,7 +38,7 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
     inference_precision: Literal["auto", "f32", "bf16", "f16"] = Field(
         "auto", description="precision hint passed to local workers: f32 makes greedy answers token-identical "
         "alone, batched and after a failover (about 2x slower); auto (bf16 where the CPU has it) does not "
-        "(README Precision)")
+        "(see docs/precision.md)")
     served_model_name: str = Field("", description="model name in the API; empty = the build's model id")
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when a request gives none")
     max_context: int = Field(0, ge=0, description="cap on prompt + completion tokens (0 = the model's context)")

@@ -68,7 +68,7 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     try:
-        # f32: the answer is the model's own, token for token (README, "Precision"). At a bf16-capable CPU's
+        # f32: the answer is the model's own, token for token (docs/precision.md). At a bf16-capable CPU's
         # default, the demo's question sits at a near-tie on its first token (logits 25.33 vs 25.24) that
         # bf16 rounding flips into a French ramble.
         precision = ["--inference-precision", "f32"]
@@ -111,7 +111,7 @@ def main() -> int:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-    print("\ndemo done. Chat yourself: see README.md, 'Run it yourself'.")
+    print("\ndemo done. Chat yourself: see README.md, 'One machine (run it yourself)'.")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""gRPC plumbing shared by the coordinator's pipelines (coordinator/pipeline.py) and a worker's links to the
+"""gRPC plumbing shared by the coordinator's pipelines (coordinator/engine/pipeline.py) and a worker's links to the
 next stage (worker/links.py, worker/server.py): one cached channel per worker address, one writer per
 bidirectional stream (a write at a time, within a deadline), and a gRPC failure put in words.
 """

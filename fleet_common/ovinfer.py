@@ -2,7 +2,7 @@
 
 ``InferRequest.infer(dict)`` goes through OpenVINO's Python data dispatcher (a singledispatch per input,
 a copy into the request's tensors) and wraps copies of every output in an ``OVDict``: about 80 us of
-CPU a call here, on every token of every stage (issue 17, bench/hop_overhead.py). ``infer_first``
+CPU a call here, on every token of every stage (issue 17, bench/pipeline/hop_overhead.py). ``infer_first``
 hands the inputs over as tensors sharing numpy's memory and copies only the first output.
 """
 

@@ -3,7 +3,7 @@
 OpenVINO memory-maps a stage's ``.bin`` (or a model-cache blob) and, on the first inference, the CPU plugin
 repacks every compressed or f16 weight into its own kernel layout (anonymous memory). Reading the file for that
 repack leaves every page of the mapping resident in the process, so a worker held the weights twice: its file
-pages (the mapped ``.bin``) beside the plugin's copy (bench/kernel_bench.py: 951 MiB file-backed + 896 MiB
+pages (the mapped ``.bin``) beside the plugin's copy (bench/kernels/kernel_bench.py: 951 MiB file-backed + 896 MiB
 anonymous for a 927 MB stage). After the repack the mapping is read only for what the plugin uses in place (the
 embedding rows a Gather reads).
 

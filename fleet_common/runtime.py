@@ -6,7 +6,7 @@ layer and per K/V: compiler/export.py). Every physical slot of that state has a 
 draft tokens keep their slots with the bit cleared (mask-based rejection: what follows is the same as if
 they had never been fed, tests/integration/test_mask_rejection.py) and ``position_ids`` follow the logical
 length, so nothing is trimmed on the hot path (trimming costs milliseconds per rejection, growing with the
-context: bench/spec_bench.py measures both). When invisible slots pile up, ``compact`` rewrites the state once.
+context: bench/pipeline/spec_bench.py measures both). When invisible slots pile up, ``compact`` rewrites the state once.
 The sliding-window layers' states hold only their last slots (fleet_common/sliding_kv.py).
 """
 
@@ -131,7 +131,7 @@ def compile_config(threads: int = 0, inference_precision: str = "auto",
     ``compressed_cpu`` (a CPU stage of compressed weights: GGUF blocks, int8, int4; ``runs_compressed``): "auto"
     runs its activations at f32, which the plugin quantizes to int8 per group for its integer kernels (dynamic
     quantization, on); at bf16 a CPU with AMX took its bf16 kernels instead, 1.17x (Q4_K_M) to 1.29x (Q4_0)
-    slower on Llama-3.2-1B's dimensions (bench/kernel_bench.py). The KV cache stays the build's."""
+    slower on Llama-3.2-1B's dimensions (bench/kernels/kernel_bench.py). The KV cache stays the build's."""
     config: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
     if inference_precision == "auto" and compressed_cpu:
         config["INFERENCE_PRECISION_HINT"] = "f32"
@@ -200,7 +200,7 @@ def compile_ir(xml: Path, device: str = "CPU", threads: int = 0, inference_preci
 
     ``inference_precision`` "f32" also keeps the KV cache in f32 (bit-exact with one device) and runs fleet's
     kernels (``GgufMatMul``) at their exact precision (``kernels_at``). ``kernels`` ("int8" or "f32") sets the
-    kernels' precision whatever ``inference_precision`` is (bench/llama_cpp_parity.py: the rest in f32, the
+    kernels' precision whatever ``inference_precision`` is (bench/builds/llama_cpp_parity.py: the rest in f32, the
     products as llama.cpp computes them).
     ``cache_dir``: OpenVINO's model cache (``CACHE_DIR``, "Model Caching Overview" in the OpenVINO
     docs): a compiled model found there is imported instead of compiled, otherwise it is written there.

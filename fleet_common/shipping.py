@@ -7,9 +7,9 @@ flight), one ``PutStage`` call per file with a deadline that grows with its byte
 asks the worker to hash the files against the manifest and serve the stage. The worker writes each file
 through a partial file renamed into place only once its sha256 equals the manifest's (worker/stage_cache.py).
 
-A coordinator that plans and ships (coordinator/planned_fleet.py ``ship_plan``) calls ``ship_stage`` then
+A coordinator that plans and ships (coordinator/fleet/planned.py ``ship_plan``) calls ``ship_stage`` then
 ``load_stage`` per worker of the plan, on a channel from ``fleet_common.security.open_channel`` (so with
-``--secret`` every call carries its token). ``bench/empty_fleet.py`` times it through ``fleet-wan`` links.
+``--secret`` every call carries its token). ``bench/wan/empty_fleet.py`` times it through ``fleet-wan`` links.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def start_worker(build: Path, shard: int, log_dir: Path, *extra: str, port: int 
     """Start ``fleet-worker`` (f32, one thread, announced on loopback); return it and its address once ready.
 
     ``defaults``: the shipped defaults instead (``--inference-precision auto``: bf16 on a bf16-capable CPU,
-    f16 KV cache; OpenVINO's thread count), under which outputs are not shape-invariant (README "Precision")."""
+    f16 KV cache; OpenVINO's thread count), under which outputs are not shape-invariant (docs/precision.md)."""
     return harness.start_worker(build, shard, log_dir / f"worker{shard}{name}.log", "--port", str(port),
                                 *(() if defaults else EXACT_WORKER), *extra, timeout_s=120)
 
@@ -144,7 +144,7 @@ def defaults_fleet(build_2, tmp_path_factory):
 
 # At the shipped defaults a token's logits depend on the shape of the steps that computed its context (bf16
 # inference: a session's first chunk, batch rows and chunk lengths with more than one thread;
-# bench/pipeline/invariance.py, README "Precision"), so a greedy stream may leave another run of the same prompt where
+# bench/pipeline/invariance.py, docs/precision.md), so a greedy stream may leave another run of the same prompt where
 # the top two candidates are close. Measured on the demo (bench/pipeline/invariance.py, 5 runs of 8 streams): every
 # divergence was at a top-two gap below 0.15; 10-11% of all positions have a gap below 0.25, 31-35% below 1.0.
 DEFAULTS_NEAR_TIE = 0.3  # top-two logprob gap (= logit gap) below which two default runs may pick differently

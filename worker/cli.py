@@ -131,8 +131,8 @@ def check_store_open(settings: WorkerSettings) -> None:
     raise ValueError(
         f"an empty worker on {settings.host} without --secret would take stages from any host on the network: give "
         "it the fleet's key with --secret FILE, and the coordinator the same file (make one with: "
-        f"{MAKE_KEY}; then copy it to every PC), or start it with --open-store on a network you trust (README, "
-        "Security)")
+        f"{MAKE_KEY}; then copy it to every PC), or start it with --open-store on a network you trust (see "
+        "docs/security.md)")
 
 
 def _warn_open(settings: WorkerSettings, port: int) -> None:

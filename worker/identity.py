@@ -1,7 +1,7 @@
 """An empty worker's identity (issue 30): the worker id it announces, kept in its stage cache so that a
 restarted worker is the same worker to the coordinator.
 
-The coordinator plans over workers in the order of their ids (coordinator/planned_fleet.py
+The coordinator plans over workers in the order of their ids (coordinator/fleet/planned.py
 ``nodes_from_capacities``), so a worker that drew a new id at each start could be given another worker's
 stage after a restart and both would be shipped again what the other one holds. ``claim`` reads
 ``<stages dir>/worker-id`` (written once, at the first start) and holds an exclusive lock on

@@ -2,7 +2,7 @@
 carrying every session's steps in order, with failures coming back as ``LinkAck`` messages.
 
 A unary call per step per hop cost about 0.5 ms of CPU on each side (issue 17's measurements,
-bench/hop_overhead.py); a message on an open stream costs a fifth of that. What the unary chain gave
+bench/pipeline/hop_overhead.py); a message on an open stream costs a fifth of that. What the unary chain gave
 for free is kept explicitly:
 
 * **errors name their stage**: a failure below is relayed up as ``stage N at ADDRESS: ...`` (nested,

@@ -33,7 +33,7 @@ DOWNSTREAM_TIMEOUT_S = 120.0  # cap on a forwarded step's deadline, so nothing w
 MAX_NEXT_STAGE_CHANNELS = 16  # a stage forwards to the replicas of the next stage: a handful of addresses
 # A step of at most INLINE_MAX_TOKENS (rows x tokens: a decode step) runs on the event loop's thread when
 # the inference thread is idle and such steps take under INLINE_MAX_MS: the hand-off to the inference
-# thread and back costs ~0.3 ms of CPU per step (two thread wake-ups; bench/hop_overhead.py), while
+# thread and back costs ~0.3 ms of CPU per step (two thread wake-ups; bench/pipeline/hop_overhead.py), while
 # a blocked loop delays this worker's other RPCs by at most one such step.
 INLINE_MAX_TOKENS = 32
 INLINE_MAX_MS = 20.0

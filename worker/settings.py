@@ -36,7 +36,7 @@ class WorkerSettings(SecuritySettings, BaseSettings):
     inference_precision: Literal["auto", "f32", "bf16", "f16"] = Field(
         "auto", description="INFERENCE_PRECISION_HINT. auto: OpenVINO's choice, bf16 with an f16 KV cache on a CPU "
         "with bf16: greedy answers may then differ between a request alone and batched, after a failover or "
-        "with the prefix cache (at near-ties; README Precision). f32 (also f32 KV): token-identical in all "
+        "with the prefix cache (at near-ties; see docs/precision.md). f32 (also f32 KV): token-identical in all "
         "of these, about 2x slower"
     )
     max_sessions: int = Field(64, ge=1, le=4096, description="sessions held at once; more get RESOURCE_EXHAUSTED")

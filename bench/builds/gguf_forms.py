@@ -21,7 +21,7 @@ Each is built with ``fleet-compiler build X.gguf --shards 1``, the reference wit
   weight input and their ``runtimePrecision``. Compressed kernels show the packed type (u4/i4/i8) with f32
   scale inputs; a dequantized copy would show f32/bf16/f16 weights;
 * decode ms per token at 128 tokens of context, one thread, at the default precision and at f32: every
-  build x precision compiled in this process (the 1-stage IR fed from numpy, ``bench/decoding.Whole``),
+  build x precision compiled in this process (1-stage IR fed from numpy, ``bench/kernels/decoding.Whole``),
   prefilled once on the quality text with the KV kept, then ``--rounds`` rounds of ``--steps`` teacher-forced
   steps from that KV, every configuration one step in turn (rotated each round) so load from other
   processes hits them alike; a cell is the median step, its ratio the median over rounds of the per-round

@@ -12,7 +12,7 @@ A CPU build multiplies both as the file's bytes with fleet's ``GgufMoeMatMul`` (
 down, each token's chosen experts only), in MXFP4 or F16 blocks.
 
 Each is built by ``fleet-compiler build FILE --shards 1`` (cached by ``bench/harness.ensure_build``) and timed by
-``bench/kernel_bench.fleet_cell``: loaded as a worker loads it, in its own process pinned to ``--threads`` cores,
+``kernel_bench.fleet_cell``: loaded as a worker loads it, in its own process pinned to ``--threads`` cores,
 ``--prompt`` random tokens prefilled then ``--tokens`` greedy steps, three times, the median.
 
 With ``--llama-cpp``, llama.cpp's ``llama-bench`` on the same file beside it (``kernel_bench.llama_cell``: ``-p 0 -n

@@ -12,7 +12,7 @@ stage-1 worker: one stream is run to the end, then again with the stage-1 worker
 
     python bench/pipeline/invariance.py [--configs defaults,f32,...] [--tokens 128] [--failover] [--json PATH]
 
-Findings (README "Precision", 2-stage demo, 128 tokens): at the defaults 5, 6 and 7 of 8 streams differed in
+Findings (docs/precision.md, 2-stage demo, 128 tokens): at the defaults 5, 6 and 7 of 8 streams differed in
 three runs and the failover diverged at token 57; ``--threads 1`` 3/8, ``--draft none`` 3/8,
 ``--no-prefix-cache`` 6/8, ``--max-batch 1`` 4/8, ``--batch-groups 1`` 4/8, the three together 2/8 and 4/8;
 ``--inference-precision f32`` 0/8 and an identical failover (also at ``--threads 1``). Every divergence was at

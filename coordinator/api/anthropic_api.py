@@ -291,7 +291,7 @@ class MessagesResponder:
 
 def add_anthropic_routes(app: FastAPI, responder: MessagesResponder) -> None:
     """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, answered by ``responder``. Their errors,
-    validation errors included, come in Anthropic's shape (``api.add_error_handlers`` asks
+    validation errors included, come in Anthropic's shape (``app.add_error_handlers`` asks
     ``anthropic_errors.anthropic_path``)."""
 
     @app.post("/v1/messages")

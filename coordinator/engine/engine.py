@@ -1,7 +1,7 @@
 """The generation engine's front: admission, placement, failover and shutdown around the step loops.
 
-A request comes from the API (``api.py``), waits here for a request slot, is placed on a pipeline
-(``registry.py``) with its session opened on every stage (admission by the workers' KV budgets, a
+A request comes from the API (``api/``), waits here for a request slot, is placed on a pipeline
+(``fleet/registry.py``) with its session opened on every stage (admission by the workers' KV budgets, a
 retained session reused when its prompt begins with one: ``prefix_cache.py``), and is handed to that
 pipeline's step loop (``loop.py``), which runs it to the end; its text deltas come back here from
 the loop's output processor and go to the API. The coordinator owns each session's tokens; workers

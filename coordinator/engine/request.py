@@ -16,7 +16,7 @@ from .sampling import Penalties, SparseDist, penalized_distribution
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    REPLAN_WAIT = "replan_wait"  # placed nowhere yet: the fleet re-plans over the workers left (replan.py)
+    REPLAN_WAIT = "replan_wait"  # placed nowhere yet: the fleet re-plans over the workers left (fleet/replan.py)
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"

@@ -44,7 +44,7 @@ class Preparation:
         self._t0 = time.monotonic()
 
     def heard(self, found: dict, why: list[str]) -> None:
-        """A round of Info calls while collecting (planned_fleet.collect_capacities' ``on_round``): ``found``
+        """A round of Info calls while collecting (planned.collect_capacities' ``on_round``): ``found``
         (worker id -> (address, capacity)) are counted, each line of ``why`` (``ADDRESS: reason``) names one that
         is not (unreachable, refusing this coordinator's --secret, a static worker, another fleet's)."""
         self.workers = sorted(address for address, _ in found.values())

@@ -151,7 +151,7 @@ def test_chat_client_finds_the_coordinator_by_zeroconf(fleet):
 def test_the_defaults_answer_and_stream_like_plain_requests(defaults_fleet):
     """At the shipped defaults (the build's first draft, adaptive K): Tokyo (not Paris: the demo's first
     token there is a near-tie, 'The' 0.09 above 'L', which bf16 turns); a streamed answer equals the plain
-    one (or leaves it only at a near-tie, README "Precision") and is UTF-8 safe; speculation ran."""
+    one (or leaves it only at a near-tie, docs/precision.md) and is UTF-8 safe; speculation ran."""
     url = defaults_fleet.url
     body = chat(url, "What is the capital of Japan?", max_tokens=32).json()
     assert "Tokyo" in body["choices"][0]["message"]["content"] and body["choices"][0]["finish_reason"] == "stop"

@@ -2,7 +2,7 @@
 output token for token (f32); cancelling one mid-stream frees its KV on every stage at once (seen
 through the workers' Info RPC) and does not disturb the others. At the shipped defaults (bf16, default
 threads, ``--draft auto``) the 8 streams answer in batch groups while speculating and agree with their solo
-runs up to a near-tie (README "Precision": token identity needs f32)."""
+runs up to a near-tie (docs/precision.md: token identity needs f32)."""
 
 from __future__ import annotations
 

@@ -368,7 +368,7 @@ def replicated_defaults(build_2, tmp_path):
 
 def test_failover_at_the_defaults_goes_on_without_error(replicated_defaults):
     """At the defaults the replica rebuilds the KV by prefill, which rounds differently from the decode steps
-    that wrote it (bf16; README "Precision"): the stream goes on without an error, in full, within the
+    that wrote it (bf16; docs/precision.md): the stream goes on without an error, in full, within the
     detection bound, equal to the run without a failure or leaving it only at a near-tie; KV is freed."""
     workers, coordinator, url = replicated_defaults
     reference = stream_with_gaps(url, PROMPT, TOKENS)

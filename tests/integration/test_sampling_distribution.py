@@ -1,4 +1,4 @@
-"""Speculative sampling through a real fleet keeps the target's distribution (README: "lossless for
+"""Speculative sampling through a real fleet keeps the target's distribution (docs/speculative.md: "lossless for
 sampling").
 
 A tiny random Llama with the demo tokenizer's 49,152-token vocabulary (so the last stage returns its

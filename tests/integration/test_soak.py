@@ -156,8 +156,8 @@ def wait_kv_freed(url: str, addresses: list[str], timeout_s: float = 15) -> None
 
 def solo_answers(url: str) -> tuple[dict[str, list[int]], float]:
     """Each greedy prompt's token ids, asked alone (one request at a time). The soak compares them exactly:
-    its K and batch rows differ from the solo run's, which moves f32 logits by up to ~6e-5 (README,
-    speculative decoding), so no position may be a near-tie (measured: the smallest top-two gap is 0.035);
+    its K and batch rows differ from the solo run's, which moves f32 logits by up to ~6e-5 (docs/speculative.md,
+    how drafts are verified), so no position may be a near-tie (measured: the smallest top-two gap is 0.035);
     returns that gap too."""
     out, smallest = {}, float("inf")
     for prompt in GREEDY:

@@ -1,5 +1,5 @@
 """At ``--inference-precision f32 --threads 1`` a 2-stage fleet's last stage reports the same top-5
-logprobs as the 1-stage build, bit for bit, over a prefill and decode steps (README "Precision": f32
+logprobs as the 1-stage build, bit for bit, over a prefill and decode steps (docs/precision.md: f32
 gives the same answers whatever the shapes; here, whatever the cut between stages). Both sides are
 real fleets (workers as processes, gRPC on loopback, the real coordinator's ``logprobs`` fields), so
 the comparison covers the hidden states on the wire between the stages and the last stage's top-k."""

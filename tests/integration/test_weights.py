@@ -1,6 +1,6 @@
 """int8 and int4 builds of the demo model (``fleet-compiler build --weights``): each answers a chat
 through a real 2-worker fleet and meets its quality floor in ``fleet-compiler inspect --reference``
-(the README's floors, written here; measured afresh, never from a cached quality.json).
+(docs/compression.md's floors, written here; measured afresh, never from a cached quality.json).
 
 Isolation: other tests on this machine run fleets at the same time, so workers start with
 ``--no-announce`` and the coordinator with ``--no-discover --peer``.
@@ -20,9 +20,9 @@ from tests.integration.test_compiler import run_cli
 pytestmark = pytest.mark.integration
 
 
-# The README's floors ("Weight compression"): (max perplexity increase over fp16, min greedy agreement). Written
+# The floors of docs/compression.md ("The floors"): (max perplexity increase over fp16, min greedy agreement). Written
 # here, not read from compiler.quality, so loosening the code's floors fails the test.
-README_FLOORS = {"int8": (0.01, 0.90), "int4": (0.20, 0.75)}
+DOCUMENTED_FLOORS = {"int8": (0.01, 0.90), "int4": (0.20, 0.75)}
 
 
 def uncached(build: Path, folder: Path) -> Path:
@@ -90,7 +90,7 @@ def test_compressed_build_answers_through_a_fleet(compressed, tmp_path):
 
 
 def test_compressed_build_meets_its_quality_floor(compressed, fp16_reference, tmp_path):
-    """The inspect report: perplexity on >= 5k tokens of public-domain text within the README's floor of
+    """The inspect report: perplexity on >= 5k tokens of public-domain text within docs/compression.md's floor of
     the fp16 build's, teacher-forced greedy agreement above it; exit code 0, stored in quality.json."""
     weights, build = compressed
     build = uncached(build, tmp_path / "build")
@@ -98,7 +98,7 @@ def test_compressed_build_meets_its_quality_floor(compressed, fp16_reference, tm
     assert out.returncode == 0, out.stdout + out.stderr
     assert "quality: OK" in out.stdout and "inspect: OK" in out.stdout, out.stdout
     report = json.loads((build / "quality.json").read_text())
-    comparison, (max_increase, min_agreement) = report["comparison"], README_FLOORS[weights]
+    comparison, (max_increase, min_agreement) = report["comparison"], DOCUMENTED_FLOORS[weights]
     assert report["measurement"]["tokens"] >= 5000 and report["measurement"]["seconds"] > 0
     assert comparison["passed"]
     assert comparison["floor"] == {"max_ppl_increase": max_increase, "min_agreement": min_agreement}

@@ -85,7 +85,7 @@ def test_a_worker_left_too_small_for_the_model_refuses_with_its_name_and_bytes(t
 
     two = caps(a=(SMALL, 10.0), b=(SMALL, 10.0))
 
-    async def answering(addresses, security, peers, model_id, timeout):  # noqa: ANN001, ANN202 - planned_fleet.answering
+    async def answering(addresses, security, peers, model_id, timeout):  # noqa: ANN001, ANN202 - planned.answering
         return {"a": ("127.0.0.1:1", two["a"])}, ["127.0.0.1:2: UNAVAILABLE"]
 
     monkeypatch.setattr(replan, "answering", answering)
