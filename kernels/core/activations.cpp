@@ -44,7 +44,7 @@ void quantize_row32(Activations& a, int64_t m) {
     int32_t* lanes = a.lanes.data() + m * groups * 8;
     for (int64_t g = 0; g < groups; ++g) {
         int8_t* qg = q + g * 32;
-        d[g] = quantize_group(x + g * 32, 32, qg);
+        d[g] = group32_scale(quantize_group(x + g * 32, 32, qg));
         int sums[2] = {0, 0};
         for (int j = 0; j < 32; ++j) sums[j / 16] += qg[j];
         for (int l = 0; l < 8; ++l) lanes[g * 8 + l] = -(int32_t(qg[4 * l]) + qg[4 * l + 1] + qg[4 * l + 2] + qg[4 * l + 3]);

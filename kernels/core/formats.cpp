@@ -61,6 +61,24 @@ float e8m0_half(uint8_t e) {
 const int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 const int8_t kE2m1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+float round_to_f16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    const uint32_t sign = bits & 0x80000000u, mag = bits ^ sign;
+    if (mag >= 0x7f800000u) return f;  // infinity, NaN
+    if (mag >= 0x477ff000u) {          // 65520 and above: past the midpoint of 65504 and 2^16 (to even: infinity)
+        bits = sign | 0x7f800000u;
+    } else if (mag < 0x38800000u) {    // below 2^-14, f16's smallest normal: a multiple of 2^-24
+        const float r = std::nearbyint(std::fabs(f) * 16777216.0f) * (1.0f / 16777216.0f);  // both exact scalings
+        std::memcpy(&bits, &r, 4);
+        bits |= sign;
+    } else {                           // a normal f16: 10 of the 23 fraction bits kept, the rest rounded to even
+        bits = sign | ((mag + 0xfffu + ((mag >> 13) & 1u)) & ~0x1fffu);
+    }
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
 float f16_to_f32(uint16_t v) {
     const uint32_t sign = uint32_t(v & 0x8000) << 16;
     const uint32_t exp = (v >> 10) & 31, mant = v & 1023;

@@ -62,6 +62,9 @@ bool integer_scales(const Format& f, const uint8_t* blk, IntegerScales& out);
 
 // f16 and bf16 bits to f32 (exact).
 float f16_to_f32(uint16_t h);
+// f rounded to the nearest f16 value (ties to even; beyond 65504 to infinity, as IEEE 754 conversion does), as
+// an f32. NaN stays NaN.
+float round_to_f16(float f);
 inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = uint32_t(h) << 16;
     float f;

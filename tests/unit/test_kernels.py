@@ -47,13 +47,17 @@ def dequantized(name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
 
 def quantized_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
     """float64: x quantized as the kernels do (per ``group`` values, 32, or 256 for the 256-weight types:
-    d = max|x| / 127, q = rint(x * (127 / max|x|)))."""
+    d = max|x| / 127, in f16 for groups of 32, q = rint(x * (127 / max|x|)))."""
     g = x.astype(np.float32).reshape(*x.shape[:-1], -1, group)
     amax = np.abs(g).max(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.clip(np.rint(g * inv), -127, 127)
     d = (amax / np.float32(127)).astype(np.float32)
+    if group == 32:  # kept in f16 as llama.cpp's block_q8_0 keeps it (to nearest even), f32 where f16 overflows
+        with np.errstate(over="ignore"):
+            d16 = d.astype(np.float16).astype(np.float32)
+        d = np.where(np.isinf(d16), d, d16)
     return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 

@@ -1,6 +1,6 @@
 // Activations quantized in 256-bit registers (activations.h): the arithmetic of activations.cpp's scalar
 // quantize_rows step for step (max|x| exact, id = 127 / max|x| in f32, rint(x id) to nearest even, clamped to
-// [-127, 127]; d = max|x| / 127), so every instruction set gives the same bits as the scalar path (a test
+// [-127, 127]; d = max|x| / 127, rounded to f16 for groups of 32), so every instruction set gives the same bits as the scalar path (a test
 // checks it). Included by driver.h inside one instruction set's namespace.
 
 static inline float hmax(__m256 v) {
@@ -60,7 +60,7 @@ static void quantize_rows_simd(Activations& a, int64_t r0, int64_t r1) {
         float* dsum1 = dsum0 + groups;
         int32_t* lanes = a.lanes.data() + m * groups * 8;
         for (int64_t g = 0; g < groups; ++g) {
-            d[g] = quantize_group_simd(x + g * 32, 32, q + g * 32, sums4);
+            d[g] = group32_scale(quantize_group_simd(x + g * 32, 32, q + g * 32, sums4));
             const __m256i s4 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums4));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes + g * 8), _mm256_sub_epi32(_mm256_setzero_si256(), s4));
             dsum0[g] = d[g] * float(sums4[0] + sums4[1] + sums4[2] + sums4[3]);
