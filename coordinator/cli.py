@@ -206,7 +206,8 @@ async def serve(settings: CoordinatorSettings) -> None:
     planned = None  # fleet.planned.PlannedFleet of a SOURCE
     if not (settings.model / "manifest.json").is_file() and (settings.model.is_file() or settings.model.is_dir()):
         from .fleet.planned import prepare_build  # a SOURCE, not a build: plan, build and ship first
-        from .fleet.preparing import Preparation, serving_while  # the page and /health show it meanwhile
+        from .api.preparing_page import serving_while  # the page and /health show it meanwhile
+        from .fleet.preparing import Preparation
 
         prep = Preparation(str(settings.model))
         # announced while it prepares too (fleet-chat finds it and waits on its 503 fleet_preparing), under the
@@ -234,7 +235,7 @@ async def serve(settings: CoordinatorSettings) -> None:
 async def _serve_build(settings: CoordinatorSettings, planned: PlannedFleet | None, zc,  # noqa: ANN001 - _withdraw's
                        listening: socket.socket | None) -> None:
     """``serve``'s part once there is a build (``settings.model``): the engine, the workers and the API, on
-    ``listening`` when the preparing page handed its socket over (``preparing.serving_while``), else on
+    ``listening`` when the preparing page handed its socket over (``preparing_page.serving_while``), else on
     ``settings.host``/``port``; ``planned`` is the ``PlannedFleet`` of a SOURCE (None for a build folder) and
     ``zc`` its announcement while preparing (None: announced here if ``--announce``)."""
     loaded = load_manifest(settings.model)

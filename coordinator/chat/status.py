@@ -63,7 +63,7 @@ def sse_status(line: str) -> str | None:
 
 PREPARING_CODES = ("fleet_preparing",)
 """503 codes of a coordinator that will serve soon (``serve --model SOURCE`` planning, building, shipping:
-coordinator/fleet/preparing.py): fleet-chat waits, as their Retry-After says, instead of giving up."""
+coordinator/api/preparing_page.py): fleet-chat waits, as their Retry-After says, instead of giving up."""
 
 
 def preparing_status(response: httpx.Response) -> str | None:

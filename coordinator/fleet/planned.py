@@ -530,7 +530,7 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
     hears; ``--expect-workers`` of them, default every --peer, or by mDNS all that answer until none is new
     for ``SETTLE_S``), planned over, the plan built (cached, in a thread) and each stage shipped and loaded;
     returns the build folder to serve as usual with the plan and the workers. Each phase is told to ``prep``
-    (coordinator/fleet/preparing.py: the page and /health show it). Raises ``ValueError`` without --peer and with
+    (coordinator/api/preparing_page.py: the page and /health show it). Raises ``ValueError`` without --peer and with
     --no-discover."""
     if not settings.peer and not settings.discover:
         raise ValueError(f"{settings.model} is a model source, not a build: give the empty workers with --peer, "

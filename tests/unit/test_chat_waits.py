@@ -1,5 +1,5 @@
 """fleet-chat while the fleet is not serving yet or re-plans (real processes, real HTTP): against the port of a
-coordinator preparing its fleet (coordinator/fleet/preparing.py, real uvicorn) fleet-chat waits on the 503
+coordinator preparing its fleet (coordinator/api/preparing_page.py, real uvicorn) fleet-chat waits on the 503
 ``fleet_preparing`` as its Retry-After says, shows the progress on stderr, and asks once the API answers there
 (a real local HTTP server standing in for it); a stream's SSE comments (``: re-planning ...``) show on stderr,
 never in the answer; ``--wait-s`` bounds the wait."""
@@ -16,8 +16,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from coordinator.api.preparing_page import serving_while
 from coordinator.fleet.local import free_port
-from coordinator.fleet.preparing import Preparation, serving_while
+from coordinator.fleet.preparing import Preparation
 from coordinator.settings import CoordinatorSettings
 
 CHAT = [str(Path(sys.executable).parent / "fleet-chat")]

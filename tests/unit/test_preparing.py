@@ -1,4 +1,4 @@
-"""coordinator/fleet/preparing.py: while a planned fleet is prepared, its port answers /health (503, fleet.state
+"""coordinator/api/preparing_page.py: while a planned fleet is prepared, its port answers /health (503, fleet.state
 preparing), the page, and 503 with Retry-After elsewhere; once the work ends its socket, still listening, goes to
 the API (a connection in between is answered, not refused); a failed preparation frees the port; a port in
 use fails at once, before the work runs. Real uvicorn on loopback, real HTTP."""
@@ -12,8 +12,9 @@ import httpx
 import pytest
 import uvicorn
 
+from coordinator.api.preparing_page import serving_while
 from coordinator.fleet.local import free_port
-from coordinator.fleet.preparing import Preparation, serving_while
+from coordinator.fleet.preparing import Preparation
 from coordinator.settings import CoordinatorSettings
 
 
