@@ -46,7 +46,7 @@ DEMO = "SmolLM2-135M-Instruct"
 MODULES = {"fleet-worker": "worker.cli", "fleet-coordinator": "coordinator.cli", "fleet-compiler": "compiler.cli"}
 LLAMA_CPP_PYTHON = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")  # the sdist bench/build_llama_cpp.sh builds
 LLAMA_CPP_BIN = (Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "fleet" / "llama.cpp"))
-                 / f"build-{LLAMA_CPP_PYTHON}" / "bin")  # where that script puts its binaries
+                 / f"build-{LLAMA_CPP_PYTHON}-noamx" / "bin")  # where that script puts its binaries
 
 
 # ---------------------------------------------------------------- processes

@@ -220,9 +220,10 @@ def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Output],
     The experts are written as OpenVINO's tiled MoE block (``moe_tiled``), which the CPU plugin's
     ``ConvertTiledMoeBlockToGatherMatmuls`` turns into GatherMatmul(Compressed) nodes: each token reads only
     its chosen experts' blocks, still compressed, inside the kernel (a CPU stage of fleet's kernels multiplies
-    the experts' bytes itself instead: compiler/experts.py). It replaced an explicit Gather of the
-    chosen experts' slices, decompressed to f32 before a batched MatMul, 6.8x slower on the CPU (117 against
-    17.1 ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M, bench/kernels/moe_bench.py; docs/design.md keeps that row)."""
+    the experts' bytes itself instead: compiler/experts.py). It replaced an explicit Gather of the chosen
+    experts' slices, decompressed to f32 before a batched MatMul, 6.8x slower on the CPU (117 against 17.1
+    ms/token for 4 Qwen3-30B-A3B layers in Q4_K_M, bench/kernels/moe_bench.py; docs/design-measured.md keeps
+    that row)."""
     flat, weights, chosen = moe_routing(x, w, cfg, layer)
     out = moe_tiled(flat, weights, chosen, experts, cfg.num_experts)  # [N, H]
     return op.reshape(out, op.shape_of(x, output_type="i64"), special_zero=False).output(0)  # [B, S, H]

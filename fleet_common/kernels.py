@@ -9,7 +9,7 @@ The ops (opset ``fleet_gguf``): ``GgufMatMul``, activations f32 [..., K] x the t
 [N, row bytes], GGUF's own layout) -> f32 [..., N]; ``GgufMoeMatMul``, the same for each token's chosen
 experts of an expert tensor [E, N, row bytes]; ``GgufEmbedding``, rows of a table kept as blocks. Attributes
 ``block_type`` (GGUF's name) and ``precision`` ("int8": activations quantized to int8 per 32 values,
-llama.cpp's speed; "f32": exact). docs/design.md describes the kernels.
+llama.cpp's speed; "f32": exact). docs/design-kernels.md describes the kernels.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ when a session joins after its solo prefill), rows step together, and
   tokens whose slots are invisible from the start, so every row's real tokens end at the chunk's end;
 * a session that leaves is dropped from the state by the next step's ``keep_rows`` (the ``beam_idx``
   Gather each KV read starts with), at no cost; the last one to leave closes the group;
-* rejected drafts and fillers stay in the state, masked (mask-based rejection, docs/design.md), until
+* rejected drafts and fillers stay in the state, masked (mask-based rejection, docs/design-worker.md), until
   ``Compact`` repacks every row once their share is large.
 
 This module is the groups' bookkeeping only, with no I/O: the scheduler (``scheduler.py``) decides

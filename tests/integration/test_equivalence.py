@@ -1,6 +1,6 @@
 """Greedy output of 2- and 3-stage fleets (each stage its own process, found by zeroconf on loopback)
 equals the single-device reference, transformers in f32 (tests/integration/reference.py), token for
-token but at a near-tie of the reference (at most one per fleet), in f32 (design.md §4); and so do the
+token but at a near-tie of the reference (at most one per fleet), in f32 (docs/precision.md); and so do the
 workers ``fleet-coordinator serve --local-workers 2 --inference-precision f32`` starts (OpenVINO's default
 thread count, not the one thread of the other cells)."""
 

@@ -113,7 +113,7 @@ PANEL = """return [document.getElementById('fleet-plan').dataset.state || '',
 
 
 def test_the_page_and_health_show_the_preparation_until_the_fleet_serves(tmp_path, demo_hf, browser):  # noqa: F811
-    """While ``serve --model SOURCE`` collects, plans, builds and ships (coordinator/fleet/preparing.py), its port
+    """While ``serve --model SOURCE`` collects, plans, builds and ships (coordinator/api/preparing_page.py), its port
     serves the chat page and ``/health`` (503, ``fleet.state`` preparing with each phase), and the API answers
     503 with the progress and Retry-After; then the API takes the port and the page, open all along, shows
     the fleet serving and the model's name."""

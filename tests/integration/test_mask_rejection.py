@@ -1,4 +1,4 @@
-"""Mask-based rejection on real shards (design.md §5): tokens fed and then hidden through the attention
+"""Mask-based rejection on real shards (docs/design-worker.md): tokens fed and then hidden through the attention
 mask leave the same next-token logits as a run that never fed them; their KV slots stay in the state."""
 
 from __future__ import annotations

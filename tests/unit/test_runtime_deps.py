@@ -1,4 +1,4 @@
-"""Workers and the coordinator run on users' PCs without torch or transformers (design.md §7)."""
+"""Workers and the coordinator run on users' PCs without torch or transformers (docs/design.md)."""
 
 import subprocess
 import sys

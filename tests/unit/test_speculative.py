@@ -129,7 +129,7 @@ def trained(policy: AdaptiveK, accept_rate: float, steps: int = 60) -> AdaptiveK
 
 
 def test_good_drafts_draft_long_poor_drafts_stop():
-    flat = costs(per_token=0.001, fixed=0.030)  # verify windows nearly free (design.md §4)
+    flat = costs(per_token=0.001, fixed=0.030)  # verify windows nearly free (docs/design-engine.md)
     assert trained(AdaptiveK(flat, 8), 0.9).choose() >= 6
     assert trained(AdaptiveK(flat, 8), 0.05).choose() == 0
 
