@@ -8,6 +8,11 @@
 //   integer zero point z (ZSHIFT): the dot starts at -z x (the activations' lane sums): sum((c - z) q), exact
 //   float offsets (OFFSET): corr += o0 dsum0 + o1 dsum1 (8 sub-blocks a vector)
 // and y = hsum(acc) + hsum(corr).
+// With a real vpdpbusd (VNNI) the decode tile saves an instruction a sub-block where it can, with the same
+// integers and so the same results: signed codes enter as c + 128 (c xor 0x80, unsigned) with 128 x the lane
+// sums subtracted in the dot's start, instead of |c| against q with c's sign; plain nibbles (Q4_0, Q4_1) enter
+// in place, the high ones as 16 c (unpack.h nibble_halves), so the high lanes accumulate 16 x their products,
+// exactly, and are scaled by 1/16 before the sum.
 
 #include "quantize.h"
 
@@ -85,6 +90,9 @@ struct QuantizedRows {
 
 template <class F, int R, int MB>
 static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
+    constexpr bool kOffsetCodes = FLEET_VNNI && F::SIGNED;     // c + 128, unsigned
+    constexpr bool kHalves = FLEET_VNNI && F::NIBBLES >= 0;   // nibbles in place, high lanes x16
+    constexpr int kZero = kOffsetCodes ? 7 : F::ZSHIFT;        // log2 of the integer zero point, -1: none
     const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
@@ -122,19 +130,27 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
             __m256i qv[MB], init[MB];
             for (int i = 0; i < MB; ++i) {
                 qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + g * 32));
-                if constexpr (F::ZSHIFT >= 0)
-                    init[i] = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8)),
-                                                F::ZSHIFT);
+                const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8));
+                if constexpr (kZero >= 0 && kHalves)  // the high lanes' zero point is 16 times too
+                    init[i] = _mm256_sllv_epi32(sums, _mm256_setr_epi32(kZero, kZero, kZero, kZero, kZero + 4,
+                                                                        kZero + 4, kZero + 4, kZero + 4));
+                else if constexpr (kZero >= 0)
+                    init[i] = _mm256_slli_epi32(sums, kZero);
                 else
                     init[i] = _mm256_setzero_si256();
             }
             for (int r = 0; r < R; ++r) {
                 int sub;
                 const uint8_t* blk = sub_block<F>(rows[r], g0, j, sub);
-                const __m256i c = F::codes(blk, sub);
-                const __m256i u = F::SIGNED ? _mm256_abs_epi8(c) : c;
+                __m256i c, u;
+                if constexpr (kHalves) {
+                    u = c = nibble_halves(blk + (kHalves ? F::NIBBLES : 0));
+                } else {
+                    c = F::codes(blk, sub);
+                    u = kOffsetCodes ? _mm256_xor_si256(c, mask8(0x80)) : F::SIGNED ? _mm256_abs_epi8(c) : c;
+                }
                 for (int i = 0; i < MB; ++i) {
-                    const __m256i v = F::SIGNED ? _mm256_sign_epi8(qv[i], c) : qv[i];
+                    const __m256i v = F::SIGNED && !kOffsetCodes ? _mm256_sign_epi8(qv[i], c) : qv[i];
                     const __m256i dot = FLEET_DPBUSD(init[i], u, v);
                     __m256 scale = _mm256_broadcast_ss(&sd0[r][i][j]);
                     if constexpr (F::PER16) scale = _mm256_blend_ps(scale, _mm256_broadcast_ss(&sd1[r][i][j]), 0xF0);
@@ -142,6 +158,11 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
                 }
             }
         }
+    }
+    if constexpr (kHalves) {
+        const __m256 unscale = _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f);
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_mul_ps(acc[r][i], unscale);
     }
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(corr[r][i]);

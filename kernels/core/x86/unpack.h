@@ -11,9 +11,11 @@
 
 struct Layout32 {  // the 32-weight types
     static constexpr int QK = 32, SUBS = 1;
+    static constexpr int NIBBLES = -1;  // the plain-nibble types say where their nibbles start
 };
 struct Layout256 {  // the K-quants and IQ4_XS
     static constexpr int QK = 256, SUBS = 8;
+    static constexpr int NIBBLES = -1;
 };
 
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -27,6 +29,16 @@ static inline __m256i shr16(__m256i v, int bits) { return _mm256_srl_epi16(v, _m
 static inline __m256i nibbles32(const uint8_t* qs) {
     const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     return _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask8(15));
+}
+
+// 16 bytes of nibbles -> the low nibbles (codes 0..15) in the low lane and the high nibbles in place (16 x codes
+// 16..31) in the high lane: one broadcast load and one AND. For a real vpdpbusd only (16 c up to 240 would
+// saturate AVX2's vpmaddubsw); the high lanes' dot products are then 16 times the codes', which the kernel
+// undoes exactly at the end (a power of two).
+static inline __m256i nibble_halves(const uint8_t* qs) {
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return _mm256_and_si256(x, _mm256_setr_epi64x(0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL,
+                                                  int64_t(0xf0f0f0f0f0f0f0f0ULL), int64_t(0xf0f0f0f0f0f0f0f0ULL)));
 }
 
 // 32 bits -> 32 bytes: byte j is `value` where bit j is set, else 0.
@@ -68,12 +80,14 @@ __attribute__((always_inline)) static inline void f16_span(const uint8_t* p, int
 struct FQ4_0 : Layout32 {
     static constexpr int BYTES = 18; static constexpr bool SIGNED = false, PER16 = false;
     static constexpr int ZSHIFT = 3; static constexpr bool OFFSET = false;
+    static constexpr int NIBBLES = 2;  // where the 16 bytes of nibbles start (types of plain nibbles only)
     static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) { f16_span(b, BYTES, n, s0); }
     static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + 2); }
 };
 struct FQ4_1 : Layout32 {
     static constexpr int BYTES = 20; static constexpr bool SIGNED = false, PER16 = false;
     static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
+    static constexpr int NIBBLES = 4;
     static inline void span(const uint8_t* b, int n, float* s0, float*, float* o0, float*) {
         f16_span(b, BYTES, n, s0);
         f16_span(b + 2, BYTES, n, o0);
