@@ -190,9 +190,10 @@ async def _ship_once(channel: grpc.aio.Channel, build_dir: Path, shard: int, pro
         missing += 0 if held.complete else sizes[held.path] - held.bytes
     state.setdefault("held", report.held_bytes)
     if missing > status.free_bytes:
-        raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache, which "
-                            f"has {status.free_bytes:,} free (on its disk, and under its --stages-max-gb beside the "
-                            "build it serves)", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        short = ", ".join(f.path for f in status.files if not f.complete)
+        raise ShippingError(f"worker {address}: stage {shard} needs {missing:,} more bytes in its stage cache "
+                            f"({short}), which has {status.free_bytes:,} free (on its disk, and under its "
+                            "--stages-max-gb beside the build it serves)", grpc.StatusCode.RESOURCE_EXHAUSTED)
     for held in status.files:
         if held.complete:
             continue

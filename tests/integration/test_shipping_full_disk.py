@@ -79,10 +79,15 @@ def test_a_disk_filled_midway_is_one_error_naming_the_worker_and_resumes_once_fr
         full, files, info, not_loaded = asyncio.run(run())
     message = str(full)
     assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED, message
-    assert message.startswith(f"worker {address}: PutStage of {entry.bin}") and "disk full in the stage cache" in message
-    assert " bytes free, " in message and " more needed for this file" in message, message
     size = (build_2 / entry.bin).stat().st_size
-    assert f"of {size:,} bytes" in message, message
+    if message.startswith(f"worker {address}: PutStage of {entry.bin}"):  # the worker's refusal of the stream
+        assert "disk full in the stage cache" in message, message
+        assert " bytes free, " in message and " more needed for this file" in message, message
+        assert f"of {size:,} bytes" in message, message
+    else:  # gRPC lost that refusal under the stream's writes ("Internal error from Core", taken for a cut link):
+        # the resumed attempt's StageStatus found the disk full (seen once with two test files at a time)
+        assert message.startswith(f"worker {address}: stage 1 needs "), message
+        assert f"more bytes in its stage cache ({entry.bin}), which has " in message and " free " in message, message
     bin_bytes, complete = files[entry.bin]
     assert not complete and FILL_AT <= bin_bytes < size, files  # a partial file only, never in place
     assert "not in the cache: missing" in str(not_loaded) and info.empty and not info.manifest_sha256
