@@ -27,7 +27,7 @@ struct Activations {
     int group = 32;             // values per scale d: 32 or 256
     const float* x = nullptr;  // f32 [rows, cols]: the exact mode and the float weight types read these
     std::vector<int8_t> q;      // [rows, cols]
-    std::vector<float> d;       // [rows, cols / 32]
+    std::vector<float> d;       // [rows, cols / group]
     std::vector<float> dsum;    // [rows, 2, cols / 32]: d * sum(q) over the first, then the second half of each group
     std::vector<int32_t> lanes; // [rows, cols / 32, 8]: -(q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) per group
     std::vector<int16_t> bsums; // [rows, cols / 256, 16] (group 256): sums of q per 16, in the order above

@@ -4,9 +4,10 @@
 // A tile is R weight rows x MB activation rows with one accumulator per pair. Every accumulator sees the
 // same instructions in the same order whatever R and MB are (tiles only share loads), so y[m, n] does not
 // depend on the batch, the tiling or the thread split. Sub-block g of row n against activation row m adds
-//   acc += float(dot(c, q)) * (s d)      (8 lanes; per-16 scales: lanes 0-3 and 4-7 take their half's)
+//   acc += float(dot(c, q)) * (s d)      (8 lanes; one scale per sub-block of 32: these tiles take the 32-weight
+//                                         types, the 256-weight ones have tile_super below)
 //   integer zero point z (ZSHIFT): the dot starts at -z x (the activations' lane sums): sum((c - z) q), exact
-//   float offsets (OFFSET): corr += o0 dsum0 + o1 dsum1 (8 sub-blocks a vector)
+//   float offsets (OFFSET): corr += o dsum0 + o dsum1 (8 sub-blocks a vector)
 // and y = hsum(acc) + hsum(corr).
 // With a real vpdpbusd (VNNI) the decode tile saves an instruction a sub-block where it can, with the same
 // integers and so the same results: signed codes enter as c + 128 (c xor 0x80, unsigned) with 128 x the lane
@@ -15,6 +16,13 @@
 // exactly, and are scaled by 1/16 before the sum.
 
 #include "quantize.h"
+
+// With a real vpdpbusd, signed codes enter as c + 128 (c xor 0x80, unsigned) and the zero point 128 = 2^7 is
+// subtracted in the dot's start (AVX2's vpmaddubsw would saturate on them: it keeps |c| against q with c's sign).
+template <class F>
+constexpr bool kOffsetCodes = FLEET_VNNI && F::SIGNED;
+template <class F>
+constexpr int kZeroShift = kOffsetCodes<F> ? 7 : F::ZSHIFT;  // log2 of the integer zero point, -1: none
 
 // Software prefetch in address order: while a tile's rows are read (interleaved, R streams), the bytes of the
 // next tile and kPrefetchAhead beyond are requested front to back, at the pace the tile is consumed. The
@@ -90,9 +98,9 @@ struct QuantizedRows {
 
 template <class F, int R, int MB>
 static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
-    constexpr bool kOffsetCodes = FLEET_VNNI && F::SIGNED;     // c + 128, unsigned
-    constexpr bool kHalves = FLEET_VNNI && F::NIBBLES >= 0;   // nibbles in place, high lanes x16
-    constexpr int kZero = kOffsetCodes ? 7 : F::ZSHIFT;        // log2 of the integer zero point, -1: none
+    static_assert(F::QK == 32 && !F::PER16, "the 32-weight types: one scale and offset per sub-block");
+    constexpr bool kHalves = FLEET_VNNI && F::NIBBLES >= 0;  // nibbles in place, high lanes x16
+    constexpr int kZero = kZeroShift<F>;
     const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
@@ -108,18 +116,18 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int span = int(std::min<int64_t>(8, groups - g0));
         prefetch_next(tile_end, kSpanBytes, g0 / 8);
-        // scale x activation scale of each (row, activation row, sub-block, half), read by broadcast below
-        alignas(32) float sd0[R][MB][8], sd1[R][MB][8];
+        // scale x activation scale of each (row, activation row, sub-block), read by broadcast below
+        alignas(32) float sd0[R][MB][8];
         for (int r = 0; r < R; ++r) {
             Span<F> sp;
             sp.read_quantized(span_block<F>(rows[r], g0), span);
             for (int i = 0; i < MB; ++i) {
                 const __m256 d = load8(da[i] + g0, span);
                 _mm256_store_ps(sd0[r][i], _mm256_mul_ps(_mm256_load_ps(sp.s0), d));
-                if constexpr (F::PER16) _mm256_store_ps(sd1[r][i], _mm256_mul_ps(_mm256_load_ps(sp.s1), d));
-                if constexpr (F::OFFSET) {
-                    corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.o0), load8(ds0[i] + g0, span), corr[r][i]);
-                    corr[r][i] = _mm256_fmadd_ps(_mm256_load_ps(sp.offsets1()), load8(ds1[i] + g0, span), corr[r][i]);
+                if constexpr (F::OFFSET) {  // one offset for both halves of a sub-block
+                    const __m256 o = _mm256_load_ps(sp.o0);
+                    corr[r][i] = _mm256_fmadd_ps(o, load8(ds0[i] + g0, span), corr[r][i]);
+                    corr[r][i] = _mm256_fmadd_ps(o, load8(ds1[i] + g0, span), corr[r][i]);
                 }
             }
         }
@@ -144,17 +152,15 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
                 const uint8_t* blk = sub_block<F>(rows[r], g0, j, sub);
                 __m256i c, u;
                 if constexpr (kHalves) {
-                    u = c = nibble_halves(blk + (kHalves ? F::NIBBLES : 0));
+                    u = c = nibble_halves(blk + F::NIBBLES);
                 } else {
                     c = F::codes(blk, sub);
-                    u = kOffsetCodes ? _mm256_xor_si256(c, mask8(0x80)) : F::SIGNED ? _mm256_abs_epi8(c) : c;
+                    u = kOffsetCodes<F> ? _mm256_xor_si256(c, mask8(0x80)) : F::SIGNED ? _mm256_abs_epi8(c) : c;
                 }
                 for (int i = 0; i < MB; ++i) {
-                    const __m256i v = F::SIGNED && !kOffsetCodes ? _mm256_sign_epi8(qv[i], c) : qv[i];
+                    const __m256i v = F::SIGNED && !kOffsetCodes<F> ? _mm256_sign_epi8(qv[i], c) : qv[i];
                     const __m256i dot = FLEET_DPBUSD(init[i], u, v);
-                    __m256 scale = _mm256_broadcast_ss(&sd0[r][i][j]);
-                    if constexpr (F::PER16) scale = _mm256_blend_ps(scale, _mm256_broadcast_ss(&sd1[r][i][j]), 0xF0);
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&sd0[r][i][j]), acc[r][i]);
                 }
             }
         }
@@ -273,8 +279,7 @@ static inline void tile_exact(const Product& p, int64_t n, int64_t m) {
 // ---- many activation rows (a verify, a batch group, a prefill chunk): a tile of 4 weight rows is unpacked once
 // into 32-byte codes and per-group scales, then every activation row meets it. The integers of each dot and
 // the float operations on them are those of tile_quantized, in the same order: bitwise the same results.
-// Signed codes are kept as c + 128 with the zero point 128 subtracted in the integer dot (VNNI only: AVX2's
-// vpmaddubsw would saturate on them, so it keeps tile_quantized for those types).
+// Signed codes are kept as c + 128 (kOffsetCodes: VNNI only, so AVX2 keeps tile_quantized for those types).
 constexpr int kPrefillRows = 4;  // at and above this many activation rows
 #if FLEET_VNNI
 constexpr int kPrefillMB = FLEET_WIDE_REGISTERS ? 4 : 2;  // activation rows a pass: 16 accumulators need 32 registers
@@ -284,15 +289,15 @@ constexpr int kPrefillMB = 2;
 
 template <class F>
 struct UnpackedTile {
-    static constexpr int ZERO = F::SIGNED ? 7 : F::ZSHIFT;  // log2 of the integer zero point, -1: none
+    static_assert(F::QK == 32 && !F::PER16 && (FLEET_VNNI || !F::SIGNED), "see tile_quantized, kOffsetCodes");
     int64_t groups = 0;
     std::vector<uint8_t> codes;  // [4][groups][32]
-    std::vector<float> s0, s1, o0, o1;  // [4][groups]
+    std::vector<float> s0, o0;  // [4][groups]: a sub-block's scale and offset
 
     void unpack(const Product& p, int64_t n, int rows) {
         groups = p.K / 32;
         codes.assign(size_t(4 * groups * 32), 0);
-        s0.assign(size_t(4 * groups), 0.0f); s1 = s0; o0 = s0; o1 = s0;
+        s0.assign(size_t(4 * groups), 0.0f); o0 = s0;
         for (int r = 0; r < rows; ++r) {
             const uint8_t* row = p.w + (n + r) * p.row_bytes;
             for (int64_t g0 = 0; g0 < groups; g0 += 8) {
@@ -301,11 +306,11 @@ struct UnpackedTile {
                 sp.read_quantized(span_block<F>(row, g0), span);
                 for (int j = 0; j < span; ++j) {
                     const size_t at = size_t(r * groups + g0 + j);
-                    s0[at] = sp.s0[j]; s1[at] = sp.s1[j]; o0[at] = sp.o0[j]; o1[at] = sp.offsets1()[j];
+                    s0[at] = sp.s0[j]; o0[at] = sp.o0[j];
                     int sub;
                     const uint8_t* blk = sub_block<F>(row, g0, j, sub);
                     __m256i c = F::codes(blk, sub);
-                    if constexpr (F::SIGNED) c = _mm256_xor_si256(c, mask8(0x80));
+                    if constexpr (kOffsetCodes<F>) c = _mm256_xor_si256(c, mask8(0x80));
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(&codes[at * 32]), c);
                 }
             }
@@ -318,7 +323,7 @@ struct UnpackedTile {
 struct TileView {
     int64_t groups;
     const uint8_t* codes;
-    const float *s0, *s1, *o0, *o1;
+    const float *s0, *o0;
 };
 
 template <class F, int MB>
@@ -335,17 +340,17 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
         for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); _mm256_store_ps(corr[r][i], _mm256_setzero_ps()); }
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int span = int(std::min<int64_t>(8, groups - g0));
-        alignas(32) float sd0[R][MB][8], sd1[R][MB][8];
+        alignas(32) float sd0[R][MB][8];
         for (int r = 0; r < R; ++r) {
             const size_t at = size_t(r * groups + g0);
             for (int i = 0; i < MB; ++i) {
                 const __m256 d = load8(da[i] + g0, span);
                 _mm256_store_ps(sd0[r][i], _mm256_mul_ps(load8(&t.s0[at], span), d));
-                if constexpr (F::PER16) _mm256_store_ps(sd1[r][i], _mm256_mul_ps(load8(&t.s1[at], span), d));
                 if constexpr (F::OFFSET) {
+                    const __m256 o = load8(&t.o0[at], span);
                     __m256 c = _mm256_load_ps(corr[r][i]);
-                    c = _mm256_fmadd_ps(load8(&t.o0[at], span), load8(ds0[i] + g0, span), c);
-                    c = _mm256_fmadd_ps(load8(&t.o1[at], span), load8(ds1[i] + g0, span), c);
+                    c = _mm256_fmadd_ps(o, load8(ds0[i] + g0, span), c);
+                    c = _mm256_fmadd_ps(o, load8(ds1[i] + g0, span), c);
                     _mm256_store_ps(corr[r][i], c);
                 }
             }
@@ -355,9 +360,9 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
             __m256i qv[MB], init[MB];
             for (int i = 0; i < MB; ++i) {
                 qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + g * 32));
-                if constexpr (UnpackedTile<F>::ZERO >= 0)
+                if constexpr (kZeroShift<F> >= 0)
                     init[i] = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8)),
-                                                UnpackedTile<F>::ZERO);
+                                                kZeroShift<F>);
                 else
                     init[i] = _mm256_setzero_si256();
             }
@@ -365,9 +370,7 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
                 const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t.codes[size_t(r * groups + g) * 32]));
                 for (int i = 0; i < MB; ++i) {
                     const __m256i dot = FLEET_DPBUSD(init[i], u, qv[i]);
-                    __m256 scale = _mm256_broadcast_ss(&sd0[r][i][j]);
-                    if constexpr (F::PER16) scale = _mm256_blend_ps(scale, _mm256_broadcast_ss(&sd1[r][i][j]), 0xF0);
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&sd0[r][i][j]), acc[r][i]);
                 }
             }
         }
@@ -386,8 +389,7 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; n += 4) {
             const int rows = int(std::min<int64_t>(4, n1 - n));
             tile->unpack(p, n, rows);
-            const TileView view{tile->groups, tile->codes.data(), tile->s0.data(), tile->s1.data(), tile->o0.data(),
-                                tile->o1.data()};
+            const TileView view{tile->groups, tile->codes.data(), tile->s0.data(), tile->o0.data()};
             int64_t m = m0;
             for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, view, n, rows, m);
             for (; m < m1; ++m) tile_prefill<F, 1>(p, view, n, rows, m);
@@ -453,10 +455,14 @@ static inline void sweep(const Product& p, int64_t n0, int64_t n1, Tile4x2 t42, 
 
 template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
-    if constexpr (F::QK == 256)
-        return sweep(p, n0, n1, tile_super<F, 4, 2>, tile_super<F, 4, 1>, tile_super<F, 1, 2>, tile_super<F, 1, 1>);
-    if (p.M >= kPrefillRows && (FLEET_VNNI || !F::SIGNED)) return rows_prefill<F>(p, n0, n1);
-    sweep(p, n0, n1, tile_quantized<F, 4, 2>, tile_quantized<F, 4, 1>, tile_quantized<F, 1, 2>, tile_quantized<F, 1, 1>);
+    if constexpr (F::QK == 256) {
+        sweep(p, n0, n1, tile_super<F, 4, 2>, tile_super<F, 4, 1>, tile_super<F, 1, 2>, tile_super<F, 1, 1>);
+    } else {
+        if constexpr (FLEET_VNNI || !F::SIGNED)
+            if (p.M >= kPrefillRows) return rows_prefill<F>(p, n0, n1);
+        sweep(p, n0, n1, tile_quantized<F, 4, 2>, tile_quantized<F, 4, 1>, tile_quantized<F, 1, 2>,
+              tile_quantized<F, 1, 1>);
+    }
 }
 template <class F>
 static void rows_exact(const Product& p, int64_t n0, int64_t n1) {

@@ -1,7 +1,7 @@
 // Activations quantized in 256-bit registers (activations.h): the arithmetic of activations.cpp's scalar
 // quantize_rows step for step (max|x| exact, id = 127 / max|x| in f32, rint(x id) to nearest even, clamped to
-// [-127, 127]; d = max|x| / 127, rounded to f16 for groups of 32), so every instruction set gives the same bits as the scalar path (a test
-// checks it). Included by driver.h inside one instruction set's namespace.
+// [-127, 127]; d = max|x| / 127, rounded to f16 for groups of 32: group32_scale), so every instruction set gives
+// the same bits as the scalar path (a test checks it). Included by driver.h inside one instruction set's namespace.
 
 static inline float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -15,7 +15,6 @@ struct Layout32 {  // the 32-weight types
 };
 struct Layout256 {  // the K-quants and IQ4_XS
     static constexpr int QK = 256, SUBS = 8;
-    static constexpr int NIBBLES = -1;
 };
 
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -82,7 +81,7 @@ struct FQ4_0 : Layout32 {
     static constexpr int ZSHIFT = 3; static constexpr bool OFFSET = false;
     static constexpr int NIBBLES = 2;  // where the 16 bytes of nibbles start (types of plain nibbles only)
     static inline void span(const uint8_t* b, int n, float* s0, float*, float*, float*) { f16_span(b, BYTES, n, s0); }
-    static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + 2); }
+    static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + NIBBLES); }
 };
 struct FQ4_1 : Layout32 {
     static constexpr int BYTES = 20; static constexpr bool SIGNED = false, PER16 = false;
@@ -92,7 +91,7 @@ struct FQ4_1 : Layout32 {
         f16_span(b, BYTES, n, s0);
         f16_span(b + 2, BYTES, n, o0);
     }
-    static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + 4); }
+    static inline __m256i codes(const uint8_t* b, int) { return nibbles32(b + NIBBLES); }
 };
 struct FQ5_0 : Layout32 {
     static constexpr int BYTES = 22; static constexpr bool SIGNED = false, PER16 = false;
