@@ -250,6 +250,7 @@ RUN_FIRST = (
     "tests/integration/test_prefix_cache.py",
     "tests/lan/test_empty_fleet.py",
     "tests/integration/test_fuzz.py",
+    "tests/integration/test_llama_cpp_parity.py",  # 174 s where llama.cpp is built (skipped, 0 s, elsewhere)
     "tests/integration/test_architectures.py",
     "tests/integration/test_concurrency.py",
     "tests/integration/test_soak.py",
