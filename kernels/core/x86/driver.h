@@ -397,6 +397,103 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
     }
 }
 
+// The 256-weight types with unsigned codes over many activation rows: a tile of 4 weight rows is unpacked once
+// (codes to bytes, each block's scales to registers), then every activation row meets it with the integer and
+// float operations of tile_super, in the same order: bitwise the same results. Signed codes (IQ4_XS) keep
+// tile_super: their sign is applied to each activation row's values (vpsignb), which nothing can hoist.
+template <class F>
+struct UnpackedSuperTile {
+    static_assert(F::QK == 256 && !F::SIGNED, "see tile_super");
+    int64_t blocks = 0;
+    std::vector<uint8_t> codes;       // [4][blocks][256]
+    std::vector<SuperScales> scales;  // [4][blocks]
+
+    void unpack(const Product& p, int64_t n, int rows) {
+        blocks = p.K / 256;
+        codes.assign(size_t(4 * blocks * 256), 0);
+        scales.assign(size_t(4 * blocks), SuperScales{_mm256_setzero_si256(), _mm256_setzero_si256(), 0.0f, 0.0f});
+        for (int r = 0; r < rows; ++r) {
+            const uint8_t* row = p.w + (n + r) * p.row_bytes;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const size_t at = size_t(r * blocks + b);
+                F::super(row + b * F::BYTES, scales[at]);
+                for (int j = 0; j < 8; ++j)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&codes[at * 256 + j * 32]), F::codes(row + b * F::BYTES, j));
+            }
+        }
+    }
+};
+
+struct SuperTileView {  // by plain pointers (see TileView)
+    int64_t blocks;
+    const uint8_t* codes;
+    const SuperScales* scales;
+};
+
+template <class F, int MB>
+static inline void tile_super_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
+    constexpr int R = 4;
+    const int64_t blocks = t.blocks;
+    const int8_t* q[MB];
+    const float* da[MB];
+    const int16_t* bsums[MB];
+    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    alignas(32) float acc[R][MB][8];  // in memory: the integer sums take the registers
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) _mm256_store_ps(acc[r][i], _mm256_setzero_ps());
+    for (int64_t b = 0; b < blocks; ++b) {
+        const SuperScales* sc[R];
+        const uint8_t* codes[R];
+        for (int r = 0; r < R; ++r) { sc[r] = &t.scales[r * blocks + b]; codes[r] = &t.codes[size_t(r * blocks + b) * 256]; }
+        __m256i isum[R][MB];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < MB; ++i) isum[r][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            __m256i qv[MB];
+            for (int i = 0; i < MB; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + b * 256 + j * 32));
+            for (int r = 0; r < R; ++r) {
+                const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[r] + j * 32));
+                const __m256i s = pick_scales(sc[r]->scales, j);
+                for (int i = 0; i < MB; ++i) isum[r][i] = FLEET_DPWSSD(isum[r][i], _mm256_maddubs_epi16(u, qv[i]), s);
+            }
+        }
+        for (int i = 0; i < MB; ++i) {
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
+            for (int r = 0; r < R; ++r) {
+                __m256i total = isum[r][i];
+                if constexpr (F::ZSHIFT >= 0)
+                    total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(sc[r]->scales, bs), F::ZSHIFT));
+                __m256 a = _mm256_load_ps(acc[r][i]);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(sc[r]->d * da[i][b]), a);
+                if constexpr (F::OFFSET)
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc[r]->mins, bs)),
+                                        _mm256_set1_ps(-sc[r]->dmin * da[i][b]), a);
+                _mm256_store_ps(acc[r][i], a);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(_mm256_load_ps(acc[r][i]));
+}
+
+template <class F>
+static void rows_prefill_super(const Product& p, int64_t n0, int64_t n1) {
+    thread_local UnpackedSuperTile<F> buffer;
+    UnpackedSuperTile<F>* tile = &buffer;
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
+        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int rows = int(std::min<int64_t>(4, n1 - n));
+            tile->unpack(p, n, rows);
+            const SuperTileView view{tile->blocks, tile->codes.data(), tile->scales.data()};
+            int64_t m = m0;
+            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_super_prefill<F, kPrefillMB>(p, view, n, rows, m);
+            for (; m < m1; ++m) tile_super_prefill<F, 1>(p, view, n, rows, m);
+        }
+    }
+}
+
 // Float weights: 8 at a time into one accumulator, then the tail of K % 8 in order.
 template <BlockType T>
 static inline __m256 float8(const uint8_t* p) {
@@ -456,6 +553,8 @@ static inline void sweep(const Product& p, int64_t n0, int64_t n1, Tile4x2 t42, 
 template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
     if constexpr (F::QK == 256) {
+        if constexpr (!F::SIGNED)
+            if (p.M >= kPrefillRows) return rows_prefill_super<F>(p, n0, n1);
         sweep(p, n0, n1, tile_super<F, 4, 2>, tile_super<F, 4, 1>, tile_super<F, 1, 2>, tile_super<F, 1, 1>);
     } else {
         if constexpr (FLEET_VNNI || !F::SIGNED)
