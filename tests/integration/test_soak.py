@@ -222,9 +222,11 @@ class HostileClient(threading.Thread):
 
 
 def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path):
-    w0, a0 = start_worker(build_2, 0, tmp_path, "--no-announce")
     port1 = free_port()
-    w1, a1 = start_worker(build_2, 1, tmp_path, "--no-announce", port=port1)
+    with ThreadPoolExecutor(2) as starting:  # the two stages load and compile at once
+        first = starting.submit(start_worker, build_2, 0, tmp_path, "--no-announce")
+        second = starting.submit(start_worker, build_2, 1, tmp_path, "--no-announce", port=port1)
+    (w0, a0), (w1, a1) = first.result(), second.result()
     coordinator, url = start_coordinator(build_2, tmp_path, "--no-discover", "--peer", a0, "--peer", a1,
                                          "--draft", "auto")
     restarted = None
