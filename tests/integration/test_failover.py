@@ -24,7 +24,8 @@ from tests.conftest import BIN, agree_until_near_tie, start_coordinator, start_w
 pytestmark = pytest.mark.integration
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
-TOKENS = 100
+TOKENS = 64  # the reference and each failed-over stream: 40 tokens on the replicas after the failure (100 once)
+FAIL_AFTER = 24  # content chunks a stream has had when its worker is killed or hung (30 once)
 
 
 def info(address: str) -> pb.InfoReply:
@@ -32,10 +33,10 @@ def info(address: str) -> pb.InfoReply:
         return pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=10)
 
 
-def stream_tokens(url: str, out: dict, progress: threading.Event, after: int) -> None:
-    """Stream one greedy completion; set ``progress`` once ``after`` content chunks arrived. ``out`` gets
-    the status, text, fleet stats and ``times``: each content chunk's arrival (``time.monotonic()``)."""
-    body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": TOKENS,
+def stream_tokens(url: str, out: dict, progress: threading.Event, after: int, tokens: int = TOKENS) -> None:
+    """Stream one greedy completion of ``tokens``; set ``progress`` once ``after`` content chunks arrived. ``out``
+    gets the status, text, fleet stats and ``times``: each content chunk's arrival (``time.monotonic()``)."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     text, chunks, out["times"] = [], 0, []
     start = time.monotonic()
@@ -190,7 +191,7 @@ def test_failed_worker_mid_stream_fails_over_to_replica(replicated, reference, s
 
     out: dict = {}
     progress = threading.Event()
-    thread = threading.Thread(target=stream_tokens, args=(url, out, progress, 30))
+    thread = threading.Thread(target=stream_tokens, args=(url, out, progress, FAIL_AFTER))
     thread.start()
     assert progress.wait(60)
     failed_at = time.monotonic()
@@ -301,7 +302,8 @@ def test_sessions_spread_across_replicas_and_status_shows_them(replicated):
     workers, _, url = replicated
     outs = [dict() for _ in range(4)]
     events = [threading.Event() for _ in range(4)]
-    threads = [threading.Thread(target=stream_tokens, args=(url, outs[i], events[i], 8)) for i in range(4)]
+    # 40 tokens each, still decoding at the check after 8 (the 100 of before only made them run longer)
+    threads = [threading.Thread(target=stream_tokens, args=(url, outs[i], events[i], 8, 40)) for i in range(4)]
     for t in threads:
         t.start()
     for e in events:
@@ -375,12 +377,12 @@ def test_failover_at_the_defaults_goes_on_without_error(replicated_defaults):
     assert reference["fleet"]["failovers"] == 0 and reference["fleet"]["drafted_tokens"] > 0, reference["fleet"]
     killed: dict = {}
 
-    def kill_after_30(n: int) -> None:
-        if n == 30:
+    def kill_mid_stream(n: int) -> None:
+        if n == FAIL_AFTER:
             killed["at"] = time.monotonic()
             killed["address"] = fail_busy_worker(workers, 1, "kill", url)
 
-    out = stream_with_gaps(url, PROMPT, TOKENS, on_chunk=kill_after_30)
+    out = stream_with_gaps(url, PROMPT, TOKENS, on_chunk=kill_mid_stream)
     assert out["fleet"]["failovers"] == 1, out["fleet"]
     first = agree_until_near_tie(out, reference, "after failover")
     print(f"\ndefaults failover: {'identical' if first is None else f'left the reference at token {first}'}")

@@ -1,6 +1,6 @@
-"""Fuzz tests (hypothesis) against real processes: at least 10,000 malformed gRPC messages at a real
+"""Fuzz tests (hypothesis) against real processes: at least 4,000 malformed gRPC messages at a real
 last-stage worker and 1,500 at a forwarding stage 0 (each forwarded one opens a link to its route, so
-it is slower), and 10,000 malformed HTTP requests at a real coordinator. The per-token ``Link``
+it is slower), and 4,000 malformed HTTP requests at a real coordinator. The per-token ``Link``
 stream's own refusals (garbage, failures below, deadlines) are tested in test_links.py.
 
 Every call must end within its deadline with a deliberate answer: on gRPC a named status with a
@@ -78,9 +78,12 @@ def stages(build_2, tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("stage, examples, at_least", [(1, 100, 10_000), (0, 30, 3_000)])
+# Each message kind (structured/garbage/mangled; Forward, Compact, Merge, OpenSession, Subscribe; every broken field
+# and tensor fault) comes up in dozens to hundreds of the 4,800 (2,400 twice) at stage 1; the 12,000 of before
+# (100 examples) re-measured the same kinds at 2.5 times the wall time (98 s alone, 67-112 s in the parallel suite).
+@pytest.mark.parametrize("stage, examples, at_least", [(1, 40, 4_000), (0, 15, 1_500)])
 def test_worker_survives_malformed_messages(build_2, stages, stage, examples, at_least):
-    """10,000+ malformed messages at the last stage, and a few thousand at stage 0 (whose valid
+    """4,000+ malformed messages at the last stage, and 1,500+ at stage 0 (whose valid
     chunks go on to stage 1): clean statuses, no hang, the worker alive and giving the same answer
     as before, holding nothing, and no leak: the same messages twice (the runs are deterministic),
     the RSS after the second pass back near the first's. The first pass sets the high-water mark a
@@ -317,7 +320,7 @@ class ApiFuzz:
 
 
 def test_api_survives_malformed_requests(build_2, stages, tmp_path):
-    """10,000+ malformed requests at a real coordinator over both real workers: every one a clean 4xx
+    """4,000+ malformed requests at a real coordinator over both real workers: every one a clean 4xx
     with an OpenAI error body, no hang; afterwards it answers exactly as before, holds no session on
     the workers and its RSS is back near the baseline."""
     (_, address0), (_, address1) = stages[0], stages[1]
@@ -350,13 +353,13 @@ def test_api_survives_malformed_requests(build_2, stages, tmp_path):
             fuzz.run(examples=20)  # warm-up
             baseline = rss_mib(coordinator)
             fuzz.statuses.clear()
-            fuzz.run(examples=200)
+            fuzz.run(examples=80)  # every kind of HTTP_THROW hundreds of times
             elapsed = time.monotonic() - t0
             after = rss_mib(coordinator)
             thrown = sum(fuzz.statuses.values())
             print(f"\ncoordinator: {thrown} malformed requests in {elapsed:.1f} s with warm-up, "
                   f"RSS {baseline:.0f} -> {after:.0f} MiB; {dict(fuzz.statuses)}")
-            assert thrown >= 10_000
+            assert thrown >= 4_000
             assert coordinator.popen.poll() is None, "the coordinator died"
             again = valid_chat(client, max_tokens=8)
             assert again["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]

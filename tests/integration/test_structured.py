@@ -24,9 +24,11 @@ CLIENTS = 8  # --max-batch
 @pytest.fixture(scope="module")
 def fleet(build_2, tmp_path_factory):
     fleet = Fleet(build_2, tmp_path_factory.mktemp("structured"), peers=True)
-    urls = {"plain": fleet.url}
-    for draft in ("self-int4", "ngram"):
-        urls[draft] = fleet.add_coordinator("--spec-k", "3", draft=draft, name=draft)[1]
+    # the two drafting coordinators start together (each loads its tokenizer, grammar engine and draft on its own)
+    with ThreadPoolExecutor(2) as pool:
+        started = {draft: pool.submit(fleet.add_coordinator, "--spec-k", "3", draft=draft, name=draft)
+                   for draft in ("self-int4", "ngram")}
+    urls = {"plain": fleet.url, **{draft: future.result()[1] for draft, future in started.items()}}
     yield urls
     fleet.stop()
 
