@@ -4,10 +4,11 @@ fp16 build, each measured afresh (``uncached``: never from a stored quality.json
 (5,902 tokens) and all 8 prompts. Prints the table, writes ``--json``; exits 1 when a build misses its floor.
 
 The suite checks the same floors through the same command on the text's first 2,048 tokens (``--tokens 2048``:
-the suite's run; ``excerpt``), all 8 prompts, one thread. Measured on the test builds (2026-12-06, 1 thread):
-int8 +0.13% (full text +0.17%), int4 +14.69% (+14.58%) against the floors' +1% and +20%; the agreement
-(0.953 and 0.781 against 0.90 and 0.75) is the full one, the prompts being all there. About 3 minutes on 2 cores
-at full length (the fp16 reference is the slowest: ~11 CPU s per 1,024-token window).
+the suite's run; ``excerpt``: 2,035 tokens, whole lines), all 8 prompts, one thread. Measured on the test
+builds (2026-12-06, 1 thread): int8 +0.11% (whole text +0.17%), int4 +14.65% (+14.58%) against the floors' +1%
+and +20%; the agreement (0.953 and 0.781 against 0.90 and 0.75) is the whole run's, the prompts being all
+there. The whole text costs ~155 CPU s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window
+against ~5.5 for int8 or int4.
 
     python bench/builds/quality_floors.py [--json PATH] [--tokens N] [--threads N] [--hf DIR] [--cache DIR]
 """
