@@ -245,11 +245,11 @@ def pytest_configure(config: pytest.Config) -> None:
 RUN_FIRST = (
     "tests/unit/test_kernels_sanitized.py",
     "tests/integration/test_speculative_equivalence.py",
-    "tests/integration/test_weights.py",
     "tests/integration/test_fleet_replan.py",
     "tests/integration/test_prefix_cache.py",
     "tests/lan/test_empty_fleet.py",
     "tests/integration/test_fuzz.py",
+    "tests/integration/test_weights.py",  # ~200 s since its quality floors take an excerpt (~600 s before)
     "tests/integration/test_llama_cpp_parity.py",  # 174 s where llama.cpp is built (skipped, 0 s, elsewhere)
     "tests/integration/test_architectures.py",
     "tests/integration/test_concurrency.py",
