@@ -221,14 +221,12 @@ def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (pyproject.toml's addopts): one xdist worker per core and one more, at most 4 (each runs
-    fleets of up to 3 processes), where each can have its own network (``tests.parallel``: root); else 0, serial.
-    The one more: with a worker per core the suite kept the cores busy 81% of its time (2,503 CPU s in 1,544 s on
-    2 cores), the rest waiting on processes starting, sockets and timeouts."""
+    """``-n auto`` (pyproject.toml's addopts): one xdist worker per core, at most 4 (each runs fleets of up
+    to 3 processes), where each can have its own network (``tests.parallel``: root); else 0, serial."""
     if env := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(cores + 1, 4) if cores > 1 and can_isolate() else 0
+    return min(cores, 4) if cores > 1 and can_isolate() else 0
 
 
 def pytest_configure(config: pytest.Config) -> None:
