@@ -151,10 +151,12 @@ def test_chat_client_finds_the_coordinator_by_zeroconf(fleet):
 def test_the_defaults_answer_and_stream_like_plain_requests(defaults_fleet):
     """At the shipped defaults (the build's first draft, adaptive K): Tokyo (not Paris: the demo's first
     token there is a near-tie, 'The' 0.09 above 'L', which bf16 turns); a streamed answer equals the plain
-    one (or leaves it only at a near-tie, docs/precision.md) and is UTF-8 safe; speculation ran (over the four
-    answers: adaptive K follows measured step costs, and on a loaded machine one 32-token answer may not draft)."""
+    one (or leaves it only at a near-tie, docs/precision.md) and is UTF-8 safe; every answer names the build's draft.
+    Whether a draft is proposed is adaptive K's call on the measured step and draft costs: here it may rightly draft
+    nothing (on a quiet machine the demo's fp16 step is cheap enough that the self-int4 draft loses even at full
+    acceptance, and then it does not probe; seen in 2 of 4 runs), so that adaptive K drafts where it pays is tested
+    where it does, test_speculative_equivalence.py's adaptive-K cell (0 < accepted < drafted)."""
     url = defaults_fleet.url
-    drafted = 0
     body = chat(url, "What is the capital of Japan?", max_tokens=32).json()
     assert "Tokyo" in body["choices"][0]["message"]["content"] and body["choices"][0]["finish_reason"] == "stop"
     for prompt in (MULTIBYTE[0], "Write a short story about a lighthouse keeper."):
@@ -167,5 +169,3 @@ def test_the_defaults_answer_and_stream_like_plain_requests(defaults_fleet):
             assert any(ord(ch) > 0x7F for ch in "".join(pieces)), f"expected multi-byte characters in {pieces}"
         for stats in (plain["fleet"], streamed["fleet"]):
             assert stats["draft"] == "self-int4", stats
-            drafted += stats["drafted_tokens"]
-    assert drafted > 0, "no answer drafted"
