@@ -287,6 +287,14 @@ constexpr int kPrefillMB = FLEET_WIDE_REGISTERS ? 4 : 2;  // activation rows a p
 constexpr int kPrefillMB = 2;
 #endif
 
+// An unpacked tile by plain pointers: the kernels must not touch the thread_local holding it (each access
+// to a thread_local of a shared library is a call, which spilled every accumulator).
+struct TileView {
+    int64_t groups;
+    const uint8_t* codes;
+    const float *s0, *o0;
+};
+
 template <class F>
 struct UnpackedTile {
     static_assert(F::QK == 32 && !F::PER16 && (FLEET_VNNI || !F::SIGNED), "see tile_quantized, kOffsetCodes");
@@ -316,15 +324,9 @@ struct UnpackedTile {
             }
         }
     }
+    TileView view() const { return TileView{groups, codes.data(), s0.data(), o0.data()}; }
 };
 
-// An unpacked tile by plain pointers: the kernels must not touch the thread_local holding it (each access
-// to a thread_local of a shared library is a call, which spilled every accumulator).
-struct TileView {
-    int64_t groups;
-    const uint8_t* codes;
-    const float *s0, *o0;
-};
 
 template <class F, int MB>
 static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, int rows, int64_t m) {
@@ -380,27 +382,39 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
             p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(_mm256_load_ps(corr[r][i]));
 }
 
-template <class F>
-static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
-    thread_local UnpackedTile<F> buffer;
-    UnpackedTile<F>* tile = &buffer;
+// Columns [n0, n1) over many activation rows: each tile of 4 weight rows unpacked once (`tile`), then met by
+// kPrefillMB activation rows at a time (`wide`) and the rest one by one (`one`), 64 rows a pass.
+template <class Tile, class Wide, class One>
+static inline void sweep_unpacked(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
     for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
         const int64_t m1 = std::min(p.M, m0 + kRowChunk);
         for (int64_t n = n0; n < n1; n += 4) {
             const int rows = int(std::min<int64_t>(4, n1 - n));
             tile->unpack(p, n, rows);
-            const TileView view{tile->groups, tile->codes.data(), tile->s0.data(), tile->o0.data()};
+            const auto view = tile->view();
             int64_t m = m0;
-            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, view, n, rows, m);
-            for (; m < m1; ++m) tile_prefill<F, 1>(p, view, n, rows, m);
+            for (; m + kPrefillMB <= m1; m += kPrefillMB) wide(p, view, n, rows, m);
+            for (; m < m1; ++m) one(p, view, n, rows, m);
         }
     }
+}
+
+template <class F>
+static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
+    thread_local UnpackedTile<F> buffer;
+    sweep_unpacked(p, n0, n1, &buffer, tile_prefill<F, kPrefillMB>, tile_prefill<F, 1>);
 }
 
 // The 256-weight types with unsigned codes over many activation rows: a tile of 4 weight rows is unpacked once
 // (codes to bytes, each block's scales to registers), then every activation row meets it with the integer and
 // float operations of tile_super, in the same order: bitwise the same results. Signed codes (IQ4_XS) keep
 // tile_super: their sign is applied to each activation row's values (vpsignb), which nothing can hoist.
+struct SuperTileView {  // by plain pointers (see TileView)
+    int64_t blocks;
+    const uint8_t* codes;
+    const SuperScales* scales;
+};
+
 template <class F>
 struct UnpackedSuperTile {
     static_assert(F::QK == 256 && !F::SIGNED, "see tile_super");
@@ -422,13 +436,9 @@ struct UnpackedSuperTile {
             }
         }
     }
+    SuperTileView view() const { return SuperTileView{blocks, codes.data(), scales.data()}; }
 };
 
-struct SuperTileView {  // by plain pointers (see TileView)
-    int64_t blocks;
-    const uint8_t* codes;
-    const SuperScales* scales;
-};
 
 template <class F, int MB>
 static inline void tile_super_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
@@ -480,18 +490,7 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
 template <class F>
 static void rows_prefill_super(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedSuperTile<F> buffer;
-    UnpackedSuperTile<F>* tile = &buffer;
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
-        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
-        for (int64_t n = n0; n < n1; n += 4) {
-            const int rows = int(std::min<int64_t>(4, n1 - n));
-            tile->unpack(p, n, rows);
-            const SuperTileView view{tile->blocks, tile->codes.data(), tile->scales.data()};
-            int64_t m = m0;
-            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_super_prefill<F, kPrefillMB>(p, view, n, rows, m);
-            for (; m < m1; ++m) tile_super_prefill<F, 1>(p, view, n, rows, m);
-        }
-    }
+    sweep_unpacked(p, n0, n1, &buffer, tile_super_prefill<F, kPrefillMB>, tile_super_prefill<F, 1>);
 }
 
 // Float weights: 8 at a time into one accumulator, then the tail of K % 8 in order.
