@@ -186,6 +186,40 @@ static inline __m256i pick_scales(__m256i scales, int j) {  // sub-block j's: wo
     return _mm256_shuffle_epi8(scales, _mm256_set1_epi16(short(((2 * j + 1) << 8) | (2 * j))));
 }
 
+// One block of 256 weights for R weight rows x MB activation rows, in integers: isum[r][i] = sum over sub-blocks j
+// of its scales x the pair sums of codes(r, j) against row i's q. Shared by the decode tile (codes from the GGUF's
+// blocks) and the prefill tile (codes unpacked), so that both add the same integers in the same order.
+template <class F, int R, int MB, class Codes>
+static inline void block_sums(const int8_t* const* q, int64_t b, Codes codes, const SuperScales* const* sc,
+                              __m256i (&isum)[R][MB]) {
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) isum[r][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+        __m256i qv[MB];
+        for (int i = 0; i < MB; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + b * 256 + j * 32));
+        for (int r = 0; r < R; ++r) {
+            const __m256i c = codes(r, j);
+            const __m256i u = F::SIGNED ? _mm256_abs_epi8(c) : c;
+            const __m256i s = pick_scales(sc[r]->scales, j);
+            for (int i = 0; i < MB; ++i) {
+                const __m256i v = F::SIGNED ? _mm256_sign_epi8(qv[i], c) : qv[i];
+                isum[r][i] = FLEET_DPWSSD(isum[r][i], _mm256_maddubs_epi16(u, v), s);
+            }
+        }
+    }
+}
+
+// A block's end for one (weight row, activation row): the integer zero point, then the float multiply-adds.
+template <class F>
+static inline __m256 block_end(__m256i isum, const SuperScales& sc, __m256i bs, float da, __m256 acc) {
+    if constexpr (F::ZSHIFT >= 0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(sc.scales, bs), F::ZSHIFT));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(sc.d * da), acc);
+    if constexpr (F::OFFSET)
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc.mins, bs)), _mm256_set1_ps(-sc.dmin * da), acc);
+    return acc;
+}
+
 template <class F, int R, int MB>
 static inline void tile_super(const Product& p, int64_t n, int64_t m) {
     const int64_t blocks = p.K / 256;
@@ -202,35 +236,13 @@ static inline void tile_super(const Product& p, int64_t n, int64_t m) {
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_next(tile_end, size_t(R) * F::BYTES, b);
         SuperScales sc[R];
-        for (int r = 0; r < R; ++r) F::super(rows[r] + b * F::BYTES, sc[r]);
+        const SuperScales* scp[R];
+        for (int r = 0; r < R; ++r) { F::super(rows[r] + b * F::BYTES, sc[r]); scp[r] = &sc[r]; }
         __m256i isum[R][MB];
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < MB; ++i) isum[r][i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-            __m256i qv[MB];
-            for (int i = 0; i < MB; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + b * 256 + j * 32));
-            for (int r = 0; r < R; ++r) {
-                const __m256i c = F::codes(rows[r] + b * F::BYTES, j);
-                const __m256i u = F::SIGNED ? _mm256_abs_epi8(c) : c;
-                const __m256i s = pick_scales(sc[r].scales, j);
-                for (int i = 0; i < MB; ++i) {
-                    const __m256i v = F::SIGNED ? _mm256_sign_epi8(qv[i], c) : qv[i];
-                    isum[r][i] = FLEET_DPWSSD(isum[r][i], _mm256_maddubs_epi16(u, v), s);
-                }
-            }
-        }
+        block_sums<F, R, MB>(q, b, [&](int r, int j) { return F::codes(rows[r] + b * F::BYTES, j); }, scp, isum);
         for (int i = 0; i < MB; ++i) {
             const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
-            for (int r = 0; r < R; ++r) {
-                __m256i total = isum[r][i];
-                if constexpr (F::ZSHIFT >= 0)
-                    total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(sc[r].scales, bs), F::ZSHIFT));
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(sc[r].d * da[i][b]), acc[r][i]);
-                if constexpr (F::OFFSET)
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc[r].mins, bs)),
-                                                _mm256_set1_ps(-sc[r].dmin * da[i][b]), acc[r][i]);
-            }
+            for (int r = 0; r < R; ++r) acc[r][i] = block_end<F>(isum[r][i], sc[r], bs, da[i][b], acc[r][i]);
         }
     }
     for (int r = 0; r < R; ++r)
@@ -456,31 +468,11 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
         const uint8_t* codes[R];
         for (int r = 0; r < R; ++r) { sc[r] = &t.scales[r * blocks + b]; codes[r] = &t.codes[size_t(r * blocks + b) * 256]; }
         __m256i isum[R][MB];
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < MB; ++i) isum[r][i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-            __m256i qv[MB];
-            for (int i = 0; i < MB; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + b * 256 + j * 32));
-            for (int r = 0; r < R; ++r) {
-                const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[r] + j * 32));
-                const __m256i s = pick_scales(sc[r]->scales, j);
-                for (int i = 0; i < MB; ++i) isum[r][i] = FLEET_DPWSSD(isum[r][i], _mm256_maddubs_epi16(u, qv[i]), s);
-            }
-        }
+        block_sums<F, R, MB>(q, b, [&](int r, int j) { return load32(codes[r] + j * 32); }, sc, isum);
         for (int i = 0; i < MB; ++i) {
             const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
-            for (int r = 0; r < R; ++r) {
-                __m256i total = isum[r][i];
-                if constexpr (F::ZSHIFT >= 0)
-                    total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(sc[r]->scales, bs), F::ZSHIFT));
-                __m256 a = _mm256_load_ps(acc[r][i]);
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(sc[r]->d * da[i][b]), a);
-                if constexpr (F::OFFSET)
-                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc[r]->mins, bs)),
-                                        _mm256_set1_ps(-sc[r]->dmin * da[i][b]), a);
-                _mm256_store_ps(acc[r][i], a);
-            }
+            for (int r = 0; r < R; ++r)
+                _mm256_store_ps(acc[r][i], block_end<F>(isum[r][i], *sc[r], bs, da[i][b], _mm256_load_ps(acc[r][i])));
         }
     }
     for (int r = 0; r < rows; ++r)
