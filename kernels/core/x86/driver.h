@@ -339,7 +339,6 @@ struct UnpackedTile {
     TileView view() const { return TileView{groups, codes.data(), s0.data(), o0.data()}; }
 };
 
-
 template <class F, int MB>
 static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
@@ -450,7 +449,6 @@ struct UnpackedSuperTile {
     }
     SuperTileView view() const { return SuperTileView{blocks, codes.data(), scales.data()}; }
 };
-
 
 template <class F, int MB>
 static inline void tile_super_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
