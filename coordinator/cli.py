@@ -185,6 +185,10 @@ async def _start_local_workers(settings: CoordinatorSettings, loaded, registry: 
     return local
 
 
+PREPARED_READY_S = 10.0  # serve --model SOURCE: how long the API waits for its first health checks (connections
+# queue on the listening socket meanwhile, none refused); past it, /health names what is missing
+
+
 async def _report_ready(registry: Registry, loaded) -> None:  # noqa: ANN001 - LoadedManifest
     if await registry.wait_ready(120):
         log.info("fleet ready: %d stages, %s", loaded.manifest.num_stages, " -> ".join(registry.placement()))
@@ -259,6 +263,8 @@ async def _serve_build(settings: CoordinatorSettings, planned: PlannedFleet | No
         for peer in settings.peer:
             registry.add_peer(peer)
         await registry.start(discover=settings.discover, report_silence=not settings.local_workers)
+        if listening is not None:  # the workers just loaded their stages: the API takes the port once the first
+            await registry.wait_ready(PREPARED_READY_S)  # health checks saw them, not saying "missing" meanwhile
         if engine.replan is not None:
             engine.replan.start()
         engine.metrics.watch(lambda: _state(engine, registry))
