@@ -13,10 +13,9 @@ token ids, and near-ties are bounded per matrix; anything else fails.
 Each draft source must be accepted in part and rejected in part (0 < accepted < drafted, per source and
 stage count); one more cell runs the shipped mode: a model draft (self-int4) with adaptive K (no
 ``--spec-k``). Every cell starts its own coordinator against the same workers (one per stage, shared
-by the module's tests). By default each stage count takes two of the four K (1 and 4 on 2 stages, 2 and 8
-on 3), so every source meets every K, and each cell decodes one of the 10 prompts (rotating, so the two
-stage counts together see all 10); ``FLEET_FULL_MATRIX=1`` runs every K on both and all 10 prompts in every
-cell (10 x 128 tokens x 4 K x 3 sources x 2 stage counts).
+by the module's tests). By default each source runs one cell per stage count (``CELLS``: a K and one of the 10
+prompts; every K runs, the 6 cells see 6 prompts); ``FLEET_FULL_MATRIX=1`` runs every K for every source on
+both and all 10 prompts in every cell (10 x 128 tokens x 4 K x 3 sources x 2 stage counts).
 """
 
 from __future__ import annotations
@@ -48,8 +47,9 @@ FULL = os.environ.get("FLEET_FULL_MATRIX") == "1"
 NEW_TOKENS = 128 if FULL else 48  # CI: 48 tokens per cell, enough for several compactions from 32 hidden slots
 SOURCES = ("ngram", *DRAFTS)
 KS = (1, 2, 4, 8)
-KS_BY_STAGES = {2: (1, 4), 3: (2, 8)}  # CI: each source meets every K once over the two stage counts
-MAX_NEAR_TIES = 3  # per matrix (6 cells, 12 in the full one): more would mean the fleet drifts, not rounding at ties
+# CI: one cell per source and stage count, (K, prompt): every K runs
+CELLS = {2: dict(zip(SOURCES, ((4, 1), (1, 2), (4, 5)))), 3: dict(zip(SOURCES, ((8, 7), (8, 9), (2, 0))))}
+MAX_NEAR_TIES = 3  # per matrix (3 cells, 12 in the full one): more would mean the fleet drifts, not rounding at ties
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +127,14 @@ def decode_cell(build, log_dir, peers: list[str], reference, prompts: list[str],
 def test_speculation_equals_plain_greedy(stages, reference, peers, request, tmp_path):
     build = request.getfixturevalue(f"build_{stages}")
     per_source = {source: {"drafted": 0, "accepted": 0, "compactions": 0, "near_ties": 0} for source in SOURCES}
-    cell = 0 if FULL else 6 * (stages - 2)  # the 3-stage cells go on where the 2-stage ones stopped
     for source in SOURCES:
-        for k in KS if FULL else KS_BY_STAGES[stages]:
-            prompts = PROMPTS if FULL else [PROMPTS[cell % len(PROMPTS)]]
+        k_prompt = [(k, None) for k in KS] if FULL else [CELLS[stages][source]]
+        for k, prompt in k_prompt:
+            prompts = PROMPTS if prompt is None else [PROMPTS[prompt]]
             counts = decode_cell(build, tmp_path / f"{source}-k{k}", peers(stages), reference, prompts,
                                  f"{stages}-stage, draft {source}, K={k}", "--draft", source, "--spec-k", str(k))
             for name, n in counts.items():
                 per_source[source][name] += n
-            cell += 1
     print(f"{stages}-stage: {per_source}")
     # every source was accepted in part and rejected in part (mask-based rejection), not just one of them
     for source, counts in per_source.items():
