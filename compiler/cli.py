@@ -185,9 +185,9 @@ def _quality(args: argparse.Namespace) -> bool | None:
     from . import quality
 
     if args.reference:
-        mine, comparison = quality.compare(args.model, args.reference, args.threads)
+        mine, comparison = quality.compare(args.model, args.reference, args.threads, args.tokens)
     else:
-        mine, comparison = quality.measure(args.model, args.threads), None
+        mine, comparison = quality.measure(args.model, args.threads, tokens=args.tokens), None
     lines, passed = quality.report_lines(mine, comparison)
     print("\n".join(lines))
     if passed is None:
@@ -282,6 +282,14 @@ def _add_precompile(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_precompile)
 
 
+def _non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (argparse names the option in its error)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     """The ``inspect`` command and its options."""
     p = sub.add_parser("inspect", help="verify hashes and fused stateful attention per stage; --quality: perplexity "
@@ -294,6 +302,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", type=Path, metavar="BUILD", help="compare with this build of the same model (fp16) "
                                                                    "and check the quality floor (implies --quality)")
     p.add_argument("--threads", type=int, default=0, help="inference threads for --quality (0: all cores)")
+    p.add_argument("--tokens", type=_non_negative, default=0, metavar="N",
+                   help="--quality: perplexity on the text's first N tokens only, quicker (0: all, 5,902 for the demo)")
     p.set_defaults(func=_cmd_inspect)
 
 

@@ -215,9 +215,10 @@ def _encoders(model_dir: Path):  # noqa: ANN202 - (tokenizer, encode text, encod
     return chat_tokenizer.tokenizer, chat_tokenizer.encode, chat
 
 
-def eval_sha256() -> str:
-    """Identity of the evaluation set and method (a cached measurement is reused only under it)."""
-    spec = json.dumps([REPORT_FORMAT, WINDOW, CHUNK, MAX_NEW_TOKENS, PROMPTS, PRECISION])
+def eval_sha256(tokens: int = 0) -> str:
+    """Identity of the evaluation set and method (a cached measurement is reused only under it); ``tokens``: the
+    text's first that many tokens only (0: all)."""
+    spec = json.dumps([REPORT_FORMAT, WINDOW, CHUNK, MAX_NEW_TOKENS, PROMPTS, PRECISION, *([tokens] if tokens else [])])
     return hashlib.sha256(EVAL_TEXT.read_bytes() + spec.encode()).hexdigest()
 
 
@@ -235,14 +236,17 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def measure(model_dir: Path, threads: int = 0, chain: StageChain | None = None) -> Measurement:
+def measure(model_dir: Path, threads: int = 0, chain: StageChain | None = None, tokens: int = 0) -> Measurement:
     """Perplexity and greedy answers of the build in ``model_dir``, from its ``quality.json`` when
     that holds them for this build and evaluation set, else computed (with ``chain`` if given) and
-    written there. Raises ``ManifestError`` for a folder without a build, ``RuntimeError`` when a
-    stage does not compile."""
+    written there. ``tokens``: perplexity on the evaluation text's first that many tokens (0: all of it; the
+    prompts are all measured either way). Raises ``ManifestError`` for a folder without a build,
+    ``RuntimeError`` when a stage does not compile, ``ValueError`` for ``tokens`` < 0."""
+    if tokens < 0:
+        raise ValueError(f"tokens must be 0 (the whole text) or more, not {tokens}")
     model_dir = Path(model_dir)
     loaded = load_manifest(model_dir)
-    key = eval_sha256()
+    key = eval_sha256(tokens)
     report = _read(model_dir / REPORT_NAME)
     try:
         cached = Measurement(**report["measurement"])
@@ -256,7 +260,8 @@ def measure(model_dir: Path, threads: int = 0, chain: StageChain | None = None) 
     if start is None:
         start = loaded.manifest.eos_token_ids[0]
     chain = chain or StageChain(loaded, threads)
-    ppl, count = perplexity(chain, encode(EVAL_TEXT.read_text()), start)
+    ids = encode(EVAL_TEXT.read_text())
+    ppl, count = perplexity(chain, ids[:tokens] if tokens else ids, start)
     eos = set(loaded.manifest.eos_token_ids)
     answers = [greedy(chain, chat(p), MAX_NEW_TOKENS, eos) for p in PROMPTS]
     result = Measurement(loaded.sha256, key, describe_weights(loaded), ppl, count, answers,
@@ -266,9 +271,10 @@ def measure(model_dir: Path, threads: int = 0, chain: StageChain | None = None) 
     return result
 
 
-def compare(model_dir: Path, reference_dir: Path, threads: int = 0) -> tuple[Measurement, Comparison]:
-    """Measure a build and its reference (same tokenizer required), compute agreement and check the
-    floor; the whole report goes to ``model_dir/quality.json`` (and is reused from there).
+def compare(model_dir: Path, reference_dir: Path, threads: int = 0, tokens: int = 0) -> tuple[Measurement, Comparison]:
+    """Measure a build and its reference (same tokenizer required, both on the text's first ``tokens``, as
+    ``measure``), compute agreement and check the floor; the whole report goes to ``model_dir/quality.json`` (and
+    is reused from there).
 
     Raises ``ValueError`` when the two builds' tokenizers differ (token ids would not compare).
     """
@@ -276,7 +282,7 @@ def compare(model_dir: Path, reference_dir: Path, threads: int = 0) -> tuple[Mea
     loaded, ref_loaded = load_manifest(model_dir), load_manifest(reference_dir)
     if loaded.manifest.files.get("tokenizer.json") != ref_loaded.manifest.files.get("tokenizer.json"):
         raise ValueError(f"{reference_dir} has another tokenizer than {model_dir}: its greedy tokens would not compare")
-    ref = measure(reference_dir, threads)
+    ref = measure(reference_dir, threads, tokens=tokens)
     floor = floor_for([s.weights for s in loaded.manifest.stages])
     report = _read(model_dir / REPORT_NAME)
     try:
@@ -288,7 +294,7 @@ def compare(model_dir: Path, reference_dir: Path, threads: int = 0) -> tuple[Mea
         comparison = Comparison(**{**{k: v for k, v in done.items() if k != "passed"}, "floor": floor})  # today's
     except (KeyError, TypeError):
         chain = StageChain(loaded, threads)
-        mine = measure(model_dir, threads, chain)
+        mine = measure(model_dir, threads, chain, tokens)
         _, _, chat = _encoders(model_dir)
         hits = sum(forced_agreement(chain, chat(p), a) for p, a in zip(PROMPTS, ref.greedy))
         comparison = Comparison(

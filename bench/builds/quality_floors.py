@@ -3,11 +3,10 @@ the demo's 2-stage int8 and int4 builds (the recipes tests/integration/test_weig
 fp16 build, each measured afresh (``uncached``: never from a stored quality.json), on the whole evaluation text
 (5,902 tokens) and all 8 prompts. Prints the table, writes ``--json``; exits 1 when a build misses its floor.
 
-The suite checks the same floors through the same command on the text's first 2,048 tokens (``--tokens 2048``:
-the suite's run; ``excerpt``: 2,035 tokens, whole lines), all 8 prompts, one thread. Measured on the test
-builds (2026-12-06, 1 thread): int8 +0.11% (whole text +0.17%), int4 +14.65% (+14.58%) against the floors' +1%
-and +20%; the agreement (0.953 and 0.781 against 0.90 and 0.75) is the whole run's, the prompts being all
-there. The whole text costs ~155 CPU s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window
+The suite checks the same floors through the same command on the text's first 2,048 tokens (``inspect --tokens
+2048``), all 8 prompts, one thread. Measured on the test builds (2026-12-06, 1 thread): int8 +0.13% (whole text
++0.17%), int4 +14.69% (+14.58%) against the floors' +1% and +20%; the agreement (0.953 and 0.781 against 0.90 and
+0.75) is the whole run's, the prompts being all there. The whole text costs ~155 CPU s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window
 against ~5.5 for int8 or int4.
 
     python bench/builds/quality_floors.py [--json PATH] [--tokens N] [--threads N] [--hf DIR] [--cache DIR]
@@ -18,16 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from bench import harness
 
 WEIGHTS = ("int8", "int4")  # 2-stage builds at the size-class defaults, as the suite's
-# ``fleet-compiler inspect`` with compiler.quality's evaluation text replaced by argv[1] (an excerpt of it)
-_INSPECT_ON_TEXT = ("import sys; from pathlib import Path; from compiler import quality; "
-                    "quality.EVAL_TEXT = Path(sys.argv[1]); quality.EVAL_TEXT_TITLE += ' (first ' + sys.argv[2] + "
-                    "' tokens)'; from compiler.cli import main; sys.exit(main(sys.argv[3:]))")
 
 
 def uncached(build: Path, folder: Path) -> Path:
@@ -40,33 +34,12 @@ def uncached(build: Path, folder: Path) -> Path:
     return folder
 
 
-def excerpt(build: Path, tokens: int, out: Path) -> tuple[Path, int]:
-    """compiler.quality's evaluation text cut after its last line that ends within the first ``tokens`` tokens
-    of ``build``'s tokenizer, written to ``out``; returns (``out``, its tokens)."""
-    from compiler.quality import EVAL_TEXT
-    from coordinator.tokenizer import ChatTokenizer
-
-    encode = ChatTokenizer(build).encode
-    lines, count = EVAL_TEXT.read_text().splitlines(keepends=True), 0
-    for n in range(1, len(lines) + 1):
-        if (more := len(encode("".join(lines[:n])))) > tokens:
-            break
-        count, text = more, "".join(lines[:n])
-    out.write_text(text)
-    return out, count
-
-
 def inspect(build: Path, reference: Path, tokens: int = 0, threads: int = 0) -> tuple[subprocess.CompletedProcess,
                                                                                       dict]:
-    """``fleet-compiler inspect BUILD --reference REFERENCE --threads THREADS`` (the whole evaluation text, or its
-    ``excerpt`` of ``tokens`` when given, written beside ``build``); returns the run and ``build``'s quality.json
-    ({} when inspect wrote none)."""
-    args = ["inspect", str(build), "--reference", str(reference), "--threads", str(threads)]
-    if tokens:
-        text, _ = excerpt(build, tokens, build.parent / f"eval-{tokens}.txt")
-        cmd = [sys.executable, "-c", _INSPECT_ON_TEXT, str(text), f"{tokens:,}", *args]
-    else:
-        cmd = [*harness.tool("fleet-compiler"), *args]
+    """``fleet-compiler inspect BUILD --reference REFERENCE --threads THREADS --tokens TOKENS`` (0 tokens: the
+    whole evaluation text); returns the run and ``build``'s quality.json ({} when inspect wrote none)."""
+    cmd = [*harness.tool("fleet-compiler"), "inspect", str(build), "--reference", str(reference), "--threads",
+           str(threads), "--tokens", str(tokens)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=harness.ROOT, env=harness.repo_env())
     report = build / "quality.json"
     return run, json.loads(report.read_text()) if report.is_file() else {}
