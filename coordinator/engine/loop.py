@@ -519,6 +519,6 @@ class StepLoop:
             except Exception as exc:  # noqa: BLE001 - the stages' KV is retained without the draft's
                 log.warning("%s: the draft model's KV is not retained (%s)", seq.session, exc)
         self.pipeline.forget(entry.session_id)  # held KV, not a running request: placement counts only those
-        entry.copying -= 1
         entry.ready.set_result(True)
+        self.ctx.prefix_cache.done_copying(entry)
         done.set_result(None)

@@ -49,6 +49,7 @@ class Retained:
     scope: str = ""  # the API key's digest of the request it came from: only requests with the same reuse it
     last_used: float = field(default_factory=time.monotonic)
     copying: int = 0  # copies of its prefix in flight (and its own making): not evicted meanwhile
+    doomed: bool = False  # cleared while copying: evicted once the copies are done, never matched again
     ready: asyncio.Future | None = None  # True once its KV is in place at the stages, False if that failed
 
 
@@ -103,6 +104,8 @@ class PrefixCache:
         self.sweep()
         best, best_n = None, 0
         for entry in self.entries:
+            if entry.doomed:
+                continue
             n = common_prefix(entry.tokens, prompt)
             if n > best_n and usable(entry):
                 best, best_n = entry, n
@@ -121,7 +124,13 @@ class PrefixCache:
     def copied(self, hit: Hit) -> None:
         """The copy of ``hit``'s prefix is made (or failed): its entry may be evicted again."""
         if not hit.take:
-            hit.entry.copying -= 1
+            self.done_copying(hit.entry)
+
+    def done_copying(self, entry: Retained) -> None:
+        """One copy of ``entry`` (or its own making) is done: a ``clear`` meanwhile evicts it now."""
+        entry.copying -= 1
+        if entry.doomed and not entry.copying and entry in self.entries:
+            self._evict(entry)
 
     def retain(self, entry: Retained) -> bool:
         """Add a finished request's KV (while ``entry.ready`` is pending, its KV is still being put in
@@ -165,8 +174,13 @@ class PrefixCache:
         self._close(entry)
 
     def clear(self) -> None:
+        """Evict every entry. One being copied or made is evicted when that is done (``done_copying``): closed
+        now, the copy in flight would open its session again after the close, for nobody to free."""
         for entry in list(self.entries):
-            self._evict(entry)
+            if entry.copying:
+                entry.doomed = True
+            else:
+                self._evict(entry)
 
     def _touch(self, entry: Retained) -> None:
         self.entries.remove(entry)

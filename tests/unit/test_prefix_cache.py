@@ -83,3 +83,25 @@ def test_lru_bound_idle_and_dead_pipelines():
     clock2[0] = 12
     c2.sweep()
     assert freed2 == [old, gone] and c2.entries == [fresh]
+
+
+def test_clear_while_a_copy_is_in_flight_frees_the_entry_once_the_copy_is_done():
+    """A re-plan or a shutdown clears the cache while an entry is still being made (its row copied out of its
+    batch group) or copied from: closing it then would race the copy, which would open the session again on
+    a stage after the close, for nobody to free (a worker kept it until its idle expiry and refused a new
+    stage meanwhile). It is freed once done, and matched by nobody meanwhile."""
+    c, freed, _ = cache()
+    making = entry("making", range(40))
+    making.copying = 1  # its own making (coordinator/engine/loop.py _new_entry)
+    idle = entry("idle", range(100, 140))
+    source = entry("source", range(200, 240))
+    for e in (making, idle, source):
+        assert c.retain(e)
+    hit = c.lookup(list(range(200, 220)) + [7, 8])  # a copy of source's prefix in flight
+    assert hit is not None and not hit.take and hit.entry is source
+    c.clear()
+    assert [e.session_id for e in freed] == ["idle"]
+    assert c.lookup(list(range(30)) + [7]) is None  # doomed: never matched again
+    c.done_copying(making)
+    c.copied(hit)
+    assert [e.session_id for e in freed] == ["idle", "making", "source"] and not c.entries
