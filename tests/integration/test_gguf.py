@@ -7,8 +7,8 @@ transformers in f32 on the same GGUF's dequantized weights.
   dequantizes those), F16, F32 norms; a second of Q5_0 and Q5_1 (gguf-py's quantizer), Q5_K, Q3_K and Q2_K
   blocks. The reference is transformers' own GGUF loader (``from_pretrained(gguf_file=...)``: its
   dequantization and its un-permutation, no code of ours).
-* The demo's Q4_1 GGUF (Q4_1 layers, Q8_0 embedding) into 2 and 3 stages, against transformers on the
-  demo's HF folder (the same GGUF dequantized to f32 by gguf-py).
+* The demo's Q4_1 GGUF (Q4_1 layers, Q8_0 embedding) into 3 stages (a first, a middle and a last), against
+  transformers on the demo's HF folder (the same GGUF dequantized to f32 by gguf-py).
 
 Both compare logits at every position of a 64-token sequence fed as a prefill and decode steps with
 rejected slots (``test_architectures.chained_logits``), in f32 (fleet's kernels at their exact precision, the
@@ -356,12 +356,15 @@ def demo_reference(demo_hf):
 @pytest.fixture(scope="module")
 def demo_greedy(demo_reference):
     """``get(ids)``: the reference's greedy 48 tokens after the prompt ``ids`` (a tuple) and their top-two gaps,
-    computed once per prompt (the 2- and 3-stage fleets are asked the same prompts)."""
+    computed once per prompt."""
     return cache(lambda ids: demo_reference.greedy_with_margins(list(ids), 48))
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_demo_gguf_keeps_its_blocks_and_matches_transformers(stages, demo_gguf_builds, demo_reference, request):
+STAGES = 3  # a first, a middle and a last stage (embedding, neither, head)
+
+
+def test_demo_gguf_keeps_its_blocks_and_matches_transformers(demo_gguf_builds, demo_reference, request):
+    stages = STAGES
     out, manifest = demo_gguf_builds(stages)
     assert all(s["weights"] == "gguf" and set(s["compression"]["tensors"]) <= {"Q4_1", "Q8_0", "f32"}
                for s in manifest["stages"]), manifest["stages"]
@@ -381,11 +384,10 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain how a bicycle works in simple terms."]
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_fleet_of_the_demo_gguf_equals_transformers_greedy(stages, demo_gguf_builds, demo_reference, demo_greedy,
-                                                           tmp_path):
-    """Greedy answers of a real fleet of the Q4_1 build equal transformers' on the GGUF's f32 dequantized
+def test_fleet_of_the_demo_gguf_equals_transformers_greedy(demo_gguf_builds, demo_reference, demo_greedy, tmp_path):
+    """Greedy answers of a real 3-stage fleet of the Q4_1 build equal transformers' on the GGUF's f32 dequantized
     weights (not rounded to fp16: the build keeps the blocks), token ids compared, near-ties bounded."""
+    stages = STAGES
     out, _ = demo_gguf_builds(stages)
     tokenizer = ChatTokenizer(out)
     fleet = Fleet(out, tmp_path, peers=True)
