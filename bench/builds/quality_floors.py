@@ -3,10 +3,10 @@ the demo's 2-stage int8 and int4 builds (the recipes tests/integration/test_weig
 fp16 build, each measured afresh (``uncached``: never from a stored quality.json), on the whole evaluation text
 (5,902 tokens) and all 8 prompts. Prints the table, writes ``--json``; exits 1 when a build misses its floor.
 
-The suite checks the same floors through the same command on the text's first 2,048 tokens (``inspect --tokens
-2048``), all 8 prompts, one thread. Measured on the test builds (2026-12-06, 1 thread): int8 +0.13% (whole text
-+0.17%), int4 +14.69% (+14.58%) against the floors' +1% and +20%; the agreement (0.953 and 0.781 against 0.90 and
-0.75) is the whole run's, the prompts being all there. The whole text costs ~155 CPU s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window
+The suite checks the same floors through the same command on the text's first 1,024 tokens (``inspect --tokens
+1024``), all 8 prompts, one thread. Measured on the test builds (2026-12-06, 1 thread): int8 +0.21% (2,048 tokens
++0.13%, whole text +0.17%), int4 +16.38% (+14.69%, +14.58%) against the floors' +1% and +20%; the agreement (0.953
+and 0.781 against 0.90 and 0.75) is the whole run's, the prompts being all there. The whole text costs ~155 CPU s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window
 against ~5.5 for int8 or int4.
 
     python bench/builds/quality_floors.py [--json PATH] [--tokens N] [--threads N] [--hf DIR] [--cache DIR]
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--tokens", type=int, default=0, help="the text's first N tokens only (the suite: 2048)")
+    parser.add_argument("--tokens", type=int, default=0, help="the text's first N tokens only (the suite: 1024)")
     parser.add_argument("--threads", type=int, default=0, help="inspect's --threads (0: all cores)")
     parser.add_argument("--hf", type=Path, help="demo HF folder (default: the tests' copy or CACHE's)")
     parser.add_argument("--cache", type=Path, default=harness.CACHE, help="builds are cached here")
