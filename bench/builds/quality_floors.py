@@ -6,8 +6,8 @@ fp16 build, each measured afresh (``uncached``: never from a stored quality.json
 The suite checks the same floors through the same command on the text's first 1,024 tokens (``inspect --tokens
 1024``), all 8 prompts, one thread. Measured on the test builds (2026-12-06, 1 thread): int8 +0.21% (2,048 tokens
 +0.13%, whole text +0.17%), int4 +16.38% (+14.69%, +14.58%) against the floors' +1% and +20%; the agreement (0.953
-and 0.781 against 0.90 and 0.75) is the whole run's, the prompts being all there. The whole text costs ~155 CPU s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window
-against ~5.5 for int8 or int4.
+and 0.781 against 0.90 and 0.75) is the whole run's, the prompts being all there. The whole text costs ~155 CPU
+s (1 thread), the fp16 reference the most: ~11 CPU s per 1,024-token window against ~5.5 for int8 or int4.
 
     python bench/builds/quality_floors.py [--json PATH] [--tokens N] [--threads N] [--hf DIR] [--cache DIR]
 """

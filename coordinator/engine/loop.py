@@ -505,7 +505,7 @@ class StepLoop:
     def _not_retained(self, seq: Seq, entry: Retained, exc: BaseException, done: asyncio.Future) -> None:
         log.warning("%s: its KV is not retained (%s)", seq.session, exc)
         self.ctx.prefix_cache.forget(entry)
-        entry.copying -= 1
+        self.ctx.prefix_cache.done_copying(entry)
         entry.ready.set_result(False)
         done.set_result(None)
 
