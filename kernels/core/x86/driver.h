@@ -103,11 +103,28 @@ struct QuantizedRows {
     }
 };
 
+// Activation row values of sub-block g (32 int8) and the dot's start: the lane sums times the weights' integer
+// zero point (kHalves: nibble_halves' codes, whose high lanes' zero point is 16 times too), or 0 without one.
+template <class F, bool kHalves>
+static inline void group_activations(const int8_t* q, const int32_t* lanes, int64_t g, __m256i& qv, __m256i& init) {
+    constexpr int kZero = kZeroShift<F>;
+    qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 32));
+    if constexpr (kZero < 0) {
+        init = _mm256_setzero_si256();
+        return;
+    }
+    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + g * 8));
+    if constexpr (kHalves)
+        init = _mm256_sllv_epi32(sums, _mm256_setr_epi32(kZero, kZero, kZero, kZero, kZero + 4, kZero + 4, kZero + 4,
+                                                         kZero + 4));
+    else
+        init = _mm256_slli_epi32(sums, kZero);
+}
+
 template <class F, int R, int MB>
 static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     static_assert(F::QK == 32 && !F::PER16, "the 32-weight types: one scale and offset per sub-block");
     constexpr bool kHalves = FLEET_VNNI && F::NIBBLES >= 0;  // nibbles in place, high lanes x16
-    constexpr int kZero = kZeroShift<F>;
     const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
     FLEET_UNROLL
@@ -149,17 +166,7 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
             const int64_t g = g0 + j;
             __m256i qv[MB], init[MB];
             FLEET_UNROLL
-            for (int i = 0; i < MB; ++i) {
-                qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + g * 32));
-                const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8));
-                if constexpr (kZero >= 0 && kHalves)  // the high lanes' zero point is 16 times too
-                    init[i] = _mm256_sllv_epi32(sums, _mm256_setr_epi32(kZero, kZero, kZero, kZero, kZero + 4,
-                                                                        kZero + 4, kZero + 4, kZero + 4));
-                else if constexpr (kZero >= 0)
-                    init[i] = _mm256_slli_epi32(sums, kZero);
-                else
-                    init[i] = _mm256_setzero_si256();
-            }
+            for (int i = 0; i < MB; ++i) group_activations<F, kHalves>(q[i], lanes[i], g, qv[i], init[i]);
             FLEET_UNROLL
             for (int r = 0; r < R; ++r) {
                 int sub;

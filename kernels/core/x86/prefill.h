@@ -90,14 +90,7 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
             const int64_t g = g0 + j;
             __m256i qv[MB], init[MB];
             FLEET_UNROLL
-            for (int i = 0; i < MB; ++i) {
-                qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + g * 32));
-                if constexpr (kZeroShift<F> >= 0)
-                    init[i] = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[i] + g * 8)),
-                                                kZeroShift<F>);
-                else
-                    init[i] = _mm256_setzero_si256();
-            }
+            for (int i = 0; i < MB; ++i) group_activations<F, false>(q[i], lanes[i], g, qv[i], init[i]);
             FLEET_UNROLL
             for (int r = 0; r < R; ++r) {
                 const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t.codes[size_t(r * groups + g) * 32]));
