@@ -386,11 +386,18 @@ class Pipeline:
     def _ack_failure(self, ack: pb.LinkAck) -> StageFailure:
         """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N
         at ADDRESS: ...``, nested down the chain, so the innermost such prefix names the stage that
-        failed; without one, stage 0 itself failed."""
+        failed; without one, stage 0 itself failed. A stage reporting DEADLINE_EXCEEDED itself (the step's
+        deadline passed while it computed or queued there: worker/server.py) answered, so it is slow, not
+        lost: the step missed its deadline as when the coordinator's own wait runs out (no stage named, no
+        failover: a stalled or overloaded PC is not a dead one)."""
         stage, address, rest = 0, self.addresses[0], ack.details
         while m := re.match(r"stage (\d+) at (\S+): ", rest):
             stage, address, rest = int(m.group(1)), m.group(2), rest[m.end():]
         code = _CODES.get(ack.code, grpc.StatusCode.UNKNOWN)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return StageFailure(f"a pipeline step ran past its deadline at stage {stage}, whose worker {address} "
+                                "answered late (overloaded or stalled); send the request again",
+                                detail=f"{code.name}: {ack.details}")
         return _classified(stage, address, "a pipeline step", code, f"{code.name}: {ack.details}")
 
 

@@ -7,6 +7,7 @@ thread count, not the one thread of the other cells)."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -85,7 +86,7 @@ def workers(request, tmp_path_factory):
 ], ids=["2-stage", "3-stage-chunked", "3-stage-ngram-adaptive"])
 def test_fleet_equals_single_device(stages, coord_args, reference, workers, request):
     coordinator, url = workers(stages).add_coordinator(*coord_args, name=request.node.callspec.id)
-    ties = 0
+    ties, drafts = 0, Counter()
     try:
         assert "(mdns)" in coordinator.text(), "workers must be found by zeroconf"
         for prompt in PROMPTS:
@@ -96,11 +97,11 @@ def test_fleet_equals_single_device(stages, coord_args, reference, workers, requ
             tokens, margins, forced = reference[prompt]
             got = body["fleet"]["completion_token_ids"]
             ties += near_ties(got, tokens, margins, f"{stages}-stage on {prompt!r}", forced)
+            drafts.update({k: body["fleet"].get(k, 0) for k in ("drafted_tokens", "accepted_tokens", "verify_ms")})
         assert ties <= 1, f"{ties} near-ties over {len(PROMPTS)} answers"
-        if "--draft" in coord_args:
-            stats = body["fleet"]
-            assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, stats  # some accepted, some rejected
-            assert 0 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1 and stats["verify_ms"] > 0
+        if "--draft" in coord_args:  # over every answer: adaptive K drafts less on a loaded machine (its costs)
+            assert drafts["drafted_tokens"] > drafts["accepted_tokens"] > 0, drafts  # some accepted, some rejected
+            assert drafts["verify_ms"] > 0, drafts
     finally:
         coordinator.stop()
 
