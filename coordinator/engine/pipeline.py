@@ -137,9 +137,9 @@ class Pipeline:
         try:
             async for ack in self._link.call:
                 if not ack.session_id:
-                    self._fail(self._ack_failure(ack))
+                    self._fail(self.ack_failure(ack))
                 elif (waiter := self._waiters.get((ack.session_id, ack.step_id))) is not None and not waiter.done():
-                    waiter.set_exception(self._ack_failure(ack))
+                    waiter.set_exception(self.ack_failure(ack))
             reason = "its link stream ended"
         except grpc.aio.AioRpcError as exc:
             reason = f"its link failed: {describe(exc)}"
@@ -177,7 +177,8 @@ class Pipeline:
         request = pb.OpenSessionRequest(session_id=session_id, max_context=max_context,
                                         manifest_sha256=self.manifest_sha256, resume=resume,
                                         owner=self.channels.owner)
-        calls = [self.channels.stub(a).OpenSession(request, timeout=timeout_s) for a in self.addresses]
+        deadline_s = self._kv_deadline_s(timeout_s)
+        calls = [self.channels.stub(a).OpenSession(request, timeout=deadline_s) for a in self.addresses]
         results = await self._unless_left(calls, None if resume else session_id, timeout_s)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
@@ -214,9 +215,9 @@ class Pipeline:
     async def close_session(self, session_id: str, timeout_s: float) -> None:
         """Free ``session_id``'s KV on every stage at once; failures are logged, never raised."""
         self.sessions.discard(session_id)
-        request = pb.CloseSessionRequest(session_id=session_id)
+        request, deadline_s = pb.CloseSessionRequest(session_id=session_id), self._kv_deadline_s(timeout_s)
         results = await asyncio.gather(
-            *(self.channels.stub(a).CloseSession(request, timeout=timeout_s) for a in self.addresses),
+            *(self.channels.stub(a).CloseSession(request, timeout=deadline_s) for a in self.addresses),
             return_exceptions=True,
         )
         for address, r in zip(self.addresses, results):
@@ -226,8 +227,9 @@ class Pipeline:
     async def _on_every_stage(self, rpc: str, request, timeout_s: float, what: str) -> list:  # noqa: ANN001
         """Call ``rpc`` with ``request`` on every stage at once; the replies in stage order. Raises
         ``StageFailure`` naming the first stage that failed (``what`` says what failed)."""
+        deadline_s = self._kv_deadline_s(timeout_s)
         results = await asyncio.gather(
-            *(getattr(self.channels.stub(a), rpc)(request, timeout=timeout_s) for a in self.addresses),
+            *(getattr(self.channels.stub(a), rpc)(request, timeout=deadline_s) for a in self.addresses),
             return_exceptions=True,
         )
         for index, (address, r) in enumerate(zip(self.addresses, results)):
@@ -246,7 +248,8 @@ class Pipeline:
         request = pb.CopyRequest(session_id=session_id, source=source, row=row, tokens=tokens,
                                  max_context=max_context, manifest_sha256=self.manifest_sha256, detach=detach,
                                  owner=self.channels.owner)
-        results = await self._unless_left([self.channels.stub(a).Copy(request, timeout=timeout_s)
+        deadline_s = self._kv_deadline_s(timeout_s)
+        results = await self._unless_left([self.channels.stub(a).Copy(request, timeout=deadline_s)
                                            for a in self.addresses], session_id, timeout_s)
         errors = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if errors:
@@ -383,7 +386,13 @@ class Pipeline:
         taken for lost), and a step crosses every link once (N+1 hops), so slow links add their round trips."""
         return max(timeout_s, STEP_DEADLINE_FACTOR * self._slowest.get(size, 0.0)) + 2 * self.link_rtt_s()
 
-    def _ack_failure(self, ack: pb.LinkAck) -> StageFailure:
+    def _kv_deadline_s(self, timeout_s: float) -> float:
+        """The deadline (seconds) of a KV operation (open, close, copy, merge, compaction) given ``timeout_s``,
+        the configured one: at each stage it waits behind the steps queued there, so under load it gets the
+        longest deadline a recent step got (``_deadline_s``): a busy stage is not taken for a lost one."""
+        return max(timeout_s, STEP_DEADLINE_FACTOR * max(self._slowest.values(), default=0.0)) + 2 * self.link_rtt_s()
+
+    def ack_failure(self, ack: pb.LinkAck) -> StageFailure:
         """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N
         at ADDRESS: ...``, nested down the chain, so the innermost such prefix names the stage that
         failed; without one, stage 0 itself failed. A stage reporting DEADLINE_EXCEEDED itself (the step's

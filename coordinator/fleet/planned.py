@@ -541,8 +541,10 @@ async def prepare_build(settings, prep: Preparation | None = None) -> PlannedFle
     from .preparing import Preparation
 
     prep = prep or Preparation(str(settings.model))
-    planner = _planner()  # the compile extra's clear error before any wait
-    source = source_model(settings.model)  # and a bad source's
+    # in threads: importing the compiler and reading a GGUF's metadata take seconds (4 s for the demo's GGUF, as
+    # it imports transformers), in which the event loop would not answer the preparing page's /health
+    planner = await asyncio.to_thread(_planner)  # the compile extra's clear error before any wait
+    source = await asyncio.to_thread(source_model, settings.model)  # and a bad source's
     expect = settings.expect_workers or len(settings.peer)
     async with browsing() if not settings.peer else contextlib.nullcontext(None) as heard:
         waiting = f"{expect} expected" if expect else f"all that answer until none is new for {SETTLE_S:.0f} s"

@@ -1,4 +1,4 @@
-"""What a failed step's ``LinkAck`` is taken for (coordinator/engine/pipeline.py ``Pipeline._ack_failure``): the
+"""What a failed step's ``LinkAck`` is taken for (coordinator/engine/pipeline.py ``Pipeline.ack_failure``): the
 innermost stage a relayed failure names is blamed; a stage that reports the step's deadline passed at it answered,
 so it is slow, not lost (no stage named, so the engine neither re-checks nor fails over from it)."""
 
@@ -21,7 +21,7 @@ def test_a_stage_that_ran_past_the_deadline_is_slow_not_lost():
     for details, stage in [("stage 0: the step's deadline passed before it could be passed on", 0),
                            (f"stage 1 at {ADDRESSES[1]}: stage 1: the step's deadline passed before it could be "
                             "passed on", 1)]:
-        failure = pipeline._ack_failure(ack(grpc.StatusCode.DEADLINE_EXCEEDED, details))
+        failure = pipeline.ack_failure(ack(grpc.StatusCode.DEADLINE_EXCEEDED, details))
         assert failure.stage is None and failure.address is None, failure.summary
         assert f"past its deadline at stage {stage}" in failure.message and "send the request again" in failure.message
         assert "(worker" not in failure.message and "stopped answering" not in failure.message
@@ -30,8 +30,8 @@ def test_a_stage_that_ran_past_the_deadline_is_slow_not_lost():
 def test_a_stage_that_cannot_reach_the_next_one_blames_the_innermost():
     pipeline = Pipeline(ADDRESSES, channels=None, manifest_sha256="x")
     relayed = f"stage 1 at {ADDRESSES[1]}: stage 2 at {ADDRESSES[2]}: the link broke"
-    failure = pipeline._ack_failure(ack(grpc.StatusCode.UNAVAILABLE, relayed))
+    failure = pipeline.ack_failure(ack(grpc.StatusCode.UNAVAILABLE, relayed))
     assert (failure.stage, failure.address) == (2, ADDRESSES[2])
     assert f"stage 2 (worker {ADDRESSES[2]}) stopped answering" in failure.message
-    failure = pipeline._ack_failure(ack(grpc.StatusCode.INTERNAL, "stage 0: inference failed: boom"))
+    failure = pipeline.ack_failure(ack(grpc.StatusCode.INTERNAL, "stage 0: inference failed: boom"))
     assert (failure.stage, failure.address) == (0, ADDRESSES[0]) and "failed a pipeline step" in failure.message
