@@ -18,6 +18,7 @@ void prepare(Activations& a, const float* x, int64_t rows, int64_t cols, bool qu
     }
     a.dsum.resize(size_t(rows * (cols / 16)));
     a.lanes.resize(size_t(rows * (cols / 32) * 8));
+    a.gsum.resize(size_t(rows * (cols / 32) * 2));
 }
 
 namespace {
@@ -42,12 +43,15 @@ void quantize_row32(Activations& a, int64_t m) {
     float* dsum0 = a.dsum.data() + 2 * m * groups;
     float* dsum1 = dsum0 + groups;
     int32_t* lanes = a.lanes.data() + m * groups * 8;
+    int32_t* gsum = a.gsum.data() + m * groups * 2;
     for (int64_t g = 0; g < groups; ++g) {
         int8_t* qg = q + g * 32;
         d[g] = group32_scale(quantize_group(x + g * 32, 32, qg));
         int sums[2] = {0, 0};
         for (int j = 0; j < 32; ++j) sums[j / 16] += qg[j];
         for (int l = 0; l < 8; ++l) lanes[g * 8 + l] = -(int32_t(qg[4 * l]) + qg[4 * l + 1] + qg[4 * l + 2] + qg[4 * l + 3]);
+        gsum[2 * g] = -sums[0];
+        gsum[2 * g + 1] = -sums[1];
         dsum0[g] = d[g] * float(sums[0]);
         dsum1[g] = d[g] * float(sums[1]);
     }

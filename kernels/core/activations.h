@@ -15,8 +15,8 @@ namespace fleet {
 // equal its), q = rint(x * (127 / max|x|)) clamped to [-127, 127] (all zero when max|x| is 0), and per half h of 16
 // values dsum = d * sum(q over the half). The float64 references in the tests quantize the same way
 // (tests/unit/test_kernels.py). The SIMD kernels also read, per group, the sums of q over each 4 consecutive values
-// negated (the int32 lanes of vpdpbusd): an integer zero point z of the weights' codes is then subtracted exactly,
-// sum((c - z) q) = dpbusd(z x lanes, c, q).
+// negated (the int32 lanes of vpdpbusd) and their totals per half: an integer zero point z of the weights' codes is then subtracted
+// exactly, sum((c - z) q) = dpbusd(z x lanes, c, q), or z x gsum plus the dots where a lane is an output column.
 //
 // For the 256-weight types the group is 256 (one d per block of the weights, in f32 as llama.cpp's block_q8_K keeps
 // it) and the kernels read, per block, the sums of q over each 16 values (int16) in the order b0, b2, ..., b14, b1,
@@ -30,6 +30,7 @@ struct Activations {
     std::vector<float> d;       // [rows, cols / group]
     std::vector<float> dsum;    // [rows, 2, cols / 32]: d * sum(q) over the first, then the second half of each group
     std::vector<int32_t> lanes; // [rows, cols / 32, 8]: -(q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) per group
+    std::vector<int32_t> gsum;  // [rows, cols / 32, 2]: -sum(q) over each half of 16 of a group
     std::vector<int16_t> bsums; // [rows, cols / 256, 16] (group 256): sums of q per 16, in the order above
 
     const int8_t* q_row(int64_t m) const { return q.data() + m * cols; }
@@ -37,6 +38,7 @@ struct Activations {
     const int16_t* bsums_row(int64_t m) const { return bsums.data() + m * (cols / 16); }
     const float* dsum_row(int64_t m, int half) const { return dsum.data() + (2 * m + half) * (cols / 32); }
     const int32_t* lanes_row(int64_t m) const { return lanes.data() + m * (cols / 32) * 8; }
+    const int32_t* gsum_row(int64_t m) const { return gsum.data() + m * (cols / 32) * 2; }
     const float* x_row(int64_t m) const { return x + m * cols; }
 };
 

@@ -101,6 +101,7 @@ int quantization_failures(const KernelTable& t, std::mt19937& g) {
         scalar_kernels().quantize(want, 0, rows);
         t.quantize(got, 0, rows);
         if (want.q != got.q || want.d != got.d || want.dsum != got.dsum || want.lanes != got.lanes ||
+            want.gsum != got.gsum ||
             want.bsums != got.bsums) {
             std::printf("FAIL %s quantization (group %d) differs from the scalar one\n", t.isa, group);
             ++failures;

@@ -1,19 +1,15 @@
 // The row-tile kernels of one x86 instruction set, built from unpack.h. Included by isa_*.cpp with
 // FLEET_DPBUSD(acc, u8, s8) defined (VNNI's vpdpbusd, or its exact AVX2 emulation) inside a namespace.
 //
-// A tile is R weight rows x MB activation rows with one accumulator per pair. Every accumulator sees the
-// same instructions in the same order whatever R and MB are (tiles only share loads), so y[m, n] does not
-// depend on the batch, the tiling or the thread split. Sub-block g of row n against activation row m adds
-//   acc += float(dot(c, q)) * (s d)      (8 lanes; one scale per sub-block of 32: these tiles take the 32-weight
-//                                         types, the 256-weight ones have tile_super below)
-//   integer zero point z (ZSHIFT): the dot starts at -z x (the activations' lane sums): sum((c - z) q), exact
-//   float offsets (OFFSET): corr += o dsum0 + o dsum1 (8 sub-blocks a vector)
-// and y = hsum(acc) + hsum(corr).
+// A tile is R weight rows x MB activation rows. Every output sees the same float operations in the same order
+// whatever R and MB are (tiles only share loads, and integer sums are exact in any order), so y[m, n] does not
+// depend on the batch, the tiling or the thread split. The 32-weight types (tile_quantized) and the 256-weight
+// ones (tile_super) say what each output computes.
 // With a real vpdpbusd (VNNI) the decode tile saves an instruction a sub-block where it can, with the same
 // integers and so the same results: signed codes enter as c + 128 (c xor 0x80, unsigned) with 128 x the lane
 // sums subtracted in the dot's start, instead of |c| against q with c's sign; plain nibbles (Q4_0, Q4_1) enter
 // in place, the high ones as 16 c (unpack.h nibble_halves), so the high lanes accumulate 16 x their products,
-// exactly, and are scaled by 1/16 before the sum.
+// exactly, and are divided by 16 (an exact shift) before the sub-block's total.
 
 #include "quantize.h"
 
@@ -121,6 +117,49 @@ static inline void group_activations(const int8_t* q, const int32_t* lanes, int6
         init = _mm256_slli_epi32(sums, kZero);
 }
 
+// The integer sums over each half of 16 weights of R weight rows' dots against one activation row (8 lanes each):
+// lane r holds row r's first half, lane 4 + r its second (R = 1: lanes 0 and 4). No shuffle crosses the two 128-bit
+// lanes, so the second halves of nibble_halves' codes (16 x their sums) stay apart.
+template <int R>
+static inline __m256i half_sums(const __m256i* dot) {
+    static_assert(R == 1 || R == 4, "tiles of 1 or 4 weight rows");
+    if constexpr (R == 4)
+        return _mm256_hadd_epi32(_mm256_hadd_epi32(dot[0], dot[1]), _mm256_hadd_epi32(dot[2], dot[3]));
+    const __m256i h = _mm256_hadd_epi32(dot[0], dot[0]);
+    return _mm256_hadd_epi32(h, h);
+}
+
+// A span's 8 per-group values of R rows (v[r] lane j: row r's value of group j) by group: out[j][r] (R = 1: out[j][0]).
+template <int R>
+static inline void by_group(const __m256* v, float (&out)[8][4]) {
+    if constexpr (R == 4) {
+        const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+        FLEET_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            _mm_store_ps(out[j], _mm256_castps256_ps128(u[j]));
+            _mm_store_ps(out[j + 4], _mm256_extractf128_ps(u[j], 1));
+        }
+    } else {
+        static_assert(R == 1, "tiles of 1 or 4 weight rows");
+        alignas(32) float row[8];
+        _mm256_store_ps(row, v[0]);
+        for (int j = 0; j < 8; ++j) _mm_store_ps(out[j], _mm_set_ss(row[j]));
+    }
+}
+
+// The 32-weight types against quantized activations. Half h (16 weights) of sub-block g of weight row n against
+// activation row m:
+//   D = sum((c - z) q) over the half          an integer (exact in any order)
+//   acc_h = fma(float(D), s d, acc_h)         one float multiply-add a half, in the order of g
+//   corr = fma(o, dsum0, corr); corr = fma(o, dsum1, corr)   (types with a float offset o, per sub-block)
+// and y = (acc_0 + acc_1) (+ corr). Each output is the same chains of float operations on the halves' integers
+// however the integer work is laid out: here each row's 8-lane dot is summed to its halves (half_sums, 4 rows in
+// one register); the prefill tiles (prefill.h) keep one output column a lane. Halves, measured here against one
+// sum and quarters: one sum takes a third shuffle a sub-block (shuffles share one port), decode 15-40% slower from
+// memory; quarters made prefill 1.3-1.5x slower than halves and decode no faster.
 template <class F, int R, int MB>
 static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     static_assert(F::QK == 32 && !F::PER16, "the 32-weight types: one scale and offset per sub-block");
@@ -133,71 +172,74 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     const int8_t* const* q = act.q;
     const float *const *da = act.d, *const *ds0 = act.ds0, *const *ds1 = act.ds1;
     const int32_t* const* lanes = act.lanes;
-    __m256 acc[R][MB], corr[R][MB];
+    __m256 acc[MB];  // lane r: row r's first halves, lane 4 + r its second halves
+    __m128 corr[MB];
     FLEET_UNROLL
-    for (int r = 0; r < R; ++r)
-        FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); corr[r][i] = _mm256_setzero_ps(); }
+    for (int i = 0; i < MB; ++i) { acc[i] = _mm256_setzero_ps(); corr[i] = _mm_setzero_ps(); }
     const uint8_t* tile_end = rows[0] + R * p.row_bytes;
     constexpr size_t kSpanBytes = size_t(R) * (256 / F::QK) * F::BYTES;  // bytes of the tile in one span of 8 groups
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int span = int(std::min<int64_t>(8, groups - g0));
         prefetch_next(tile_end, kSpanBytes, g0 / 8);
-        // scale x activation scale of each (row, activation row, sub-block), read by broadcast below
-        alignas(32) float sd0[R][MB][8];
-        FLEET_UNROLL
-        for (int r = 0; r < R; ++r) {
-            Span<F> sp;
-            sp.read_quantized(span_block<F>(rows[r], g0), span);
+        alignas(16) float s[8][4], o[8][4];  // by group: lane r row r's scale (offset)
+        {
+            __m256 sv[R], ov[R];
             FLEET_UNROLL
-            for (int i = 0; i < MB; ++i) {
-                const __m256 d = load8(da[i] + g0, span);
-                _mm256_store_ps(sd0[r][i], _mm256_mul_ps(_mm256_load_ps(sp.s0), d));
-                if constexpr (F::OFFSET) {  // one offset for both halves of a sub-block
-                    const __m256 o = _mm256_load_ps(sp.o0);
-                    corr[r][i] = _mm256_fmadd_ps(o, load8(ds0[i] + g0, span), corr[r][i]);
-                    corr[r][i] = _mm256_fmadd_ps(o, load8(ds1[i] + g0, span), corr[r][i]);
-                }
+            for (int r = 0; r < R; ++r) {
+                Span<F> sp;
+                sp.read_quantized(span_block<F>(rows[r], g0), span);
+                sv[r] = _mm256_load_ps(sp.s0);
+                ov[r] = _mm256_load_ps(sp.o0);
             }
+            by_group<R>(sv, s);
+            if constexpr (F::OFFSET) by_group<R>(ov, o);
         }
-        const int count = F::QK == 256 ? 8 : span;  // a 256-weight block's 8 sub-blocks: unrolled, shifts constant
 #pragma GCC unroll 8
-        for (int j = 0; j < count; ++j) {
+        for (int j = 0; j < span; ++j) {
             const int64_t g = g0 + j;
             __m256i qv[MB], init[MB];
             FLEET_UNROLL
             for (int i = 0; i < MB; ++i) group_activations<F, kHalves>(q[i], lanes[i], g, qv[i], init[i]);
+            __m256i dot[MB][R];
             FLEET_UNROLL
             for (int r = 0; r < R; ++r) {
-                int sub;
-                const uint8_t* blk = sub_block<F>(rows[r], g0, j, sub);
+                const uint8_t* blk = rows[r] + g * F::BYTES;
                 __m256i c, u;
                 if constexpr (kHalves) {
                     u = c = nibble_halves(blk + F::NIBBLES);
                 } else {
-                    c = F::codes(blk, sub);
+                    c = F::codes(blk, 0);
                     u = kOffsetCodes<F> ? _mm256_xor_si256(c, mask8(0x80)) : F::SIGNED ? _mm256_abs_epi8(c) : c;
                 }
                 FLEET_UNROLL
                 for (int i = 0; i < MB; ++i) {
                     const __m256i v = F::SIGNED && !kOffsetCodes<F> ? _mm256_sign_epi8(qv[i], c) : qv[i];
-                    const __m256i dot = FLEET_DPBUSD(init[i], u, v);
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&sd0[r][i][j]), acc[r][i]);
+                    dot[i][r] = FLEET_DPBUSD(init[i], u, v);
+                }
+            }
+            const __m256 sj = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(s[j]));
+            FLEET_UNROLL
+            for (int i = 0; i < MB; ++i) {
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(dot[i])), _mm256_mul_ps(sj, _mm256_set1_ps(da[i][g])), acc[i]);
+                if constexpr (F::OFFSET) {
+                    const __m128 oj = _mm_load_ps(o[j]);
+                    corr[i] = _mm_fmadd_ps(oj, _mm_set1_ps(ds0[i][g]), corr[i]);
+                    corr[i] = _mm_fmadd_ps(oj, _mm_set1_ps(ds1[i][g]), corr[i]);
                 }
             }
         }
     }
-    if constexpr (kHalves) {
-        const __m256 unscale = _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f);
-        FLEET_UNROLL
-        for (int r = 0; r < R; ++r)
-            FLEET_UNROLL
-            for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_mul_ps(acc[r][i], unscale);
-    }
     FLEET_UNROLL
-    for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) {
+        __m128 high = _mm256_extractf128_ps(acc[i], 1);
+        if constexpr (kHalves) high = _mm_mul_ps(high, _mm_set1_ps(0.0625f));  // 16 x the halves' sums, exactly
+        __m128 y = _mm_add_ps(_mm256_castps256_ps128(acc[i]), high);
+        if constexpr (F::OFFSET) y = _mm_add_ps(y, corr[i]);
+        alignas(16) float out[4];
+        _mm_store_ps(out, y);
         FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(corr[r][i]);
+        for (int r = 0; r < R; ++r) p.y[(m + i) * p.ldy + n + r] = out[r];
+    }
 }
 
 // ---- the 256-weight types: activations per 256 (activations.h), each block's sums kept in integers.

@@ -2,116 +2,192 @@
 // chunk). Included by driver.h after the decode tiles, whose integer and float operations these repeat in
 // the same order (tile_quantized, block_sums, block_end).
 
-// ---- many activation rows (a verify, a batch group, a prefill chunk): a tile of 4 weight rows is unpacked once
-// into 32-byte codes and per-group scales, then every activation row meets it. The integers of each dot and
-// the float operations on them are those of tile_quantized, in the same order: bitwise the same results.
+// ---- many activation rows (a verify, a batch group, a prefill chunk), the 32-weight types: a tile of 8 x kPrefillNT
+// weight rows is unpacked once, each sub-block's codes transposed so that a register holds 4 consecutive codes of
+// 8 weight rows (llama.cpp repacks its Q4_0 in memory the same way for its prefill; fleet unpacks a tile at a time,
+// the GGUF's bytes untouched). Then every activation row meets it: vpdpbusd of a register of codes against 4 of
+// the row's values broadcast adds 4 products to each of 8 outputs, so a lane is an output column and the dot D of
+// each half of a sub-block ends whole in its lane; the float operations on them are tile_quantized's, in its
+// order: the same bits.
 // Signed codes are kept as c + 128 (kOffsetCodes: VNNI only, so AVX2 keeps tile_quantized for those types).
 constexpr int kPrefillRows = 4;  // at and above this many activation rows
-#if FLEET_VNNI
-constexpr int kPrefillMB = FLEET_WIDE_REGISTERS ? 4 : 2;  // activation rows a pass: 16 accumulators need 32 registers
-#else
-constexpr int kPrefillMB = 2;
-#endif
+constexpr int kPrefillMB = 4;    // activation rows a pass
+constexpr int kPrefillNT = FLEET_WIDE_REGISTERS ? 2 : 1;  // registers of 8 output columns a pass (accumulators)
+constexpr int kTileColumns = 8 * kPrefillNT;
 
 // An unpacked tile by plain pointers: the kernels must not touch the thread_local holding it (each access
 // to a thread_local of a shared library is a call, which spilled every accumulator).
 struct TileView {
     int64_t groups;
-    const uint8_t* codes;
-    const float *s0, *o0;
+    const uint8_t* codes;  // [groups][8 quads][kPrefillNT][8 columns][4 codes]
+    const float *s, *o;    // [groups][kTileColumns]: each column's sub-block scale and offset
 };
+
+// 8 registers of 8 int32 each, transposed: v[r] lane t becomes v[t] lane r.
+static inline void transpose8x8(__m256i (&v)[8]) {
+    __m256i a[8], b[8];
+    FLEET_UNROLL
+    for (int k = 0; k < 4; ++k) {
+        a[2 * k] = _mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+        a[2 * k + 1] = _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+    }
+    FLEET_UNROLL
+    for (int k = 0; k < 2; ++k) {
+        b[4 * k] = _mm256_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm256_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm256_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm256_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    FLEET_UNROLL
+    for (int t = 0; t < 4; ++t) {
+        v[t] = _mm256_permute2x128_si256(b[t], b[t + 4], 0x20);
+        v[t + 4] = _mm256_permute2x128_si256(b[t], b[t + 4], 0x31);
+    }
+}
 
 template <class F>
 struct UnpackedTile {
     static_assert(F::QK == 32 && !F::PER16 && (FLEET_VNNI || !F::SIGNED), "see tile_quantized, kOffsetCodes");
     int64_t groups = 0;
-    std::vector<uint8_t> codes;  // [4][groups][32]
-    std::vector<float> s0, o0;  // [4][groups]: a sub-block's scale and offset
+    std::vector<uint8_t> codes;
+    std::vector<float> s, o;
 
-    void unpack(const Product& p, int64_t n, int rows) {
+    // Weight rows n .. n + columns - 1 (columns <= kTileColumns; the others zero).
+    void unpack(const Product& p, int64_t n, int columns) {
         groups = p.K / 32;
-        codes.assign(size_t(4 * groups * 32), 0);
-        s0.assign(size_t(4 * groups), 0.0f); o0 = s0;
-        for (int r = 0; r < rows; ++r) {
-            const uint8_t* row = p.w + (n + r) * p.row_bytes;
+        codes.resize(size_t(groups * 256 * kPrefillNT));
+        s.assign(size_t(groups * kTileColumns), 0.0f);
+        o = s;
+        for (int c = 0; c < columns; ++c) {
+            const uint8_t* row = p.w + (n + c) * p.row_bytes;
             for (int64_t g0 = 0; g0 < groups; g0 += 8) {
                 const int span = int(std::min<int64_t>(8, groups - g0));
                 Span<F> sp;
                 sp.read_quantized(span_block<F>(row, g0), span);
                 for (int j = 0; j < span; ++j) {
-                    const size_t at = size_t(r * groups + g0 + j);
-                    s0[at] = sp.s0[j]; o0[at] = sp.o0[j];
-                    int sub;
-                    const uint8_t* blk = sub_block<F>(row, g0, j, sub);
-                    __m256i c = F::codes(blk, sub);
-                    if constexpr (kOffsetCodes<F>) c = _mm256_xor_si256(c, mask8(0x80));
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&codes[at * 32]), c);
+                    s[size_t((g0 + j) * kTileColumns + c)] = sp.s0[j];
+                    o[size_t((g0 + j) * kTileColumns + c)] = sp.o0[j];
                 }
             }
         }
+        for (int nt = 0; nt < kPrefillNT; ++nt) {
+            for (int64_t g = 0; g < groups; ++g) {
+                __m256i v[8];
+                FLEET_UNROLL
+                for (int c = 0; c < 8; ++c) {
+                    const int column = 8 * nt + c;
+                    if (column >= columns) { v[c] = _mm256_setzero_si256(); continue; }
+                    v[c] = F::codes(p.w + (n + column) * p.row_bytes + g * F::BYTES, 0);
+                    if constexpr (kOffsetCodes<F>) v[c] = _mm256_xor_si256(v[c], mask8(0x80));
+                }
+                transpose8x8(v);
+                FLEET_UNROLL
+                for (int t = 0; t < 8; ++t)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&codes[size_t(((g * 8 + t) * kPrefillNT + nt) * 32)]), v[t]);
+            }
+        }
     }
-    TileView view() const { return TileView{groups, codes.data(), s0.data(), o0.data()}; }
+    TileView view() const { return TileView{groups, codes.data(), s.data(), o.data()}; }
 };
 
 template <class F, int MB>
-static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, int rows, int64_t m) {
-    constexpr int R = 4;
-    const int64_t groups = t.groups;
+static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, int columns, int64_t m) {
+    constexpr int NT = kPrefillNT, kZero = kZeroShift<F>;
     const QuantizedRows<MB> act(*p.a, m);
     const int8_t* const* q = act.q;
     const float *const *da = act.d, *const *ds0 = act.ds0, *const *ds1 = act.ds1;
-    const int32_t* const* lanes = act.lanes;
-    __m256 acc[R][MB];
-    alignas(32) float corr[R][MB][8];
+    const int32_t* gsum[MB];
     FLEET_UNROLL
-    for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) gsum[i] = p.a->gsum_row(m + i);
+    __m256 acc[2][MB][NT], corr[MB][NT];  // acc: each half's
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i)
         FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) { acc[r][i] = _mm256_setzero_ps(); _mm256_store_ps(corr[r][i], _mm256_setzero_ps()); }
-    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-        const int span = int(std::min<int64_t>(8, groups - g0));
-        alignas(32) float sd0[R][MB][8];
+        for (int c = 0; c < NT; ++c) {
+            acc[0][i][c] = acc[1][i][c] = corr[i][c] = _mm256_setzero_ps();
+        }
+    for (int64_t g = 0; g < t.groups; ++g) {
+        __m256i dot[2][MB][NT];  // each half's
         FLEET_UNROLL
-        for (int r = 0; r < R; ++r) {
-            const size_t at = size_t(r * groups + g0);
+        for (int h = 0; h < 2; ++h)
             FLEET_UNROLL
             for (int i = 0; i < MB; ++i) {
-                const __m256 d = load8(da[i] + g0, span);
-                _mm256_store_ps(sd0[r][i], _mm256_mul_ps(load8(&t.s0[at], span), d));
-                if constexpr (F::OFFSET) {
-                    const __m256 o = load8(&t.o0[at], span);
-                    __m256 c = _mm256_load_ps(corr[r][i]);
-                    c = _mm256_fmadd_ps(o, load8(ds0[i] + g0, span), c);
-                    c = _mm256_fmadd_ps(o, load8(ds1[i] + g0, span), c);
-                    _mm256_store_ps(corr[r][i], c);
-                }
+                const __m256i init = kZero < 0 ? _mm256_setzero_si256()
+                                               : _mm256_set1_epi32(gsum[i][2 * g + h] * (1 << std::max(kZero, 0)));
+                FLEET_UNROLL
+                for (int c = 0; c < NT; ++c) dot[h][i][c] = init;
+            }
+        const uint8_t* codes = t.codes + g * 256 * NT;
+#pragma GCC unroll 8
+        for (int quad = 0; quad < 8; ++quad) {
+            const int h = quad / 4;
+            __m256i x[MB];
+            FLEET_UNROLL
+            for (int i = 0; i < MB; ++i) {
+                int32_t four;
+                __builtin_memcpy(&four, q[i] + g * 32 + 4 * quad, 4);
+                x[i] = _mm256_set1_epi32(four);
+            }
+            FLEET_UNROLL
+            for (int c = 0; c < NT; ++c) {
+                const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (quad * NT + c) * 32));
+                FLEET_UNROLL
+                for (int i = 0; i < MB; ++i) dot[h][i][c] = FLEET_DPBUSD(dot[h][i][c], u, x[i]);
             }
         }
-        for (int j = 0; j < span; ++j) {
-            const int64_t g = g0 + j;
-            __m256i qv[MB], init[MB];
+        FLEET_UNROLL
+        for (int c = 0; c < NT; ++c) {
+            const __m256 s = _mm256_loadu_ps(t.s + g * kTileColumns + 8 * c);
+            const __m256 o = _mm256_loadu_ps(t.o + g * kTileColumns + 8 * c);
             FLEET_UNROLL
-            for (int i = 0; i < MB; ++i) group_activations<F, false>(q[i], lanes[i], g, qv[i], init[i]);
-            FLEET_UNROLL
-            for (int r = 0; r < R; ++r) {
-                const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t.codes[size_t(r * groups + g) * 32]));
-                FLEET_UNROLL
-                for (int i = 0; i < MB; ++i) {
-                    const __m256i dot = FLEET_DPBUSD(init[i], u, qv[i]);
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&sd0[r][i][j]), acc[r][i]);
+            for (int i = 0; i < MB; ++i) {
+                const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(da[i][g]));
+                acc[0][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][i][c]), sd, acc[0][i][c]);
+                acc[1][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][i][c]), sd, acc[1][i][c]);
+                if constexpr (F::OFFSET) {
+                    corr[i][c] = _mm256_fmadd_ps(o, _mm256_set1_ps(ds0[i][g]), corr[i][c]);
+                    corr[i][c] = _mm256_fmadd_ps(o, _mm256_set1_ps(ds1[i][g]), corr[i][c]);
                 }
             }
         }
     }
     FLEET_UNROLL
-    for (int r = 0; r < R; ++r)  // constant bounds: the accumulators stay in registers
-        if (r < rows)
-            FLEET_UNROLL
-            for (int i = 0; i < MB; ++i)
-                p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]) + hsum(_mm256_load_ps(corr[r][i]));
+    for (int i = 0; i < MB; ++i)
+        FLEET_UNROLL
+        for (int c = 0; c < NT; ++c) {
+            __m256 y = _mm256_add_ps(acc[0][i][c], acc[1][i][c]);
+            if constexpr (F::OFFSET) y = _mm256_add_ps(y, corr[i][c]);
+            alignas(32) float out[8];
+            _mm256_store_ps(out, y);
+            for (int k = 0; k < 8 && 8 * c + k < columns; ++k) p.y[(m + i) * p.ldy + n + 8 * c + k] = out[k];
+        }
 }
 
-// Columns [n0, n1) over many activation rows: each tile of 4 weight rows unpacked once (`tile`), then met by
-// kPrefillMB activation rows at a time (`wide`) and the rest one by one (`one`), 64 rows a pass.
+// Columns [n0, n1) over many activation rows: each tile of kTileColumns weight rows unpacked once, then met by
+// kPrefillMB activation rows at a time and the rest one by one, kRowChunk rows a pass.
+template <class F>
+static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
+    thread_local UnpackedTile<F> buffer;
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
+        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
+        for (int64_t n = n0; n < n1; n += kTileColumns) {
+            const int columns = int(std::min<int64_t>(kTileColumns, n1 - n));
+            buffer.unpack(p, n, columns);
+            const TileView view = buffer.view();
+            int64_t m = m0;
+            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, view, n, columns, m);
+            for (; m < m1; ++m) tile_prefill<F, 1>(p, view, n, columns, m);
+        }
+    }
+}
+
+// Columns [n0, n1) over many activation rows for the 256-weight tiles: each tile of 4 weight rows unpacked once
+// (`tile`), then met by kSuperMB activation rows at a time (`wide`) and the rest one by one (`one`).
+#if FLEET_VNNI
+constexpr int kSuperMB = FLEET_WIDE_REGISTERS ? 4 : 2;  // 16 integer sums need 32 registers
+#else
+constexpr int kSuperMB = 2;
+#endif
 template <class Tile, class Wide, class One>
 static inline void sweep_unpacked(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
     for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
@@ -121,16 +197,10 @@ static inline void sweep_unpacked(const Product& p, int64_t n0, int64_t n1, Tile
             tile->unpack(p, n, rows);
             const auto view = tile->view();
             int64_t m = m0;
-            for (; m + kPrefillMB <= m1; m += kPrefillMB) wide(p, view, n, rows, m);
+            for (; m + kSuperMB <= m1; m += kSuperMB) wide(p, view, n, rows, m);
             for (; m < m1; ++m) one(p, view, n, rows, m);
         }
     }
-}
-
-template <class F>
-static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
-    thread_local UnpackedTile<F> buffer;
-    sweep_unpacked(p, n0, n1, &buffer, tile_prefill<F, kPrefillMB>, tile_prefill<F, 1>);
 }
 
 // The 256-weight types with unsigned codes over many activation rows: a tile of 4 weight rows is unpacked once
@@ -204,5 +274,5 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
 template <class F>
 static void rows_prefill_super(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedSuperTile<F> buffer;
-    sweep_unpacked(p, n0, n1, &buffer, tile_super_prefill<F, kPrefillMB>, tile_super_prefill<F, 1>);
+    sweep_unpacked(p, n0, n1, &buffer, tile_super_prefill<F, kSuperMB>, tile_super_prefill<F, 1>);
 }

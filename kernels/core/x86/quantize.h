@@ -59,12 +59,16 @@ static void quantize_rows_simd(Activations& a, int64_t r0, int64_t r1) {
         float* dsum0 = a.dsum.data() + 2 * m * groups;
         float* dsum1 = dsum0 + groups;
         int32_t* lanes = a.lanes.data() + m * groups * 8;
+        int32_t* gsum = a.gsum.data() + m * groups * 2;
         for (int64_t g = 0; g < groups; ++g) {
             d[g] = group32_scale(quantize_group_simd(x + g * 32, 32, q + g * 32, sums4));
             const __m256i s4 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums4));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes + g * 8), _mm256_sub_epi32(_mm256_setzero_si256(), s4));
-            dsum0[g] = d[g] * float(sums4[0] + sums4[1] + sums4[2] + sums4[3]);
-            dsum1[g] = d[g] * float(sums4[4] + sums4[5] + sums4[6] + sums4[7]);
+            const int32_t half0 = sums4[0] + sums4[1] + sums4[2] + sums4[3], half1 = sums4[4] + sums4[5] + sums4[6] + sums4[7];
+            gsum[2 * g] = -half0;
+            gsum[2 * g + 1] = -half1;
+            dsum0[g] = d[g] * float(half0);
+            dsum1[g] = d[g] * float(half1);
         }
     }
 }
