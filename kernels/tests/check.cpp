@@ -126,6 +126,10 @@ int f16_rounding_failures() {
     return failures;
 }
 
+// Activation rows a batch: 7 (the prefill tiles from 4 rows, and the rest), and for one K past the column tiles'
+// threshold (x86/prefill.h kColumnsRows), an odd count.
+constexpr int64_t kFewRows = 7, kManyRows = 35;
+
 int main() {
     std::mt19937 g(12345);
     int failures = f16_rounding_failures(), checks = 1;
@@ -135,28 +139,29 @@ int main() {
     for (const char* name : kTypes) {
         const Format& f = *format_by_name(name);
         const int64_t per = f.block == 1 ? 32 : f.block;
-        for (int64_t n : {1, 6, 9}) {
+        for (int64_t n : {1, 6, 17}) {  // tiles of 4 and 16 weight rows, and their edges
             for (int64_t kb : {1, 3, 19}) {  // 19 groups of 32: two full spans of 8 and a partial one
                 const int64_t k = kb * per + (f.block == 1 ? 5 : 0);
+                const int64_t kRows = kb == 3 ? kManyRows : kFewRows;
                 const auto w = random_blocks(f, n, k, g);
                 std::normal_distribution<float> nd;
-                std::vector<float> x(size_t(7 * k));
+                std::vector<float> x(size_t(kRows * k));
                 for (auto& v : x) v = nd(g);
                 for (bool exact : {false, true}) {
                     const int id = int(f.type);
                     const auto want = run(exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id],
-                                          scalar_kernels().quantize, f, w, n, k, x, 7, exact);
+                                          scalar_kernels().quantize, f, w, n, k, x, kRows, exact);
                     for (const KernelTable* t : isas) {
                         if (!cpu_has(t->isa)) continue;
                         RowsKernel kernel = exact ? t->exact[id] : t->quantized[id];
-                        const auto got = run(kernel, t->quantize, f, w, n, k, x, 7, exact);
+                        const auto got = run(kernel, t->quantize, f, w, n, k, x, kRows, exact);
                         ++checks;
                         if (!(rel(got, want) <= 1e-5)) {
                             std::printf("FAIL %s %s n=%ld k=%ld exact=%d rel=%g\n", t->isa, name, long(n), long(k),
                                         int(exact), rel(got, want));
                             ++failures;
                         }
-                        for (int64_t m = 0; m < 7; m += 3) {  // rows 0, 3, 6 alone: bitwise the batch of 7 (full passes, the rest)
+                        for (int64_t m : {int64_t(0), int64_t(3), int64_t(6), kRows - 1}) {  // alone: bitwise the batch
                             std::vector<float> one(x.begin() + m * k, x.begin() + (m + 1) * k);
                             const auto alone = run(kernel, t->quantize, f, w, n, k, one, 1, exact);
                             if (std::memcmp(alone.data(), got.data() + m * n, size_t(n) * 4) != 0) {

@@ -331,6 +331,68 @@ static inline void tile_super(const Product& p, int64_t n, int64_t m) {
         for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]);
 }
 
+// Q4_K and Q5_K (a scale and a minimum per sub-block of 32, no integer zero point) take the float operations of the
+// 32-weight types, on each block's half sums: with I_h the block's integer sum over the first (h = 0) or second
+// halves of its sub-blocks (sum over j of scale_j x the half's sum((c q)) and M_h the minimums' (sum over j of
+// min_j x the half's sum(q)),
+//   acc_h = fma(float(I_h), d d_x, acc_h); acc_h = fma(float(M_h), -dmin d_x, acc_h)     in the order of the blocks
+// and y = acc_0 + acc_1, so that their prefill tile (prefill.h) can keep an output column a lane. Their codes fit
+// 5 bits: a sum over 8 of them against int8 fits 16 bits (one vpdpwssd applies a scale to 8 outputs there).
+template <class F>
+constexpr bool kSuperHalves = F::QK == 256 && !F::SIGNED && !F::PER16 && F::OFFSET && F::ZSHIFT < 0;
+
+template <class F, int R, int MB>
+static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
+    static_assert(kSuperHalves<F> && (R == 1 || R == 4), "Q4_K, Q5_K; tiles of 1 or 4 rows");
+    const int64_t blocks = p.K / 256;
+    const uint8_t* rows[R];
+    FLEET_UNROLL
+    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    const int8_t* q[MB];
+    const float* da[MB];
+    const int16_t* bsums[MB];
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    __m256 acc[MB];  // lane r: row r's first halves, lane 4 + r its second halves
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    const uint8_t* tile_end = rows[0] + R * p.row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_next(tile_end, size_t(R) * F::BYTES, b);
+        SuperScales sc[R];
+        const SuperScales* scp[R];
+        alignas(16) float dv[4] = {0, 0, 0, 0}, mv[4] = {0, 0, 0, 0};
+        FLEET_UNROLL
+        for (int r = 0; r < R; ++r) {
+            F::super(rows[r] + b * F::BYTES, sc[r]);
+            scp[r] = &sc[r];
+            dv[r] = sc[r].d;
+            mv[r] = -sc[r].dmin;
+        }
+        const __m256 d8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dv));
+        const __m256 m8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mv));
+        __m256i isum[R][MB];
+        block_sums<F, R, MB>(q, b, [&](int r, int j) { return F::codes(rows[r] + b * F::BYTES, j); }, scp, isum);
+        FLEET_UNROLL
+        for (int i = 0; i < MB; ++i) {
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
+            __m256i is[R], ms[R];
+            FLEET_UNROLL
+            for (int r = 0; r < R; ++r) { is[r] = isum[r][i]; ms[r] = _mm256_madd_epi16(sc[r].mins, bs); }
+            const __m256 x = _mm256_set1_ps(da[i][b]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(is)), _mm256_mul_ps(d8, x), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(ms)), _mm256_mul_ps(m8, x), acc[i]);
+        }
+    }
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)));
+        FLEET_UNROLL
+        for (int r = 0; r < R; ++r) p.y[(m + i) * p.ldy + n + r] = out[r];
+    }
+}
+
 template <class F, int R, int MB>
 static inline void tile_exact(const Product& p, int64_t n, int64_t m) {
     const int64_t groups = p.K / 32;
@@ -444,7 +506,11 @@ static inline void sweep(const Product& p, int64_t n0, int64_t n1, Tile4x2 t42, 
 
 template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
-    if constexpr (F::QK == 256) {
+    if constexpr (kSuperHalves<F>) {
+        if (p.M >= kColumnsRows) return rows_prefill_columns<F>(p, n0, n1);
+        sweep(p, n0, n1, tile_super_halves<F, 4, 2>, tile_super_halves<F, 4, 1>, tile_super_halves<F, 1, 2>,
+              tile_super_halves<F, 1, 1>);
+    } else if constexpr (F::QK == 256) {
         if constexpr (!F::SIGNED)
             if (p.M >= kPrefillRows) return rows_prefill_super<F>(p, n0, n1);
         sweep(p, n0, n1, tile_super<F, 4, 2>, tile_super<F, 4, 1>, tile_super<F, 1, 2>, tile_super<F, 1, 1>);

@@ -181,6 +181,180 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
     }
 }
 
+// Q4_K and Q5_K over many activation rows (kSuperHalves, driver.h): a tile of kTileColumns weight rows unpacked once
+// as the 32-weight tiles are (each sub-block's codes transposed, an output column a lane), with each column's
+// scales and minimums per half sub-block as int32 lanes holding one int16. For each chunk of a half (16 weights of
+// Q4_K, 8 of Q5_K: their sum of c q fits 16 bits) vpdpbusd sums c q into a lane per column, and one vpdpwssd adds
+// it times the column's scale to I_h; the minimums meet pairs of the activations' bsums the same way (M_h). The
+// float operations are tile_super_halves', in its order: the same bits.
+constexpr int kColumnsMB = 2;  // activation rows a pass (the integer sums of 2 halves take the registers)
+// At and above this many activation rows: below, unpacking a tile (each column's scales by the scalar reference,
+// the codes transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
+// 16 rows 1.3x slower than them; 64 rows 1.15x, 256 rows 1.4-1.9x faster).
+constexpr int kColumnsRows = 32;
+
+struct ColumnsView {
+    int64_t blocks;
+    const uint8_t* codes;   // [blocks][8 sub-blocks][8 quads][kPrefillNT][8 columns][4 codes]
+    const int32_t* scales;  // [blocks][16 halves g = 2 j + h][kTileColumns]: scale_g in the low 16 bits
+    const int32_t* mins;    // [blocks][2 h][4 pairs p][kTileColumns]: min_(4p + h) | min_(4p + 2 + h) << 16
+    const float *d, *dmin;  // [blocks][kTileColumns]: d, and -dmin
+};
+
+template <class F>
+struct UnpackedColumns {
+    static_assert(kSuperHalves<F>, "Q4_K, Q5_K");
+    int64_t blocks = 0;
+    std::vector<uint8_t> codes;
+    std::vector<int32_t> scales, mins;
+    std::vector<float> d, dmin;
+
+    void unpack(const Product& p, int64_t n, int columns) {
+        blocks = p.K / 256;
+        codes.resize(size_t(blocks * 2048 * kPrefillNT));
+        scales.assign(size_t(blocks * 16 * kTileColumns), 0);
+        mins.assign(size_t(blocks * 8 * kTileColumns), 0);
+        d.assign(size_t(blocks * kTileColumns), 0.0f);
+        dmin = d;
+        IntegerScales is;
+        for (int c = 0; c < columns; ++c) {
+            const uint8_t* row = p.w + (n + c) * p.row_bytes;
+            for (int64_t b = 0; b < blocks; ++b) {
+                integer_scales(*p.fmt, row + b * F::BYTES, is);
+                for (int g = 0; g < 16; ++g) scales[size_t((b * 16 + g) * kTileColumns + c)] = uint16_t(is.scale[g]);
+                for (int h = 0; h < 2; ++h)
+                    for (int pair = 0; pair < 4; ++pair)
+                        mins[size_t(((b * 2 + h) * 4 + pair) * kTileColumns + c)] = int32_t(
+                            uint32_t(uint16_t(is.min[4 * pair + h])) | uint32_t(uint16_t(is.min[4 * pair + 2 + h])) << 16);
+                d[size_t(b * kTileColumns + c)] = is.d;
+                dmin[size_t(b * kTileColumns + c)] = -is.dmin;
+            }
+        }
+        for (int64_t b = 0; b < blocks; ++b)
+            for (int j = 0; j < 8; ++j)
+                for (int nt = 0; nt < kPrefillNT; ++nt) {
+                    __m256i v[8];
+                    FLEET_UNROLL
+                    for (int c = 0; c < 8; ++c) {
+                        const int column = 8 * nt + c;
+                        v[c] = column < columns ? F::codes(p.w + (n + column) * p.row_bytes + b * F::BYTES, j)
+                                                : _mm256_setzero_si256();
+                    }
+                    transpose8x8(v);
+                    FLEET_UNROLL
+                    for (int quad = 0; quad < 8; ++quad)
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(
+                            &codes[size_t((((b * 8 + j) * 8 + quad) * kPrefillNT + nt) * 32)]), v[quad]);
+                }
+    }
+    ColumnsView view() const { return ColumnsView{blocks, codes.data(), scales.data(), mins.data(), d.data(), dmin.data()}; }
+};
+
+static inline __m256i broadcast32(const void* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+template <class F, int MB>
+static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t n, int columns, int64_t m) {
+    constexpr int NT = kPrefillNT, kChunk = F::CODE_BITS <= 4 ? 4 : 2;  // quads a 16-bit sum holds
+    const int8_t* q[MB];
+    const float* da[MB];
+    const int16_t* bsums[MB];
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    __m256 acc[2][MB][NT];
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i)
+        FLEET_UNROLL
+        for (int c = 0; c < NT; ++c) acc[0][i][c] = acc[1][i][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < t.blocks; ++b) {
+        __m256i sum[2][MB][NT];
+        FLEET_UNROLL
+        for (int i = 0; i < MB; ++i)
+            FLEET_UNROLL
+            for (int c = 0; c < NT; ++c) sum[0][i][c] = sum[1][i][c] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            FLEET_UNROLL
+            for (int h = 0; h < 2; ++h) {
+                const __m256i* scale = reinterpret_cast<const __m256i*>(t.scales + ((b * 16 + 2 * j + h) * kTileColumns));
+                FLEET_UNROLL
+                for (int q0 = 4 * h; q0 < 4 * h + 4; q0 += kChunk) {
+                    __m256i part[MB][NT];
+                    FLEET_UNROLL
+                    for (int i = 0; i < MB; ++i)
+                        FLEET_UNROLL
+                        for (int c = 0; c < NT; ++c) part[i][c] = _mm256_setzero_si256();
+                    FLEET_UNROLL
+                    for (int quad = q0; quad < q0 + kChunk; ++quad) {
+                        __m256i x[MB];
+                        FLEET_UNROLL
+                        for (int i = 0; i < MB; ++i) x[i] = broadcast32(q[i] + b * 256 + j * 32 + 4 * quad);
+                        FLEET_UNROLL
+                        for (int c = 0; c < NT; ++c) {
+                            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                t.codes + (((b * 8 + j) * 8 + quad) * NT + c) * 32));
+                            FLEET_UNROLL
+                            for (int i = 0; i < MB; ++i) part[i][c] = FLEET_DPBUSD(part[i][c], u, x[i]);
+                        }
+                    }
+                    FLEET_UNROLL
+                    for (int c = 0; c < NT; ++c) {
+                        const __m256i s = _mm256_loadu_si256(scale + c);
+                        FLEET_UNROLL
+                        for (int i = 0; i < MB; ++i) sum[h][i][c] = FLEET_DPWSSD(sum[h][i][c], part[i][c], s);
+                    }
+                }
+            }
+        }
+        FLEET_UNROLL
+        for (int c = 0; c < NT; ++c) {
+            const __m256 d = _mm256_loadu_ps(t.d + b * kTileColumns + 8 * c);
+            const __m256 dmin = _mm256_loadu_ps(t.dmin + b * kTileColumns + 8 * c);
+            FLEET_UNROLL
+            for (int i = 0; i < MB; ++i) {
+                const __m256 x = _mm256_set1_ps(da[i][b]);
+                FLEET_UNROLL
+                for (int h = 0; h < 2; ++h) {
+                    __m256i msum = _mm256_setzero_si256();
+                    FLEET_UNROLL
+                    for (int pair = 0; pair < 4; ++pair)
+                        msum = FLEET_DPWSSD(msum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                      t.mins + ((b * 2 + h) * 4 + pair) * kTileColumns + 8 * c)),
+                                            broadcast32(bsums[i] + b * 16 + 8 * h + 2 * pair));
+                    acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i][c]), _mm256_mul_ps(d, x), acc[h][i][c]);
+                    acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, x), acc[h][i][c]);
+                }
+            }
+        }
+    }
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i)
+        FLEET_UNROLL
+        for (int c = 0; c < NT; ++c) {
+            alignas(32) float out[8];
+            _mm256_store_ps(out, _mm256_add_ps(acc[0][i][c], acc[1][i][c]));
+            for (int k = 0; k < 8 && 8 * c + k < columns; ++k) p.y[(m + i) * p.ldy + n + 8 * c + k] = out[k];
+        }
+}
+
+template <class F>
+static void rows_prefill_columns(const Product& p, int64_t n0, int64_t n1) {
+    thread_local UnpackedColumns<F> buffer;
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
+        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
+        for (int64_t n = n0; n < n1; n += kTileColumns) {
+            const int columns = int(std::min<int64_t>(kTileColumns, n1 - n));
+            buffer.unpack(p, n, columns);
+            const ColumnsView view = buffer.view();
+            int64_t m = m0;
+            for (; m + kColumnsMB <= m1; m += kColumnsMB) tile_columns<F, kColumnsMB>(p, view, n, columns, m);
+            for (; m < m1; ++m) tile_columns<F, 1>(p, view, n, columns, m);
+        }
+    }
+}
+
 // Columns [n0, n1) over many activation rows for the 256-weight tiles: each tile of 4 weight rows unpacked once
 // (`tile`), then met by kSuperMB activation rows at a time (`wide`) and the rest one by one (`one`).
 #if FLEET_VNNI

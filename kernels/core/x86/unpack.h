@@ -202,14 +202,14 @@ struct K4Scales {  // Q4_K, Q5_K: d, dmin, then 8 x (6-bit scale, 6-bit min) in 
 };
 
 struct FQ4_K : Layout256, K4Scales {
-    static constexpr int BYTES = 144; static constexpr bool SIGNED = false, PER16 = false;
+    static constexpr int BYTES = 144, CODE_BITS = 4; static constexpr bool SIGNED = false, PER16 = false;
     static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         return _mm256_and_si256(shr16(load32(b + 16 + (sub / 2) * 32), 4 * (sub % 2)), mask8(15));
     }
 };
 struct FQ5_K : Layout256, K4Scales {
-    static constexpr int BYTES = 176; static constexpr bool SIGNED = false, PER16 = false;
+    static constexpr int BYTES = 176, CODE_BITS = 5; static constexpr bool SIGNED = false, PER16 = false;
     static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         const __m256i low = _mm256_and_si256(shr16(load32(b + 48 + (sub / 2) * 32), 4 * (sub % 2)), mask8(15));
