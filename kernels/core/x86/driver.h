@@ -254,6 +254,18 @@ static inline __m256i pick_scales(__m256i scales, int j) {  // sub-block j's: wo
     return _mm256_shuffle_epi8(scales, _mm256_set1_epi16(short(((2 * j + 1) << 8) | (2 * j))));
 }
 
+// Activation rows m .. m + MB - 1 of a product for the 256-weight types: their int8 values, scales and bsums.
+template <int MB>
+struct SuperRows {
+    const int8_t* q[MB];
+    const float* d[MB];
+    const int16_t* bsums[MB];
+    SuperRows(const Activations& a, int64_t m) {
+        FLEET_UNROLL
+        for (int i = 0; i < MB; ++i) { q[i] = a.q_row(m + i); d[i] = a.d_row(m + i); bsums[i] = a.bsums_row(m + i); }
+    }
+};
+
 // One block of 256 weights for R weight rows x MB activation rows, in integers: isum[r][i] = sum over sub-blocks j
 // of its scales x the pair sums of codes(r, j) against row i's q. Shared by the decode tile (codes from the GGUF's
 // blocks) and the prefill tile (codes unpacked), so that both add the same integers in the same order.
@@ -299,11 +311,10 @@ static inline void tile_super(const Product& p, int64_t n, int64_t m) {
     const uint8_t* rows[R];
     FLEET_UNROLL
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
-    const int8_t* q[MB];
-    const float* da[MB];
-    const int16_t* bsums[MB];
-    FLEET_UNROLL
-    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    const SuperRows<MB> act(*p.a, m);
+    const int8_t* const* q = act.q;
+    const float* const* da = act.d;
+    const int16_t* const* bsums = act.bsums;
     __m256 acc[R][MB];
     FLEET_UNROLL
     for (int r = 0; r < R; ++r)
@@ -348,11 +359,7 @@ static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
     const uint8_t* rows[R];
     FLEET_UNROLL
     for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
-    const int8_t* q[MB];
-    const float* da[MB];
-    const int16_t* bsums[MB];
-    FLEET_UNROLL
-    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    const SuperRows<MB> act(*p.a, m);
     __m256 acc[MB];  // lane r: row r's first halves, lane 4 + r its second halves
     FLEET_UNROLL
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
@@ -372,14 +379,14 @@ static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
         const __m256 d8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dv));
         const __m256 m8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mv));
         __m256i isum[R][MB];
-        block_sums<F, R, MB>(q, b, [&](int r, int j) { return F::codes(rows[r] + b * F::BYTES, j); }, scp, isum);
+        block_sums<F, R, MB>(act.q, b, [&](int r, int j) { return F::codes(rows[r] + b * F::BYTES, j); }, scp, isum);
         FLEET_UNROLL
         for (int i = 0; i < MB; ++i) {
-            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.bsums[i] + b * 16));
             __m256i is[R], ms[R];
             FLEET_UNROLL
             for (int r = 0; r < R; ++r) { is[r] = isum[r][i]; ms[r] = _mm256_madd_epi16(sc[r].mins, bs); }
-            const __m256 x = _mm256_set1_ps(da[i][b]);
+            const __m256 x = _mm256_set1_ps(act.d[i][b]);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(is)), _mm256_mul_ps(d8, x), acc[i]);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(ms)), _mm256_mul_ps(m8, x), acc[i]);
         }

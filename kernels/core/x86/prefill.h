@@ -45,6 +45,31 @@ static inline void transpose8x8(__m256i (&v)[8]) {
     }
 }
 
+// y[m, n .. n + min(8, columns) - 1] from the 8 lanes of v (an output column a lane).
+static inline void store_columns(const Product& p, __m256 v, int64_t m, int64_t n, int columns) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, v);
+    for (int k = 0; k < 8 && k < columns; ++k) p.y[m * p.ldy + n + k] = out[k];
+}
+
+// Columns [n0, n1) over many activation rows for the tiles with an output column a lane: each tile of kTileColumns
+// weight rows unpacked once (`tile`), then met by MB activation rows at a time (`wide`) and the rest one by one
+// (`one`), kRowChunk rows a pass.
+template <int MB, class Tile, class Wide, class One>
+static inline void sweep_columns(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
+        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
+        for (int64_t n = n0; n < n1; n += kTileColumns) {
+            const int columns = int(std::min<int64_t>(kTileColumns, n1 - n));
+            tile->unpack(p, n, columns);
+            const auto view = tile->view();
+            int64_t m = m0;
+            for (; m + MB <= m1; m += MB) wide(p, view, n, columns, m);
+            for (; m < m1; ++m) one(p, view, n, columns, m);
+        }
+    }
+}
+
 template <class F>
 struct UnpackedTile {
     static_assert(F::QK == 32 && !F::PER16 && (FLEET_VNNI || !F::SIGNED), "see tile_quantized, kOffsetCodes");
@@ -157,28 +182,14 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
         for (int c = 0; c < NT; ++c) {
             __m256 y = _mm256_add_ps(acc[0][i][c], acc[1][i][c]);
             if constexpr (F::OFFSET) y = _mm256_add_ps(y, corr[i][c]);
-            alignas(32) float out[8];
-            _mm256_store_ps(out, y);
-            for (int k = 0; k < 8 && 8 * c + k < columns; ++k) p.y[(m + i) * p.ldy + n + 8 * c + k] = out[k];
+            store_columns(p, y, m + i, n + 8 * c, columns - 8 * c);
         }
 }
 
-// Columns [n0, n1) over many activation rows: each tile of kTileColumns weight rows unpacked once, then met by
-// kPrefillMB activation rows at a time and the rest one by one, kRowChunk rows a pass.
 template <class F>
 static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedTile<F> buffer;
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
-        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
-        for (int64_t n = n0; n < n1; n += kTileColumns) {
-            const int columns = int(std::min<int64_t>(kTileColumns, n1 - n));
-            buffer.unpack(p, n, columns);
-            const TileView view = buffer.view();
-            int64_t m = m0;
-            for (; m + kPrefillMB <= m1; m += kPrefillMB) tile_prefill<F, kPrefillMB>(p, view, n, columns, m);
-            for (; m < m1; ++m) tile_prefill<F, 1>(p, view, n, columns, m);
-        }
-    }
+    sweep_columns<kPrefillMB>(p, n0, n1, &buffer, tile_prefill<F, kPrefillMB>, tile_prefill<F, 1>);
 }
 
 // Q4_K and Q5_K over many activation rows (kSuperHalves, driver.h): a tile of kTileColumns weight rows unpacked once
@@ -259,11 +270,10 @@ static inline __m256i broadcast32(const void* p) {
 template <class F, int MB>
 static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t n, int columns, int64_t m) {
     constexpr int NT = kPrefillNT, kChunk = F::CODE_BITS <= 4 ? 4 : 2;  // quads a 16-bit sum holds
-    const int8_t* q[MB];
-    const float* da[MB];
-    const int16_t* bsums[MB];
-    FLEET_UNROLL
-    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    const SuperRows<MB> act(*p.a, m);
+    const int8_t* const* q = act.q;
+    const float* const* da = act.d;
+    const int16_t* const* bsums = act.bsums;
     __m256 acc[2][MB][NT];
     FLEET_UNROLL
     for (int i = 0; i < MB; ++i)
@@ -332,27 +342,14 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
     FLEET_UNROLL
     for (int i = 0; i < MB; ++i)
         FLEET_UNROLL
-        for (int c = 0; c < NT; ++c) {
-            alignas(32) float out[8];
-            _mm256_store_ps(out, _mm256_add_ps(acc[0][i][c], acc[1][i][c]));
-            for (int k = 0; k < 8 && 8 * c + k < columns; ++k) p.y[(m + i) * p.ldy + n + 8 * c + k] = out[k];
-        }
+        for (int c = 0; c < NT; ++c)
+            store_columns(p, _mm256_add_ps(acc[0][i][c], acc[1][i][c]), m + i, n + 8 * c, columns - 8 * c);
 }
 
 template <class F>
 static void rows_prefill_columns(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedColumns<F> buffer;
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
-        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
-        for (int64_t n = n0; n < n1; n += kTileColumns) {
-            const int columns = int(std::min<int64_t>(kTileColumns, n1 - n));
-            buffer.unpack(p, n, columns);
-            const ColumnsView view = buffer.view();
-            int64_t m = m0;
-            for (; m + kColumnsMB <= m1; m += kColumnsMB) tile_columns<F, kColumnsMB>(p, view, n, columns, m);
-            for (; m < m1; ++m) tile_columns<F, 1>(p, view, n, columns, m);
-        }
-    }
+    sweep_columns<kColumnsMB>(p, n0, n1, &buffer, tile_columns<F, kColumnsMB>, tile_columns<F, 1>);
 }
 
 // Columns [n0, n1) over many activation rows for the 256-weight tiles: each tile of 4 weight rows unpacked once
@@ -415,11 +412,10 @@ template <class F, int MB>
 static inline void tile_super_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
     const int64_t blocks = t.blocks;
-    const int8_t* q[MB];
-    const float* da[MB];
-    const int16_t* bsums[MB];
-    FLEET_UNROLL
-    for (int i = 0; i < MB; ++i) { q[i] = p.a->q_row(m + i); da[i] = p.a->d_row(m + i); bsums[i] = p.a->bsums_row(m + i); }
+    const SuperRows<MB> act(*p.a, m);
+    const int8_t* const* q = act.q;
+    const float* const* da = act.d;
+    const int16_t* const* bsums = act.bsums;
     alignas(32) float acc[R][MB][8];  // in memory: the integer sums take the registers
     FLEET_UNROLL
     for (int r = 0; r < R; ++r)
