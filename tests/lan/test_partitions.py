@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
-import grpc
 import httpx
 import pytest
-
-from fleet_common import fleet_pb2 as pb
-from fleet_common import fleet_pb2_grpc as pb_grpc
 
 from .conftest import LanCoordinator, start_workers, stop_all
 
@@ -43,9 +41,19 @@ def site(lan, build_2, tmp_path_factory):  # noqa: ANN001, ANN201
     stop_all(workers.values())
 
 
-def _info(address: str) -> pb.InfoReply:
-    with grpc.insecure_channel(address) as channel:
-        return pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=10)
+# Asked by a process of its own in PC "coord"'s namespace, not on a thread that entered it: gRPC connects on threads
+# of its own, which another thread's setns does not move (a rehearsal's Info from such a thread once connected from
+# the host's namespace: "Network is unreachable").
+_INFO = ("import sys, grpc; from fleet_common import fleet_pb2 as pb, fleet_pb2_grpc as g; "
+         "print(g.StageStub(grpc.insecure_channel(sys.argv[1])).Info(pb.InfoRequest(), timeout=10).sessions)")
+
+
+def _open_sessions(lan, address: str) -> int:  # noqa: ANN001
+    """The number of sessions the worker at ``address`` holds, asked from PC "coord"."""
+    out = subprocess.run(["ip", "netns", "exec", lan.pcs["coord"].ns, sys.executable, "-c", _INFO, address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip())
 
 
 def _stream(url: str, out: dict, progress: threading.Event, after: int) -> None:
@@ -84,7 +92,7 @@ def _start_stream(lan, coord: LanCoordinator, after: int = 8):  # noqa: ANN001, 
 
 
 def _sessions(lan, workers) -> dict[str, int]:  # noqa: ANN001
-    return {pc: lan.call_in("coord", _info, w.address).sessions for pc, w in workers.items()}
+    return {pc: _open_sessions(lan, w.address) for pc, w in workers.items()}
 
 
 @pytest.fixture(scope="module")
