@@ -52,15 +52,14 @@ static inline void store_columns(const Product& p, __m256 v, int64_t m, int64_t 
     for (int k = 0; k < 8 && k < columns; ++k) p.y[m * p.ldy + n + k] = out[k];
 }
 
-// Columns [n0, n1) over many activation rows for the tiles with an output column a lane: each tile of kTileColumns
-// weight rows unpacked once (`tile`), then met by MB activation rows at a time (`wide`) and the rest one by one
-// (`one`), kRowChunk rows a pass.
-template <int MB, class Tile, class Wide, class One>
-static inline void sweep_columns(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
+// Columns [n0, n1) over many activation rows: each tile of Width weight rows unpacked once (`tile`), then met by MB
+// activation rows at a time (`wide`) and the rest one by one (`one`), kRowChunk rows a pass.
+template <int Width, int MB, class Tile, class Wide, class One>
+static inline void sweep_tiles(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
     for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
         const int64_t m1 = std::min(p.M, m0 + kRowChunk);
-        for (int64_t n = n0; n < n1; n += kTileColumns) {
-            const int columns = int(std::min<int64_t>(kTileColumns, n1 - n));
+        for (int64_t n = n0; n < n1; n += Width) {
+            const int columns = int(std::min<int64_t>(Width, n1 - n));
             tile->unpack(p, n, columns);
             const auto view = tile->view();
             int64_t m = m0;
@@ -189,7 +188,7 @@ static inline void tile_prefill(const Product& p, const TileView& t, int64_t n, 
 template <class F>
 static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedTile<F> buffer;
-    sweep_columns<kPrefillMB>(p, n0, n1, &buffer, tile_prefill<F, kPrefillMB>, tile_prefill<F, 1>);
+    sweep_tiles<kTileColumns, kPrefillMB>(p, n0, n1, &buffer, tile_prefill<F, kPrefillMB>, tile_prefill<F, 1>);
 }
 
 // Q4_K and Q5_K over many activation rows (kSuperHalves, driver.h): a tile of kTileColumns weight rows unpacked once
@@ -349,31 +348,15 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
 template <class F>
 static void rows_prefill_columns(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedColumns<F> buffer;
-    sweep_columns<kColumnsMB>(p, n0, n1, &buffer, tile_columns<F, kColumnsMB>, tile_columns<F, 1>);
+    sweep_tiles<kTileColumns, kColumnsMB>(p, n0, n1, &buffer, tile_columns<F, kColumnsMB>, tile_columns<F, 1>);
 }
 
-// Columns [n0, n1) over many activation rows for the 256-weight tiles: each tile of 4 weight rows unpacked once
-// (`tile`), then met by kSuperMB activation rows at a time (`wide`) and the rest one by one (`one`).
+// Activation rows a pass of the 256-weight tiles of 4 weight rows.
 #if FLEET_VNNI
 constexpr int kSuperMB = FLEET_WIDE_REGISTERS ? 4 : 2;  // 16 integer sums need 32 registers
 #else
 constexpr int kSuperMB = 2;
 #endif
-template <class Tile, class Wide, class One>
-static inline void sweep_unpacked(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
-        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
-        for (int64_t n = n0; n < n1; n += 4) {
-            const int rows = int(std::min<int64_t>(4, n1 - n));
-            tile->unpack(p, n, rows);
-            const auto view = tile->view();
-            int64_t m = m0;
-            for (; m + kSuperMB <= m1; m += kSuperMB) wide(p, view, n, rows, m);
-            for (; m < m1; ++m) one(p, view, n, rows, m);
-        }
-    }
-}
-
 // The 256-weight types with unsigned codes over many activation rows: a tile of 4 weight rows is unpacked once
 // (codes to bytes, each block's scales to registers), then every activation row meets it with the integer and
 // float operations of tile_super, in the same order: bitwise the same results. Signed codes (IQ4_XS) keep
@@ -444,5 +427,5 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
 template <class F>
 static void rows_prefill_super(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedSuperTile<F> buffer;
-    sweep_unpacked(p, n0, n1, &buffer, tile_super_prefill<F, kSuperMB>, tile_super_prefill<F, 1>);
+    sweep_tiles<4, kSuperMB>(p, n0, n1, &buffer, tile_super_prefill<F, kSuperMB>, tile_super_prefill<F, 1>);
 }
