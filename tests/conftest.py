@@ -288,8 +288,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------- where the suite's time goes
 
-_FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests]
+_FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests, CPU seconds]
 _START: dict[str, object] = {}
+_ITEM_CPU: dict[str, float] = {}  # the CPU counter as the running test began (in the process that runs it)
 _WORKERS_CPU: list[float] = []  # CPU seconds of each xdist worker and its children, as each reported at its end
 
 
@@ -331,22 +332,42 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's WorkerCo
     _WORKERS_CPU.append(getattr(node, "workeroutput", {}).get("suite_cpu", 0.0))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201 - a hook wrapper
+    """Note the CPU counter (this process and its reaped children) as a test begins."""
+    _ITEM_CPU["start"] = _suite_cpu()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ANN201 - a hook wrapper
+    """On a test's teardown report, the CPU seconds its setup, call and teardown took, its fleets' processes
+    included once reaped (a module's fleet counts in its last test): ``("cpu_s", seconds)`` in its
+    ``user_properties``, which xdist hands to the controller."""
+    outcome = yield
+    if call.when == "teardown" and "start" in _ITEM_CPU:
+        outcome.get_result().user_properties.append(("cpu_s", _suite_cpu() - _ITEM_CPU["start"]))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Sum each test's setup, call and teardown wall time per test file (module fixtures count in the
+    """Sum each test's setup, call and teardown wall time and CPU per test file (module fixtures count in the
     first test's setup), for the summary below."""
-    entry = _FILE_SECONDS.setdefault(report.nodeid.split("::", 1)[0], [0.0, 0])
+    entry = _FILE_SECONDS.setdefault(report.nodeid.split("::", 1)[0], [0.0, 0, 0.0])
     entry[0] += report.duration
     entry[1] += report.when == "call"
+    if report.when == "teardown":
+        entry[2] += dict(report.user_properties).get("cpu_s", 0.0)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
-    """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only), then
-    the suite's CPU beside the whole machine's: where the suite's time goes, and whether it ran alone."""
+    """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only), with
+    the CPU seconds they used (their fleets' processes included), then the suite's CPU beside the whole
+    machine's: where the suite's time goes, and whether it ran alone."""
     if not _FILE_SECONDS:
         return
     terminalreporter.section("slowest test files (setup + call + teardown)")
-    for path, (seconds, tests) in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][0])[:25]:
-        terminalreporter.write_line(f"{seconds:8.1f}s {tests:4d} tests  {path}")
+    for path, (seconds, tests, cpu) in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][0])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {cpu:7.1f}s CPU {tests:4d} tests  {path}")
     wall = time.monotonic() - _START["wall"]
     busy, steal = (now - then for now, then in zip(_machine_cpu(), _START["machine"]))
     # under xdist, its workers' own reports (the controller may not have reaped them yet)

@@ -35,7 +35,7 @@ NEW_TOKENS = 16
 CLONE_PORT = 50731
 KEEPALIVE_S = 10.0  # fleet_common.wire.GRPC_OPTIONS' grpc.keepalive_time_ms (not configurable)
 # idle gaps longer than the keepalive between bursts of requests; FLEET_LAN_SOAK_REQUESTS=500 for the long run
-SOAK_REQUESTS = int(os.environ.get("FLEET_LAN_SOAK_REQUESTS", "30"))
+SOAK_REQUESTS = int(os.environ.get("FLEET_LAN_SOAK_REQUESTS", "20"))  # two bursts, one gap
 SOAK_BURST = 10
 
 
