@@ -342,19 +342,59 @@ static inline void tile_super(const Product& p, int64_t n, int64_t m) {
         for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(acc[r][i]);
 }
 
-// Q4_K and Q5_K (a scale and a minimum per sub-block of 32, no integer zero point) take the float operations of the
-// 32-weight types, on each block's half sums: with I_h the block's integer sum over the first (h = 0) or second
-// halves of its sub-blocks (sum over j of scale_j x the half's sum((c q)) and M_h the minimums' (sum over j of
-// min_j x the half's sum(q)),
+// Q4_K, Q5_K (a scale and a minimum per sub-block of 32) and Q6_K (a scale per 16 weights, zero point 32) take the
+// float operations of the 32-weight types, on each block's half sums: with I_h the block's integer sum over the
+// first (h = 0) or second halves of its sub-blocks (sum over j of the half's scale x its sum((c - z) q)) and M_h the
+// minimums' (sum over j of min_j x the half's sum(q)),
 //   acc_h = fma(float(I_h), d d_x, acc_h); acc_h = fma(float(M_h), -dmin d_x, acc_h)     in the order of the blocks
-// and y = acc_0 + acc_1, so that their prefill tile (prefill.h) can keep an output column a lane. Their codes fit
-// 5 bits: a sum over 8 of them against int8 fits 16 bits (one vpdpwssd applies a scale to 8 outputs there).
+// and y = acc_0 + acc_1, so that their prefill tile (prefill.h) can keep an output column a lane. At most
+// 8 x 128 x 16 x 63 x 127 < 2^31 (Q6_K's I_h): exact in int32.
 template <class F>
-constexpr bool kSuperHalves = F::QK == 256 && !F::SIGNED && !F::PER16 && F::OFFSET && F::ZSHIFT < 0;
+constexpr bool kSuperHalves = F::QK == 256 && F::HALVES;
+
+// One block's end for R weight rows x MB activation rows in the halves form: the zero point or the minimums, then
+// acc[i] (lane r: row r's first halves, lane 4 + r its second halves) gets the block's two float multiply-adds.
+template <class F, int R, int MB>
+__attribute__((always_inline)) static inline void halves_block_end(const __m256i (&isum)[R][MB],
+                                                                   const SuperScales* const* sc, const SuperRows<MB>& act,
+                                                                   int64_t b, __m256 (&acc)[MB]) {
+    alignas(16) float dv[4] = {0, 0, 0, 0}, mv[4] = {0, 0, 0, 0};
+    FLEET_UNROLL
+    for (int r = 0; r < R; ++r) { dv[r] = sc[r]->d; mv[r] = -sc[r]->dmin; }
+    const __m256 d8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dv));
+    const __m256 m8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mv));
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) {
+        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.bsums[i] + b * 16));
+        __m256i is[R], ms[R];
+        FLEET_UNROLL
+        for (int r = 0; r < R; ++r) {
+            is[r] = isum[r][i];
+            if constexpr (F::ZSHIFT >= 0)  // the zero point: z x sum over g of scale_g bsum_g, per half
+                is[r] = _mm256_sub_epi32(is[r], _mm256_slli_epi32(_mm256_madd_epi16(sc[r]->scales, bs), F::ZSHIFT));
+            if constexpr (F::OFFSET) ms[r] = _mm256_madd_epi16(sc[r]->mins, bs);
+        }
+        const __m256 x = _mm256_set1_ps(act.d[i][b]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(is)), _mm256_mul_ps(d8, x), acc[i]);
+        if constexpr (F::OFFSET)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(ms)), _mm256_mul_ps(m8, x), acc[i]);
+    }
+}
+
+// y of `rows` weight rows (<= R) from the halves' accumulators: acc_0 + acc_1.
+template <int MB>
+static inline void store_halves(const Product& p, const __m256 (&acc)[MB], int64_t n, int rows, int64_t m) {
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)));
+        for (int r = 0; r < rows; ++r) p.y[(m + i) * p.ldy + n + r] = out[r];
+    }
+}
 
 template <class F, int R, int MB>
 static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
-    static_assert(kSuperHalves<F> && (R == 1 || R == 4), "Q4_K, Q5_K; tiles of 1 or 4 rows");
+    static_assert(kSuperHalves<F> && (R == 1 || R == 4), "Q4_K, Q5_K, Q6_K; tiles of 1 or 4 rows");
     const int64_t blocks = p.K / 256;
     const uint8_t* rows[R];
     FLEET_UNROLL
@@ -368,36 +408,13 @@ static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
         prefetch_next(tile_end, size_t(R) * F::BYTES, b);
         SuperScales sc[R];
         const SuperScales* scp[R];
-        alignas(16) float dv[4] = {0, 0, 0, 0}, mv[4] = {0, 0, 0, 0};
         FLEET_UNROLL
-        for (int r = 0; r < R; ++r) {
-            F::super(rows[r] + b * F::BYTES, sc[r]);
-            scp[r] = &sc[r];
-            dv[r] = sc[r].d;
-            mv[r] = -sc[r].dmin;
-        }
-        const __m256 d8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dv));
-        const __m256 m8 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mv));
+        for (int r = 0; r < R; ++r) { F::super(rows[r] + b * F::BYTES, sc[r]); scp[r] = &sc[r]; }
         __m256i isum[R][MB];
         block_sums<F, R, MB>(act.q, b, [&](int r, int j) { return F::codes(rows[r] + b * F::BYTES, j); }, scp, isum);
-        FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) {
-            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.bsums[i] + b * 16));
-            __m256i is[R], ms[R];
-            FLEET_UNROLL
-            for (int r = 0; r < R; ++r) { is[r] = isum[r][i]; ms[r] = _mm256_madd_epi16(sc[r].mins, bs); }
-            const __m256 x = _mm256_set1_ps(act.d[i][b]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(is)), _mm256_mul_ps(d8, x), acc[i]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sums<R>(ms)), _mm256_mul_ps(m8, x), acc[i]);
-        }
+        halves_block_end<F, R, MB>(isum, scp, act, b, acc);
     }
-    FLEET_UNROLL
-    for (int i = 0; i < MB; ++i) {
-        alignas(16) float out[4];
-        _mm_store_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)));
-        FLEET_UNROLL
-        for (int r = 0; r < R; ++r) p.y[(m + i) * p.ldy + n + r] = out[r];
-    }
+    store_halves<MB>(p, acc, n, R, m);
 }
 
 template <class F, int R, int MB>
@@ -515,6 +532,7 @@ template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
     if constexpr (kSuperHalves<F>) {
         if (p.M >= kColumnsRows) return rows_prefill_columns<F>(p, n0, n1);
+        if (p.M >= kHalvesUnpackRows<F>) return rows_prefill_super_halves<F>(p, n0, n1);
         sweep(p, n0, n1, tile_super_halves<F, 4, 2>, tile_super_halves<F, 4, 1>, tile_super_halves<F, 1, 2>,
               tile_super_halves<F, 1, 1>);
     } else if constexpr (F::QK == 256) {

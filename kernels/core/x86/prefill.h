@@ -52,12 +52,18 @@ static inline void store_columns(const Product& p, __m256 v, int64_t m, int64_t 
     for (int k = 0; k < 8 && k < columns; ++k) p.y[m * p.ldy + n + k] = out[k];
 }
 
+// Activation rows a pass over an unpacked tile: as many as fit kTileActivationBytes of int8 values (each tile is
+// unpacked once a pass), at least kRowChunk.
+constexpr int64_t kTileActivationBytes = 512 * 1024;
+static inline int64_t tile_row_chunk(int64_t K) { return std::max(kRowChunk, kTileActivationBytes / K / kRowChunk * kRowChunk); }
+
 // Columns [n0, n1) over many activation rows: each tile of Width weight rows unpacked once (`tile`), then met by MB
 // activation rows at a time (`wide`) and the rest one by one (`one`), kRowChunk rows a pass.
 template <int Width, int MB, class Tile, class Wide, class One>
 static inline void sweep_tiles(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRowChunk) {
-        const int64_t m1 = std::min(p.M, m0 + kRowChunk);
+    const int64_t chunk = tile_row_chunk(p.K);
+    for (int64_t m0 = 0; m0 < p.M; m0 += chunk) {
+        const int64_t m1 = std::min(p.M, m0 + chunk);
         for (int64_t n = n0; n < n1; n += Width) {
             const int columns = int(std::min<int64_t>(Width, n1 - n));
             tile->unpack(p, n, columns);
@@ -191,12 +197,15 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
     sweep_tiles<kTileColumns, kPrefillMB>(p, n0, n1, &buffer, tile_prefill<F, kPrefillMB>, tile_prefill<F, 1>);
 }
 
-// Q4_K and Q5_K over many activation rows (kSuperHalves, driver.h): a tile of kTileColumns weight rows unpacked once
-// as the 32-weight tiles are (each sub-block's codes transposed, an output column a lane), with each column's
-// scales and minimums per half sub-block as int32 lanes holding one int16. For each chunk of a half (16 weights of
-// Q4_K, 8 of Q5_K: their sum of c q fits 16 bits) vpdpbusd sums c q into a lane per column, and one vpdpwssd adds
-// it times the column's scale to I_h; the minimums meet pairs of the activations' bsums the same way (M_h). The
-// float operations are tile_super_halves', in its order: the same bits.
+// Q4_K, Q5_K and Q6_K over many activation rows (kSuperHalves, driver.h): a tile of kTileColumns weight rows
+// unpacked once as the 32-weight tiles are (each sub-block's codes transposed, an output column a lane), with each
+// column's scales per half sub-block as int32 lanes. vpdpbusd sums c q into a lane per column, then:
+//   Q4_K, Q5_K: for each chunk of a half (16 weights of Q4_K, 8 of Q5_K: their sum of c q fits 16 bits) one
+//     vpdpwssd adds it times the column's scale to I_h; the minimums meet pairs of the activations' bsums the same
+//     way (M_h).
+//   Q6_K: a half's sum of c q (16 weights of 6 bits) does not fit 16 bits: it is multiplied by its scale in 32 bits
+//     (vpmulld); the zero point's sum over g of scale_g bsum_g meets the bsums in pairs as the minimums do.
+// The float operations are tile_super_halves', in its order: the same bits.
 constexpr int kColumnsMB = 2;  // activation rows a pass (the integer sums of 2 halves take the registers)
 // At and above this many activation rows: below, unpacking a tile (each column's scales by the scalar reference,
 // the codes transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
@@ -206,24 +215,25 @@ constexpr int kColumnsRows = 32;
 struct ColumnsView {
     int64_t blocks;
     const uint8_t* codes;   // [blocks][8 sub-blocks][8 quads][kPrefillNT][8 columns][4 codes]
-    const int32_t* scales;  // [blocks][16 halves g = 2 j + h][kTileColumns]: scale_g in the low 16 bits
-    const int32_t* mins;    // [blocks][2 h][4 pairs p][kTileColumns]: min_(4p + h) | min_(4p + 2 + h) << 16
+    const int32_t* scales;  // [blocks][16 halves g = 2 j + h][kTileColumns]: scale_g (int32)
+    const int32_t* pairs;   // [blocks][2 h][4 pairs p][kTileColumns]: v_(4p + h) | v_(4p + 2 + h) << 16, v the
+                            // minimums (Q4_K, Q5_K) or the scales (Q6_K: its zero point's)
     const float *d, *dmin;  // [blocks][kTileColumns]: d, and -dmin
 };
 
 template <class F>
 struct UnpackedColumns {
-    static_assert(kSuperHalves<F>, "Q4_K, Q5_K");
+    static_assert(kSuperHalves<F>, "Q4_K, Q5_K, Q6_K");
     int64_t blocks = 0;
     std::vector<uint8_t> codes;
-    std::vector<int32_t> scales, mins;
+    std::vector<int32_t> scales, pairs;
     std::vector<float> d, dmin;
 
     void unpack(const Product& p, int64_t n, int columns) {
         blocks = p.K / 256;
         codes.resize(size_t(blocks * 2048 * kPrefillNT));
         scales.assign(size_t(blocks * 16 * kTileColumns), 0);
-        mins.assign(size_t(blocks * 8 * kTileColumns), 0);
+        pairs.assign(size_t(blocks * 8 * kTileColumns), 0);
         d.assign(size_t(blocks * kTileColumns), 0.0f);
         dmin = d;
         IntegerScales is;
@@ -231,11 +241,12 @@ struct UnpackedColumns {
             const uint8_t* row = p.w + (n + c) * p.row_bytes;
             for (int64_t b = 0; b < blocks; ++b) {
                 integer_scales(*p.fmt, row + b * F::BYTES, is);
-                for (int g = 0; g < 16; ++g) scales[size_t((b * 16 + g) * kTileColumns + c)] = uint16_t(is.scale[g]);
+                for (int g = 0; g < 16; ++g) scales[size_t((b * 16 + g) * kTileColumns + c)] = is.scale[g];
+                const int16_t* v = F::OFFSET ? is.min : is.scale;
                 for (int h = 0; h < 2; ++h)
                     for (int pair = 0; pair < 4; ++pair)
-                        mins[size_t(((b * 2 + h) * 4 + pair) * kTileColumns + c)] = int32_t(
-                            uint32_t(uint16_t(is.min[4 * pair + h])) | uint32_t(uint16_t(is.min[4 * pair + 2 + h])) << 16);
+                        pairs[size_t(((b * 2 + h) * 4 + pair) * kTileColumns + c)] = int32_t(
+                            uint32_t(uint16_t(v[4 * pair + h])) | uint32_t(uint16_t(v[4 * pair + 2 + h])) << 16);
                 d[size_t(b * kTileColumns + c)] = is.d;
                 dmin[size_t(b * kTileColumns + c)] = -is.dmin;
             }
@@ -257,7 +268,7 @@ struct UnpackedColumns {
                             &codes[size_t((((b * 8 + j) * 8 + quad) * kPrefillNT + nt) * 32)]), v[quad]);
                 }
     }
-    ColumnsView view() const { return ColumnsView{blocks, codes.data(), scales.data(), mins.data(), d.data(), dmin.data()}; }
+    ColumnsView view() const { return ColumnsView{blocks, codes.data(), scales.data(), pairs.data(), d.data(), dmin.data()}; }
 };
 
 static inline __m256i broadcast32(const void* p) {
@@ -266,11 +277,55 @@ static inline __m256i broadcast32(const void* p) {
     return _mm256_set1_epi32(v);
 }
 
+// Sub-block j of block b: its two halves' integer sums added to sum[h] (Q4_K, Q5_K: 16-bit chunks times the scale
+// by vpdpwssd; Q6_K: each half's 32-bit sum times its scale by vpmulld).
+template <class F, int MB>
+__attribute__((always_inline)) static inline void columns_sub_block(const ColumnsView& t, const int8_t* const* q, int64_t b, int j,
+                                     __m256i (&sum)[2][MB][kPrefillNT]) {
+    constexpr int NT = kPrefillNT;
+    constexpr int kChunk = F::CODE_BITS == 5 ? 2 : 4;  // quads a partial sum holds (Q6_K: a half, in 32 bits)
+    FLEET_UNROLL
+    for (int h = 0; h < 2; ++h) {
+        const __m256i* scale = reinterpret_cast<const __m256i*>(t.scales + ((b * 16 + 2 * j + h) * kTileColumns));
+        FLEET_UNROLL
+        for (int q0 = 4 * h; q0 < 4 * h + 4; q0 += kChunk) {
+            __m256i part[MB][NT];
+            FLEET_UNROLL
+            for (int i = 0; i < MB; ++i)
+                FLEET_UNROLL
+                for (int c = 0; c < NT; ++c) part[i][c] = _mm256_setzero_si256();
+            FLEET_UNROLL
+            for (int quad = q0; quad < q0 + kChunk; ++quad) {
+                __m256i x[MB];
+                FLEET_UNROLL
+                for (int i = 0; i < MB; ++i) x[i] = broadcast32(q[i] + b * 256 + j * 32 + 4 * quad);
+                FLEET_UNROLL
+                for (int c = 0; c < NT; ++c) {
+                    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                        t.codes + (((b * 8 + j) * 8 + quad) * NT + c) * 32));
+                    FLEET_UNROLL
+                    for (int i = 0; i < MB; ++i) part[i][c] = FLEET_DPBUSD(part[i][c], u, x[i]);
+                }
+            }
+            FLEET_UNROLL
+            for (int c = 0; c < NT; ++c) {
+                const __m256i s = _mm256_loadu_si256(scale + c);
+                FLEET_UNROLL
+                for (int i = 0; i < MB; ++i) {
+                    if constexpr (F::CODE_BITS <= 5)
+                        sum[h][i][c] = FLEET_DPWSSD(sum[h][i][c], part[i][c], s);
+                    else
+                        sum[h][i][c] = _mm256_add_epi32(sum[h][i][c], _mm256_mullo_epi32(part[i][c], s));
+                }
+            }
+        }
+    }
+}
+
 template <class F, int MB>
 static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t n, int columns, int64_t m) {
-    constexpr int NT = kPrefillNT, kChunk = F::CODE_BITS <= 4 ? 4 : 2;  // quads a 16-bit sum holds
+    constexpr int NT = kPrefillNT;
     const SuperRows<MB> act(*p.a, m);
-    const int8_t* const* q = act.q;
     const float* const* da = act.d;
     const int16_t* const* bsums = act.bsums;
     __m256 acc[2][MB][NT];
@@ -284,39 +339,7 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
         for (int i = 0; i < MB; ++i)
             FLEET_UNROLL
             for (int c = 0; c < NT; ++c) sum[0][i][c] = sum[1][i][c] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-            FLEET_UNROLL
-            for (int h = 0; h < 2; ++h) {
-                const __m256i* scale = reinterpret_cast<const __m256i*>(t.scales + ((b * 16 + 2 * j + h) * kTileColumns));
-                FLEET_UNROLL
-                for (int q0 = 4 * h; q0 < 4 * h + 4; q0 += kChunk) {
-                    __m256i part[MB][NT];
-                    FLEET_UNROLL
-                    for (int i = 0; i < MB; ++i)
-                        FLEET_UNROLL
-                        for (int c = 0; c < NT; ++c) part[i][c] = _mm256_setzero_si256();
-                    FLEET_UNROLL
-                    for (int quad = q0; quad < q0 + kChunk; ++quad) {
-                        __m256i x[MB];
-                        FLEET_UNROLL
-                        for (int i = 0; i < MB; ++i) x[i] = broadcast32(q[i] + b * 256 + j * 32 + 4 * quad);
-                        FLEET_UNROLL
-                        for (int c = 0; c < NT; ++c) {
-                            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                t.codes + (((b * 8 + j) * 8 + quad) * NT + c) * 32));
-                            FLEET_UNROLL
-                            for (int i = 0; i < MB; ++i) part[i][c] = FLEET_DPBUSD(part[i][c], u, x[i]);
-                        }
-                    }
-                    FLEET_UNROLL
-                    for (int c = 0; c < NT; ++c) {
-                        const __m256i s = _mm256_loadu_si256(scale + c);
-                        FLEET_UNROLL
-                        for (int i = 0; i < MB; ++i) sum[h][i][c] = FLEET_DPWSSD(sum[h][i][c], part[i][c], s);
-                    }
-                }
-            }
-        }
+        for (int j = 0; j < 8; ++j) columns_sub_block<F, MB>(t, act.q, b, j, sum);
         FLEET_UNROLL
         for (int c = 0; c < NT; ++c) {
             const __m256 d = _mm256_loadu_ps(t.d + b * kTileColumns + 8 * c);
@@ -326,14 +349,19 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
                 const __m256 x = _mm256_set1_ps(da[i][b]);
                 FLEET_UNROLL
                 for (int h = 0; h < 2; ++h) {
-                    __m256i msum = _mm256_setzero_si256();
+                    __m256i psum = _mm256_setzero_si256();  // the minimums' M_h, or the zero point's sum
                     FLEET_UNROLL
                     for (int pair = 0; pair < 4; ++pair)
-                        msum = FLEET_DPWSSD(msum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                                      t.mins + ((b * 2 + h) * 4 + pair) * kTileColumns + 8 * c)),
+                        psum = FLEET_DPWSSD(psum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                      t.pairs + ((b * 2 + h) * 4 + pair) * kTileColumns + 8 * c)),
                                             broadcast32(bsums[i] + b * 16 + 8 * h + 2 * pair));
-                    acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i][c]), _mm256_mul_ps(d, x), acc[h][i][c]);
-                    acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, x), acc[h][i][c]);
+                    if constexpr (F::ZSHIFT >= 0) {
+                        const __m256i is = _mm256_sub_epi32(sum[h][i][c], _mm256_slli_epi32(psum, F::ZSHIFT));
+                        acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, x), acc[h][i][c]);
+                    } else {
+                        acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i][c]), _mm256_mul_ps(d, x), acc[h][i][c]);
+                        acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(psum), _mm256_mul_ps(dmin, x), acc[h][i][c]);
+                    }
                 }
             }
         }
@@ -422,6 +450,39 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
     for (int r = 0; r < rows; ++r)
         FLEET_UNROLL
         for (int i = 0; i < MB; ++i) p.y[(m + i) * p.ldy + n + r] = hsum(_mm256_load_ps(acc[r][i]));
+}
+
+// The halves form's (kSuperHalves) 4-row tile over the same unpacked tile, with tile_super_halves' integer and
+// float operations in its order: the same bits. From kHalvesUnpackRows to kColumnsRows activation rows: Q6_K's codes
+// (two loads and shifts a sub-block) pay for their unpacking from 4 rows, Q4_K's and Q5_K's from 8 (in cache, one
+// core, against the decode tiles: Q4_K and Q5_K 0.8-0.9x at 4 rows, 1.2x at 8, 1.35x at 16).
+template <class F>
+constexpr int kHalvesUnpackRows = F::PER16 ? 4 : 8;
+template <class F, int MB>
+static inline void tile_super_halves_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
+    constexpr int R = 4;
+    const int64_t blocks = t.blocks;
+    const SuperRows<MB> act(*p.a, m);
+    __m256 acc[MB];
+    FLEET_UNROLL
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const SuperScales* sc[R];
+        const uint8_t* codes[R];
+        FLEET_UNROLL
+        for (int r = 0; r < R; ++r) { sc[r] = &t.scales[r * blocks + b]; codes[r] = &t.codes[size_t(r * blocks + b) * 256]; }
+        __m256i isum[R][MB];
+        block_sums<F, R, MB>(act.q, b, [&](int r, int j) { return load32(codes[r] + j * 32); }, sc, isum);
+        halves_block_end<F, R, MB>(isum, sc, act, b, acc);
+    }
+    store_halves<MB>(p, acc, n, rows, m);
+}
+
+template <class F>
+static void rows_prefill_super_halves(const Product& p, int64_t n0, int64_t n1) {
+    thread_local UnpackedSuperTile<F> buffer;
+    sweep_tiles<4, kSuperMB>(p, n0, n1, &buffer, tile_super_halves_prefill<F, kSuperMB>,
+                             tile_super_halves_prefill<F, 1>);
 }
 
 template <class F>

@@ -11,10 +11,14 @@
 
 struct Layout32 {  // the 32-weight types
     static constexpr int QK = 32, SUBS = 1;
+    static constexpr bool HALVES = false;  // see Layout256
     static constexpr int NIBBLES = -1;  // the plain-nibble types say where their nibbles start
 };
 struct Layout256 {  // the K-quants and IQ4_XS
     static constexpr int QK = 256, SUBS = 8;
+    // HALVES: each block's integer sums are kept per half of its sub-blocks, an output column a lane in prefill
+    // (driver.h kSuperHalves; CODE_BITS then says how many bits a code takes).
+    static constexpr bool HALVES = false;
 };
 
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -202,14 +206,14 @@ struct K4Scales {  // Q4_K, Q5_K: d, dmin, then 8 x (6-bit scale, 6-bit min) in 
 };
 
 struct FQ4_K : Layout256, K4Scales {
-    static constexpr int BYTES = 144, CODE_BITS = 4; static constexpr bool SIGNED = false, PER16 = false;
+    static constexpr int BYTES = 144, CODE_BITS = 4; static constexpr bool SIGNED = false, PER16 = false, HALVES = true;
     static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         return _mm256_and_si256(shr16(load32(b + 16 + (sub / 2) * 32), 4 * (sub % 2)), mask8(15));
     }
 };
 struct FQ5_K : Layout256, K4Scales {
-    static constexpr int BYTES = 176, CODE_BITS = 5; static constexpr bool SIGNED = false, PER16 = false;
+    static constexpr int BYTES = 176, CODE_BITS = 5; static constexpr bool SIGNED = false, PER16 = false, HALVES = true;
     static constexpr int ZSHIFT = -1; static constexpr bool OFFSET = true;
     static inline __m256i codes(const uint8_t* b, int sub) {
         const __m256i low = _mm256_and_si256(shr16(load32(b + 48 + (sub / 2) * 32), 4 * (sub % 2)), mask8(15));
@@ -218,7 +222,7 @@ struct FQ5_K : Layout256, K4Scales {
     }
 };
 struct FQ6_K : Layout256 {
-    static constexpr int BYTES = 210; static constexpr bool SIGNED = false, PER16 = true;
+    static constexpr int BYTES = 210, CODE_BITS = 6; static constexpr bool SIGNED = false, PER16 = true, HALVES = true;
     static constexpr int ZSHIFT = 5; static constexpr bool OFFSET = false;
     static inline __m128i even_odd_scales(const uint8_t* b) {  // int8 scales[16] at 192: s0, s2, .., s14, s1, s3, ..
         return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
