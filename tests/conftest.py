@@ -221,12 +221,14 @@ def agree_until_near_tie(got: dict, solo: dict, what: str, tie: float = DEFAULTS
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (pyproject.toml's addopts): one xdist worker per core, at most 4 (each runs fleets of up
-    to 3 processes), where each can have its own network (``tests.parallel``: root); else 0, serial."""
+    """``-n auto`` (pyproject.toml's addopts): one xdist worker more than cores, at most 4 (each runs fleets of
+    up to 3 processes), where each can have its own network (``tests.parallel``: root); else 0, serial. The extra
+    worker uses what the others leave idle while they wait (deadlines, sleeps, restarts, mDNS): on 2 cores the
+    suite used 1.6 of them with 2 workers (2,621 CPU seconds in 1,629 s)."""
     if env := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(cores, 4) if cores > 1 and can_isolate() else 0
+    return min(cores + 1, 4) if cores > 1 and can_isolate() else 0
 
 
 def pytest_configure(config: pytest.Config) -> None:
