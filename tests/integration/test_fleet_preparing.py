@@ -59,8 +59,11 @@ def test_a_preparing_coordinator_is_found_by_zeroconf_and_fleet_chat_waits(tmp_p
     proc.wait_for(r"announced the API", 60)  # while it prepares (collecting: no --peer answers)
     try:
         deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/health", timeout=5).json().get("fleet", {}).get("state") != "preparing":
-            assert time.monotonic() < deadline, "the coordinator never said it prepares"
+        # preparing, and past "starting" (reading the GGUF: 7 s and more on a loaded host) to collecting the workers
+        while not (fleet := httpx.get(f"{url}/health", timeout=5).json().get("fleet", {})).get(
+                "progress", "").startswith("collecting"):
+            assert time.monotonic() < deadline, f"the coordinator never said it collects its workers: {fleet}"
+            assert fleet.get("state") in (None, "preparing"), fleet
             time.sleep(0.5)
         run = subprocess.run([str(BIN / "fleet-chat"), "--model", name, "--wait-s", "3", "-p", "hi"],
                              capture_output=True, text=True, timeout=60)
