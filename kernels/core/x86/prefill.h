@@ -454,10 +454,11 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
 
 // The halves form's (kSuperHalves) 4-row tile over the same unpacked tile, with tile_super_halves' integer and
 // float operations in its order: the same bits. From kHalvesUnpackRows to kColumnsRows activation rows: Q6_K's codes
-// (two loads and shifts a sub-block) pay for their unpacking from 4 rows, Q4_K's and Q5_K's from 8 (in cache, one
-// core, against the decode tiles: Q4_K and Q5_K 0.8-0.9x at 4 rows, 1.2x at 8, 1.35x at 16).
+// (two loads and shifts a sub-block) pay for their unpacking from 4 rows; Q4_K's and Q5_K's never (in cache 1.2x
+// faster than the decode tiles at 8 rows, but from memory 0.8x and 0.95x: kernel_ab.py, Llama-3.2-1B's gate, one
+// core; the decode tiles prefetch, unpacking does not).
 template <class F>
-constexpr int kHalvesUnpackRows = F::PER16 ? 4 : 8;
+constexpr int kHalvesUnpackRows = F::PER16 ? 4 : kColumnsRows;
 template <class F, int MB>
 static inline void tile_super_halves_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
