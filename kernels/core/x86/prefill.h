@@ -419,6 +419,18 @@ struct UnpackedSuperTile {
     SuperTileView view() const { return SuperTileView{blocks, codes.data(), scales.data()}; }
 };
 
+// Block b of an unpacked tile of 4 weight rows: each row's scales (sc) and its integer sums against MB activation
+// rows (block_sums, as the decode tiles add them).
+template <class F, int MB>
+__attribute__((always_inline)) static inline void unpacked_block_sums(const SuperTileView& t, const int8_t* const* q,
+                                                                      int64_t b, const SuperScales* (&sc)[4],
+                                                                      __m256i (&isum)[4][MB]) {
+    const uint8_t* codes[4];
+    FLEET_UNROLL
+    for (int r = 0; r < 4; ++r) { sc[r] = &t.scales[r * t.blocks + b]; codes[r] = &t.codes[size_t(r * t.blocks + b) * 256]; }
+    block_sums<F, 4, MB>(q, b, [&](int r, int j) { return load32(codes[r] + j * 32); }, sc, isum);
+}
+
 template <class F, int MB>
 static inline void tile_super_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
@@ -434,11 +446,8 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
         for (int i = 0; i < MB; ++i) _mm256_store_ps(acc[r][i], _mm256_setzero_ps());
     for (int64_t b = 0; b < blocks; ++b) {
         const SuperScales* sc[R];
-        const uint8_t* codes[R];
-        FLEET_UNROLL
-        for (int r = 0; r < R; ++r) { sc[r] = &t.scales[r * blocks + b]; codes[r] = &t.codes[size_t(r * blocks + b) * 256]; }
         __m256i isum[R][MB];
-        block_sums<F, R, MB>(q, b, [&](int r, int j) { return load32(codes[r] + j * 32); }, sc, isum);
+        unpacked_block_sums<F, MB>(t, q, b, sc, isum);
         FLEET_UNROLL
         for (int i = 0; i < MB; ++i) {
             const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums[i] + b * 16));
@@ -469,11 +478,8 @@ static inline void tile_super_halves_prefill(const Product& p, const SuperTileVi
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const SuperScales* sc[R];
-        const uint8_t* codes[R];
-        FLEET_UNROLL
-        for (int r = 0; r < R; ++r) { sc[r] = &t.scales[r * blocks + b]; codes[r] = &t.codes[size_t(r * blocks + b) * 256]; }
         __m256i isum[R][MB];
-        block_sums<F, R, MB>(act.q, b, [&](int r, int j) { return load32(codes[r] + j * 32); }, sc, isum);
+        unpacked_block_sums<F, MB>(t, act.q, b, sc, isum);
         halves_block_end<F, R, MB>(isum, sc, act, b, acc);
     }
     store_halves<MB>(p, acc, n, rows, m);
