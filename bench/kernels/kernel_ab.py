@@ -57,7 +57,6 @@ def build_side(side: str, work: Path) -> Path:
     src = kernels_source(side, work / "src")
     cmake = (src / "CMakeLists.txt").read_text()
     sources = re.search(r"set\(CORE_SOURCES([^)]*)\)", cmake).group(1).split()
-    objects = []
 
     def compile_one(source: Path) -> Path:
         obj = work / (source.stem + ".o")

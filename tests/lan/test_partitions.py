@@ -50,8 +50,8 @@ _INFO = ("import sys, grpc; from fleet_common import fleet_pb2 as pb, fleet_pb2_
 
 def _open_sessions(lan, address: str) -> int:  # noqa: ANN001
     """The number of sessions the worker at ``address`` holds, asked from PC "coord"."""
-    out = subprocess.run(["ip", "netns", "exec", lan.pcs["coord"].ns, sys.executable, "-c", _INFO, address],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(lan.pcs["coord"].cmd(sys.executable, "-c", _INFO, address), capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.strip())
 

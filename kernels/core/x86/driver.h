@@ -532,7 +532,8 @@ template <class F>
 static void rows_quantized(const Product& p, int64_t n0, int64_t n1) {
     if constexpr (kSuperHalves<F>) {
         if (p.M >= kColumnsRows) return rows_prefill_columns<F>(p, n0, n1);
-        if (p.M >= kHalvesUnpackRows<F>) return rows_prefill_super_halves<F>(p, n0, n1);
+        if constexpr (F::PER16)  // Q6_K (see tile_super_halves_prefill)
+            if (p.M >= kPrefillRows) return rows_prefill_super_halves<F>(p, n0, n1);
         sweep(p, n0, n1, tile_super_halves<F, 4, 2>, tile_super_halves<F, 4, 1>, tile_super_halves<F, 1, 2>,
               tile_super_halves<F, 1, 1>);
     } else if constexpr (F::QK == 256) {

@@ -58,7 +58,7 @@ constexpr int64_t kTileActivationBytes = 512 * 1024;
 static inline int64_t tile_row_chunk(int64_t K) { return std::max(kRowChunk, kTileActivationBytes / K / kRowChunk * kRowChunk); }
 
 // Columns [n0, n1) over many activation rows: each tile of Width weight rows unpacked once (`tile`), then met by MB
-// activation rows at a time (`wide`) and the rest one by one (`one`), kRowChunk rows a pass.
+// activation rows at a time (`wide`) and the rest one by one (`one`), tile_row_chunk(K) rows a pass.
 template <int Width, int MB, class Tile, class Wide, class One>
 static inline void sweep_tiles(const Product& p, int64_t n0, int64_t n1, Tile* tile, Wide wide, One one) {
     const int64_t chunk = tile_row_chunk(p.K);
@@ -462,12 +462,10 @@ static inline void tile_super_prefill(const Product& p, const SuperTileView& t, 
 }
 
 // The halves form's (kSuperHalves) 4-row tile over the same unpacked tile, with tile_super_halves' integer and
-// float operations in its order: the same bits. From kHalvesUnpackRows to kColumnsRows activation rows: Q6_K's codes
-// (two loads and shifts a sub-block) pay for their unpacking from 4 rows; Q4_K's and Q5_K's never (in cache 1.2x
-// faster than the decode tiles at 8 rows, but from memory 0.8x and 0.95x: kernel_ab.py, Llama-3.2-1B's gate, one
-// core; the decode tiles prefetch, unpacking does not).
-template <class F>
-constexpr int kHalvesUnpackRows = F::PER16 ? 4 : kColumnsRows;
+// float operations in its order: the same bits. Q6_K's from kPrefillRows to kColumnsRows activation rows: its codes
+// (two loads and shifts a sub-block) pay for their unpacking there. Q4_K and Q5_K keep the decode tiles (this tile
+// measured 1.2x faster than them at 8 rows in cache, but 0.8x and 0.95x from memory: kernel_ab.py, Llama-3.2-1B's
+// gate, one core; the decode tiles prefetch, unpacking does not).
 template <class F, int MB>
 static inline void tile_super_halves_prefill(const Product& p, const SuperTileView& t, int64_t n, int rows, int64_t m) {
     constexpr int R = 4;
