@@ -291,6 +291,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ---------------------------------------------------------------- where the suite's time goes
 
 _FILE_SECONDS: dict[str, list[float]] = {}  # test file -> [seconds, tests, CPU seconds]
+_TEST_CPU: dict[str, float] = {}  # test id -> CPU seconds of its setup, call and teardown
 _START: dict[str, object] = {}
 _ITEM_CPU: dict[str, float] = {}  # the CPU counter as the running test began (in the process that runs it)
 _WORKERS_CPU: list[float] = []  # CPU seconds of each xdist worker and its children, as each reported at its end
@@ -358,18 +359,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     entry[0] += report.duration
     entry[1] += report.when == "call"
     if report.when == "teardown":
-        entry[2] += dict(report.user_properties).get("cpu_s", 0.0)
+        cpu = dict(report.user_properties).get("cpu_s", 0.0)
+        entry[2] += cpu
+        _TEST_CPU[report.nodeid] = cpu
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
     """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only), with
-    the CPU seconds they used (their fleets' processes included), then the suite's CPU beside the whole
-    machine's: where the suite's time goes, and whether it ran alone."""
+    the CPU seconds they used (their fleets' processes included), the 15 tests that used the most CPU, then
+    the suite's CPU beside the whole machine's: where the suite's time goes, and whether it ran alone."""
     if not _FILE_SECONDS:
         return
     terminalreporter.section("slowest test files (setup + call + teardown)")
     for path, (seconds, tests, cpu) in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][0])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s {cpu:7.1f}s CPU {tests:4d} tests  {path}")
+    terminalreporter.section("tests that used the most CPU (their fleets' processes included once reaped)")
+    for nodeid, cpu in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{cpu:7.1f}s CPU  {nodeid}")
     wall = time.monotonic() - _START["wall"]
     busy, steal = (now - then for now, then in zip(_machine_cpu(), _START["machine"]))
     # under xdist, its workers' own reports (the controller may not have reaped them yet)

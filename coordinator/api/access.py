@@ -2,7 +2,7 @@
 
 | path | without a key | with a key |
 |---|---|---|
-| ``/``, ``/static/*`` (the chat page) | yes: it holds no secret | yes |
+| ``/``, ``/static/*``, ``/favicon.ico`` (the chat page) | yes: it holds no secret | yes |
 | ``/v1/*`` | 401 (on ``/v1/messages``: in Anthropic's shape) | yes |
 | ``/api/*`` (the Ollama API) | 401 in Ollama's shape | yes |
 | ``/openapi.json`` (the API's schema) | 401 | yes |

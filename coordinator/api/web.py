@@ -50,6 +50,12 @@ def add_web_routes(app: FastAPI) -> None:
         """200 with no body: the Ollama CLI's and other clients' heartbeat (``HEAD /``) finds a server."""
         return Response(headers=PAGE_HEADERS)
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        """204: browsers ask for it on any document without an icon link (a ``/static/`` file, ``/health``);
+        a 404 there is an error in the browser's console."""
+        return Response(status_code=204, headers=PAGE_HEADERS)
+
     # StaticFiles answers with ETag/Last-Modified (a reload revalidates), 404 for anything else
     app.mount("/static", PageFiles(directory=STATIC), name="static")
 

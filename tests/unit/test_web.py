@@ -38,6 +38,8 @@ def test_page_and_static_files_are_open_while_the_api_needs_a_key():
     assert '<script type="module" src="/static/app.js">' in page.text and "http" not in page.text.split("<body>")[0]
     head = client.head("/")  # the Ollama CLI's heartbeat
     assert head.status_code == 200 and not head.content
+    icon = client.get("/favicon.ico")  # asked for by a browser on a /static/ file: a 404 is a console error
+    assert icon.status_code == 204 and not icon.content
     for name in PAGE_FILES:
         r = client.get(f"/static/{name}")
         assert r.status_code == 200 and r.content == (STATIC / name).read_bytes()
