@@ -206,7 +206,7 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
 //   Q6_K: a half's sum of c q (16 weights of 6 bits) does not fit 16 bits: it is multiplied by its scale in 32 bits
 //     (vpmulld); the zero point's sum over g of scale_g bsum_g meets the bsums in pairs as the minimums do.
 // The float operations are tile_super_halves', in its order: the same bits.
-constexpr int kColumnsMB = 2;  // activation rows a pass (the integer sums of 2 halves take the registers)
+constexpr int kColumnsMB = 4;  // activation rows a pass (EXPERIMENT)
 // At and above this many activation rows: below, unpacking a tile (each column's scales by the scalar reference,
 // the codes transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
 // 16 rows 1.3x slower than them; 64 rows 1.15x, 256 rows 1.4-1.9x faster).
