@@ -55,6 +55,17 @@ class Channels(ChannelCache):
         log.info("links to workers: %s", self.security.describe())
 
 
+def queued_deadline_s(timeout_s: float, slowest_s: float, in_flight: int, link_rtt_s: float) -> float:
+    """The deadline (seconds) of a step or KV operation sent through a pipeline with ``in_flight`` steps already
+    in flight: ``timeout_s`` (the configured one) or ``STEP_DEADLINE_FACTOR`` x ``slowest_s`` (the slowest recent
+    step it is measured against) where longer (a slow PC, a CPU quota: its steps are not taken for lost), once for
+    each step ahead and once for itself (at each stage it waits behind the steps queued there: a busy stage is not
+    a lost one), plus ``link_rtt_s``, the links' round trips summed (a step crosses every link once). (A rehearsal
+    on 2 loaded cores: one of 20 concurrent schema streams missed a 5.1 s step deadline behind the batch groups'
+    steps.)"""
+    return max(timeout_s, STEP_DEADLINE_FACTOR * slowest_s) * (1 + in_flight) + 2 * link_rtt_s
+
+
 class Pipeline:
     """An assembled pipeline: one worker address per stage, and the result stream from the last one.
 
@@ -381,24 +392,17 @@ class Pipeline:
                 deadline = now + SUSPECT_POLL_S
 
     def _deadline_s(self, size: int, timeout_s: float) -> float:
-        """The deadline (seconds) of a step of chunk size class ``size`` given ``timeout_s``, the configured
-        one: the measured step times lead where they are longer (a slow PC, a CPU quota: its steps are not
-        taken for lost), once for each step in flight through this pipeline and once for itself (at each stage
-        it waits behind the steps queued there: a busy stage is not a lost one), and a step crosses every link
-        once (N+1 hops), so slow links add their round trips. (A rehearsal on 2 loaded cores: one of 20
-        concurrent schema streams missed a 5.1 s deadline behind the batch groups' steps.)"""
-        own = max(timeout_s, STEP_DEADLINE_FACTOR * self._slowest.get(size, 0.0))
-        return own * (1 + len(self._waiters)) + 2 * self.link_rtt_s()
+        """A step's deadline (``queued_deadline_s``) given ``timeout_s``, the configured one: the slowest recent
+        step of its chunk size class ``size``, the steps in flight now, and the links' round trips."""
+        return queued_deadline_s(timeout_s, self._slowest.get(size, 0.0), len(self._waiters), self.link_rtt_s())
 
     def _kv_deadline_s(self, timeout_s: float) -> float:
-        """The deadline (seconds) of a KV operation (open, close, copy, merge, compaction) given ``timeout_s``,
-        the configured one: at each stage it waits behind the steps queued there, up to every step in flight
-        through this pipeline, so under load it gets the longest deadline a recent step got (``_deadline_s``)
-        once for each of them and once for itself. (A rehearsal on 2 loaded cores: 20 concurrent schema
-        streams, a merge into a decode batch behind the batch groups' steps at stage 0 outlasted 4 x the
-        slowest step.)"""
+        """A KV operation's deadline (open, close, copy, merge, compaction; ``queued_deadline_s``) given
+        ``timeout_s``, the configured one: at each stage it waits behind the steps queued there, so it counts the
+        slowest recent step of any size. (A rehearsal on 2 loaded cores: 20 concurrent schema streams, a merge into
+        a decode batch behind the batch groups' steps at stage 0 outlasted 4 x the slowest step.)"""
         slowest = max(self._slowest.values(), default=0.0)
-        return max(timeout_s, STEP_DEADLINE_FACTOR * slowest) * (1 + len(self._waiters)) + 2 * self.link_rtt_s()
+        return queued_deadline_s(timeout_s, slowest, len(self._waiters), self.link_rtt_s())
 
     def ack_failure(self, ack: pb.LinkAck) -> StageFailure:
         """The failure a ``LinkAck`` reports. A stage that could not reach the next one reports ``stage N

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from coordinator.engine.pipeline import Pipeline
+from coordinator.engine.pipeline import Pipeline, queued_deadline_s
 from fleet_common import fleet_pb2 as pb
 
 ADDRESSES = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
@@ -37,17 +37,12 @@ def test_a_stage_that_cannot_reach_the_next_one_blames_the_innermost():
     assert (failure.stage, failure.address) == (0, ADDRESSES[0]) and "failed a pipeline step" in failure.message
 
 
+
 def test_deadlines_count_the_steps_in_flight_ahead():
     """A step or KV operation waits at each stage behind the steps in flight: its deadline is the configured one
-    (or 4 x the slowest recent step of its size, where longer) once for each of them and once for itself."""
-    pipeline = Pipeline(ADDRESSES, channels=None, manifest_sha256="x")
-    assert pipeline._deadline_s(size=1, timeout_s=5.0) == 5.0
-    pipeline._slowest[1] = 2.0  # a slow PC: 4 x 2 s leads
-    assert pipeline._deadline_s(size=1, timeout_s=5.0) == 8.0
-    assert pipeline._deadline_s(size=9, timeout_s=5.0) == 5.0  # another chunk size: its own (none yet)
-    pipeline._waiters.update({("s", 1): None, ("s", 2): None})  # two steps in flight ahead
-    assert pipeline._deadline_s(size=1, timeout_s=5.0) == 24.0
-    assert pipeline._deadline_s(size=9, timeout_s=5.0) == 15.0
-    assert pipeline._kv_deadline_s(timeout_s=5.0) == 24.0  # the slowest step of any size
-    pipeline.link_rtt_s = lambda: 0.25  # and each link's round trip, crossed once
-    assert pipeline._kv_deadline_s(timeout_s=5.0) == 24.5
+    (or 4 x the slowest recent step, where longer) once for each of them and once for itself, plus the links'
+    round trips."""
+    assert queued_deadline_s(5.0, slowest_s=0.0, in_flight=0, link_rtt_s=0.0) == 5.0
+    assert queued_deadline_s(5.0, slowest_s=2.0, in_flight=0, link_rtt_s=0.0) == 8.0  # a slow PC: 4 x 2 s leads
+    assert queued_deadline_s(5.0, slowest_s=2.0, in_flight=2, link_rtt_s=0.0) == 24.0  # two steps ahead
+    assert queued_deadline_s(5.0, slowest_s=0.5, in_flight=2, link_rtt_s=0.25) == 15.5  # each link crossed once
