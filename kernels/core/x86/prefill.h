@@ -206,7 +206,7 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
 //   Q6_K: a half's sum of c q (16 weights of 6 bits) does not fit 16 bits: it is multiplied by its scale in 32 bits
 //     (vpmulld); the zero point's sum over g of scale_g bsum_g meets the bsums in pairs as the minimums do.
 // The float operations are tile_super_halves', in its order: the same bits.
-constexpr int kColumnsMB = 4;  // activation rows a pass (EXPERIMENT)
+constexpr int kColumnsMB = 2;  // activation rows a pass (the integer sums of 2 halves take the registers)
 // At and above this many activation rows: below, unpacking a tile (each column's scales by the scalar reference,
 // the codes transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
 // 16 rows 1.3x slower than them; 64 rows 1.15x, 256 rows 1.4-1.9x faster).
@@ -373,10 +373,19 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
             store_columns(p, _mm256_add_ps(acc[0][i][c], acc[1][i][c]), m + i, n + 8 * c, columns - 8 * c);
 }
 
+#if FLEET_COLUMNS_512
+#include "columns512.h"
+#endif
+
 template <class F>
 static void rows_prefill_columns(const Product& p, int64_t n0, int64_t n1) {
     thread_local UnpackedColumns<F> buffer;
+#if FLEET_COLUMNS_512
+    sweep_tiles<kTileColumns, kColumns512MB>(p, n0, n1, &buffer, tile_columns512<F, kColumns512MB>,
+                                             tile_columns512<F, 1>);
+#else
     sweep_tiles<kTileColumns, kColumnsMB>(p, n0, n1, &buffer, tile_columns<F, kColumnsMB>, tile_columns<F, 1>);
+#endif
 }
 
 // Activation rows a pass of the 256-weight tiles of 4 weight rows.
