@@ -10,6 +10,11 @@ static_assert(kTileColumns == 16, "a 512-bit register holds the tile's 16 column
 constexpr int kColumns512MB = 4;  // activation rows a pass: 8 integer sums, 4 partial sums, 8 float sums in registers
 
 static inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
+// vcvtdq2ps and vpslld written in their merge-masked forms with every lane kept: the same instruction, without GCC
+// 12's false "may be used uninitialized" of the unmasked intrinsics' _mm512_undefined_* operand.
+static inline __m512 to_float512(__m512i v) { return _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xFFFF, v); }
+template <int N>
+static inline __m512i shift_left512(__m512i v) { return _mm512_mask_slli_epi32(_mm512_setzero_si512(), 0xFFFF, v, N); }
 static inline __m512i broadcast512(const void* p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
@@ -71,11 +76,11 @@ static inline void tile_columns512(const Product& p, const ColumnsView& t, int64
                     psum = _mm512_dpwssd_epi32(psum, load512(t.pairs + ((b * 2 + h) * 4 + pair) * kTileColumns),
                                                broadcast512(act.bsums[i] + b * 16 + 8 * h + 2 * pair));
                 if constexpr (F::ZSHIFT >= 0) {
-                    const __m512i is = _mm512_sub_epi32(sum[h][i], _mm512_slli_epi32(psum, F::ZSHIFT));
-                    acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, x), acc[h][i]);
+                    const __m512i is = _mm512_sub_epi32(sum[h][i], shift_left512<std::max(F::ZSHIFT, 0)>(psum));
+                    acc[h][i] = _mm512_fmadd_ps(to_float512(is), _mm512_mul_ps(d, x), acc[h][i]);
                 } else {
-                    acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][i]), _mm512_mul_ps(d, x), acc[h][i]);
-                    acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(psum), _mm512_mul_ps(dmin, x), acc[h][i]);
+                    acc[h][i] = _mm512_fmadd_ps(to_float512(sum[h][i]), _mm512_mul_ps(d, x), acc[h][i]);
+                    acc[h][i] = _mm512_fmadd_ps(to_float512(psum), _mm512_mul_ps(dmin, x), acc[h][i]);
                 }
             }
         }

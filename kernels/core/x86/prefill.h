@@ -236,20 +236,32 @@ struct UnpackedColumns {
         pairs.assign(size_t(blocks * 8 * kTileColumns), 0);
         d.assign(size_t(blocks * kTileColumns), 0.0f);
         dmin = d;
-        IntegerScales is;
-        for (int c = 0; c < columns; ++c) {
-            const uint8_t* row = p.w + (n + c) * p.row_bytes;
-            for (int64_t b = 0; b < blocks; ++b) {
-                integer_scales(*p.fmt, row + b * F::BYTES, is);
-                for (int g = 0; g < 16; ++g) scales[size_t((b * 16 + g) * kTileColumns + c)] = is.scale[g];
-                const int16_t* v = F::OFFSET ? is.min : is.scale;
-                for (int h = 0; h < 2; ++h)
-                    for (int pair = 0; pair < 4; ++pair)
-                        pairs[size_t(((b * 2 + h) * 4 + pair) * kTileColumns + c)] = int32_t(
-                            uint32_t(uint16_t(v[4 * pair + h])) | uint32_t(uint16_t(v[4 * pair + 2 + h])) << 16);
-                d[size_t(b * kTileColumns + c)] = is.d;
-                dmin[size_t(b * kTileColumns + c)] = -is.dmin;
+        for (int64_t b = 0; b < blocks; ++b) {
+            // each column's scales (and minimums) by the decode tile's unpacking (unpack.h F::super: int16 lane
+            // h * 8 + j holds half g = 2 j + h's), then turned to the tile's [g][column] int32 rows
+            alignas(32) int16_t sc[kTileColumns][16], mn[kTileColumns][16];
+            for (int c = 0; c < columns; ++c) {
+                SuperScales ss;
+                F::super(p.w + (n + c) * p.row_bytes + b * F::BYTES, ss);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(sc[c]), ss.scales);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(mn[c]), ss.mins);
+                d[size_t(b * kTileColumns + c)] = ss.d;
+                dmin[size_t(b * kTileColumns + c)] = -ss.dmin;
             }
+            const auto& v = F::OFFSET ? mn : sc;  // what meets the activations' sums in pairs
+            for (int g = 0; g < 16; ++g) {
+                const int lane = (g % 2) * 8 + g / 2;
+                int32_t* to = &scales[size_t((b * 16 + g) * kTileColumns)];
+                for (int c = 0; c < columns; ++c) to[c] = sc[c][lane];
+            }
+            for (int h = 0; h < 2; ++h)
+                for (int pair = 0; pair < 4; ++pair) {
+                    const int g0 = 4 * pair + h, g1 = 4 * pair + 2 + h;
+                    int32_t* to = &pairs[size_t(((b * 2 + h) * 4 + pair) * kTileColumns)];
+                    for (int c = 0; c < columns; ++c)
+                        to[c] = int32_t(uint32_t(uint16_t(v[c][(g0 % 2) * 8 + g0 / 2])) |
+                                        uint32_t(uint16_t(v[c][(g1 % 2) * 8 + g1 / 2])) << 16);
+                }
         }
         for (int64_t b = 0; b < blocks; ++b)
             for (int j = 0; j < 8; ++j)
