@@ -7,7 +7,7 @@
 // operation in two (Zen 4) it costs the same as the 256-bit tile.
 static_assert(kTileColumns == 16, "a 512-bit register holds the tile's 16 columns");
 
-constexpr int kColumns512MB = 4;  // activation rows a pass: 8 integer sums, 4 partial sums, 8 float sums in registers
+constexpr int kColumns512MB = 8;  // activation rows a pass: 16 integer sums and 8 partial sums in registers
 
 static inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
 // vcvtdq2ps and vpslld written in their merge-masked forms with every lane kept: the same instruction, without GCC
@@ -55,9 +55,9 @@ __attribute__((always_inline)) static inline void columns512_sub_block(const Col
 template <class F, int MB>
 static inline void tile_columns512(const Product& p, const ColumnsView& t, int64_t n, int columns, int64_t m) {
     const SuperRows<MB> act(*p.a, m);
-    __m512 acc[2][MB];
+    alignas(64) float acc[2][MB][16];  // in memory, touched once a block: the integer sums take the registers
     FLEET_UNROLL
-    for (int i = 0; i < MB; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i) _mm512_store_ps(acc[0][i], _mm512_setzero_ps()), _mm512_store_ps(acc[1][i], _mm512_setzero_ps());
     for (int64_t b = 0; b < t.blocks; ++b) {
         __m512i sum[2][MB];
         FLEET_UNROLL
@@ -77,10 +77,10 @@ static inline void tile_columns512(const Product& p, const ColumnsView& t, int64
                                                broadcast512(act.bsums[i] + b * 16 + 8 * h + 2 * pair));
                 if constexpr (F::ZSHIFT >= 0) {
                     const __m512i is = _mm512_sub_epi32(sum[h][i], shift_left512<std::max(F::ZSHIFT, 0)>(psum));
-                    acc[h][i] = _mm512_fmadd_ps(to_float512(is), _mm512_mul_ps(d, x), acc[h][i]);
+                    _mm512_store_ps(acc[h][i], _mm512_fmadd_ps(to_float512(is), _mm512_mul_ps(d, x), _mm512_load_ps(acc[h][i])));
                 } else {
-                    acc[h][i] = _mm512_fmadd_ps(to_float512(sum[h][i]), _mm512_mul_ps(d, x), acc[h][i]);
-                    acc[h][i] = _mm512_fmadd_ps(to_float512(psum), _mm512_mul_ps(dmin, x), acc[h][i]);
+                    __m512 a = _mm512_fmadd_ps(to_float512(sum[h][i]), _mm512_mul_ps(d, x), _mm512_load_ps(acc[h][i]));
+                    _mm512_store_ps(acc[h][i], _mm512_fmadd_ps(to_float512(psum), _mm512_mul_ps(dmin, x), a));
                 }
             }
         }
@@ -88,5 +88,6 @@ static inline void tile_columns512(const Product& p, const ColumnsView& t, int64
     const __mmask16 keep = __mmask16((1u << columns) - 1u);  // columns <= 16
     FLEET_UNROLL
     for (int i = 0; i < MB; ++i)
-        _mm512_mask_storeu_ps(p.y + (m + i) * p.ldy + n, keep, _mm512_add_ps(acc[0][i], acc[1][i]));
+        _mm512_mask_storeu_ps(p.y + (m + i) * p.ldy + n, keep,
+                              _mm512_add_ps(_mm512_load_ps(acc[0][i]), _mm512_load_ps(acc[1][i])));
 }
