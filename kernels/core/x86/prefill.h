@@ -206,7 +206,7 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
 //   Q6_K: a half's sum of c q (16 weights of 6 bits) does not fit 16 bits: it is multiplied by its scale in 32 bits
 //     (vpmulld); the zero point's sum over g of scale_g bsum_g meets the bsums in pairs as the minimums do.
 // The float operations are tile_super_halves', in its order: the same bits.
-constexpr int kColumnsMB = 2;  // activation rows a pass (the integer sums of 2 halves take the registers)
+constexpr int kColumnsMB = 4;  // activation rows a pass (their float sums in memory: the integer sums take the registers)
 // At and above this many activation rows: below, unpacking a tile (each column's scales by the scalar reference,
 // the codes transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
 // 16 rows 1.3x slower than them; 64 rows 1.15x, 256 rows 1.4-1.9x faster).
@@ -340,11 +340,11 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
     const SuperRows<MB> act(*p.a, m);
     const float* const* da = act.d;
     const int16_t* const* bsums = act.bsums;
-    __m256 acc[2][MB][NT];
+    alignas(32) float acc[2][MB][NT][8];  // in memory, touched once a block: the integer sums take the registers
     FLEET_UNROLL
     for (int i = 0; i < MB; ++i)
         FLEET_UNROLL
-        for (int c = 0; c < NT; ++c) acc[0][i][c] = acc[1][i][c] = _mm256_setzero_ps();
+        for (int c = 0; c < NT; ++c) _mm256_store_ps(acc[0][i][c], _mm256_setzero_ps()), _mm256_store_ps(acc[1][i][c], _mm256_setzero_ps());
     for (int64_t b = 0; b < t.blocks; ++b) {
         __m256i sum[2][MB][NT];
         FLEET_UNROLL
@@ -369,10 +369,12 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
                                             broadcast32(bsums[i] + b * 16 + 8 * h + 2 * pair));
                     if constexpr (F::ZSHIFT >= 0) {
                         const __m256i is = _mm256_sub_epi32(sum[h][i][c], _mm256_slli_epi32(psum, F::ZSHIFT));
-                        acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, x), acc[h][i][c]);
+                        _mm256_store_ps(acc[h][i][c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, x),
+                                                                      _mm256_load_ps(acc[h][i][c])));
                     } else {
-                        acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i][c]), _mm256_mul_ps(d, x), acc[h][i][c]);
-                        acc[h][i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(psum), _mm256_mul_ps(dmin, x), acc[h][i][c]);
+                        const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i][c]), _mm256_mul_ps(d, x),
+                                                         _mm256_load_ps(acc[h][i][c]));
+                        _mm256_store_ps(acc[h][i][c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(psum), _mm256_mul_ps(dmin, x), a));
                     }
                 }
             }
@@ -382,7 +384,8 @@ static inline void tile_columns(const Product& p, const ColumnsView& t, int64_t 
     for (int i = 0; i < MB; ++i)
         FLEET_UNROLL
         for (int c = 0; c < NT; ++c)
-            store_columns(p, _mm256_add_ps(acc[0][i][c], acc[1][i][c]), m + i, n + 8 * c, columns - 8 * c);
+            store_columns(p, _mm256_add_ps(_mm256_load_ps(acc[0][i][c]), _mm256_load_ps(acc[1][i][c])), m + i, n + 8 * c,
+                          columns - 8 * c);
 }
 
 #if FLEET_COLUMNS_512
