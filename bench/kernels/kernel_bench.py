@@ -208,6 +208,13 @@ def ratio_cell(row: dict, key: str) -> str:
     return f"{row[key]['tok_s'] / row['llama_cpp']['tok_s']:.2f}"
 
 
+def prefill_ratio_cell(row: dict, key: str) -> str:
+    """Prefill fleet ÷ llama.cpp: the median of the rounds' ratios (``key`` "fleet"), else of the cells shown."""
+    if key == "fleet" and "prefill_ratio" in row:
+        return f"{row['prefill_ratio']:.2f}"
+    return f"{row[key]['prefill_tok_s'] / row['llama_cpp']['prefill_tok_s']:.2f}"
+
+
 def table(rows: list[dict]) -> str:
     """One line per type and thread count (and fleet's other precisions, ``fleet_<hint>``)."""
     out = []
@@ -218,7 +225,7 @@ def table(rows: list[dict]) -> str:
             out.append([r["type"], r["threads"], key.partition("_")[2] or "default", f"{f['tok_s']:.1f}",
                         f"{l.get('tok_s', float('nan')):.1f}", ratio_cell(r, key) if l else "–",
                         f"{f['prefill_tok_s']:.1f}", f"{l.get('prefill_tok_s', float('nan')):.1f}",
-                        f"{f['prefill_tok_s'] / l['prefill_tok_s']:.2f}" if l else "–",
+                        prefill_ratio_cell(r, key) if l else "–",
                         f"{f['peak_rss_mib']:.0f} ({f['anon_mib']:.0f} + {f['file_mib']:.0f})",
                         f"{l.get('peak_rss_mib', float('nan')):.0f}",
                         f"{f['peak_rss_mib'] / l['peak_rss_mib']:.2f}" if l else "–", f"{r['bin_mb']:.0f}"])
