@@ -48,6 +48,22 @@ static inline float hsum(__m256 v) {
 
 // The scales of the 8 sub-blocks of 32 from group g0 of each row (a span), and the offsets where the type has
 // any (ZSHIFT types: o = -z s, exact). `blk` is the span's first block in the row.
+// A tile's R weight rows: rows[r] is weight row n + r.
+template <int R>
+static inline void tile_rows(const Product& p, int64_t n, const uint8_t* (&rows)[R]) {
+    FLEET_UNROLL
+    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+}
+
+// A tile's R x MB float sums, at zero.
+template <int R, int MB>
+static inline void zero_sums(__m256 (&acc)[R][MB]) {
+    FLEET_UNROLL
+    for (int r = 0; r < R; ++r)
+        FLEET_UNROLL
+        for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+}
+
 template <class F>
 struct Span {
     alignas(32) float s0[8] = {}, s1[8] = {}, o0[8] = {}, o1[8] = {};
@@ -166,8 +182,7 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     constexpr bool kHalves = FLEET_VNNI && F::NIBBLES >= 0;  // nibbles in place, high lanes x16
     const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    tile_rows(p, n, rows);
     const QuantizedRows<MB> act(*p.a, m);
     const int8_t* const* q = act.q;
     const float *const *da = act.d, *const *ds0 = act.ds0, *const *ds1 = act.ds1;
@@ -309,17 +324,13 @@ template <class F, int R, int MB>
 static inline void tile_super(const Product& p, int64_t n, int64_t m) {
     const int64_t blocks = p.K / 256;
     const uint8_t* rows[R];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    tile_rows(p, n, rows);
     const SuperRows<MB> act(*p.a, m);
     const int8_t* const* q = act.q;
     const float* const* da = act.d;
     const int16_t* const* bsums = act.bsums;
     __m256 acc[R][MB];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r)
-        FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    zero_sums(acc);
     const uint8_t* tile_end = rows[0] + R * p.row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_next(tile_end, size_t(R) * F::BYTES, b);
@@ -397,8 +408,7 @@ static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
     static_assert(kSuperHalves<F> && (R == 1 || R == 4), "Q4_K, Q5_K, Q6_K; tiles of 1 or 4 rows");
     const int64_t blocks = p.K / 256;
     const uint8_t* rows[R];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    tile_rows(p, n, rows);
     const SuperRows<MB> act(*p.a, m);
     __m256 acc[MB];  // lane r: row r's first halves, lane 4 + r its second halves
     FLEET_UNROLL

@@ -7,16 +7,12 @@ template <class F, int R, int MB>
 static inline void tile_exact(const Product& p, int64_t n, int64_t m) {
     const int64_t groups = p.K / 32;
     const uint8_t* rows[R];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    tile_rows(p, n, rows);
     const float* x[MB];
     FLEET_UNROLL
     for (int i = 0; i < MB; ++i) x[i] = p.a->x_row(m + i);
     __m256 acc[R][MB];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r)
-        FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    zero_sums(acc);
     const uint8_t* tile_end = rows[0] + R * p.row_bytes;
     constexpr size_t kSpanBytes = size_t(R) * (256 / F::QK) * F::BYTES;
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
@@ -65,10 +61,7 @@ static inline void tile_float(const Product& p, int64_t n, int64_t m) {
     const Format& f = *p.fmt;
     const int64_t k8 = p.K / 8 * 8;
     __m256 acc[R][MB];
-    FLEET_UNROLL
-    for (int r = 0; r < R; ++r)
-        FLEET_UNROLL
-        for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    zero_sums(acc);
     const uint8_t* tile_end = p.w + (n + R) * p.row_bytes;
     for (int64_t k = 0; k < k8; k += 8) {
         prefetch_next(tile_end, R * 8 * W, k / 8);
