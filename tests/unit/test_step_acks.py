@@ -37,7 +37,6 @@ def test_a_stage_that_cannot_reach_the_next_one_blames_the_innermost():
     assert (failure.stage, failure.address) == (0, ADDRESSES[0]) and "failed a pipeline step" in failure.message
 
 
-
 def test_deadlines_count_the_steps_in_flight_ahead():
     """A step or KV operation waits at each stage behind the steps in flight: its deadline is the configured one
     (or 4 x the slowest recent step, where longer) once for each of them and once for itself, plus the links'

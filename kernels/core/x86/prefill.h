@@ -207,8 +207,8 @@ static void rows_prefill(const Product& p, int64_t n0, int64_t n1) {
 //     (vpmulld); the zero point's sum over g of scale_g bsum_g meets the bsums in pairs as the minimums do.
 // The float operations are tile_super_halves', in its order: the same bits.
 constexpr int kColumnsMB = 4;  // activation rows a pass (their float sums in memory: the integer sums take the registers)
-// At and above this many activation rows: below, unpacking a tile (each column's scales by the scalar reference,
-// the codes transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
+// At and above this many activation rows: below, unpacking a tile (each column's scales reordered, the codes
+// transposed) costs more than it saves, and the decode tiles run (Q5_K in cache, one core: 8 rows 2x,
 // 16 rows 1.3x slower than them; 64 rows 1.15x, 256 rows 1.4-1.9x faster).
 constexpr int kColumnsRows = 32;
 
@@ -220,6 +220,9 @@ struct ColumnsView {
                             // minimums (Q4_K, Q5_K) or the scales (Q6_K: its zero point's)
     const float *d, *dmin;  // [blocks][kTileColumns]: d, and -dmin
 };
+
+// The int16 lane of F::super's scales (and minimums) that holds half g = 2 j + h's: lane h * 8 + j.
+constexpr int super_lane(int g) { return (g % 2) * 8 + g / 2; }
 
 template <class F>
 struct UnpackedColumns {
@@ -237,8 +240,8 @@ struct UnpackedColumns {
         d.assign(size_t(blocks * kTileColumns), 0.0f);
         dmin = d;
         for (int64_t b = 0; b < blocks; ++b) {
-            // each column's scales (and minimums) by the decode tile's unpacking (unpack.h F::super: int16 lane
-            // h * 8 + j holds half g = 2 j + h's), then turned to the tile's [g][column] int32 rows
+            // each column's scales (and minimums) by the decode tile's unpacking (unpack.h F::super, super_lane),
+            // then turned to the tile's [g][column] int32 rows
             alignas(32) int16_t sc[kTileColumns][16], mn[kTileColumns][16];
             for (int c = 0; c < columns; ++c) {
                 SuperScales ss;
@@ -250,17 +253,15 @@ struct UnpackedColumns {
             }
             const auto& v = F::OFFSET ? mn : sc;  // what meets the activations' sums in pairs
             for (int g = 0; g < 16; ++g) {
-                const int lane = (g % 2) * 8 + g / 2;
                 int32_t* to = &scales[size_t((b * 16 + g) * kTileColumns)];
-                for (int c = 0; c < columns; ++c) to[c] = sc[c][lane];
+                for (int c = 0; c < columns; ++c) to[c] = sc[c][super_lane(g)];
             }
             for (int h = 0; h < 2; ++h)
                 for (int pair = 0; pair < 4; ++pair) {
-                    const int g0 = 4 * pair + h, g1 = 4 * pair + 2 + h;
+                    const int lo = super_lane(4 * pair + h), hi = super_lane(4 * pair + 2 + h);
                     int32_t* to = &pairs[size_t(((b * 2 + h) * 4 + pair) * kTileColumns)];
                     for (int c = 0; c < columns; ++c)
-                        to[c] = int32_t(uint32_t(uint16_t(v[c][(g0 % 2) * 8 + g0 / 2])) |
-                                        uint32_t(uint16_t(v[c][(g1 % 2) * 8 + g1 / 2])) << 16);
+                        to[c] = int32_t(uint32_t(uint16_t(v[c][lo])) | uint32_t(uint16_t(v[c][hi])) << 16);
                 }
         }
         for (int64_t b = 0; b < blocks; ++b)
