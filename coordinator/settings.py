@@ -79,9 +79,9 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
                                      "them too)")
     prefix_cache_min_tokens: int = Field(16, ge=1, description="shortest common prefix worth reusing")
     prefix_cache_idle_s: float = Field(300.0, gt=0, description="a retained session unused this long is freed")
-    grammar_check_s: float = Field(1.0, gt=0, le=60, description="longest a request's JSON schemas and grammars "
+    grammar_check_s: float = Field(1.0, gt=0, le=60, description="CPU seconds a request's JSON schemas and grammars "
                                    "(response_format, guided_*, a tool's parameters, Ollama's format) may take to "
-                                   "compile and start decoding, tried in a process of their own; longer is HTTP 400 "
+                                   "compile and start decoding, tried in a process of their own (10x that in wall time); longer is HTTP 400 "
                                    "(llguidance's compile time can grow exponentially with a small schema)")
     grammar_check_mb: int = Field(512, ge=64, description="memory (MiB) that trial may take beyond its tokenizer; "
                                   "more is HTTP 400")

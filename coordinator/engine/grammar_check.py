@@ -8,8 +8,9 @@ the patterns' intersection exponential (on 2 cores: 18 patterns 0.5 s, 22 patter
 at its first token ("too many expressions constructed"). So a ``GrammarChecker`` hands each request's
 constraints to one of a few long-lived checking processes (``python -m coordinator.engine.grammar_check``, the
 tokenizer loaded once): it compiles them and follows their first tokens (``dry_run``) under an address-space
-limit; past the time budget it is killed (and replaced at the next check). Either way the request gets a 400
-naming its field, the coordinator's event loop and memory untouched. What passed is remembered (the same
+limit; past the time budget (the process's CPU seconds: a loaded PC is not a slow grammar) it is killed (and
+replaced at the next check). Either way the request gets a 400 naming its field, the coordinator's event loop
+and memory untouched. What passed is remembered (the same
 tools come with every turn of a chat), so the coordinator's own compile (``Grammars.matcher``, on a thread)
 only ever meets a grammar known to compile in budget.
 
@@ -46,6 +47,8 @@ with), else the first allowed token."""
 CHECKERS = 2  # checking processes at most (each ~35 MB resident with a 49,152-token vocabulary)
 PASSED_KEPT = 256  # constraints remembered as passed (their digests)
 MAX_MESSAGE = 1000  # characters of llguidance's error kept in a refusal
+POLL_S = 0.05  # how often a check's CPU time is read
+WALL_FACTOR = 10.0  # a check may take this many times its CPU budget in wall time (a loaded PC) and no more
 START_TIMEOUT_S = 60.0  # a checking process's start (Python, llguidance, the tokenizer: ~1 s; a 256k vocabulary more)
 
 
@@ -88,21 +91,46 @@ class _Checker:
         self.proc = proc
         self.dead = False
 
-    async def ask(self, message: object, timeout_s: float) -> dict | None:
-        """Send ``message`` and wait up to ``timeout_s`` for the answer; None when the process died. Kills
-        the process when the wait ends otherwise (a timeout, the request cancelled): an answer left
-        unread would be taken for the next question's."""
+    async def ask(self, message: object, cpu_s: float) -> dict | None:
+        """Send ``message`` and wait for the answer while the process has used less than ``cpu_s`` CPU seconds
+        on it (its user + system time, all threads; polled every ``POLL_S``) and less than ``WALL_FACTOR`` x
+        ``cpu_s`` wall seconds (a process that stalls uses no CPU); None when the process died. Raises
+        ``TimeoutError`` past either budget. Kills the process when the wait ends otherwise (over a budget,
+        the request cancelled): an answer left unread would be taken for the next question's.
+
+        CPU time, not wall time, so that a loaded PC (other requests, other processes) does not refuse a
+        schema that compiles in budget on it when it is idle."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WALL_FACTOR * cpu_s
+        reading: asyncio.Task | None = None
         try:
+            start = self.cpu_s()
             self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(WALL_FACTOR * cpu_s):
                 await self.proc.stdin.drain()
-                line = await self.proc.stdout.readline()
+            reading = asyncio.ensure_future(self.proc.stdout.readline())
+            while not (await asyncio.wait({reading}, timeout=POLL_S))[0]:
+                if self.cpu_s() - start > cpu_s or loop.time() > deadline:
+                    raise TimeoutError
+            line = reading.result()
         except BaseException:
+            if reading is not None:
+                reading.cancel()
             self.kill()
             raise
         if not line:
             self.kill()
         return json.loads(line) if line else None
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the process has used (psutil; 0.0 once it is gone)."""
+        import psutil
+
+        try:
+            times = psutil.Process(self.proc.pid).cpu_times()
+        except psutil.Error:
+            return 0.0
+        return times.user + times.system
 
     def kill(self) -> None:
         """End the process (SIGKILL; asyncio reaps it)."""
@@ -112,8 +140,8 @@ class _Checker:
 
 
 class GrammarChecker:
-    """Tries constraints in checking processes within ``time_s`` seconds and ``memory_mb`` MiB each (the
-    coordinator's ``--grammar-check-s`` and ``--grammar-check-mb``).
+    """Tries constraints in checking processes within ``time_s`` CPU seconds (``WALL_FACTOR`` times that in wall
+    time) and ``memory_mb`` MiB each (the coordinator's ``--grammar-check-s`` and ``--grammar-check-mb``).
 
     ``tokenizer_json()``: the build's tokenizer.json text (asked for once, off the event loop);
     ``vocab_size``: the model's logits width; ``eos_ids``: the tokens that end a sequence;
@@ -168,7 +196,7 @@ class GrammarChecker:
         try:
             answer = await checker.ask([dataclasses.asdict(c) for c in todo], self.time_s)
         except TimeoutError:
-            answer = {"over": f"more than {self.time_s:g} s"}
+            answer = {"over": f"more than {self.time_s:g} s of CPU"}
         if answer is None:  # it died: over its address space (Rust aborts), or a crash (a stack overflow)
             answer = {"over": f"more than {self.memory_mb} MiB"}
         took = time.perf_counter() - t0

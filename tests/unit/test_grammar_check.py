@@ -5,9 +5,12 @@ fleet and each API: tests/integration/test_hostile_schemas.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
+import signal
 import time
 
+import psutil
 import pytest
 
 from coordinator.engine.constraint import Constraint
@@ -62,7 +65,7 @@ def test_a_schema_over_the_time_budget_is_refused_naming_its_field_and_the_check
         error, took = await refusal(checker, Constraint.json_schema(all_of(22, "[{}-z]"), "guided_json"))
         print(f"22 patterns: refused in {took:.2f} s: {error.message}")
         assert error.param == "guided_json" and error.message.startswith("guided_json: ")
-        assert "more than 1 s" in error.message and took < 10
+        assert "more than 1 s of CPU" in error.message and took < 10
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 < rss0 + 50
         await checker.check([Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})])
     checking(tokenizer_json)(body)
@@ -127,3 +130,30 @@ def test_a_check_abandoned_midway_leaves_no_answer_behind(tokenizer_json):
         assert error.param == "guided_regex" and "unclosed group" in error.message, error.message
         await checker.check([Constraint.json_schema({"type": "integer"})] * 3)
     checking(tokenizer_json, time_s=30)(body)
+
+
+def checking_processes() -> list[int]:
+    """Pids of this process's grammar checking processes."""
+    return [p.pid for p in psutil.Process().children() if "coordinator.engine.grammar_check" in " ".join(p.cmdline())]
+
+
+def test_the_budget_counts_the_checking_processes_cpu_not_a_loaded_pcs_wall_time(tokenizer_json):
+    """A checking process that gets no CPU for 1.5 s (stopped: what a loaded PC does to it, the rehearsal of
+    2026-12-07 refused an ordinary schema at a load average of 7) still passes a 0.5 s budget: the budget is
+    its CPU seconds. One that never runs again (SIGSTOP) is refused after ``WALL_FACTOR`` x the budget."""
+    async def body(checker: GrammarChecker) -> None:
+        await checker.check([Constraint.json_schema({"type": "object"})])  # the checking processes started
+        await asyncio.sleep(1.0)  # the spare one too
+        pids = checking_processes()
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(1.5, lambda: [os.kill(pid, signal.SIGCONT) for pid in pids])
+        t0 = time.monotonic()
+        await checker.check([Constraint.json_schema({"type": "object", "properties": {"b": {"type": "integer"}}})])
+        assert time.monotonic() - t0 > 1.4
+        for pid in checking_processes():
+            os.kill(pid, signal.SIGSTOP)
+        error, took = await refusal(checker, Constraint.json_schema({"type": "array"}, "guided_json"))
+        assert "more than 0.5 s of CPU" in error.message and 4.5 < took < 10, (took, error.message)
+    checking(tokenizer_json, time_s=0.5)(body)
