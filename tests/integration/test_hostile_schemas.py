@@ -1,7 +1,8 @@
 """Small schemas that take llguidance exponential time and memory to compile (issue 45 #1), sent by a hostile
 client through every API and field that takes a schema or grammar, against a real 2-stage fleet: each is an
-HTTP 400 naming its field within the coordinator's budget (--grammar-check-s, 1 s by default), while /health
-keeps answering, a stream in flight keeps decoding, and the coordinator's memory stays near its baseline.
+HTTP 400 naming its field within the coordinator's budget (--grammar-check-s: 1 s of CPU, 10 s of wall time at
+most, by default), while /health keeps answering, a stream in flight keeps decoding, and the coordinator's
+memory stays near its baseline.
 
 Before: as a tool's parameters the schema was compiled on the event loop (the coordinator froze for 12-68 s,
 streams in flight died); as ``response_format``, ``guided_json`` or Ollama's ``format`` it compiled on a thread
@@ -105,7 +106,7 @@ def test_hostile_schemas_are_refused_in_budget_through_every_api(fleet):
         assert r.status_code == 400, (what, r.status_code, r.text[:500])
         text = message(path, r)
         assert text.startswith(f"{field}: ") or text.startswith(f"{field} "), (what, text)
-        assert took < 5, f"{what}: refused after {took:.1f} s"
+        assert took < 11, f"{what}: refused after {took:.1f} s (the budget: 1 CPU s, 10 wall s)"
         assert max(health) < 0.5, f"{what}: /health took {max(health) * 1000:.0f} ms"
         assert rss < baseline + 200, f"{what}: coordinator RSS {rss:.0f} MiB, baseline {baseline:.0f} MiB"
     worst = max(figures, key=lambda f: f[2])
