@@ -147,7 +147,7 @@ static inline __m256i half_sums(const __m256i* dot) {
 
 // A span's 8 per-group values of R rows (v[r] lane j: row r's value of group j) by group: out[j][r] (R = 1: out[j][0]).
 template <int R>
-static inline void by_group(const __m256* v, float (&out)[8][4]) {
+__attribute__((always_inline)) static inline void by_group(const __m256* v, float (&out)[8][4]) {
     if constexpr (R == 4) {
         const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
         const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
@@ -209,8 +209,8 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
             by_group<R>(sv, s);
             if constexpr (F::OFFSET) by_group<R>(ov, o);
         }
-#pragma GCC unroll 8
-        for (int j = 0; j < span; ++j) {
+        // one group of the span; a whole span (every span but a row's last) unrolled with no test between groups
+        const auto group = [&](int j) __attribute__((always_inline)) {
             const int64_t g = g0 + j;
             __m256i qv[MB], init[MB];
             FLEET_UNROLL
@@ -242,6 +242,12 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
                     corr[i] = _mm_fmadd_ps(oj, _mm_set1_ps(ds1[i][g]), corr[i]);
                 }
             }
+        };
+        if (span == 8) {
+            FLEET_UNROLL
+            for (int j = 0; j < 8; ++j) group(j);
+        } else {
+            for (int j = 0; j < span; ++j) group(j);
         }
     }
     FLEET_UNROLL
