@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--realtime", action="store_true", help="run the cells at SCHED_FIFO priority (root)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.k < 256 or args.k % 256:
+        p.error(f"--k {args.k}: must be a multiple of 256 (a K-quant block's weights)")
+    for name in ("n", "matrices", "runs", "prefill"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: must be at least 1")
     types = [t for t in args.types.split(",") if t]
     report = {"shape": [args.n, args.k], "matrices": args.matrices, "cells": []}
     rows = []
