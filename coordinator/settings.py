@@ -81,8 +81,9 @@ class CoordinatorSettings(SecuritySettings, BaseSettings):
     prefix_cache_idle_s: float = Field(300.0, gt=0, description="a retained session unused this long is freed")
     grammar_check_s: float = Field(1.0, gt=0, le=60, description="CPU seconds a request's JSON schemas and grammars "
                                    "(response_format, guided_*, a tool's parameters, Ollama's format) may take to "
-                                   "compile and start decoding, tried in a process of their own (10x that in wall time); longer is HTTP 400 "
-                                   "(llguidance's compile time can grow exponentially with a small schema)")
+                                   "compile and start decoding, tried in a process of their own (10x that in wall "
+                                   "time); longer is HTTP 400 (llguidance's compile time can grow exponentially with "
+                                   "a small schema)")
     grammar_check_mb: int = Field(512, ge=64, description="memory (MiB) that trial may take beyond its tokenizer; "
                                   "more is HTTP 400")
     failover_attempts: int = Field(2, ge=0, le=16, description="times a request moves to replica workers after a "

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import psutil
 
 from .constraint import Constraint, compile_matcher
 from ..errors import InvalidRequest, Overloaded
@@ -90,6 +91,7 @@ class _Checker:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.dead = False
+        self._usage = psutil.Process(proc.pid)  # its CPU counters, read while a check runs
 
     async def ask(self, message: object, cpu_s: float) -> dict | None:
         """Send ``message`` and wait for the answer while the process has used less than ``cpu_s`` CPU seconds
@@ -106,7 +108,7 @@ class _Checker:
         try:
             start = self.cpu_s()
             self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-            async with asyncio.timeout(WALL_FACTOR * cpu_s):
+            async with asyncio.timeout_at(deadline):
                 await self.proc.stdin.drain()
             reading = asyncio.ensure_future(self.proc.stdout.readline())
             while not (await asyncio.wait({reading}, timeout=POLL_S))[0]:
@@ -124,10 +126,8 @@ class _Checker:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the process has used (psutil; 0.0 once it is gone)."""
-        import psutil
-
         try:
-            times = psutil.Process(self.proc.pid).cpu_times()
+            times = self._usage.cpu_times()
         except psutil.Error:
             return 0.0
         return times.user + times.system

@@ -46,8 +46,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// The scales of the 8 sub-blocks of 32 from group g0 of each row (a span), and the offsets where the type has
-// any (ZSHIFT types: o = -z s, exact). `blk` is the span's first block in the row.
 // A tile's R weight rows: rows[r] is weight row n + r.
 template <int R>
 static inline void tile_rows(const Product& p, int64_t n, const uint8_t* (&rows)[R]) {
@@ -64,6 +62,8 @@ static inline void zero_sums(__m256 (&acc)[R][MB]) {
         for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
 }
 
+// The scales of the 8 sub-blocks of 32 from group g0 of each row (a span), and the offsets where the type has
+// any (ZSHIFT types: o = -z s, exact). `blk` is the span's first block in the row.
 template <class F>
 struct Span {
     alignas(32) float s0[8] = {}, s1[8] = {}, o0[8] = {}, o1[8] = {};
