@@ -367,9 +367,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
     """The 25 test files that took longest, fixtures included (``--durations`` ranks single phases only), with
     the CPU seconds they used (their fleets' processes included), the 15 tests that used the most CPU, then
-    the suite's CPU beside the whole machine's: where the suite's time goes, and whether it ran alone."""
+    the suite's CPU beside the whole machine's: where the suite's time goes, and whether it ran alone.
+    ``FLEET_SUITE_TIMES=FILE`` also writes every file's and test's figures there as JSON."""
     if not _FILE_SECONDS:
         return
+    if out := os.environ.get("FLEET_SUITE_TIMES"):  # every file's and test's figures, for a closer look
+        Path(out).write_text(json.dumps({"files": {path: dict(zip(("seconds", "tests", "cpu_s"), entry))
+                                                   for path, entry in _FILE_SECONDS.items()},
+                                         "tests_cpu_s": _TEST_CPU}, indent=1))
     terminalreporter.section("slowest test files (setup + call + teardown)")
     for path, (seconds, tests, cpu) in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][0])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s {cpu:7.1f}s CPU {tests:4d} tests  {path}")

@@ -99,19 +99,32 @@ HOSTILE_TEXTS = {  # name -> JS expression building the text in the page (200 KB
     "'> - ' x 50000": "'> - '.repeat(50000)",
 }
 # each; they stalled the page's first, hand-written renderer for 3 to 18 s; markdown-it (static/markdown.js)
-# took 1-630 ms each in node on this 2-core machine under load (2026-12-02)
+# took 1-630 ms each in node on this 2-core machine under load (2026-12-02). The bound scales with the machine's
+# load as measured in the same page: 180 KB of plain prose, which node renders in ~19 ms on an idle Zen 3
+# (the 200 KB of '[' take ~390 ms there: 20x), times BENIGN_FACTOR; never below RENDER_BUDGET_MS. A stall like the
+# first renderer's is 150-900x the prose; a loaded rehearsal (load average 7) took 1.3 s for the 12,000-deep list.
 RENDER_BUDGET_MS = 1000
+BENIGN_FACTOR = 50
+BENIGN = ("Array.from({length: 2500}, (_, i) => 'the quick brown fox jumps over the lazy dog, then some more "
+          "words ' + i).join('\\n')")
+
+
+def _render_ms(browser, expression: str) -> list:  # noqa: ANN001
+    """[milliseconds, 'ok'] to render the text ``expression`` builds, in the page, or [-1, the error]."""
+    return browser.execute_script(f"""const text = {expression}; const t = performance.now();
+        try {{ renderMarkdown(text); }} catch (e) {{ return [-1, e.name + ': ' + e.message]; }}
+        return [performance.now() - t, 'ok'];""")
 
 
 def test_renderer_neither_crashes_nor_stalls_on_crafted_text(browser, fleet):  # noqa: F811
     open_page(browser, fleet["open"])
     browser.set_script_timeout(120)
+    benign = sorted(_render_ms(browser, BENIGN)[0] for _ in range(3))[1]
+    budget = max(RENDER_BUDGET_MS, BENIGN_FACTOR * benign)
     for name, expression in HOSTILE_TEXTS.items():
-        took = browser.execute_script(f"""const text = {expression}; const t = performance.now();
-            try {{ renderMarkdown(text); }} catch (e) {{ return [-1, e.name + ': ' + e.message]; }}
-            return [performance.now() - t, 'ok'];""")
+        took = _render_ms(browser, expression)
         assert took[1] == "ok", (name, took)
-        assert took[0] < RENDER_BUDGET_MS, f"{name}: {took[0]:.0f} ms"
+        assert took[0] < budget, f"{name}: {took[0]:.0f} ms (180 KB of prose: {benign:.0f} ms)"
 
 
 @pytest.fixture
