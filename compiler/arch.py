@@ -72,6 +72,7 @@ GPT_OSS = {"gpt_oss"}  # o_proj bias, attention sinks, sliding layers, its own r
 QK_NORM = {"qwen3", "qwen3_moe"}
 # sparse layers: router mlp.gate [E, H], experts mlp.experts.{e}.{gate,up,down}_proj
 MOE = {"qwen3_moe", "mixtral", "gpt_oss"}
+MLP_ACTS = ("silu", "relu")  # a dense model's gated MLP: SwiGLU, or ReGLU (the ReLU-family sparse models)
 MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}  # mixtral's names: block_sparse_moe.experts.{e}.w1 ...
 FUSED = {"phi3"}  # one qkv_proj [q + 2 kv, H] and one gate_up_proj [2 I, H] per layer (source.py splits them)
 SLIDING = {"mistral", "phi3"}  # sliding_window applies without use_sliding_window
@@ -167,7 +168,7 @@ class ModelConfig:
     # Gemma 3 (module docstring; the defaults leave every other graph as it was)
     norm_offset: float = 0.0  # RMSNorm x (w + norm_offset): 1 for Gemma's HF weights (llama.cpp's GGUF adds it)
     embed_scale: float = 1.0  # embeddings x this (Gemma: sqrt(hidden), f32)
-    mlp_act: str = "silu"  # "gelu_tanh": GeGLU
+    mlp_act: str = "silu"  # "relu": ReGLU (ReLU-family sparse models); "gelu_tanh": GeGLU (Gemma)
     sandwich_norms: bool = False  # post-attention, pre- and post-feedforward norms (four a layer)
     attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5); Gemma query_pre_attn_scalar ** -0.5
     sliding_window: int = 0  # local layers see keys fewer than this many logical positions back (0: none)
@@ -238,8 +239,11 @@ class ModelConfig:
         if model_type in GPT_OSS:
             gemma = _gpt_oss(config, where)
         act = "silu" if gemma else config.get("hidden_act", "silu")  # _gemma3 checks Gemma's GELU
+        if act not in MLP_ACTS or (act != "silu" and (model_type in MOE or model_type in GPT_OSS)):
+            raise UnsupportedModel(f"{where}: MLP activation {act!r} is not supported (silu; relu for dense "
+                                   "models: ReGLU, as ReluLLaMA, ProSparse and MiniCPM-S)")
         if act != "silu":
-            raise UnsupportedModel(f"{where}: MLP activation {act!r} is not supported (silu only)")
+            dims |= dict(mlp_act=act)
         if config.get("mlp_bias"):
             raise UnsupportedModel(f"{where}: MLP biases (mlp_bias) are not supported")
         attention_bias = bool(config.get("attention_bias", False))

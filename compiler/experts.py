@@ -68,7 +68,7 @@ def feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], w
     the layer as bytes (``_Weights.experts``), else each matrix stacked over the experts in OpenVINO's form
     (gpt-oss's biased ``gate_up``/``down``, or ``gate``/``up``/``down``)."""
     if layer not in cfg.moe_layers:
-        return mlp(x, w)
+        return mlp(x, w, cfg.mlp_act)
     if cfg.gpt_oss:  # a GGUF's gate and up are two tensors (compiler/gguf_gpt_oss.py names them apart)
         p = f"model.layers.{layer}.mlp.experts."
         split = {part: [f"{p}{e}.{part}_proj.weight" for e in range(cfg.num_experts)] for part in ("gate", "up")}

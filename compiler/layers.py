@@ -205,10 +205,12 @@ def sdpa_with_sinks(q: ov.Output, keys: ov.Output, values: ov.Output, mask: ov.O
                                                                        sink.output(0)], {"causal": False}).output(0)
 
 
-def mlp(x: ov.Output, w: dict[str, ov.Output]) -> ov.Output:
-    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, x [B, S, H] -> [B, S, H]."""
+def mlp(x: ov.Output, w: dict[str, ov.Output], act: str = "silu") -> ov.Output:
+    """Gated MLP, x [B, S, H] -> [B, S, H]: ``down(act(gate(x)) * up(x))``, SwiGLU (``act`` "silu", Shazeer
+    2020) or ReGLU ("relu": ReluLLaMA, ProSparse, MiniCPM-S, whose FFN neurons are mostly zero)."""
     gate, up = linears(x, [w["gate"], w["up"]])
-    return linear(op.multiply(op.swish(gate), up).output(0), w["down"])
+    activated = op.swish(gate) if act == "silu" else op.relu(gate)
+    return linear(op.multiply(activated, up).output(0), w["down"])
 
 
 def moe(x: ov.Output, w: dict[str, ov.Output], experts: dict[str, ov.Output],

@@ -1,5 +1,6 @@
 """Every architecture the torch-free stage builder makes (compiler/arch.py) computes what transformers
-computes: tiny random llama (``rope_scaling`` ``llama3``), mistral, qwen2 (q/k/v biases, tied head),
+computes: tiny random llama (``rope_scaling`` ``llama3``), llama_relu (ReGLU: ``hidden_act`` relu; its logits only, as
+its graph is llama's but the MLP), mistral, qwen2 (q/k/v biases, tied head),
 qwen3 (q/k RMSNorm, ``head_dim`` != hidden / heads), phi3 (fused ``qkv_proj``/``gate_up_proj``, sliding
 window) and phi4mini (a ``Phi3Config`` shaped as Phi-4-mini: LongRoPE at 4x the original context, partial
 rotary 0.75, tied head), qwen3moe (Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense by
@@ -51,6 +52,8 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fact
             "long_factor": [1.0, 2.0, 5.0, 11.0, 23.0, 41.0][:ROTARY // 2]}  # unused: the build serves <= original
 ARCHS = {  # name -> (transformers config class name, options on top of COMMON)
     "llama": ("LlamaConfig", dict(rope_scaling=LLAMA3_SCALING)),
+    # ReGLU (hidden_act relu: ReluLLaMA, ProSparse, MiniCPM-S, the sparse FFN's models): llama's graph but the MLP
+    "llama_relu": ("LlamaConfig", dict(hidden_act="relu")),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=96)),  # the build serves 96 (> 64 + 32 tokens)
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),  # q/k/v biases always; tied as Qwen2.5-0.5B/1.5B
     "qwen3": ("Qwen3Config", dict(head_dim=32)),  # 4 x 32 query dims != 64 hidden
@@ -64,7 +67,8 @@ ARCHS = {  # name -> (transformers config class name, options on top of COMMON)
     "qwen3moe_raw": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2,
                                             moe_intermediate_size=32, decoder_sparse_step=2, norm_topk_prob=False)),
 }
-MODEL_TYPE = {"phi4mini": "phi3", "qwen3moe": "qwen3_moe", "qwen3moe_raw": "qwen3_moe"}
+MODEL_TYPE = {"phi4mini": "phi3", "qwen3moe": "qwen3_moe", "qwen3moe_raw": "qwen3_moe", "llama_relu": "llama"}
+MLP_ONLY = ("llama_relu",)  # another MLP in llama's graph: its logits are tested, not again its fleet or fusion
 MOE = {"qwen3moe": (0, 2, 3), "qwen3moe_raw": (1, 3)}  # -> its sparse layers  # names that are not their model_type
 TIED = ("qwen2", "phi4mini")
 DTYPES = ("bf16", "f32")
@@ -235,6 +239,7 @@ def test_tiny_models_exercise_each_switch(zoo):
             assert split.shape("model.layers.3.mlp.up_proj.weight") == (cfg.intermediate_size, cfg.hidden_size)
         assert cfg.qkv_bias == (arch == "qwen2") and ("model.layers.0.self_attn.q_proj.bias" in names) == cfg.qkv_bias
         assert cfg.moe_layers == MOE.get(arch, ())
+        assert cfg.mlp_act == ("relu" if arch == "llama_relu" else "silu")
         assert cfg.qk_norm == arch.startswith("qwen3") and ("model.layers.0.self_attn.q_norm.weight" in names) == cfg.qk_norm
     llama = ModelConfig.from_folder(zoo.sources("llama")["bf16"])
     default = rope_inv_freq({"rope_theta": 10000.0}, llama.head_dim)
@@ -290,7 +295,7 @@ def fleet_greedy(build: Path, tmp_path: Path, prompt: str, tokens: int) -> tuple
     return body["usage"]["prompt_tokens"], body["fleet"]["completion_token_ids"]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch not in MLP_ONLY])
 def test_fleet_greedy_matches_transformers(arch, zoo, tmp_path):
     """A real 2-stage fleet (worker processes in f32, coordinator) of the bf16 build answers the chat
     prompt with transformers' greedy tokens, id for id."""
@@ -303,7 +308,7 @@ def test_fleet_greedy_matches_transformers(arch, zoo, tmp_path):
     assert fleet_greedy(build, tmp_path, PROMPT, NEW_TOKENS) == (len(prompt), expected)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch not in MLP_ONLY])
 def test_inspect_reports_fused_attention(arch, zoo):
     """``fleet-compiler inspect`` finds one fused stateful SDPA per layer on both stages of each 2-stage build."""
     out = subprocess.run([str(BIN / "fleet-compiler"), "inspect", str(zoo.build(arch, "bf16", 2))],

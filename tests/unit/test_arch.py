@@ -52,6 +52,8 @@ def test_missing_field_names_it_and_the_file(field):
 
 @pytest.mark.parametrize(("changes", "pattern"), [
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
+    ({"hidden_act": "relu", "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+     "activation 'relu'"),  # ReGLU for dense models only
     ({"mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
@@ -61,6 +63,11 @@ def test_unsupported_option_is_named(changes, pattern):
     with pytest.raises(UnsupportedModel, match=pattern) as exc:
         ModelConfig.from_hf(llama(**changes), WHERE)
     assert str(exc.value).startswith(WHERE)
+
+
+def test_a_relu_mlp_reads_as_reglu():
+    assert ModelConfig.from_hf(llama(hidden_act="relu"), WHERE).mlp_act == "relu"
+    assert ModelConfig.from_hf(llama(), WHERE).mlp_act == "silu"
 
 
 def test_heads_not_splitting_into_kv_heads():
