@@ -31,6 +31,7 @@ from .export import StageSpec, linear_weights, stage_tensors
 from .plan import balanced_split, decode_weights, parse_layers
 from .save import BuildError, Progress, disk_errors, human_size, save_stage, stage_fp16_bytes
 from .source import TOKENIZER_FILES, Source, open_source
+from .sparse_ffn import check_sparse_ffn
 from .weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def build(
     draft_weights: str = "fp16",
     progress: bool = False,
     devices: tuple[str, ...] | None = None,
+    sparse_ffn: bool = False,
 ) -> Manifest:
     """Build ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
@@ -146,7 +148,8 @@ def build(
     ``devices`` (one per stage, e.g. a plan's; None: every stage on the CPU): a GGUF's CPU stages multiply its
     blocks as they lie in the file with fleet's kernels (fleet_common/kernels.py), an HF folder's fp16 CPU stages
     its matrices as stored (F16, BF16, F32); GPU/NPU stages keep OpenVINO's own forms (the GPU plugin runs no
-    CPU extension op).
+    CPU extension op). ``sparse_ffn`` (a ReLU-family model, every stage on the kernels): each dense MLP computes
+    only the neurons whose gate fires (compiler/sparse_ffn.py; ``SparseFfnError`` where it cannot).
     Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
     for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
     file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
@@ -160,6 +163,12 @@ def build(
         ranges = _checked_ranges(source, shards, layers, drafts)
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         specs, keep_stage = _stage_specs(source, len(ranges), weights, stage_weights, overrides)
+        on_cpu = [True] * len(ranges) if devices is None else [d.split(".")[0].upper() == "CPU" for d in devices]
+        # fleet's kernels on the CPU: a GGUF's own blocks, an HF folder's matrices as stored (fp16 format)
+        kernels = [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16")
+                   for i in range(len(ranges))]
+        if sparse_ffn:
+            check_sparse_ffn(cfg.mlp_act, all(kernels))
         staging = _staging_dir(out)
         try:
             need, free = estimated_bytes(cfg, ranges, len(drafts)), shutil.disk_usage(staging).free
@@ -170,13 +179,8 @@ def build(
                 # drafts first: a draft with another vocabulary fails the build before the long part
                 draft_entries = [export_draft(spec, source, staging, kv_cache_precision, Path(tmp), bar,
                                               draft_weights, **overrides) for spec in drafts]
-                on_cpu = [True] * len(ranges) if devices is None else [d.split(".")[0].upper() == "CPU"
-                                                                       for d in devices]
-                # fleet's kernels on the CPU: a GGUF's own blocks, an HF folder's matrices as stored (fp16 format)
-                kernels = [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16")
-                           for i in range(len(ranges))]
                 stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i],
-                                       kernels[i], staging, kv_cache_precision, bar)
+                                       kernels[i], staging, kv_cache_precision, bar, sparse_ffn)
                           for i, (a, b) in enumerate(ranges)]
             with disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
@@ -237,14 +241,15 @@ def _stage_specs(source: Source, stages: int, weights: str | None, stage_weights
 
 
 def _write_stage(source: Source, stage: StageSpec, spec: WeightSpec, keep_blocks: bool, kernels: bool,
-                 staging: Path, kv_cache_precision: str, bar: Progress) -> StageEntry:
+                 staging: Path, kv_cache_precision: str, bar: Progress, sparse_ffn: bool = False) -> StageEntry:
     """Build ``stage`` into ``staging/stage_<i>/`` (``save_stage``; ``kernels``: its linear weights for fleet's
     kernels); return its manifest entry, which names the kernels' version when the stage holds their op."""
     rel = f"stage_{stage.index}/openvino_model"
     (staging / f"stage_{stage.index}").mkdir()
     fmt = "gguf" if keep_blocks else spec.format
     save_stage(source.config, source.weights, stage, staging / f"{rel}.xml", spec, kv_cache_precision, bar,
-               f"stage {stage.index} [{stage.start}:{stage.end}) {fmt}", keep_blocks=keep_blocks, kernels=kernels)
+               f"stage {stage.index} [{stage.start}:{stage.end}) {fmt}", keep_blocks=keep_blocks, kernels=kernels,
+               sparse_ffn=sparse_ffn)
     compression = kept_formats(source.weights, source.config, stage) if keep_blocks else spec.parameters()
     uses = kernels and any(source.weights.kernel_type(n) is not None for n in linear_weights(source.config, stage))
     return StageEntry(index=stage.index, start=stage.start, end=stage.end, xml=f"{rel}.xml", bin=f"{rel}.bin",

@@ -91,7 +91,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     manifest = build(args.src, args.out, shards=args.shards, layers=args.layers, model_id=located.model_id,
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
-                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(), devices=devices)
+                     ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(), devices=devices,
+                     sparse_ffn=args.sparse_ffn)
     if devices is not None:
         from fleet_common.manifest import load_manifest
 
@@ -230,6 +231,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                         "self-int8 (NNCF INT4/INT8 copy of the target) or an HF folder / .gguf sharing the "
                         "target's tokenizer")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
+    p.add_argument("--sparse-ffn", action="store_true",
+                   help="a ReLU-family model (hidden_act relu): each MLP computes only the neurons whose gate fires, "
+                        "reading their rows of up and of a transposed down projection (docs/models.md)")
     p.add_argument("--precompile", action="append", default=[], metavar="DEVICE",
                    help="also compile every stage for DEVICE (CPU, GPU; repeatable) on this machine and save the "
                         "blob a worker with the same device, OpenVINO and settings imports instead of compiling "

@@ -26,6 +26,18 @@ class DownTError(ValueError):
     """A down projection that cannot be transposed for the sparse FFN (its shape or type), named."""
 
 
+def down_t_form(source, name: str, requantized: str = REQUANTIZED) -> tuple[tuple[int, int], str]:  # noqa: ANN001
+    """(shape [F, row bytes], block type) ``down_t`` gives for ``name``, from the headers only (nothing read)."""
+    import gguf
+
+    hidden, neurons = tuple(source.shape(name))
+    kind = source.kernel_type(name)
+    if kind in FLOAT_WIDTH:
+        return (neurons, hidden * np.dtype(FLOAT_WIDTH[kind]).itemsize), kind
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[requantized]]
+    return (neurons, hidden // block * size), requantized
+
+
 def down_t(source, name: str, requantized: str = REQUANTIZED) -> tuple[np.ndarray, str]:  # noqa: ANN001
     """``name``'s matrix [H, F] (``source``: ``weights.SafetensorsWeights`` or ``gguf.GGUFWeights``) transposed to
     [F, H], as (u8 [F, row bytes], block type for ``fleet_common.kernels.gguf_sparse_ffn``'s ``down_t_type``).

@@ -24,6 +24,7 @@ from fleet_common import kernels
 from .arch import ModelConfig
 from .gpt_oss import clamped_swiglu, gpt_oss_moe, gpt_oss_routing
 from .layers import i64, mlp, moe, moe_routing
+from .sparse_ffn import sparse_mlp
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], w
     the layer as bytes (``_Weights.experts``), else each matrix stacked over the experts in OpenVINO's form
     (gpt-oss's biased ``gate_up``/``down``, or ``gate``/``up``/``down``)."""
     if layer not in cfg.moe_layers:
+        if weights.sparse_ffn:
+            return sparse_mlp(x, w, weights.down_t(names["down"]), cfg.mlp_act)
         return mlp(x, w, cfg.mlp_act)
     if cfg.gpt_oss:  # a GGUF's gate and up are two tensors (compiler/gguf_gpt_oss.py names them apart)
         p = f"model.layers.{layer}.mlp.experts."

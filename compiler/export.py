@@ -126,9 +126,9 @@ class _Weights:
 
     def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None,  # noqa: ANN001
                  keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None,
-                 kernels: bool = False) -> None:
+                 kernels: bool = False, sparse_ffn: bool = False) -> None:
         self.source, self.on_read, self.int8, self.keep_blocks = source, on_read, int8, keep_blocks
-        self.int4, self.kernels = int4, kernels
+        self.int4, self.kernels, self.sparse_ffn = int4, kernels, sparse_ffn
         self.nodes: dict[str, ov.Output] = {}
         self.constants: list[ov.Node] = []  # the Python ops must outlive the graph: their maker is Python
 
@@ -195,6 +195,20 @@ class _Weights:
         const = self._postponed(dtype, shape, maker, name)
         self.nodes[name] = (const if dtype == ov.Type.f32 else op.convert(const, ov.Type.f32)).output(0)
         return self.nodes[name]
+
+    def down_t(self, name: str) -> GgufWeight:
+        """The down projection ``name`` [H, F] transposed for the sparse FFN (compiler/down_t.py): a u8 Constant
+        [F, row bytes], made when the serializer writes it."""
+        from .down_t import down_t, down_t_form
+
+        shape, block_type = down_t_form(self.source, name)
+
+        def maker() -> ov.Tensor:
+            tensor = ov.Tensor(ov.Type.u8, ov.Shape(list(shape)))
+            tensor.data[:] = down_t(self.source, name)[0]
+            return self._read(name, tensor)
+
+        return GgufWeight(self._postponed(ov.Type.u8, list(shape), maker, f"{name}_t").output(0), block_type)
 
     def _blocks(self, name: str, block_type: str) -> GgufWeight:
         """A linear weight as its tensor's bytes exactly as the source stores them (a GGUF's blocks, rows in the
@@ -500,7 +514,8 @@ def _embedding(weights: _Weights, source, ids: ov.Node) -> ov.Output:  # noqa: A
 def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision: str = "f16", *,  # noqa: ANN001
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
                  int8=None, keep_blocks: bool = False,
-                 int4: dict[str, tuple[str, int]] | None = None, kernels: bool = False) -> ov.Model:  # noqa: ANN001
+                 int4: dict[str, tuple[str, int]] | None = None, kernels: bool = False,
+                 sparse_ffn: bool = False) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -518,10 +533,12 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
     run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
     ``GgufMatMul`` (``_Weights._blocks``), its embedding rows too (``_embedding``), its experts by ``GgufMoeMatMul``
-    where all of a layer's are of such a type (compiler/experts.py). Raises ``compiler.weights.WeightsError``
-    when a tensor is missing or has another shape than ``cfg`` implies."""
+    where all of a layer's are of such a type (compiler/experts.py). ``sparse_ffn`` (with ``kernels``; a ReLU-family
+    model): each dense layer's MLP is one ``GgufSparseFfn`` over gate, up and the transposed down projection
+    (compiler/sparse_ffn.py). Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another
+    shape than ``cfg`` implies."""
     source.check(stage_tensors(cfg, stage))
-    weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels)
+    weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels, sparse_ffn)
     if stage.first:
         first = _parameter("input_ids", [-1, -1], ov.Type.i64)
         x = _embedding(weights, source, first)  # [B, S, H]

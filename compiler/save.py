@@ -55,7 +55,7 @@ class Progress:
 
 def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: WeightSpec,  # noqa: ANN001
                kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True,
-               keep_blocks: bool = False, kernels: bool = False) -> None:
+               keep_blocks: bool = False, kernels: bool = False, sparse_ffn: bool = False) -> None:
     """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
 
     fp16, int8 and int4 go straight from the source to the file, one tensor at a time, by NNCF's own lowering
@@ -63,7 +63,7 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     too, each stacked matrix compressed in blocks of rows across its experts. Which weight of an int4 stage
     takes int4 and which the int8 backup (compress.int4_plan) comes from the stage's graph before anything is
     read, and below ratio 1.0 from each weight's score (compress.sensitivity), a first pass over the weights
-    one at a time. ``keep_blocks``, ``kernels``: a GGUF's own blocks (``export_stage``). Raises ``BuildError`` on a
+    one at a time. ``keep_blocks``, ``kernels``, ``sparse_ffn``: as ``export_stage``. Raises ``BuildError`` on a
     full disk."""
     total = stage_fp16_bytes(cfg, stage)
     int4 = None
@@ -77,7 +77,7 @@ def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: We
     with disk_errors(path), progress.task(label, total) as on_read:
         model = export_stage(cfg, weights, stage, kv_cache_precision, logits_index_input=logits_index_input,
                              on_read=on_read, int8=spec if spec.format == "int8" else None, keep_blocks=keep_blocks,
-                             int4=int4, kernels=kernels)
+                             int4=int4, kernels=kernels, sparse_ffn=sparse_ffn)
         ov.save_model(model, path, compress_to_fp16=False)
         del model
 
