@@ -7,7 +7,8 @@ built for version N names it in the manifest and a worker without that build ref
 
 The ops (opset ``fleet_gguf``): ``GgufMatMul``, activations f32 [..., K] x the tensor's bytes (a u8 Constant
 [N, row bytes], GGUF's own layout) -> f32 [..., N]; ``GgufMoeMatMul``, the same for each token's chosen
-experts of an expert tensor [E, N, row bytes]; ``GgufEmbedding``, rows of a table kept as blocks. Attributes
+experts of an expert tensor [E, N, row bytes]; ``GgufEmbedding``, rows of a table kept as blocks;
+``GgufSparseFfn``, an FFN that computes only the neurons whose gate fires (``gguf_sparse_ffn``). Attributes
 ``block_type`` (GGUF's name) and ``precision`` ("int8": activations quantized to int8 per 32 values,
 llama.cpp's speed; "f32": exact). docs/design-kernels.md describes the kernels.
 """
@@ -28,6 +29,8 @@ LIBRARY = Path(__file__).with_name("libfleet_kernels.so")
 PRECISIONS = ("int8", "f32")
 BLOCK_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+DOWN_T_TYPES = ("Q8_0", "Q4_0", "F16", "BF16", "F32")  # the sparse FFN's axpy (kernels/core/sparse.h)
+ACTIVATIONS = ("relu", "silu")
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
 PRODUCTS = ("GgufMatMul", "GgufMoeMatMul")  # the ops with a ``precision`` (runtime.kernels_at sets it)
 INSTALL_HINT = "reinstall fleet with its kernels (pip install . in fleet's folder; it needs a C++ compiler and cmake)"
@@ -121,6 +124,32 @@ def gguf_embedding(blocks: ov.Output, ids: ov.Output, block_type: str) -> ov.Out
     inference naming it. ``ValueError`` for a type the kernels lack."""
     _check(block_type, "f32")
     return _factory().create("GgufEmbedding", [blocks, ids], {"block_type": block_type}).output(0)
+
+
+def gguf_sparse_ffn(x: ov.Output, gate: ov.Output, up: ov.Output, down_t: ov.Output, gate_type: str, up_type: str,
+                    down_t_type: str = "Q8_0", activation: str = "relu", threshold: float = 0.0,
+                    precision: str = "int8") -> ov.Output:
+    """An FFN that computes only the neurons whose gate fires: x f32 [..., d]; ``gate`` and ``up`` u8 [F, row bytes]
+    (GGUF row-major blocks, as ``gguf_matmul`` takes them); ``down_t`` u8 [F, row bytes], the down projection
+    transposed (row i: neuron i's output column of d weights), of a type in ``DOWN_T_TYPES`` -> y f32 [..., d].
+
+    Per row: g = x gate^T and u = x up^T (the bits of ``gguf_matmul``), a = relu(g) or silu(g) = g / (1 + exp(-g))
+    (``activation``; fleet's own exp, the same bits on every CPU), neuron i kept iff |a_i| > ``threshold`` (>= 0;
+    relu: g_i > threshold), y = sum over the kept i, ascending, of a_i u_i down_t[i] (in f32 fmas;
+    kernels/core/sparse.h). up and down_t are read only on the kept neurons (the union over the rows). A row's y
+    does not depend on the other rows or the thread count. ``ValueError`` for a type, activation, threshold or
+    precision the op does not take; shape errors are refused by the op naming the problem (``RuntimeError``)."""
+    _check(gate_type, precision)
+    _check(up_type, precision)
+    if down_t_type not in DOWN_T_TYPES:
+        raise ValueError(f"the sparse FFN's down_t must be one of {', '.join(DOWN_T_TYPES)}, not {down_t_type}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+    if not threshold >= 0:
+        raise ValueError(f"threshold {threshold} is not >= 0 (a neuron is kept where |a(gate)| > threshold)")
+    attrs = {"gate_type": gate_type, "up_type": up_type, "down_t_type": down_t_type, "precision": precision,
+             "activation": activation, "threshold": float(threshold)}
+    return _factory().create("GgufSparseFfn", [x, gate, up, down_t], attrs).output(0)
 
 
 def _check(block_type: str, precision: str) -> None:

@@ -30,12 +30,17 @@ const KernelTable& by_name(const std::string& name) {
     throw std::runtime_error("FLEET_KERNEL_ISA=" + name + " is not one of scalar, avx2, avxvnni, avx512vnni");
 }
 
+// A set's table is built only once the CPU is known to run it: building it runs code compiled for that set (the
+// compiler may copy a table with its widest registers).
 const KernelTable& choose() {
     if (const char* forced = std::getenv("FLEET_KERNEL_ISA"); forced != nullptr && *forced != '\0') {
-        const KernelTable& table = by_name(forced);
-        if (!cpu_has(forced))
-            throw std::runtime_error(std::string("FLEET_KERNEL_ISA=") + forced + ": this CPU does not have it");
-        return table;
+        if (!cpu_has(forced)) {
+            for (const char* isa : {"scalar", "avx2", "avxvnni", "avx512vnni"})
+                if (std::strcmp(isa, forced) == 0)
+                    throw std::runtime_error(std::string("FLEET_KERNEL_ISA=") + forced + ": this CPU does not have it");
+            by_name(forced);  // throws: not a set's name
+        }
+        return by_name(forced);
     }
     for (const char* isa : {"avx512vnni", "avxvnni", "avx2"})
         if (cpu_has(isa)) return by_name(isa);
@@ -52,6 +57,17 @@ RowsKernel select_kernel(const Product& p) {
     RowsKernel k = p.exact ? table.exact[id] : table.quantized[id];
     if (k == nullptr) k = p.exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id];
     return k;
+}
+
+AxpyKernel select_axpy(const Format& f) {
+    const int id = int(f.type);
+    const AxpyKernel k = active_kernels().axpy[id];
+    return k != nullptr ? k : scalar_kernels().axpy[id];
+}
+
+ActivateKernel select_activate() {
+    const ActivateKernel k = active_kernels().activate;
+    return k != nullptr ? k : scalar_kernels().activate;
 }
 
 }  // namespace fleet

@@ -16,6 +16,7 @@ namespace avx2 {
 #define FLEET_WIDE_REGISTERS 0  // 32 vector registers (EVEX)
 #include "x86/unpack.h"
 #include "x86/driver.h"
+#include "x86/sparse.h"
 #undef FLEET_DPBUSD
 #undef FLEET_DPWSSD
 #undef FLEET_VNNI
@@ -24,7 +25,7 @@ namespace avx2 {
 }  // namespace avx2
 
 const KernelTable& avx2_kernels() {
-    static const KernelTable table = avx2::make_table("avx2");
+    static const KernelTable table = avx2::with_sparse(avx2::make_table("avx2"));
     return table;
 }
 

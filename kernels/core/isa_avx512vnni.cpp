@@ -19,6 +19,7 @@ namespace avx512vnni {
 #define FLEET_COLUMNS_512 1  // the K-quants' column tile on 512-bit registers (x86/columns512.h)
 #include "x86/unpack.h"
 #include "x86/driver.h"
+#include "x86/sparse.h"
 #undef FLEET_DPBUSD
 #undef FLEET_DPWSSD
 #undef FLEET_VNNI
@@ -28,7 +29,7 @@ namespace avx512vnni {
 }  // namespace avx512vnni
 
 const KernelTable& avx512vnni_kernels() {
-    static const KernelTable table = avx512vnni::make_table("avx512vnni");
+    static const KernelTable table = avx512vnni::with_sparse(avx512vnni::make_table("avx512vnni"));
     return table;
 }
 

@@ -23,8 +23,21 @@ namespace avxvnni {
 
 }  // namespace avxvnni
 
+namespace {
+
+// The sparse FFN's kernels are AVX2's: no VNNI instruction helps them (the gate's activation and the axpy are
+// float arithmetic: f32 fmas of converted codes), and those kernels hold no EVEX instruction.
+KernelTable with_avx2_sparse(KernelTable t) {
+    const KernelTable& avx2 = avx2_kernels();
+    t.activate = avx2.activate;
+    for (int id = 0; id < kNumTypeIds; ++id) t.axpy[id] = avx2.axpy[id];
+    return t;
+}
+
+}  // namespace
+
 const KernelTable& avxvnni_kernels() {
-    static const KernelTable table = avxvnni::make_table("avxvnni");
+    static const KernelTable table = with_avx2_sparse(avxvnni::make_table("avxvnni"));
     return table;
 }
 

@@ -6,6 +6,7 @@
 
 #include "activations.h"
 #include "formats.h"
+#include "sparse.h"
 
 namespace fleet {
 
@@ -34,6 +35,9 @@ struct KernelTable {
     RowsKernel quantized[kNumTypeIds];
     RowsKernel exact[kNumTypeIds];
     QuantizeRows quantize;
+    // The sparse FFN's (sparse.h): the axpy by down_t type (null: not a down_t type) and the gate's activation.
+    AxpyKernel axpy[kNumTypeIds] = {};
+    ActivateKernel activate = nullptr;
 };
 
 // The tables (dispatch.cpp picks one): scalar.cpp, isa_avx2.cpp, isa_avxvnni.cpp, isa_avx512vnni.cpp.
@@ -44,6 +48,14 @@ const KernelTable& avx512vnni_kernels();
 
 // The kernel that computes `p` on the chosen instruction set (or the scalar one where that set has none).
 RowsKernel select_kernel(const Product& p);
+
+// The sparse FFN's kernels on the chosen instruction set (the scalar ones where it has none); select_axpy: nullptr
+// for a type that is not a down_t type (is_axpy_type).
+AxpyKernel select_axpy(const Format& f);
+ActivateKernel select_activate();
+
+// The scalar table's sparse entries (sparse_scalar.cpp), which scalar.cpp's table takes.
+void add_scalar_sparse(KernelTable& t);
 
 // The instruction set in use: FLEET_KERNEL_ISA when set (scalar, avx2, avxvnni, avx512vnni; one this CPU
 // lacks is an error), else the best this CPU has. Throws std::runtime_error naming the problem.

@@ -125,6 +125,7 @@ KernelTable make_table() {
         t.quantized[id] = f->is_float ? float_rows : quantized_rows;
         t.exact[id] = f->is_float ? float_rows : exact_rows;
     }
+    add_scalar_sparse(t);
     return t;
 }
 

@@ -7,11 +7,13 @@
 #include "gguf_embedding.h"
 #include "gguf_matmul.h"
 #include "gguf_moe_matmul.h"
+#include "gguf_sparse_ffn.h"
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<fleet::GgufMatMul>>(),
     std::make_shared<ov::OpExtension<fleet::GgufEmbedding>>(),
     std::make_shared<ov::OpExtension<fleet::GgufMoeMatMul>>(),
+    std::make_shared<ov::OpExtension<fleet::GgufSparseFfn>>(),
 }));
 
 extern "C" __attribute__((visibility("default"))) const char* fleet_kernels_version() { return FLEET_KERNELS_VERSION; }

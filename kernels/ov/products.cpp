@@ -33,13 +33,19 @@ void validate_product(const ov::Node* node, const std::string& block_type, const
     }
 }
 
+void thread_rows(int64_t N, int ithr, int nthr, int64_t& n0, int64_t& n1) {
+    const int64_t tiles = (N + 3) / 4;
+    const int64_t t0 = tiles * ithr / nthr, t1 = tiles * (ithr + 1) / nthr;
+    n0 = std::min(N, t0 * 4);
+    n1 = std::min(N, t1 * 4);
+}
+
 void run_product(const Product& p) {
     const RowsKernel kernel = select_kernel(p);
     // Contiguous ranges of tiles of 4 rows per thread: each thread streams its own part of the blocks.
     ov::parallel_nt_static(0, [&](const int ithr, const int nthr) {
-        const int64_t tiles = (p.N + 3) / 4;
-        const int64_t t0 = tiles * ithr / nthr, t1 = tiles * (ithr + 1) / nthr;
-        const int64_t n0 = std::min(p.N, t0 * 4), n1 = std::min(p.N, t1 * 4);
+        int64_t n0, n1;
+        thread_rows(p.N, ithr, nthr, n0, n1);
         if (n0 < n1) kernel(p, n0, n1);
     });
 }

@@ -18,6 +18,10 @@ void prepare_activations(Activations& a, const float* x, int64_t rows, int64_t K
 void validate_product(const ov::Node* node, const std::string& block_type, const std::string& precision,
                       const ov::PartialShape& xs, const ov::PartialShape& ws);
 
+// The contiguous range [n0, n1) of N output rows that thread ithr of nthr takes: whole tiles of 4 rows each (the
+// split run_product makes; the sparse FFN splits its gate and up rows the same way).
+void thread_rows(int64_t N, int ithr, int nthr, int64_t& n0, int64_t& n1);
+
 // Runs `p` (kernel from the chosen instruction set) with the output rows split into one contiguous range
 // per thread of the calling arena (INFERENCE_NUM_THREADS).
 void run_product(const Product& p);

@@ -13,6 +13,9 @@
 
 using namespace fleet;
 
+// check_sparse.cpp: the sparse FFN's kernels of these tables against the scalar ones; returns the failures.
+int sparse_failures(const std::vector<const KernelTable*>& isas, std::mt19937& g, int& checks);
+
 namespace {
 
 struct Scales { const char* type; int offsets[2]; int count; };
@@ -126,6 +129,16 @@ int f16_rounding_failures() {
     return failures;
 }
 
+// The SIMD tables of the sets this CPU runs (a table is built only then: building it runs that set's code).
+std::vector<const KernelTable*> runnable_tables() {
+    const std::pair<const char*, const KernelTable& (*)()> sets[] = {
+        {"avx2", avx2_kernels}, {"avxvnni", avxvnni_kernels}, {"avx512vnni", avx512vnni_kernels}};
+    std::vector<const KernelTable*> out;
+    for (const auto& [name, table] : sets)
+        if (cpu_has(name)) out.push_back(&table());
+    return out;
+}
+
 // Activation rows a batch: 7 (the prefill tiles from 4 rows, and the rest), and for one K past the column tiles'
 // threshold (x86/prefill.h kColumnsRows), an odd count.
 constexpr int64_t kFewRows = 7, kManyRows = 35;
@@ -133,9 +146,8 @@ constexpr int64_t kFewRows = 7, kManyRows = 35;
 int main() {
     std::mt19937 g(12345);
     int failures = f16_rounding_failures(), checks = 1;
-    const KernelTable* isas[] = {&avx2_kernels(), &avxvnni_kernels(), &avx512vnni_kernels()};
-    for (const KernelTable* t : isas)
-        if (cpu_has(t->isa)) { failures += quantization_failures(*t, g); ++checks; }
+    const std::vector<const KernelTable*> isas = runnable_tables();
+    for (const KernelTable* t : isas) { failures += quantization_failures(*t, g); ++checks; }
     for (const char* name : kTypes) {
         const Format& f = *format_by_name(name);
         const int64_t per = f.block == 1 ? 32 : f.block;
@@ -152,7 +164,6 @@ int main() {
                     const auto want = run(exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id],
                                           scalar_kernels().quantize, f, w, n, k, x, kRows, exact);
                     for (const KernelTable* t : isas) {
-                        if (!cpu_has(t->isa)) continue;
                         RowsKernel kernel = exact ? t->exact[id] : t->quantized[id];
                         const auto got = run(kernel, t->quantize, f, w, n, k, x, kRows, exact);
                         ++checks;
@@ -174,6 +185,7 @@ int main() {
             }
         }
     }
+    failures += sparse_failures(isas, g, checks);
     std::printf("%d checks, %d failures\n", checks, failures);
     return failures ? 1 : 0;
 }
