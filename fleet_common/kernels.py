@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-KERNELS_VERSION = "2"  # kernels/VERSION: bump when the op's meaning (its numbers) or the library's interface changes
+KERNELS_VERSION = "3"  # kernels/VERSION: bump when the op's meaning (its numbers) or the library's interface changes
 OPSET = "fleet_gguf"
 LIBRARY = Path(__file__).with_name("libfleet_kernels.so")
 PRECISIONS = ("int8", "f32")
@@ -32,7 +32,7 @@ BLOCK_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2
 DOWN_T_TYPES = ("Q8_0", "Q4_0", "F16", "BF16", "F32")  # the sparse FFN's axpy (kernels/core/sparse.h)
 ACTIVATIONS = ("relu", "silu")
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
-PRODUCTS = ("GgufMatMul", "GgufMoeMatMul")  # the ops with a ``precision`` (runtime.kernels_at sets it)
+PRODUCTS = ("GgufMatMul", "GgufMoeMatMul", "GgufSparseFfn")  # the ops with a ``precision`` (runtime.kernels_at sets it)
 INSTALL_HINT = "reinstall fleet with its kernels (pip install . in fleet's folder; it needs a C++ compiler and cmake)"
 
 

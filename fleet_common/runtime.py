@@ -183,7 +183,7 @@ def check_kernels(entry, what: str) -> None:  # noqa: ANN001 - a manifest StageE
 
 
 def kernels_at(model: ov.Model, precision: str) -> ov.Model:
-    """``model`` with every product of fleet's kernels (``GgufMatMul``, ``GgufMoeMatMul``: ``kernels.PRODUCTS``) set
+    """``model`` with every product of fleet's kernels (``GgufMatMul``, ``GgufMoeMatMul``, ``GgufSparseFfn``: ``kernels.PRODUCTS``) set
     to ``precision`` ("f32": exact products, "int8": activations quantized per 32, or per 256 for the
     256-weight types: the default a build writes); returns it."""
     for node in model.get_ops():
