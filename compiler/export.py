@@ -533,10 +533,8 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     blocks. ``kernels`` (a CPU stage of a GGUF): every linear weight and the LM head of a type fleet's kernels
     run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
     ``GgufMatMul`` (``_Weights._blocks``), its embedding rows too (``_embedding``), its experts by ``GgufMoeMatMul``
-    where all of a layer's are of such a type (compiler/experts.py). ``sparse_ffn`` (with ``kernels``; a ReLU-family
-    model): each dense layer's MLP is one ``GgufSparseFfn`` over gate, up and the transposed down projection
-    (compiler/sparse_ffn.py). Raises ``compiler.weights.WeightsError`` when a tensor is missing or has another
-    shape than ``cfg`` implies."""
+    where all of a layer's are of such a type (compiler/experts.py); with ``sparse_ffn`` each dense MLP is one
+    ``GgufSparseFfn`` (compiler/sparse_ffn.py). Raises ``WeightsError`` for a missing or misshapen tensor."""
     source.check(stage_tensors(cfg, stage))
     weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels, sparse_ffn)
     if stage.first:
