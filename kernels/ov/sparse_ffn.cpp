@@ -19,7 +19,7 @@ namespace {
 // the matrix as stored: x86/driver.h) from reading the rows the mask dropped.
 constexpr int64_t kDirectRun = 16;
 constexpr int kGatherRows = 16;
-constexpr int64_t kGatherAhead = 8;  // rows of up prefetched ahead of the copy
+constexpr int64_t kGatherAhead = 32;  // rows of up prefetched ahead of the copy
 
 // Slack after the buffer's rows for the kernels' own prefetch past a tile's end (x86/driver.h: kPrefetchAhead and a
 // tile of up to 4 rows), so that it touches the buffer rather than memory beyond.
@@ -51,6 +51,19 @@ int64_t compact(const uint8_t* flags, int64_t n, int32_t* out) {
     return count;
 }
 
+// A row of `bytes` copied 64 bytes at a time, each step prefetching (into L2) the same line of the row `ahead` (if
+// any): measured here (1152-byte rows, half of them kept, from memory) 9.4 GB/s, against 6.6 with each row
+// prefetched whole 8 rows ahead and 5.6 with no prefetch (the few line-fill buffers then stall the copy).
+void copy_row(uint8_t* dst, const uint8_t* src, size_t bytes, const uint8_t* ahead) {
+    size_t off = 0;
+    for (; off + 64 <= bytes; off += 64) {
+        if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T1);
+        std::memcpy(dst + off, src + off, 64);
+    }
+    if (ahead != nullptr && off < bytes) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T1);
+    std::memcpy(dst + off, src + off, bytes - off);
+}
+
 // Rows [k0, k1) of the union of up (row U[k] of the matrix into column k of base.y), as described above.
 void up_rows(const Product& base, RowsKernel kernel, const int32_t* U, int64_t k0, int64_t k1) {
     thread_local std::vector<uint8_t> buffer;
@@ -78,12 +91,9 @@ void up_rows(const Product& base, RowsKernel kernel, const int32_t* U, int64_t k
             continue;
         }
         for (; k < r; ++k) {
-            if (k + kGatherAhead < k1) {
-                const char* ahead = reinterpret_cast<const char*>(base.w + size_t(U[k + kGatherAhead]) * rb);
-                for (size_t off = 0; off < rb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-            }
             if (held == 0) first = k;
-            std::memcpy(buf + held * rb, base.w + size_t(U[k]) * rb, rb);
+            const uint8_t* ahead = k + kGatherAhead < k1 ? base.w + size_t(U[k + kGatherAhead]) * rb : nullptr;
+            copy_row(buf + held * rb, base.w + size_t(U[k]) * rb, rb, ahead);
             if (++held == kGatherRows) {
                 multiply(buf, first, held);
                 held = 0;

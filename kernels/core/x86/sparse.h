@@ -53,41 +53,43 @@ static void activate_simd(GateActivation act, float threshold, float* g, uint8_t
     }
 }
 
-// ---- down_t's types for the axpy: 8 consecutive columns' c (the code less the zero point, or the float weight)
-// as f32, the scale s of a column's block (integer types), and where a column's bytes lie in a row.
+// ---- down_t's types for the axpy, a block of 32 columns at a time: its 4 x 8 values of c (the code less the zero
+// point, or the float weight) as f32, its scale s (integer types), its bytes (BYTES: a block's step in a row), and
+// where a column's bytes lie in a row (the prefetch's span).
 struct AxQ8_0 {
     static constexpr bool FLOAT = false;
-    static inline __m256 codes8(const uint8_t* row, int64_t j) {
-        const uint8_t* at = row + (j / 32) * 34 + 2 + j % 32;
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+    static constexpr int64_t BYTES = 34;
+    static inline __m256 codes8(const uint8_t* blk, int q) {  // columns 8q .. 8q + 7 of the block
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * q))));
     }
-    static inline float scale(const uint8_t* row, int64_t j) { return f16(row + (j / 32) * 34); }
+    static inline float scale(const uint8_t* blk) { return f16(blk); }
     static inline int64_t first_byte(int64_t j) { return (j / 32) * 34; }
     static inline int64_t last_byte(int64_t j) { return (j / 32) * 34 + 2 + j % 32; }
 };
 struct AxQ4_0 {  // code j of a block: the low nibble of byte j (j < 16), the high nibble of byte j - 16
     static constexpr bool FLOAT = false;
-    static inline __m256 codes8(const uint8_t* row, int64_t j) {
-        const uint8_t* at = row + (j / 32) * 18 + 2 + j % 16;
-        __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
-        if (j % 32 >= 16) v = _mm_srli_epi16(v, 4);
+    static constexpr int64_t BYTES = 18;
+    static inline __m256 codes8(const uint8_t* blk, int q) {
+        __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * (q % 2)));
+        if (q >= 2) v = _mm_srli_epi16(v, 4);
         v = _mm_sub_epi8(_mm_and_si128(v, _mm_set1_epi8(15)), _mm_set1_epi8(8));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
     }
-    static inline float scale(const uint8_t* row, int64_t j) { return f16(row + (j / 32) * 18); }
+    static inline float scale(const uint8_t* blk) { return f16(blk); }
     static inline int64_t first_byte(int64_t j) { return (j / 32) * 18; }
     static inline int64_t last_byte(int64_t j) { return (j / 32) * 18 + 2 + j % 16; }
 };
 template <BlockType T>
-struct AxFloat {
+struct AxFloat {  // a "block": 32 consecutive weights
     static constexpr bool FLOAT = true;
-    static constexpr int W = T == BlockType::F32 ? 4 : 2;  // bytes a weight
-    static inline __m256 codes8(const uint8_t* row, int64_t j) { return float8<T>(row + j * W); }
+    static constexpr int64_t W = T == BlockType::F32 ? 4 : 2;  // bytes a weight
+    static constexpr int64_t BYTES = 32 * W;
+    static inline __m256 codes8(const uint8_t* blk, int q) { return float8<T>(blk + 8 * q * W); }
     static inline float weight(const uint8_t* row, int64_t j) {
         static const Format* const f = format_by_type(int(T));
         return float_weight(*f, row, j);
     }
-    static inline float scale(const uint8_t*, int64_t) { return 1.0f; }
+    static inline float scale(const uint8_t*) { return 1.0f; }
     static inline int64_t first_byte(int64_t j) { return j * W; }
     static inline int64_t last_byte(int64_t j) { return j * W + W - 1; }
 };
