@@ -103,16 +103,23 @@ void up_rows(const Product& base, RowsKernel kernel, const int32_t* U, int64_t k
     if (held) multiply(buf, first, held);
 }
 
+// A product of M rows of x with one of the FFN's matrices (gate or up: its type, blocks and row bytes), in the
+// op's precision (float weights always exact); the caller sets N, y and the activations.
+Product matrix_product(const SparseFfn& f, const Format* fmt, const uint8_t* w, size_t row_bytes, int64_t M) {
+    Product p;
+    p.fmt = fmt;
+    p.w = w;
+    p.row_bytes = row_bytes;
+    p.K = f.d;
+    p.M = M;
+    p.exact = f.exact || fmt->is_float;
+    return p;
+}
+
 // Step 1: g = x gate^T, every row of gate, then a(g) and the mask, each thread on its own rows.
 void gate_step(const SparseFfn& f, Workspace& ws, const float* x, int64_t M) {
-    Product p;
-    p.fmt = f.gate;
-    p.w = f.wg;
-    p.row_bytes = f.gate_bytes;
-    p.K = f.d;
+    Product p = matrix_product(f, f.gate, f.wg, f.gate_bytes, M);
     p.N = f.F;
-    p.M = M;
-    p.exact = f.exact || f.gate->is_float;
     p.y = sized(ws.g, size_t(M * f.F));
     p.ldy = f.F;
     prepare_activations(ws.gate_a, x, M, f.d, *f.gate, p.exact);
@@ -148,13 +155,7 @@ int64_t union_step(const SparseFfn& f, Workspace& ws, int64_t M) {
 
 // Step 3: u = x up^T on the union's rows only, then h = a(g) u where the row keeps the neuron, else 0.
 void up_step(const SparseFfn& f, Workspace& ws, const float* x, int64_t M, int64_t count) {
-    Product p;
-    p.fmt = f.up;
-    p.w = f.wu;
-    p.row_bytes = f.up_bytes;
-    p.K = f.d;
-    p.M = M;
-    p.exact = f.exact || f.up->is_float;
+    Product p = matrix_product(f, f.up, f.wu, f.up_bytes, M);
     p.y = sized(ws.h, size_t(M * std::max<int64_t>(count, 1)));
     p.ldy = count;
     const bool gate_exact = f.exact || f.gate->is_float;
