@@ -66,7 +66,7 @@ class LocalWorkers:
         return [f"127.0.0.1:{p}" for p in self.ports]
 
     async def _spawn(self, stage: int) -> None:
-        cmd = [sys.executable, "-m", "worker.cli", "--shard", str(stage), "--model", str(self.model),
+        cmd = [sys.executable, "-m", "worker.entry", "--shard", str(stage), "--model", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.ports[stage]), "--threads", str(self.threads),
                "--inference-precision", self.inference_precision, "--no-announce", *self.security.cli_args()]
         self._procs[stage] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with(os.getpid()),
