@@ -43,7 +43,7 @@ BIN = Path(sys.executable).parent
 TEST_MODELS = Path(os.environ.get("FLEET_TEST_MODELS", ROOT / "models" / "test"))  # the tests' builds and demo
 CACHE = ROOT / "models" / "bench"  # the benches' builds, unless --cache says otherwise
 DEMO = "SmolLM2-135M-Instruct"
-MODULES = {"fleet-worker": "worker.entry", "fleet-coordinator": "coordinator.cli", "fleet-compiler": "compiler.cli"}
+MODULES = {"fleet-worker": "worker.entry", "fleet-coordinator": "coordinator.entry", "fleet-compiler": "compiler.cli"}
 LLAMA_CPP_PYTHON = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")  # the sdist bench/build_llama_cpp.sh builds
 LLAMA_CPP_BIN = (Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "fleet" / "llama.cpp"))
                  / f"build-{LLAMA_CPP_PYTHON}-noamx" / "bin")  # where that script puts its binaries
