@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
+from compiler.gguf_read import read_gguf_file
 
 CACHE = Path(os.environ.get("FLEET_REAL_CACHE", Path.home() / ".cache" / "fleet" / "real"))
 STD = 0.02
@@ -103,7 +104,7 @@ def write_f16(name: str, layers: int, out: Path) -> Path:
     import gguf
 
     shape = SHAPES[name]
-    demo = gguf.GGUFReader(str(demo_gguf()))
+    demo = read_gguf_file(str(demo_gguf()))
     vocab = len(demo.fields["tokenizer.ggml.tokens"].contents())
     tmp = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), shape.arch)

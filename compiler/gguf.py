@@ -68,6 +68,7 @@ from . import gguf_gpt_oss as gpt_oss
 from .gguf_families import ROPE_TENSORS, gemma3_config, phi3_rope
 from .gguf_moe import ROUTER, expert_slices, is_expert_tensor, is_moe, moe_config, router_name
 from .gguf_mxfp4 import MXFP4_I8, mxfp4_blocks
+from .gguf_read import read_gguf_file
 from .weights import WeightsError, check_f16_range, check_shapes
 
 log = logging.getLogger(__name__)
@@ -447,10 +448,8 @@ def is_gguf_file(path: Path) -> bool:
 
 def _open_part(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
     """gguf-py's memory-mapped reader of ``path``; ``ValueError`` naming the file when it is not a readable GGUF."""
-    import gguf
-
     try:
-        return gguf.GGUFReader(str(path))
+        return read_gguf_file(path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
         raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt ({exc})") from None
 

@@ -53,6 +53,7 @@ import numpy as np
 
 from bench import harness
 from bench.kernels.decoding import WARM_UP_STEPS, Whole, load_kv, prefill, step
+from compiler.gguf_read import read_gguf_file
 
 FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "MXFP4")
 BY_LLAMA_QUANTIZE = ("Q4_K", "Q4_K+Q4_1", "Q6_K", "Q5_K", "Q3_K", "Q2_K")  # gguf-py has no quantizer for k-quants
@@ -85,7 +86,7 @@ def write_gguf(source: Path, out: Path, matrix_type: str) -> Path:
     import gguf
 
     target = gguf.GGMLQuantizationType[matrix_type]
-    reader = gguf.GGUFReader(str(source))
+    reader = read_gguf_file(str(source))
     arch = reader.fields["general.architecture"].contents()
     tmp = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
@@ -147,14 +148,13 @@ def tensor_types(path: Path) -> dict[str, int]:
     """Tensors per GGML type in GGUF ``path``."""
     import gguf
 
-    return dict(Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(path)).tensors))
+    return dict(Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in read_gguf_file(str(path)).tensors))
 
 
 def same_tensors(a: Path, b: Path) -> bool:
     """Whether GGUFs ``a`` and ``b`` hold the same tensors: names, types and bytes."""
-    import gguf
 
-    ta, tb = gguf.GGUFReader(str(a)).tensors, gguf.GGUFReader(str(b)).tensors
+    ta, tb = read_gguf_file(str(a)).tensors, read_gguf_file(str(b)).tensors
     return len(ta) == len(tb) and all(x.name == y.name and x.tensor_type == y.tensor_type
                                       and np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(ta, tb))
 

@@ -51,6 +51,7 @@ import httpx
 import numpy as np
 
 from bench import harness, real_gguf
+from compiler.gguf_read import read_gguf_file
 from coordinator.fleet.local import free_port
 
 N_PROBS = 8  # llama.cpp candidates per step compared
@@ -196,7 +197,7 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     rounding the activations to 8-bit blocks. Returns ``dst``."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
+    reader = read_gguf_file(str(src))
     writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for fld in reader.fields.values():
         if fld.name == "general.architecture" or fld.name.startswith("GGUF."):

@@ -39,6 +39,7 @@ from bench import harness
 
 
 from bench.kernels import kernel_bench
+from compiler.gguf_read import read_gguf_file
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, WIDTH, WINDOW = 2880, 64, 8, 64, 2880, 128  # gpt-oss-20b's config.json
 STD, SEED = 0.02, 0
 
@@ -48,7 +49,7 @@ def write(path: Path, demo: Path, layers: int, experts: int, top_k: int, mxfp4: 
     import gguf
 
     rng = np.random.default_rng(SEED)
-    reader = gguf.GGUFReader(str(demo))
+    reader = read_gguf_file(str(demo))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     tmp = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), "gpt-oss")

@@ -126,9 +126,9 @@ def run_child(types: list[str], threads: int, args: argparse.Namespace) -> dict:
 
 def matrix_bytes(gguf_path: Path) -> int:
     """Bytes of every tensor a decode step reads in full: all but the token embedding (a row lookup)."""
-    from gguf import GGUFReader
+    from compiler.gguf_read import read_gguf_file
 
-    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors if t.name != "token_embd.weight")
+    return sum(int(t.n_bytes) for t in read_gguf_file(gguf_path).tensors if t.name != "token_embd.weight")
 
 
 def llama_cpp(file_type: str, threads: int, realtime: bool) -> dict:

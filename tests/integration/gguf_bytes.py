@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from compiler.gguf_read import read_gguf_file
+
 EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -64,7 +66,7 @@ def assert_experts_are_gguf_bytes(build: Path, gguf_path: Path) -> int:
     were checked."""
     import gguf
 
-    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    tensors = {t.name: t for t in read_gguf_file(str(gguf_path)).tensors}
     manifest = json.loads((build / "manifest.json").read_text())
     checked = 0
     for stage in manifest["stages"]:

@@ -30,6 +30,7 @@ from functools import cache
 import numpy as np
 import pytest
 
+from compiler.gguf_read import read_gguf_file
 from coordinator.tokenizer import ChatTokenizer
 from tests.conftest import BIN, MODELS, Fleet, chat
 
@@ -76,9 +77,8 @@ def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nd
 def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
     """The demo GGUF's tokens, merges, token types and chat template, read once per run (gguf-py takes
     seconds to parse its ~100k strings)."""
-    import gguf
 
-    fields = gguf.GGUFReader(demo_gguf).fields
+    fields = read_gguf_file(demo_gguf).fields
     return tuple(fields[f"tokenizer.{k}"].contents()
                  for k in ("ggml.tokens", "ggml.merges", "ggml.token_type", "chat_template"))
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compiler.gguf_read import read_gguf_file
 from .test_architectures import SEQ, chained_logits
 from .test_gguf import HEADS, HIDDEN, build, demo_gguf, transformers_logits, write_tiny_gguf  # noqa: F401
 
@@ -97,14 +98,13 @@ class Zoo:
 
     @cache  # noqa: B019
     def reference_logits(self, case: str) -> np.ndarray:
-        import gguf
         import torch
         from transformers import AutoModelForCausalLM
 
         path = self.gguf(case)
         overrides = {}  # config fields transformers' GGUF loader does not read (module docstring)
         if case == "qwen3":
-            overrides["head_dim"] = int(gguf.GGUFReader(str(path)).fields["qwen3.attention.key_length"].contents())
+            overrides["head_dim"] = int(read_gguf_file(str(path)).fields["qwen3.attention.key_length"].contents())
         if case == "llama3":
             overrides["rope_parameters"] = {"rope_type": "llama3", "rope_theta": ROPE_THETA, **LLAMA3}
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,

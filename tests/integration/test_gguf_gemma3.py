@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compiler.gguf_read import read_gguf_file
 from .test_architectures import (
     COMMON,
     MAX_POSITIONS,
@@ -122,7 +123,7 @@ def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
-        for t in gguf.GGUFReader(str(path)).tensors:
+        for t in read_gguf_file(str(path)).tensors:
             parts = t.name.split(".")
             name = names.get(t.name) or f"model.layers.{parts[1]}.{TO_HF[parts[2]]}.weight"
             values = np.array(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type)), np.float32)

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compiler.gguf_read import read_gguf_file
 from .test_architectures import COMMON, MAX_POSITIONS, PROMPT, SEED, SEQ, TOKENIZER, WEIGHT_STD, fleet_greedy, hf_greedy
 from .test_gguf import add_demo_tokenizer, build, demo_gguf, demo_vocabulary, save_gguf  # noqa: F401
 
@@ -179,9 +180,9 @@ def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
     config = model.config
-    llama = gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == "llama"
+    llama = read_gguf_file(str(path)).fields["general.architecture"].contents() == "llama"
     values = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
+    for t in read_gguf_file(str(path)).tensors:
         w = np.array(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type)), np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])
         if llama and t.name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -314,10 +315,9 @@ def test_moe_gguf_logits_and_router_picks_match_transformers(case, zoo):
     from compiler.arch import ModelConfig
     from compiler.source import open_source
 
-    import gguf
 
     name = case.split("-")[0]
-    names = {t.name for t in gguf.GGUFReader(str(zoo.gguf(case))).tensors}
+    names = {t.name for t in read_gguf_file(str(zoo.gguf(case))).tensors}
     assert ("blk.3.ffn_down.7.weight" in names) == case.endswith("-legacy") != ("blk.3.ffn_down_exps.weight" in names)
     source = open_source(zoo.gguf(case), zoo.root / "work" / case)
     cfg, hf = source.config, ModelConfig.from_folder(zoo.hf(name))

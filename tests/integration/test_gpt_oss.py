@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compiler.gguf_read import read_gguf_file
 from .test_gguf import add_demo_tokenizer, demo_gguf, demo_vocabulary, save_gguf  # noqa: F401
 from .test_architectures import (
     COMMON,
@@ -205,7 +206,7 @@ def gguf_reference(hf: Path, path: Path):  # noqa: ANN201 - a transformers model
     model = AutoModelForCausalLM.from_pretrained(hf, config=config, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     values = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
+    for t in read_gguf_file(str(path)).tensors:
         v = np.array(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type)), np.float32)
         values[t.name] = v.reshape([int(d) for d in reversed(t.shape)])
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 
 from bench.builds.gguf_forms import is_layer_matrix, same_tensors, speed_cells, table, tensor_types, write_gguf
+from compiler.gguf_read import read_gguf_file
 
 Q = gguf.GGMLQuantizationType
 
@@ -32,7 +33,7 @@ def tiny_gguf(path):
 
 
 def tensors(path):
-    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: t for t in read_gguf_file(str(path)).tensors}
 
 
 def test_write_gguf_requantizes_layer_matrices_only(tmp_path):
@@ -46,7 +47,7 @@ def test_write_gguf_requantizes_layer_matrices_only(tmp_path):
     for name in ("token_embd.weight", "blk.0.attn_norm.weight"):  # copied byte for byte
         assert b[name].tensor_type == a[name].tensor_type
         assert np.array_equal(np.asarray(b[name].data), np.asarray(a[name].data))
-    reader = gguf.GGUFReader(str(out))
+    reader = read_gguf_file(str(out))
     assert reader.fields["general.file_type"].contents() == 2  # LlamaFileType.MOSTLY_Q4_0
     assert reader.fields["tokenizer.ggml.tokens"].contents() == ["<a>", "b", "ç"]
     assert reader.fields["general.architecture"].contents() == "llama"

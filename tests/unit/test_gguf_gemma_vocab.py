@@ -24,6 +24,7 @@ import gguf
 import pytest
 from tokenizers import Tokenizer
 
+from compiler.gguf_read import read_gguf_file
 from compiler.gguf_tokenizer import read_tokenizer
 from compiler.source import write_gguf_tokenizer
 from coordinator.errors import InvalidRequest
@@ -111,7 +112,7 @@ def gemma_gguf(folder: Path, path: Path, template: str | None = None) -> Path:
 
 def fleet_files(gguf_path: Path, out: Path) -> Path:
     """The tokenizer files and generation_config.json a build writes for the GGUF (compiler/source.py)."""
-    meta = read_tokenizer(gguf.GGUFReader(str(gguf_path)), gguf_path)
+    meta = read_tokenizer(read_gguf_file(str(gguf_path)), gguf_path)
     write_gguf_tokenizer(meta, {}, out)
     return out
 
@@ -121,7 +122,7 @@ def test_gemma_sentencepiece_gguf_tokenizer_equals_transformers_and_sentencepiec
     from transformers import AutoTokenizer
 
     path = gemma_gguf(gemma_dir, tmp_path / "gemma.gguf")
-    meta = read_tokenizer(gguf.GGUFReader(str(path)), path)
+    meta = read_tokenizer(read_gguf_file(str(path)), path)
     assert (meta["add_bos"], meta["add_space_prefix"], meta["bos_id"], meta["eos_id"]) == (True, False, BOS, 1)
     ours = Tokenizer.from_file(str(fleet_files(path, tmp_path / "fleet") / "tokenizer.json"))
     hf = AutoTokenizer.from_pretrained(gemma_dir)

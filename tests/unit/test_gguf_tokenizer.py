@@ -23,6 +23,7 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
+from compiler.gguf_read import read_gguf_file
 from compiler.gguf_tokenizer import read_tokenizer, write_tokenizer
 
 TEXTS = [
@@ -164,7 +165,7 @@ def write_gguf(path: Path, hf_dir: Path, tokens: list[str], types: list[int], mo
 
 def fleet_tokenizer(gguf_path: Path, out: Path) -> Tokenizer:
     """fleet's tokenizer.json rebuilt from the GGUF (the coordinator loads it with tokenizers, as here)."""
-    meta = read_tokenizer(gguf.GGUFReader(str(gguf_path)), gguf_path)
+    meta = read_tokenizer(read_gguf_file(str(gguf_path)), gguf_path)
     out.mkdir()
     write_tokenizer(meta, out)
     return Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -302,10 +303,10 @@ def _tiny_tokenizer_gguf(path: Path, model: str, pre: str | None) -> Path:
 def test_unknown_pre_tokenizer_or_model_is_refused_naming_the_file_and_field(model, pre, named, tmp_path):
     path = _tiny_tokenizer_gguf(tmp_path / f"{model}-{pre}.gguf", model, pre)
     with pytest.raises(ValueError) as exc:
-        read_tokenizer(gguf.GGUFReader(str(path)), path)
+        read_tokenizer(read_gguf_file(str(path)), path)
     assert str(exc.value).startswith(path.name) and named in str(exc.value), exc.value
     ok = _tiny_tokenizer_gguf(tmp_path / "ok.gguf", "gpt2", "gpt-2")
-    assert read_tokenizer(gguf.GGUFReader(str(ok)), ok)["merges"] == ["a b"]
+    assert read_tokenizer(read_gguf_file(str(ok)), ok)["merges"] == ["a b"]
 
 
 def test_a_bpe_file_without_a_pre_tokenizer_splits_as_llama_cpp_default_with_a_warning(tmp_path, caplog):
@@ -342,7 +343,7 @@ def test_a_harmony_vocabulary_ends_at_return_and_call_not_at_end_and_shows_its_m
     harmony = ["a", "b", "ab", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
                "<|call|>"]
     p = _vocab_gguf(tmp_path / "h.gguf", harmony, [1, 1, 1] + [control] * 7)
-    meta = read_tokenizer(gguf.GGUFReader(str(p)), p)
+    meta = read_tokenizer(read_gguf_file(str(p)), p)
     assert [harmony[i] for i in meta["eog_ids"]] == ["<|return|>", "<|call|>"], meta["eog_ids"]
     marked = {harmony[i] for i, kind in enumerate(meta["types"]) if kind == gguf.TokenType.USER_DEFINED}
     assert marked == {"<|start|>", "<|message|>", "<|channel|>"}, marked
@@ -351,5 +352,5 @@ def test_a_harmony_vocabulary_ends_at_return_and_call_not_at_end_and_shows_its_m
     assert ids == [7, 2, 6, 0] and ours.decode(ids, skip_special_tokens=True) == "<|channel|>ab<|message|>a"
     phi3 = ["a", "b", "ab", "<|endoftext|>", "<|end|>"]
     p = _vocab_gguf(tmp_path / "p.gguf", phi3, [1, 1, 1, control, control])
-    meta = read_tokenizer(gguf.GGUFReader(str(p)), p)
+    meta = read_tokenizer(read_gguf_file(str(p)), p)
     assert [phi3[i] for i in meta["eog_ids"]] == ["<|end|>"]
