@@ -185,16 +185,17 @@ def wait_ready(url: str, timeout: float = 60.0, proc: Proc | None = None) -> dic
     """``url``'s ``/health`` body once it answers 200. Raises ``RuntimeError`` if ``proc`` exits first,
     ``TimeoutError`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited ({proc.popen.returncode}):\n{proc.text()[-2000:]}")
-        try:
-            r = httpx.get(f"{url}/health", timeout=2)
-            if r.status_code == 200:
-                return r.json()
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client(timeout=2) as client:  # one client: httpx.get builds an SSL context each call (~45 ms CPU)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.args[0]} exited ({proc.popen.returncode}):\n{proc.text()[-2000:]}")
+            try:
+                r = client.get(f"{url}/health")
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 

@@ -32,6 +32,30 @@ def _quick_gguf_reader() -> None:
 _quick_gguf_reader()
 
 
+def _one_default_ssl_context() -> None:
+    """httpx clients of this process share one default SSL context. httpx builds one for every client (certifi's
+    CA bundle parsed: ~45 ms of CPU), and the tests make a client for every request (``httpx.get``/``post``,
+    ``/health`` polled every 0.2 s) to loopback over plain HTTP, where it is never used: 48 -> 3 ms of CPU a
+    request. Any other SSL setting (a test's own CA, ``verify=False``) still gets its own context."""
+    import httpx._transports.default as transport
+
+    made = transport.create_ssl_context
+    shared: dict[tuple, object] = {}  # by the environment httpx reads (SSL_CERT_FILE, SSL_CERT_DIR)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):  # noqa: ANN001, ANN202 - httpx's signature
+        if verify is not True or cert is not None:
+            return made(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in shared:
+            shared[key] = made(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    transport.create_ssl_context = create_ssl_context
+
+
+_one_default_ssl_context()
+
+
 @pytest.fixture(scope="session")
 def demo_hf() -> Path:
     from compiler.source import fetch_demo
