@@ -12,7 +12,7 @@ same weights and the same input row x:
   (OpenVINO's Swish or Relu) and a Multiply;
 * **sparse s** for s in ``--sparsity``: per FFN one ``GgufSparseFfn`` (down_t [F, d] of ``--down-t``) whose
   threshold drops exactly the fraction s of that FFN's neurons for x: the middle between two neighbours of the
-  sorted |a(g)| of its gate's values g (computed by ``GgufMatMul``; fleet's SiLU is within an ulp of float64's).
+  sorted |a(g)| of its gate's values g (computed by ``GgufMatMul``; ``activation`` computes a(g) as the op does).
 
 The cells are timed in turn, ``--runs`` rounds (after warm-up): each a decode inference of all the FFNs on x; the
 median per FFN. Reported per cell: µs per FFN, the ratio sparse ÷ dense, the weight bytes a token reads by formula
@@ -51,6 +51,16 @@ def row_bytes(name: str, cols: int) -> int:
     return cols // per * nbytes
 
 
+def activation(g: np.ndarray, name: str) -> np.ndarray:
+    """a(g) f32 as the op computes it, within an ulp: relu, or fleet's SiLU g / (1 + exp(-g)) with exp's argument
+    clamped to [-87, 88] (kernels/core/sparse.h), so that a gate far below zero gives the op's tiny negative value,
+    not float64's far tinier one (random Q4_K blocks, whose minimums shift every gate by hundreds, have many)."""
+    g = g.astype(np.float32)
+    if name == "relu":
+        return np.maximum(g, np.float32(0))
+    return g / (np.float32(1) + np.exp(np.clip(-g, np.float32(-87), np.float32(88))))
+
+
 def thresholds(a: np.ndarray, sparsity: float) -> tuple[float, int]:
     """(threshold, kept): a threshold dropping exactly round(sparsity x F) of the neurons |a| [F] (0: none), and
     how many it keeps."""
@@ -83,7 +93,7 @@ def models(spec: dict, gate_type: str, layers: list[dict], x: np.ndarray) -> tup
     const = [{k: kernels.blocks_constant(v) for k, v in w.items()} for w in layers]
     gates = core.compile_model(ov.Model([kernels.gguf_matmul(xp.output(0), c["gate"], gate_type) for c in const], [xp]),
                                "CPU", config)([x])
-    a = [g[0] if spec["activation"] == "relu" else g[0] / (1 + np.exp(-g[0].astype(np.float64))) for g in (gates[i] for i in range(len(const)))]
+    a = [activation(gates[i][0], spec["activation"]) for i in range(len(const))]
     dense = []
     for c in const:
         g, u = (kernels.gguf_matmul(xp.output(0), c[k], gate_type) for k in ("gate", "up"))

@@ -23,6 +23,11 @@ struct Product {
     float* y = nullptr;
     int64_t ldy = 0;  // y's row stride in floats (N for a plain product)
     bool exact = false;  // f32 activations (a->x) instead of the quantized ones
+    // Gathered rows (the sparse FFN's kept rows of up): row n at rows[n] for n < N, instead of w + n * row_bytes.
+    // The same kernels and bits; their prefetch then reads the next tile's own rows.
+    const uint8_t* const* rows = nullptr;
+
+    const uint8_t* row(int64_t n) const { return rows != nullptr ? rows[n] : w + n * row_bytes; }
 };
 
 using RowsKernel = void (*)(const Product& p, int64_t n0, int64_t n1);

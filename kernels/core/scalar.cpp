@@ -11,7 +11,7 @@ namespace {
 // Float weights: y = sum over k of w x in order (both modes).
 void float_rows(const Product& p, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = p.w + n * p.row_bytes;
+        const uint8_t* row = p.row(n);
         for (int64_t m = 0; m < p.M; ++m) {
             const float* x = p.a->x_row(m);
             float acc = 0.0f;
@@ -30,7 +30,7 @@ void superblock_rows(const Product& p, int64_t n0, int64_t n1) {
     IntegerScales is;
     SubBlock sb;
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = p.w + n * p.row_bytes;
+        const uint8_t* row = p.row(n);
         for (int64_t m = 0; m < p.M; ++m) {
             const int8_t* q = p.a->q_row(m);
             const int16_t* bsums = p.a->bsums_row(m);
@@ -68,7 +68,7 @@ void quantized_rows(const Product& p, int64_t n0, int64_t n1) {
     std::vector<float> acc(size_t(p.M)), corr(size_t(p.M));
     SubBlock sb;
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = p.w + n * p.row_bytes;
+        const uint8_t* row = p.row(n);
         std::fill(acc.begin(), acc.end(), 0.0f);
         std::fill(corr.begin(), corr.end(), 0.0f);
         for (int64_t b = 0; b < blocks; ++b) {
@@ -99,7 +99,7 @@ void exact_rows(const Product& p, int64_t n0, int64_t n1) {
     std::vector<float> acc(size_t(p.M));
     SubBlock sb;
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = p.w + n * p.row_bytes;
+        const uint8_t* row = p.row(n);
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t b = 0; b < blocks; ++b) {
             for (int sub = 0; sub < subs; ++sub) {

@@ -1,7 +1,5 @@
 #include "sparse_ffn.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstring>
 #include <openvino/core/parallel.hpp>
@@ -12,25 +10,13 @@
 namespace fleet {
 namespace {
 
-// up's kept rows are scattered: runs of kDirectRun or more consecutive neurons are multiplied where they lie; the
-// others are copied kGatherRows at a time into a buffer (L1/L2) and multiplied there. Either way the same kernel
-// computes each row, so the same bits (a product's rows do not depend on where its weights lie or how the rows are
-// tiled). Copying, rather than calling the kernel on each short run, keeps the kernel's prefetch (the next rows of
-// the matrix as stored: x86/driver.h) from reading the rows the mask dropped.
-constexpr int64_t kDirectRun = 16;
-constexpr int kGatherRows = 16;
-constexpr int64_t kGatherAhead = 32;  // rows of up prefetched ahead of the copy
-
-// Slack after the buffer's rows for the kernels' own prefetch past a tile's end (x86/driver.h: kPrefetchAhead and a
-// tile of up to 4 rows), so that it touches the buffer rather than memory beyond.
-size_t gather_slack(size_t row_bytes) { return 2048 + 4 * row_bytes; }
-
 struct Workspace {
     Activations gate_a, up_a;
     std::vector<float> g;        // [M, F]: the gate, then a(g) where kept
     std::vector<uint8_t> keep;   // [M, F]
     std::vector<uint8_t> any;    // [F]: kept by some row (M > 1)
     std::vector<int32_t> U;      // the union of kept neurons, ascending
+    std::vector<const uint8_t*> up_rows;  // [|U|]: row U[k] of up
     std::vector<float> h;        // [M, |U|]: u, then h = a(g) u (0 where the row drops the neuron)
     std::vector<uint8_t> keepU;  // [M, |U|] (M > 1)
 };
@@ -49,58 +35,6 @@ int64_t compact(const uint8_t* flags, int64_t n, int32_t* out) {
         count += flags[i] != 0;
     }
     return count;
-}
-
-// A row of `bytes` copied 64 bytes at a time, each step prefetching (into L2) the same line of the row `ahead` (if
-// any): measured here (1152-byte rows, half of them kept, from memory) 9.4 GB/s, against 6.6 with each row
-// prefetched whole 8 rows ahead and 5.6 with no prefetch (the few line-fill buffers then stall the copy).
-void copy_row(uint8_t* dst, const uint8_t* src, size_t bytes, const uint8_t* ahead) {
-    size_t off = 0;
-    for (; off + 64 <= bytes; off += 64) {
-        if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T1);
-        std::memcpy(dst + off, src + off, 64);
-    }
-    if (ahead != nullptr && off < bytes) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T1);
-    std::memcpy(dst + off, src + off, bytes - off);
-}
-
-// Rows [k0, k1) of the union of up (row U[k] of the matrix into column k of base.y), as described above.
-void up_rows(const Product& base, RowsKernel kernel, const int32_t* U, int64_t k0, int64_t k1) {
-    thread_local std::vector<uint8_t> buffer;
-    const size_t rb = base.row_bytes;
-    const size_t need = kGatherRows * rb + gather_slack(rb);
-    if (buffer.size() < need) buffer.assign(need, 0);
-    uint8_t* buf = buffer.data();
-    Product p = base;
-    int held = 0;
-    int64_t first = k0;  // the union position of the buffer's first row
-    const auto multiply = [&](const uint8_t* w, int64_t at, int64_t rows) {
-        p.w = w;
-        p.N = rows;
-        p.y = base.y + at;
-        kernel(p, 0, rows);
-    };
-    for (int64_t k = k0; k < k1;) {
-        int64_t r = k + 1;
-        while (r < k1 && U[r] == U[r - 1] + 1) ++r;
-        if (r - k >= kDirectRun) {
-            if (held) multiply(buf, first, held);
-            held = 0;
-            multiply(base.w + size_t(U[k]) * rb, k, r - k);
-            k = r;
-            continue;
-        }
-        for (; k < r; ++k) {
-            if (held == 0) first = k;
-            const uint8_t* ahead = k + kGatherAhead < k1 ? base.w + size_t(U[k + kGatherAhead]) * rb : nullptr;
-            copy_row(buf + held * rb, base.w + size_t(U[k]) * rb, rb, ahead);
-            if (++held == kGatherRows) {
-                multiply(buf, first, held);
-                held = 0;
-            }
-        }
-    }
-    if (held) multiply(buf, first, held);
 }
 
 // A product of M rows of x with one of the FFN's matrices (gate or up: its type, blocks and row bytes), in the
@@ -153,11 +87,19 @@ int64_t union_step(const SparseFfn& f, Workspace& ws, int64_t M) {
     return count;
 }
 
-// Step 3: u = x up^T on the union's rows only, then h = a(g) u where the row keeps the neuron, else 0.
+// Step 3: u = x up^T on the union's rows only (gathered rows of the same kernels: Product::rows; all of up as stored
+// when nothing is dropped), then h = a(g) u where the row keeps the neuron, else 0.
 void up_step(const SparseFfn& f, Workspace& ws, const float* x, int64_t M, int64_t count) {
     Product p = matrix_product(f, f.up, f.wu, f.up_bytes, M);
+    p.N = count;
     p.y = sized(ws.h, size_t(M * std::max<int64_t>(count, 1)));
     p.ldy = count;
+    const int32_t* U = ws.U.data();
+    if (count < f.F) {
+        const uint8_t** rows = sized(ws.up_rows, size_t(count));
+        for (int64_t k = 0; k < count; ++k) rows[k] = f.wu + size_t(U[k]) * f.up_bytes;
+        p.rows = rows;
+    }
     const bool gate_exact = f.exact || f.gate->is_float;
     if (p.exact == gate_exact && (p.exact || (f.up->block == 256) == (f.gate->block == 256))) {
         p.a = &ws.gate_a;  // the same activations (quantized per the same group, or none)
@@ -166,14 +108,13 @@ void up_step(const SparseFfn& f, Workspace& ws, const float* x, int64_t M, int64
         p.a = &ws.up_a;
     }
     const RowsKernel kernel = select_kernel(p);
-    const int32_t* U = ws.U.data();
     const float* a = ws.g.data();
     const uint8_t* keepU = M == 1 ? nullptr : ws.keepU.data();
     ov::parallel_nt_static(0, [&](const int ithr, const int nthr) {
         int64_t k0, k1;
         thread_rows(count, ithr, nthr, k0, k1);
         if (k0 >= k1) return;
-        up_rows(p, kernel, U, k0, k1);
+        kernel(p, k0, k1);
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = k0; k < k1; ++k) {
                 float& h = p.y[m * count + k];

@@ -72,8 +72,13 @@ double rel(const std::vector<float>& a, const std::vector<float>& b) {
     return std::sqrt(num / std::max(den, 1e-300));
 }
 
+bool bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// `gathered`: the rows read through Product::rows from a copy of w in reverse order (the sparse FFN's up).
 std::vector<float> run(RowsKernel kernel, QuantizeRows quantize, const Format& f, const std::vector<uint8_t>& w,
-                       int64_t n, int64_t k, const std::vector<float>& x, int64_t m, bool exact) {
+                       int64_t n, int64_t k, const std::vector<float>& x, int64_t m, bool exact, bool gathered = false) {
     Activations a;
     prepare(a, x.data(), m, k, !exact && !f.is_float, f.block == 256 ? 256 : 32);
     if (!exact && !f.is_float) quantize(a, 0, m);
@@ -81,6 +86,16 @@ std::vector<float> run(RowsKernel kernel, QuantizeRows quantize, const Format& f
     Product p;
     p.fmt = &f; p.w = w.data(); p.row_bytes = row_bytes(f, k); p.K = k; p.N = n; p.M = m;
     p.a = &a; p.y = y.data(); p.ldy = n; p.exact = exact;
+    std::vector<uint8_t> reversed(w.size());
+    std::vector<const uint8_t*> rows(static_cast<size_t>(n));
+    if (gathered) {
+        for (int64_t r = 0; r < n; ++r) {
+            std::memcpy(&reversed[size_t(n - 1 - r) * p.row_bytes], &w[size_t(r) * p.row_bytes], p.row_bytes);
+            rows[size_t(r)] = &reversed[size_t(n - 1 - r) * p.row_bytes];
+        }
+        p.w = nullptr;
+        p.rows = rows.data();
+    }
     kernel(p, 0, n / 2);  // two column ranges, as two threads take them
     kernel(p, n / 2, n);
     return y;
@@ -163,6 +178,11 @@ int main() {
                     const int id = int(f.type);
                     const auto want = run(exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id],
                                           scalar_kernels().quantize, f, w, n, k, x, kRows, exact);
+                    const RowsKernel scalar = exact ? scalar_kernels().exact[id] : scalar_kernels().quantized[id];
+                    if (!bitwise(run(scalar, scalar_kernels().quantize, f, w, n, k, x, kRows, exact, true), want)) {
+                        std::printf("FAIL scalar %s gathered rows differ from the matrix's\n", name);
+                        ++failures;
+                    }
                     for (const KernelTable* t : isas) {
                         RowsKernel kernel = exact ? t->exact[id] : t->quantized[id];
                         const auto got = run(kernel, t->quantize, f, w, n, k, x, kRows, exact);
@@ -170,6 +190,10 @@ int main() {
                         if (!(rel(got, want) <= 1e-5)) {
                             std::printf("FAIL %s %s n=%ld k=%ld exact=%d rel=%g\n", t->isa, name, long(n), long(k),
                                         int(exact), rel(got, want));
+                            ++failures;
+                        }
+                        if (!bitwise(run(kernel, t->quantize, f, w, n, k, x, kRows, exact, true), got)) {
+                            std::printf("FAIL %s %s gathered rows differ from the matrix's\n", t->isa, name);
                             ++failures;
                         }
                         for (int64_t m : {int64_t(0), int64_t(3), int64_t(6), kRows - 1}) {  // alone: bitwise the batch

@@ -39,6 +39,22 @@ static inline void prefetch_next(const uint8_t* tile_end, size_t step, int64_t b
 }
 constexpr int64_t kRowChunk = 64;    // activation rows per pass over a tile (keeps them in L2)
 
+// The prefetch of a tile of R weight rows from n at step b: contiguous rows (a matrix as stored) prefetch_next past
+// the tile's end; gathered rows (Product::rows) each of the next tile's rows at step b's own bytes (step / R of each
+// row), a tile ahead.
+template <int R>
+static inline void prefetch_tile(const Product& p, int64_t n, const uint8_t* tile_end, size_t step, int64_t b) {
+    if (p.rows == nullptr) return prefetch_next(tile_end, step, b);
+    const size_t per_row = step / R, at = size_t(b) * per_row;
+    FLEET_UNROLL
+    for (int r = 0; r < R; ++r) {
+        if (n + R + r >= p.N) return;
+        const char* row = reinterpret_cast<const char*>(p.rows[n + R + r]) + at;
+        for (size_t off = 0; off < per_row; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+        _mm_prefetch(row + per_row - 1, _MM_HINT_T1);
+    }
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -50,7 +66,7 @@ static inline float hsum(__m256 v) {
 template <int R>
 static inline void tile_rows(const Product& p, int64_t n, const uint8_t* (&rows)[R]) {
     FLEET_UNROLL
-    for (int r = 0; r < R; ++r) rows[r] = p.w + (n + r) * p.row_bytes;
+    for (int r = 0; r < R; ++r) rows[r] = p.row(n + r);
 }
 
 // A tile's R x MB float sums, at zero.
@@ -195,7 +211,7 @@ static inline void tile_quantized(const Product& p, int64_t n, int64_t m) {
     constexpr size_t kSpanBytes = size_t(R) * (256 / F::QK) * F::BYTES;  // bytes of the tile in one span of 8 groups
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int span = int(std::min<int64_t>(8, groups - g0));
-        prefetch_next(tile_end, kSpanBytes, g0 / 8);
+        prefetch_tile<R>(p, n, tile_end, kSpanBytes, g0 / 8);
         alignas(16) float s[8][4], o[8][4];  // by group: lane r row r's scale (offset)
         {
             __m256 sv[R], ov[R];
@@ -339,7 +355,7 @@ static inline void tile_super(const Product& p, int64_t n, int64_t m) {
     zero_sums(acc);
     const uint8_t* tile_end = rows[0] + R * p.row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
-        prefetch_next(tile_end, size_t(R) * F::BYTES, b);
+        prefetch_tile<R>(p, n, tile_end, size_t(R) * F::BYTES, b);
         SuperScales sc[R];
         const SuperScales* scp[R];
         FLEET_UNROLL
@@ -421,7 +437,7 @@ static inline void tile_super_halves(const Product& p, int64_t n, int64_t m) {
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     const uint8_t* tile_end = rows[0] + R * p.row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
-        prefetch_next(tile_end, size_t(R) * F::BYTES, b);
+        prefetch_tile<R>(p, n, tile_end, size_t(R) * F::BYTES, b);
         SuperScales sc[R];
         const SuperScales* scp[R];
         FLEET_UNROLL

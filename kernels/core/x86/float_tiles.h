@@ -17,7 +17,7 @@ static inline void tile_exact(const Product& p, int64_t n, int64_t m) {
     constexpr size_t kSpanBytes = size_t(R) * (256 / F::QK) * F::BYTES;
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int span = int(std::min<int64_t>(8, groups - g0));
-        prefetch_next(tile_end, kSpanBytes, g0 / 8);
+        prefetch_tile<R>(p, n, tile_end, kSpanBytes, g0 / 8);
         FLEET_UNROLL
         for (int r = 0; r < R; ++r) {
             Span<F> sp;
@@ -62,12 +62,12 @@ static inline void tile_float(const Product& p, int64_t n, int64_t m) {
     const int64_t k8 = p.K / 8 * 8;
     __m256 acc[R][MB];
     zero_sums(acc);
-    const uint8_t* tile_end = p.w + (n + R) * p.row_bytes;
+    const uint8_t* tile_end = p.row(n) + R * p.row_bytes;
     for (int64_t k = 0; k < k8; k += 8) {
-        prefetch_next(tile_end, R * 8 * W, k / 8);
+        prefetch_tile<R>(p, n, tile_end, R * 8 * W, k / 8);
         FLEET_UNROLL
         for (int r = 0; r < R; ++r) {
-            const uint8_t* at = p.w + (n + r) * p.row_bytes + k * W;
+            const uint8_t* at = p.row(n + r) + k * W;
             const __m256 w = float8<T>(at);
             FLEET_UNROLL
             for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p.a->x_row(m + i) + k), acc[r][i]);
@@ -75,7 +75,7 @@ static inline void tile_float(const Product& p, int64_t n, int64_t m) {
     }
     FLEET_UNROLL
     for (int r = 0; r < R; ++r) {
-        const uint8_t* row = p.w + (n + r) * p.row_bytes;
+        const uint8_t* row = p.row(n + r);
         FLEET_UNROLL
         for (int i = 0; i < MB; ++i) {
             float y = hsum(acc[r][i]);

@@ -89,7 +89,7 @@ struct UnpackedTile {
         s.assign(size_t(groups * kTileColumns), 0.0f);
         o = s;
         for (int c = 0; c < columns; ++c) {
-            const uint8_t* row = p.w + (n + c) * p.row_bytes;
+            const uint8_t* row = p.row(n + c);
             for (int64_t g0 = 0; g0 < groups; g0 += 8) {
                 const int span = int(std::min<int64_t>(8, groups - g0));
                 Span<F> sp;
@@ -107,7 +107,7 @@ struct UnpackedTile {
                 for (int c = 0; c < 8; ++c) {
                     const int column = 8 * nt + c;
                     if (column >= columns) { v[c] = _mm256_setzero_si256(); continue; }
-                    v[c] = F::codes(p.w + (n + column) * p.row_bytes + g * F::BYTES, 0);
+                    v[c] = F::codes(p.row(n + column) + g * F::BYTES, 0);
                     if constexpr (kOffsetCodes<F>) v[c] = _mm256_xor_si256(v[c], mask8(0x80));
                 }
                 transpose8x8(v);
@@ -245,7 +245,7 @@ struct UnpackedColumns {
             alignas(32) int16_t sc[kTileColumns][16], mn[kTileColumns][16];
             for (int c = 0; c < columns; ++c) {
                 SuperScales ss;
-                F::super(p.w + (n + c) * p.row_bytes + b * F::BYTES, ss);
+                F::super(p.row(n + c) + b * F::BYTES, ss);
                 _mm256_store_si256(reinterpret_cast<__m256i*>(sc[c]), ss.scales);
                 _mm256_store_si256(reinterpret_cast<__m256i*>(mn[c]), ss.mins);
                 d[size_t(b * kTileColumns + c)] = ss.d;
@@ -271,7 +271,7 @@ struct UnpackedColumns {
                     FLEET_UNROLL
                     for (int c = 0; c < 8; ++c) {
                         const int column = 8 * nt + c;
-                        v[c] = column < columns ? F::codes(p.w + (n + column) * p.row_bytes + b * F::BYTES, j)
+                        v[c] = column < columns ? F::codes(p.row(n + column) + b * F::BYTES, j)
                                                 : _mm256_setzero_si256();
                     }
                     transpose8x8(v);
@@ -432,7 +432,7 @@ struct UnpackedSuperTile {
         codes.assign(size_t(4 * blocks * 256), 0);
         scales.assign(size_t(4 * blocks), SuperScales{_mm256_setzero_si256(), _mm256_setzero_si256(), 0.0f, 0.0f});
         for (int r = 0; r < rows; ++r) {
-            const uint8_t* row = p.w + (n + r) * p.row_bytes;
+            const uint8_t* row = p.row(n + r);
             for (int64_t b = 0; b < blocks; ++b) {
                 const size_t at = size_t(r * blocks + b);
                 F::super(row + b * F::BYTES, scales[at]);

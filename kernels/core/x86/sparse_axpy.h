@@ -6,8 +6,11 @@
 // over the thread's columns (a block of 32 columns a step: its t = h s per neuron, then per 8 columns y loaded from
 // L1, kGroup fmas, stored), with the rows kAheadRows further on prefetched at the same columns (into L2, as the
 // products do: driver.h), so that the scattered rows of the kept neurons stream from memory while these are added.
-// Measured here (one core, Q8_0, 2048 x 8192 from memory): 3.5 GB/s with the partial sums in registers over 4 neurons
-// a 64-column step (spilled, and the per-neuron work repeated every 64 columns), NN GB/s this way.
+// Measured here (one core, Q8_0 2048 x 8192, every neuron): 3.5 GB/s with the partial sums in registers over 4 neurons
+// a 64-column step (spilled, and each neuron's setup repeated every 64 columns); this way 11-12 GB/s in L2 and
+// 8-12 from memory, within 1.1-1.2x of the Q8_0 product of the same bytes (its integer dot takes 32 weights an
+// instruction, the axpy converts and multiplies 8: a bare loop of vpmovsxbd + vcvtdq2ps + vfmadd reaches 14-16
+// GB/s on this machine). 8 neurons a group measured 1.13x the product, 4 1.21x, 2 1.25x.
 //
 // Several rows (a batch group, a prefill chunk): a thread's columns kAxpyColumns at a time, the union of kept
 // neurons kAxpyChunk at a time (ascending), the rows in tiles of 2 or 4 whose partial sums stay in registers while the
@@ -17,8 +20,8 @@
 constexpr int64_t kAxpyColumns = 1024;  // columns a pass of the tiles: a 4-row tile's partial sums, 16 KB, stay in L1
 constexpr int kAxpyChunk = 32;          // neurons a pass of the tiles: their bytes at those columns, 34 KB of Q8_0
 constexpr int64_t kRowColumns = 4096;   // columns a pass of one row: its partial sums, 16 KB, stay in L1
-constexpr int kGroup = 4;               // neurons a row adds side by side
-constexpr int kAheadRows = 8;           // prefetch distance of the row path, in neurons
+constexpr int kGroup = 8;               // neurons a row adds side by side
+constexpr int kAheadRows = 16;          // prefetch distance of the row path, in neurons
 constexpr int kAxpyWideNV = FLEET_WIDE_REGISTERS ? 4 : 2;  // registers of 8 columns a row in the 4-row tile
 
 // Where the tile of the first rows prefetches: the next chunk's neurons (ids), at the tile's columns + shift (the
