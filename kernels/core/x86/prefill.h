@@ -88,8 +88,10 @@ struct UnpackedTile {
         codes.resize(size_t(groups * 256 * kPrefillNT));
         s.assign(size_t(groups * kTileColumns), 0.0f);
         o = s;
+        const uint8_t* rows[kTileColumns];  // taken once (Product::row tests for gathered rows)
+        for (int c = 0; c < columns; ++c) rows[c] = p.row(n + c);
         for (int c = 0; c < columns; ++c) {
-            const uint8_t* row = p.row(n + c);
+            const uint8_t* row = rows[c];
             for (int64_t g0 = 0; g0 < groups; g0 += 8) {
                 const int span = int(std::min<int64_t>(8, groups - g0));
                 Span<F> sp;
@@ -107,7 +109,7 @@ struct UnpackedTile {
                 for (int c = 0; c < 8; ++c) {
                     const int column = 8 * nt + c;
                     if (column >= columns) { v[c] = _mm256_setzero_si256(); continue; }
-                    v[c] = F::codes(p.row(n + column) + g * F::BYTES, 0);
+                    v[c] = F::codes(rows[column] + g * F::BYTES, 0);
                     if constexpr (kOffsetCodes<F>) v[c] = _mm256_xor_si256(v[c], mask8(0x80));
                 }
                 transpose8x8(v);
@@ -239,13 +241,15 @@ struct UnpackedColumns {
         pairs.assign(size_t(blocks * 8 * kTileColumns), 0);
         d.assign(size_t(blocks * kTileColumns), 0.0f);
         dmin = d;
+        const uint8_t* rows[kTileColumns];  // taken once (Product::row tests for gathered rows)
+        for (int c = 0; c < columns; ++c) rows[c] = p.row(n + c);
         for (int64_t b = 0; b < blocks; ++b) {
             // each column's scales (and minimums) by the decode tile's unpacking (unpack.h F::super, super_lane),
             // then turned to the tile's [g][column] int32 rows
             alignas(32) int16_t sc[kTileColumns][16], mn[kTileColumns][16];
             for (int c = 0; c < columns; ++c) {
                 SuperScales ss;
-                F::super(p.row(n + c) + b * F::BYTES, ss);
+                F::super(rows[c] + b * F::BYTES, ss);
                 _mm256_store_si256(reinterpret_cast<__m256i*>(sc[c]), ss.scales);
                 _mm256_store_si256(reinterpret_cast<__m256i*>(mn[c]), ss.mins);
                 d[size_t(b * kTileColumns + c)] = ss.d;
@@ -271,7 +275,7 @@ struct UnpackedColumns {
                     FLEET_UNROLL
                     for (int c = 0; c < 8; ++c) {
                         const int column = 8 * nt + c;
-                        v[c] = column < columns ? F::codes(p.row(n + column) + b * F::BYTES, j)
+                        v[c] = column < columns ? F::codes(rows[column] + b * F::BYTES, j)
                                                 : _mm256_setzero_si256();
                     }
                     transpose8x8(v);
