@@ -173,7 +173,8 @@ def cell_rows(spec: dict, result: dict, report: dict) -> list[list]:
                                     "goal": goal, "met": None if goal is None else ratio <= goal})
             rows.append([spec["dims"], spec["threads"], gate_type, spec["down_t"], name, f"{cell['us']:.0f}",
                          f"{ratio:.2f}", f"{cell['bytes'] / 1e6:.1f}", f"{byte_ratio:.2f}",
-                         None if goal is None else f"<= {goal}", None if goal is None else ("yes" if ratio <= goal else "NO")])
+                         None if goal is None else f"<= {goal}",
+                         None if goal is None else ("yes" if ratio <= goal else "NO")])
     return rows
 
 
