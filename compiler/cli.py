@@ -70,6 +70,9 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
         if mine is not None and mine != theirs:
             raise ValueError(f"{option} {mine} differs from the plan's {theirs} (its memory was counted for "
                              f"that): plan again with {option} {mine}")
+    if bool(planned.dims.ffn_sparsity) != bool(args.sparse_ffn):
+        raise ValueError("the plan was made for a sparse FFN build: add --sparse-ffn" if planned.dims.ffn_sparsity
+                         else "--sparse-ffn: the plan was made for a dense build: plan again with --sparse-ffn S")
     check_source(planned, args.src)
     args.layers, args.weights, args.kv_cache_precision = planned.layers, planned.weights, planned.kv_cache_precision
     return planned.devices
@@ -126,11 +129,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan, read_model, report_lines
 
     source = read_model(args.model)
+    dims = source.dims if args.sparse_ffn is None else source.dims.with_sparse_ffn(args.sparse_ffn, source.hidden_act)
     if args.node and args.nodes:
         raise ValueError("give the nodes with --node or with --nodes files, not both")
     nodes = [parse_node(spec) for spec in args.node] or [
-        node for path in args.nodes for node in read_nodes(path, source.dims.head_layers)]
-    result = plan(source.dims, nodes, weights=args.weights or source.weights,
+        node for path in args.nodes for node in read_nodes(path, dims.head_layers)]
+    result = plan(dims, nodes, weights=args.weights or source.weights,
                   kv_cache_precision=args.kv_cache_precision or source.kv_cache_precision,
                   max_context=args.max_context, max_sessions=args.max_sessions)
     print("\n".join(report_lines(result)))
@@ -268,6 +272,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-precision", choices=["f16", "bf16", "f32", "u8"],
                    help="KV bytes per value (default: the build's, f16 for an HF folder; workers run with "
                         "--inference-precision f32 keep f32)")
+    p.add_argument("--sparse-ffn", type=float, metavar="S",
+                   help="plan a sparse FFN build (build --sparse-ffn) of a ReLU-family model where a fraction S of a "
+                        "token's FFN neurons are zero (e.g. 0.88): its layers read less per token (docs/sparse-ffn.md)")
     p.add_argument("-o", "--out", type=Path, metavar="PLAN.json", help="write the plan for build --plan")
     p.set_defaults(func=_cmd_plan)
 

@@ -22,6 +22,12 @@ node's memory, which must hold (``StagePlan``):
 
 A Mixture-of-Experts layer reads only its chosen experts (top-k of n) per token, so its speed counts those
 (``ModelDims.layer_params``), its memory every expert and the router (``idle_params`` too).
+
+A sparse FFN build (``fleet-compiler build --sparse-ffn``, a ReLU-family model; docs/sparse-ffn.md) reads per token
+all of ``gate`` and only the kept neurons' rows of ``up`` and ``down_t``: at ``ffn_sparsity`` s (the fraction of a
+token's FFN neurons that are zero) a layer costs ``ModelDims.read_fraction`` of a dense one's reads. Its memory is
+the dense build's: ``down_t`` replaces ``down`` with the same bytes (from bf16/fp16/f32 sources, the only ones a
+sparse build takes).
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ class ModelDims:
     # slots a session reserves in each
     sliding_layers: tuple[bool, ...] = ()
     local_slots: int = 0
+    # a sparse FFN build: the fraction of a token's FFN neurons that are zero (0: dense; module doc)
+    ffn_sparsity: float = 0.0
 
     @classmethod
     def from_config(cls, config: dict, model_id: str) -> ModelDims:
@@ -129,6 +137,27 @@ class ModelDims:
                               self.intermediate_size, self.vocab_size)[0]
 
     @property
+    def read_fraction(self) -> float:
+        """What one decoder layer reads per token, as a fraction of ``layer_params`` (1.0 for a dense layer; a
+        sparse FFN's: attention, all of gate, ``1 - ffn_sparsity`` of up and of down_t)."""
+        ffn = self.hidden_size * self.intermediate_size
+        return (self.layer_params - 2 * ffn * self.ffn_sparsity) / self.layer_params
+
+    def with_sparse_ffn(self, sparsity: float, hidden_act: str) -> ModelDims:
+        """These dims for a sparse FFN build at ``sparsity`` (the fraction of a token's FFN neurons that are zero,
+        0 <= s < 1). Raises ``ValueError`` for a model whose MLP is not ReLU-family (``hidden_act``, as
+        ``fleet-compiler build --sparse-ffn`` refuses it), a Mixture-of-Experts, or a sparsity out of range."""
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"--sparse-ffn {sparsity}: give the fraction of a token's FFN neurons that are zero, "
+                             "0 <= s < 1 (e.g. 0.88 for ProSparse)")
+        if hidden_act != "relu":
+            raise ValueError(f"--sparse-ffn: {self.model_id}'s MLP is hidden_act {hidden_act!r}; a sparse FFN build "
+                             "takes a ReLU-family model (hidden_act relu), so its plan does too")
+        if self.moe:
+            raise ValueError(f"--sparse-ffn: {self.model_id} is a Mixture-of-Experts; sparse FFN builds are dense models")
+        return replace(self, ffn_sparsity=float(sparsity))
+
+    @property
     def moe(self) -> bool:
         """A Mixture-of-Experts model: its layers store weights a token does not read (``idle_params``)."""
         return self.idle_params > 0
@@ -140,7 +169,7 @@ class ModelDims:
 
     @property
     def head_layers(self) -> float:
-        """The LM head's weight reads per token in layers' worth (8.0 for SmolLM2-135M)."""
+        """The LM head's weight reads per token in (dense) layers' worth (8.0 for SmolLM2-135M)."""
         return self.head_params / self.layer_params
 
     @property
@@ -157,6 +186,7 @@ class ModelSource:
     dims: ModelDims
     weights: str  # the build's weight format ("fp16" for an HF folder or a mixed build)
     kv_cache_precision: str
+    hidden_act: str = "silu"  # config.json's MLP activation (a sparse FFN needs "relu")
 
 
 def read_model(path: Path) -> ModelSource:
@@ -170,8 +200,9 @@ def read_model(path: Path) -> ModelSource:
         manifest = load_manifest(path).manifest
         dims = ModelDims.from_config(config, manifest.model_id)
         weights = manifest.weights if manifest.weights in FORMATS else "fp16"  # "mixed": count fp16
-        return ModelSource(dims, weights, manifest.kv_cache_precision)
-    return ModelSource(ModelDims.from_config(config, path.resolve().name), "fp16", "f16")
+        return ModelSource(dims, weights, manifest.kv_cache_precision, str(config.get("hidden_act", "silu")))
+    return ModelSource(ModelDims.from_config(config, path.resolve().name), "fp16", "f16",
+                       str(config.get("hidden_act", "silu")))
 
 
 def _int8_bytes(symmetric: bool, fan_in: int) -> float:
@@ -312,6 +343,9 @@ def _check(dims: ModelDims, nodes: list[Node], s: _Settings) -> None:
         raise ValueError(f"--max-context {s.max_context}: must be 1..{dims.max_context} (the model's context)")
     if s.max_sessions < 1:
         raise ValueError("--max-sessions must be at least 1")
+    if dims.ffn_sparsity and s.weights != "fp16":
+        raise ValueError(f"--sparse-ffn with --weights {s.weights}: a sparse FFN runs on fleet's kernels over the "
+                         "model's own bf16/fp16/f32 weights (count fp16), as fleet-compiler build --sparse-ffn does")
 
 
 def _fit(dims: ModelDims, nodes: list[Node], s: _Settings) -> Plan | tuple[str, str, int]:
@@ -353,11 +387,12 @@ def _fit(dims: ModelDims, nodes: list[Node], s: _Settings) -> Plan | tuple[str, 
                 f"node full, node {nodes[i].name!r} ({_mib(nodes[i].memory_bytes)} MiB) would need "
                 f"{_describe(parts(i, rest[i]))} for {rest[i]} layers{_extras(i, last)}: short {_mib(short[i])} MiB",
                 nodes[i].name, short[i])
-    ranges = balanced_split(dims.num_layers, len(nodes), 1.0, dims.head_layers, speeds, caps)
+    layer_cost = dims.read_fraction  # a dense layer's reads: 1.0
+    ranges = balanced_split(dims.num_layers, len(nodes), layer_cost, dims.head_layers, speeds, caps)
     stages = []
     for i, (start, end) in enumerate(ranges):
         w, kv, rt = parts(i, end - start, start)
-        work = end - start + (dims.head_layers if i == last else 0)
+        work = (end - start) * layer_cost + (dims.head_layers if i == last else 0)
         ms = work * nodes[i].ms_per_layer if measured else None
         stages.append(StagePlan(i, nodes[i], start, end, w, kv, rt, work / speeds[i], ms))
     return Plan(dims, s.weights, s.kv_cache_precision, s.max_context, s.max_sessions, tuple(stages))
@@ -404,9 +439,11 @@ def _extras(i: int, last: int) -> str:
 
 def report_lines(p: Plan) -> list[str]:
     """The plan as a table: node, device, layers, memory by part against the node's, time per token."""
+    sparse = (f"; sparse FFN at {p.dims.ffn_sparsity:.0%}: a layer reads {p.dims.read_fraction:.2f} of a dense one's "
+              "weights per token" if p.dims.ffn_sparsity else "")
     lines = [f"plan for {p.dims.model_id}: {p.dims.num_layers} layers, {p.weights} weights, KV cache "
              f"{p.kv_cache_precision} for {p.max_sessions} session(s) x {p.max_context} tokens per worker; runtime "
-             f"{_mib(RUNTIME_FIXED_BYTES)} MiB + {copy_factor(p.weights, p.dims.moe):g} x weights",
+             f"{_mib(RUNTIME_FIXED_BYTES)} MiB + {copy_factor(p.weights, p.dims.moe):g} x weights{sparse}",
              f"{'stage':>5}  {'node':<12} {'device':<6} {'layers':>7}  {'weights':>8}  {'KV':>8}  {'runtime':>8}  "
              f"{'total / memory MiB':>19}  {'cost':>6}  {'ms/token':>8}"]
     for s in p.stages:
@@ -416,7 +453,7 @@ def report_lines(p: Plan) -> list[str]:
                      f"{_mib(s.total_bytes):>8} / {_mib(s.node.memory_bytes):>8}  {s.cost:>6.2f}  {ms:>8}")
     slow = p.bottleneck
     when = (f"predicted {slow.ms_per_token:.2f} ms/token" if slow.ms_per_token is not None
-            else "cost: layers' worth of weight reads per token / relative speed")
+            else "cost: dense layers' worth of weight reads per token / relative speed")
     lines.append(f"slowest stage: {slow.index} ({slow.node.name}); {when}")
     return lines
 
@@ -458,7 +495,8 @@ def check_source(planned: PlannedBuild, src: Path) -> None:
     config = Path(src) / "config.json"
     if not config.is_file():
         return
-    mine = ModelDims.from_config(json.loads(config.read_text()), planned.dims.model_id)
+    mine = replace(ModelDims.from_config(json.loads(config.read_text()), planned.dims.model_id),
+                   ffn_sparsity=planned.dims.ffn_sparsity)  # the plan's choice, not the model's
     if mine != planned.dims:
         differ = [k for k, v in asdict(mine).items() if asdict(planned.dims)[k] != v]
         raise ValueError(f"the plan was made for another model than {src} ({', '.join(differ)} differ): "
