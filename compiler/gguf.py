@@ -446,8 +446,21 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
+POWERINFER_MAGIC = b"PWRI"  # PowerInfer's GGUF variant (its own ffn_down_t, fc1/fc2 predictors, sparse_threshold)
+
+
 def _open_part(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
-    """gguf-py's memory-mapped reader of ``path``; ``ValueError`` naming the file when it is not a readable GGUF."""
+    """gguf-py's memory-mapped reader of ``path``; ``ValueError`` naming the file when it is not a readable GGUF,
+    and PowerInfer's files (magic ``PWRI``) by name: fleet does not read that variant."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if magic == POWERINFER_MAGIC:
+        raise ValueError(f"{path} is a PowerInfer GGUF (magic PWRI, with its own ffn_down_t and fc1/fc2 neuron "
+                         "predictors): fleet does not read PowerInfer's variant yet. Build the model's Hugging Face "
+                         "folder with fleet-compiler build --sparse-ffn (docs/sparse-ffn.md)")
     try:
         return read_gguf_file(path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:

@@ -77,3 +77,21 @@ def test_a_rope_scaling_type_not_modelled_is_refused_by_name(tmp_path):
     write(path, "llama", "none")
     assert gguf_config(open_reader(path), str(path))["rope_parameters"] == {"rope_theta": 10000.0,
                                                                            "rope_type": "default"}
+
+
+def test_a_powerinfer_gguf_is_refused_by_name(tmp_path, capsys):
+    """PowerInfer's variant (issue 47): its magic is PWRI, the rest a GGUF with ffn_down_t and fc1/fc2 predictors.
+    fleet does not read it: the refusal names the variant and what to build instead, from the file and the CLI."""
+    from compiler.cli import main as compiler_main
+
+    plain = tmp_path / "plain.gguf"
+    write(plain, "llama")
+    pwri = tmp_path / "relu-llama.powerinfer.gguf"
+    pwri.write_bytes(b"PWRI" + plain.read_bytes()[4:])
+    with pytest.raises(ValueError, match="is a PowerInfer GGUF .magic PWRI"):
+        open_reader(pwri)
+    assert compiler_main(["build", str(pwri), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "PowerInfer GGUF" in err and "--sparse-ffn" in err
+    assert not (tmp_path / "out").exists()
+    open_reader(plain)  # the same bytes with GGUF's magic open
