@@ -437,11 +437,16 @@ def split_parts(path: Path, count: int) -> list[Path]:
     return names
 
 
+def _magic(path: Path) -> bytes:
+    """The first 4 bytes of file ``path`` (a GGUF's magic); raises ``OSError``."""
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
 def is_gguf_file(path: Path) -> bool:
     """Whether ``path`` is a file that starts with GGUF's magic ``b"GGUF"`` (any name: Ollama's blobs have none)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
+        return _magic(path) == b"GGUF"
     except OSError:
         return False
 
@@ -453,8 +458,7 @@ def _open_part(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
     """gguf-py's memory-mapped reader of ``path``; ``ValueError`` naming the file when it is not a readable GGUF,
     and PowerInfer's files (magic ``PWRI``) by name: fleet does not read that variant."""
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        magic = _magic(path)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if magic == POWERINFER_MAGIC:

@@ -196,13 +196,13 @@ def read_model(path: Path) -> ModelSource:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: give a Hugging Face model folder or a fleet build folder")
     config = json.loads((path / "config.json").read_text())
+    act = str(config.get("hidden_act", "silu"))
     if (path / MANIFEST_NAME).is_file():
         manifest = load_manifest(path).manifest
         dims = ModelDims.from_config(config, manifest.model_id)
         weights = manifest.weights if manifest.weights in FORMATS else "fp16"  # "mixed": count fp16
-        return ModelSource(dims, weights, manifest.kv_cache_precision, str(config.get("hidden_act", "silu")))
-    return ModelSource(ModelDims.from_config(config, path.resolve().name), "fp16", "f16",
-                       str(config.get("hidden_act", "silu")))
+        return ModelSource(dims, weights, manifest.kv_cache_precision, act)
+    return ModelSource(ModelDims.from_config(config, path.resolve().name), "fp16", "f16", act)
 
 
 def _int8_bytes(symmetric: bool, fan_in: int) -> float:

@@ -153,7 +153,6 @@ def tensor_types(path: Path) -> dict[str, int]:
 
 def same_tensors(a: Path, b: Path) -> bool:
     """Whether GGUFs ``a`` and ``b`` hold the same tensors: names, types and bytes."""
-
     ta, tb = read_gguf_file(str(a)).tensors, read_gguf_file(str(b)).tensors
     return len(ta) == len(tb) and all(x.name == y.name and x.tensor_type == y.tensor_type
                                       and np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(ta, tb))

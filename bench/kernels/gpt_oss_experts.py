@@ -36,10 +36,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
-
-
 from bench.kernels import kernel_bench
 from compiler.gguf_read import read_gguf_file
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, WIDTH, WINDOW = 2880, 64, 8, 64, 2880, 128  # gpt-oss-20b's config.json
 STD, SEED = 0.02, 0
 

@@ -77,7 +77,6 @@ def k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nd
 def demo_vocabulary(demo_gguf: str) -> tuple[list, list, list, str]:
     """The demo GGUF's tokens, merges, token types and chat template, read once per run (gguf-py takes
     seconds to parse its ~100k strings)."""
-
     fields = read_gguf_file(demo_gguf).fields
     return tuple(fields[f"tokenizer.{k}"].contents()
                  for k in ("ggml.tokens", "ggml.merges", "ggml.token_type", "chat_template"))
