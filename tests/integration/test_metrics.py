@@ -37,7 +37,8 @@ def test_metrics_on_coordinator_and_workers(build_2, tmp_path):
     workers = [start_worker(build_2, shard, tmp_path, "--no-announce", "--metrics-port", str(ports[shard]))
                for shard in range(2)]
     peers = [arg for _, address in workers for arg in ("--peer", address)]
-    coordinator, url = start_coordinator(build_2, tmp_path, *peers, "--no-discover", "--draft", "ngram")
+    coordinator, url = start_coordinator(build_2, tmp_path, *peers, "--no-discover", "--draft", "ngram",
+                                          "--spec-k", "4")  # drafts every step, whatever the step costs say
     try:
         wait_ready(url)
         for _ in range(2):
