@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -98,9 +99,11 @@ def tensors(shape: Shape, layers: int, vocab: int) -> list[tuple[str, tuple[int,
     return out
 
 
-def write_f16(name: str, layers: int, out: Path) -> Path:
+def write_f16(name: str, layers: int, out: Path,
+              values: Callable[[str, tuple[int, ...]], np.ndarray] | None = None) -> Path:
     """Write ``out``: model ``name`` (``SHAPES``) with ``layers`` layers, F16 matrices, F32 norms, the demo's
-    tokenizer metadata. Written beside ``out`` and renamed when complete; returns ``out``."""
+    tokenizer metadata. ``values(name, dims)``: a tensor's values in GGUF layout (default: matrices N(0, STD),
+    norms 1). Written beside ``out`` and renamed when complete; returns ``out``."""
     import gguf
 
     shape = SHAPES[name]
@@ -132,7 +135,10 @@ def write_f16(name: str, layers: int, out: Path) -> Path:
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
     rng = np.random.default_rng(SEED)
     for tname, dims in tensors(shape, layers, vocab):
-        if len(dims) == 1:
+        if values is not None:
+            data = values(tname, dims)
+            writer.add_tensor(tname, data.astype(np.float32 if len(dims) == 1 else np.float16, copy=False))
+        elif len(dims) == 1:
             writer.add_tensor(tname, np.ones(dims, np.float32))
         else:
             data = np.empty(dims, np.float16).reshape(-1, *dims[-2:])  # [experts or 1, rows, cols]

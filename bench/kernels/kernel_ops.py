@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("n", "matrices", "runs", "prefill"):
         if getattr(args, name) < 1:
             p.error(f"--{name} {getattr(args, name)}: must be at least 1")
-    types = [t for t in args.types.split(",") if t]
+    types = [t.upper() for t in args.types.split(",") if t]
     report = {"shape": [args.n, args.k], "matrices": args.matrices, "cells": []}
     rows = []
     for threads in map(int, args.threads.split(",")):
