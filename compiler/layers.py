@@ -54,19 +54,25 @@ def linears(x: ov.Output, weights: list[ov.Output | GgufWeight],
             biases: list[ov.Output | None] | None = None) -> list[ov.Output]:
     """``x @ w.T (+ b)`` for each weight [out_i, in] of one input x [B, S, in] f32 -> [B, S, out_i] each.
 
-    A ``GgufWeight`` is fleet's ``GgufMatMul`` over its blocks (named ``<constant>/matmul``), its outputs
-    gathered into HF's order where the file permuted its rows."""
+    ``GgufWeight``s are fleet's ``GgufMatMul`` over their blocks, all of them one op (the same products, one op's
+    cost and one wait of the threads a decode step: ``kernels.gguf_matmuls``; named ``<constant>/matmul``, the
+    constants' names joined by ``+``), each output gathered into HF's order where the file permuted its rows."""
     biases = biases or [None] * len(weights)
+    blocks = [w for w in weights if isinstance(w, GgufWeight)]
+    products = iter(())
+    if blocks:
+        node = kernels.gguf_matmuls(x, [w.blocks for w in blocks], [w.block_type for w in blocks])[0].get_node()
+        node.set_friendly_name("+".join(w.blocks.get_node().get_friendly_name() for w in blocks) + "/matmul")
+        products = iter(node.outputs())
     out = []
     for w, bias in zip(weights, biases):
         if isinstance(w, GgufWeight):
-            y = kernels.gguf_matmul(x, w.blocks, w.block_type).get_node()
-            y.set_friendly_name(f"{w.blocks.get_node().get_friendly_name()}/matmul")
+            y = next(products)
             if w.order is not None:
-                y = op.gather(y, i64(w.order), i64(-1))
+                y = op.gather(y, i64(w.order), i64(-1)).output(0)
         else:
-            y = op.matmul(x, w, transpose_a=False, transpose_b=True)
-        out.append((y if bias is None else op.add(y, bias)).output(0))
+            y = op.matmul(x, w, transpose_a=False, transpose_b=True).output(0)
+        out.append(y if bias is None else op.add(y, bias).output(0))
     return out
 
 

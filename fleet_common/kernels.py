@@ -6,7 +6,7 @@ The library sits beside this file (``libfleet_kernels.so``); it is built against
 built for version N names it in the manifest and a worker without that build refuses the stage.
 
 The ops (opset ``fleet_gguf``): ``GgufMatMul``, activations f32 [..., K] x the tensor's bytes (a u8 Constant
-[N, row bytes], GGUF's own layout) -> f32 [..., N]; ``GgufMoeMatMul``, the same for each token's chosen
+[N, row bytes], GGUF's own layout) -> f32 [..., N], or x several tensors' (one output each); ``GgufMoeMatMul``, the same for each token's chosen
 experts of an expert tensor [E, N, row bytes]; ``GgufEmbedding``, rows of a table kept as blocks;
 ``GgufSparseFfn``, an FFN that computes only the neurons whose gate fires (``gguf_sparse_ffn``). Attributes
 ``block_type`` (GGUF's name) and ``precision`` ("int8": activations quantized to int8 per 32 values,
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-KERNELS_VERSION = "3"  # kernels/VERSION: bump when the op's meaning (its numbers) or the library's interface changes
+KERNELS_VERSION = "4"  # kernels/VERSION: bump when the op's meaning (its numbers) or the library's interface changes
 OPSET = "fleet_gguf"
 LIBRARY = Path(__file__).with_name("libfleet_kernels.so")
 PRECISIONS = ("int8", "f32")
@@ -103,9 +103,21 @@ def _factory():  # noqa: ANN202 - openvino.utils.node_factory.NodeFactory
 def gguf_matmul(x: ov.Output, blocks: ov.Output, block_type: str, precision: str = "int8") -> ov.Output:
     """``x @ W.T`` with W one GGUF tensor's blocks: x f32 [..., K], ``blocks`` u8 [N, K / block x block bytes]
     (GGUF's row-major bytes) -> f32 [..., N]. ``ValueError`` for a type or precision the kernels lack."""
-    _check(block_type, precision)
-    node = _factory().create("GgufMatMul", [x, blocks], {"block_type": block_type, "precision": precision})
-    return node.output(0)
+    return gguf_matmuls(x, [blocks], [block_type], precision)[0]
+
+
+def gguf_matmuls(x: ov.Output, blocks: list[ov.Output], block_types: list[str],
+                 precision: str = "int8") -> list[ov.Output]:
+    """``x @ W_i.T`` for several GGUF tensors of one input (a layer's q, k and v; gate and up) as one
+    ``GgufMatMul``: the same products and bits as one op each, for one op's cost and one wait of the threads a
+    step. x f32 [..., K]; ``blocks[i]`` u8 [N_i, row bytes] of type ``block_types[i]`` -> [f32 [..., N_i]].
+    ``ValueError`` for a type or precision the kernels lack, or as many types as tensors."""
+    if len(blocks) != len(block_types) or not blocks:
+        raise ValueError(f"{len(blocks)} tensors but {len(block_types)} block types")
+    for block_type in block_types:
+        _check(block_type, precision)
+    node = _factory().create("GgufMatMul", [x, *blocks], {"block_type": ",".join(block_types), "precision": precision})
+    return [node.output(i) for i in range(len(blocks))]
 
 
 def gguf_moe_matmul(x: ov.Output, blocks: ov.Output, chosen: ov.Output, block_type: str,

@@ -183,8 +183,8 @@ def paired_cells(build: Path, gguf: Path | None, threads: int, args: argparse.Na
 
 
 def role(name: str) -> str:
-    """The matrix role (q, k, ..., head) an FC node's name names, or ``other``."""
-    return next((r for key, r in ROLES.items() if key in name), "other")
+    """The matrix role (q, k, ..., head) an FC node's name names (``q+k+v`` for one op of several), or ``other``."""
+    return "+".join(r for key, r in ROLES.items() if key in name) or "other"
 
 
 def profile_summary(ops: list) -> dict:

@@ -4,26 +4,40 @@
 
 namespace fleet {
 
-GgufMatMul::GgufMatMul(const ov::Output<ov::Node>& x, const ov::Output<ov::Node>& blocks, std::string block_type,
-                       std::string precision)
-    : Op({x, blocks}), block_type_(std::move(block_type)), precision_(std::move(precision)) {
+GgufMatMul::GgufMatMul(const ov::OutputVector& args, std::string block_type, std::string precision)
+    : Op(args), block_type_(std::move(block_type)), precision_(std::move(precision)) {
     constructor_validate_and_infer_types();
+}
+
+std::vector<std::string> GgufMatMul::types() const {
+    std::vector<std::string> out;
+    size_t start = 0;
+    for (size_t comma; (comma = block_type_.find(',', start)) != std::string::npos; start = comma + 1)
+        out.push_back(block_type_.substr(start, comma - start));
+    out.push_back(block_type_.substr(start));
+    return out;
 }
 
 void GgufMatMul::validate_and_infer_types() {
     const auto& xs = get_input_partial_shape(0);
-    const auto& ws = get_input_partial_shape(1);
-    NODE_VALIDATION_CHECK(this, ws.rank().is_static() && ws.rank().get_length() == 2, "GgufMatMul: blocks [N, bytes]");
+    const size_t n = get_input_size() - 1;
+    const std::vector<std::string> block_types = types();
+    NODE_VALIDATION_CHECK(this, n >= 1, "GgufMatMul: activations and at least one tensor's blocks");
+    NODE_VALIDATION_CHECK(this, block_types.size() == n, "GgufMatMul: ", n, " tensors but ", block_types.size(),
+                          " block types in '", block_type_, "'");
     NODE_VALIDATION_CHECK(this, xs.rank().is_static() && xs.rank().get_length() >= 1, "GgufMatMul: activations [..., K]");
-    validate_product(this, block_type_, precision_, xs, ws);
-    ov::PartialShape out = xs;
-    out[out.size() - 1] = ws[0];
-    set_output_type(0, ov::element::f32, out);
+    for (size_t i = 0; i < n; ++i) {
+        const auto& ws = get_input_partial_shape(i + 1);
+        NODE_VALIDATION_CHECK(this, ws.rank().is_static() && ws.rank().get_length() == 2, "GgufMatMul: blocks [N, bytes]");
+        validate_product(this, block_types[i], precision_, xs, ws, i + 1);
+        ov::PartialShape out = xs;
+        out[out.size() - 1] = ws[0];
+        set_output_type(i, ov::element::f32, out);
+    }
 }
 
 std::shared_ptr<ov::Node> GgufMatMul::clone_with_new_inputs(const ov::OutputVector& args) const {
-    check_new_args_count(this, args);
-    return std::make_shared<GgufMatMul>(args[0], args[1], block_type_, precision_);
+    return std::make_shared<GgufMatMul>(args, block_type_, precision_);
 }
 
 bool GgufMatMul::visit_attributes(ov::AttributeVisitor& visitor) {
@@ -34,31 +48,41 @@ bool GgufMatMul::visit_attributes(ov::AttributeVisitor& visitor) {
 
 bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
     const ov::Tensor& x = inputs[0];
-    const ov::Tensor& w = inputs[1];
     const ov::Shape xs = x.get_shape();
     const int64_t K = int64_t(xs.back());
     const int64_t M = int64_t(ov::shape_size(xs)) / std::max<int64_t>(K, 1);
-    const int64_t N = int64_t(w.get_shape()[0]);
-    ov::Shape ys = xs;
-    ys.back() = size_t(N);
-    outputs[0].set_shape(ys);
+    const std::vector<std::string> block_types = types();
+    const size_t n = block_types.size();
 
-    Product p;
-    p.fmt = format_by_name(block_type_.c_str());
-    p.w = static_cast<const uint8_t*>(w.data());
-    p.row_bytes = w.get_shape()[1];
-    p.K = K;
-    p.N = N;
-    p.M = M;
-    p.y = outputs[0].data<float>();
-    p.ldy = N;
-    p.exact = precision_ == "f32" || p.fmt->is_float;
-    if (M == 0 || N == 0) return true;
-
-    thread_local Activations activations;  // reused across calls: no allocation per decode step
-    prepare_activations(activations, x.data<const float>(), M, K, *p.fmt, p.exact);
-    p.a = &activations;
-    run_product(p);
+    // Activations in each form the tensors take (per 32, per 256, exact), prepared once: thread_local, so reused
+    // across calls with no allocation per decode step.
+    thread_local Activations forms[3];
+    bool prepared[3] = {false, false, false};
+    std::vector<Product> products(n);
+    for (size_t i = 0; i < n; ++i) {
+        const ov::Tensor& w = inputs[i + 1];
+        const int64_t N = int64_t(w.get_shape()[0]);
+        ov::Shape ys = xs;
+        ys.back() = size_t(N);
+        outputs[i].set_shape(ys);
+        Product& p = products[i];
+        p.fmt = format_by_name(block_types[i].c_str());
+        p.w = static_cast<const uint8_t*>(w.data());
+        p.row_bytes = w.get_shape()[1];
+        p.K = K;
+        p.N = N;
+        p.M = M;
+        p.y = outputs[i].data<float>();
+        p.ldy = N;
+        p.exact = precision_ == "f32" || p.fmt->is_float;
+        const int form = p.exact ? 2 : p.fmt->block == 256 ? 1 : 0;
+        if (M > 0 && !prepared[form]) {
+            prepare_activations(forms[form], x.data<const float>(), M, K, *p.fmt, p.exact);
+            prepared[form] = true;
+        }
+        p.a = &forms[form];
+    }
+    if (M > 0) run_products(products.data(), products.size());
     return true;
 }
 

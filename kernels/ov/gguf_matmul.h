@@ -1,23 +1,26 @@
-// fleet_gguf.GgufMatMul: activations [..., K] f32 times one GGUF tensor's blocks, as they lie in the file.
+// fleet_gguf.GgufMatMul: activations [..., K] f32 times one or more GGUF tensors' blocks, as they lie in the file.
 #pragma once
 
 #include <openvino/op/op.hpp>
+#include <vector>
 
 namespace fleet {
 
 struct Format;
 
-// Inputs: 0 activations f32 [..., K]; 1 the tensor's bytes, a u8 Constant [N, K / block x block bytes]
-// (GGUF row-major: row n holds output n's K weights). Output f32 [..., N].
-// Attributes: block_type (GGUF's name: "Q4_K", "F16", ...); precision "int8" (activations quantized to
-// int8 per 32, the default: llama.cpp's speed) or "f32" (exact: the activations as they are).
+// Inputs: 0 activations f32 [..., K]; 1 .. n the tensors' bytes, u8 Constants [N_i, K / block x block bytes]
+// (GGUF row-major: row n holds output n's K weights). Outputs: n, f32 [..., N_i].
+// Attributes: block_type, the n tensors' GGUF type names comma-separated ("Q4_K", or "Q4_K,Q4_K,Q6_K" for a layer's
+// q, k and v); precision "int8" (activations quantized to int8 per 32, the default: llama.cpp's speed) or "f32"
+// (exact: the activations as they are).
+// Several tensors of one input are one op so that a decode step pays one op and one wait of the threads for them
+// instead of one each (the products and their bits are those of separate ops).
 class GgufMatMul : public ov::op::Op {
 public:
     OPENVINO_OP("GgufMatMul", "fleet_gguf");
 
     GgufMatMul() = default;
-    GgufMatMul(const ov::Output<ov::Node>& x, const ov::Output<ov::Node>& blocks, std::string block_type,
-               std::string precision);
+    GgufMatMul(const ov::OutputVector& args, std::string block_type, std::string precision);
 
     void validate_and_infer_types() override;
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override;
@@ -28,6 +31,7 @@ public:
 private:
     std::string block_type_;
     std::string precision_ = "int8";
+    std::vector<std::string> types() const;  // block_type_ split at commas
 };
 
 }  // namespace fleet

@@ -27,11 +27,15 @@ def kernel_constants(xml: Path, op: str = "GgufMatMul") -> dict[str, tuple[str, 
         if layer.get("type") != op:
             continue
         ports = [p.get("id") for p in layer.find("input").iter("port")]
-        const = layers[into[(layer.get("id"), ports[1])]]
-        data, attrs = const.find("data"), layer.find("data")
-        assert const.get("type") == "Const" and data.get("element_type") == "u8", const.attrib
-        found[const.get("name")] = (attrs.get("block_type"), attrs.get("precision"), int(data.get("offset")),
-                                    int(data.get("size")))
+        attrs = layer.find("data")
+        types = attrs.get("block_type").split(",")  # a GgufMatMul of several tensors: one type each
+        assert len(types) == len(ports) - 1 or op != "GgufMatMul", attrs.attrib
+        for port, block_type in zip(ports[1:], types):
+            const = layers[into[(layer.get("id"), port)]]
+            data = const.find("data")
+            assert const.get("type") == "Const" and data.get("element_type") == "u8", const.attrib
+            found[const.get("name")] = (block_type, attrs.get("precision"), int(data.get("offset")),
+                                        int(data.get("size")))
     return found
 
 

@@ -156,6 +156,40 @@ def test_a_bad_shape_or_type_is_refused_by_name() -> None:
         kernels.gguf_matmul(y.output(0), kernels.blocks_constant(np.zeros((4, 35), np.uint8)), "Q4_0")
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_one_op_of_several_tensors_gives_each_separate_op_s_bits(isa: str) -> None:
+    """A layer's q, k, v (or gate and up) as one GgufMatMul: types of both activation groups (32 and 256) and a
+    float one, odd row counts, 1..17 activation rows, 1 and 2 threads; each output equal bit for bit to its own op's,
+    in both precisions."""
+    rng = np.random.default_rng(zlib.crc32(isa.encode()))
+    cols = 512
+    tensors = [("Q4_K", 37), ("Q6_K", 9), ("Q8_0", 66), ("F16", 5), ("Q4_0", 1)]
+    blocks = [random_blocks(name, n, cols, rng) for name, n in tensors]
+    x = rng.standard_normal((17, cols)).astype(np.float32)
+    for precision in kernels.PRECISIONS:
+        for threads in (1, 2):
+            p = op.parameter([-1, cols], ov.Type.f32)
+            consts = [kernels.blocks_constant(b) for b in blocks]
+            fused = kernels.gguf_matmuls(p.output(0), consts, [name for name, _ in tensors], precision)
+            apart = [kernels.gguf_matmul(p.output(0), c, name, precision) for c, (name, _) in zip(consts, tensors)]
+            compiled = kernels.new_core().compile_model(ov.Model(fused + apart, [p]), "CPU",
+                                                        {"INFERENCE_NUM_THREADS": threads})
+            for m in (1, 3, 17):
+                out = compiled(x[:m])
+                for i, (name, n) in enumerate(tensors):
+                    assert out[i].shape == (m, n)
+                    assert np.array_equal(out[i], out[len(tensors) + i]), (isa, precision, threads, m, name)
+
+
+def test_several_tensors_need_as_many_types() -> None:
+    x = op.parameter([-1, 64], ov.Type.f32)
+    q4 = kernels.blocks_constant(np.zeros((4, 36), np.uint8))
+    with pytest.raises(ValueError, match="2 tensors but 1 block types"):
+        kernels.gguf_matmuls(x.output(0), [q4, q4], ["Q4_0"])
+    with pytest.raises(RuntimeError, match="Q8_0 rows of K = 64 take 68 bytes, not 36"):  # the second tensor's
+        kernels.gguf_matmuls(x.output(0), [q4, q4], ["Q4_0", "Q8_0"])
+
+
 def test_an_isa_this_cpu_lacks_is_an_error(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("FLEET_KERNEL_ISA", "sse9")
     with pytest.raises(kernels.KernelsUnavailable, match="FLEET_KERNEL_ISA='sse9'"):
