@@ -145,6 +145,16 @@ def kv_held(addresses: list[str]) -> list[tuple[int, int, int]]:
     return [(i.sessions, i.kv_bytes, i.kv_reserved_bytes) for i in stage_infos(addresses)]
 
 
+def kv_freed_after_the_restart(url: str, addresses: list[str]) -> None:
+    """``wait_kv_freed``, with a known bug whose cause is not yet found (CHANGELOG 2026-12-08; 3 of ~12 rehearsals):
+    after the worker restart one stage may hold one session more or fewer than the prefix cache retains. That is
+    reported as an expected failure (visible in every run where it happens), not a pass."""
+    try:
+        wait_kv_freed(url, addresses)
+    except AssertionError as exc:
+        pytest.xfail(f"known: one session out of step after a worker restart: {exc}")
+
+
 def wait_kv_freed(url: str, addresses: list[str], timeout_s: float = 15) -> None:
     """Wait until every stage holds only the sessions the prefix cache retains, reserving no more KV than
     they hold; raises AssertionError after ``timeout_s``."""
@@ -298,12 +308,7 @@ def test_soak_with_a_draft_cancellations_and_a_worker_restart(build_2, tmp_path)
                 or f"stage 0 (worker {a0})" in line]  # slow, not lost: no stage-0 loss, nothing failed over from it
         assert staller.pauses > 0 and not lost, "\n".join(lost[:5])
         assert "Traceback" not in text and " ERROR " not in text, text[-5000:]  # e.g. a batch group's stall guard
-        try:
-            wait_kv_freed(url, [a0, a1])
-        except AssertionError as exc:  # a known bug, its cause not yet found (CHANGELOG 2026-12-08): seen in 3 of
-            # ~12 rehearsals, after the worker restart one stage holds one session more or fewer than the prefix
-            # cache retains; reported as an expected failure (visible in every run), not a pass
-            pytest.xfail(f"known: one session out of step after a worker restart: {exc}")
+        kv_freed_after_the_restart(url, [a0, a1])
     finally:
         coordinator.stop()
         for proc in (w0, w1, restarted):
