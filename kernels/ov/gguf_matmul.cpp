@@ -9,23 +9,28 @@ GgufMatMul::GgufMatMul(const ov::OutputVector& args, std::string block_type, std
     constructor_validate_and_infer_types();
 }
 
-std::vector<std::string> GgufMatMul::types() const {
+namespace {
+
+std::vector<std::string> split_types(const std::string& block_type) {
     std::vector<std::string> out;
     size_t start = 0;
-    for (size_t comma; (comma = block_type_.find(',', start)) != std::string::npos; start = comma + 1)
-        out.push_back(block_type_.substr(start, comma - start));
-    out.push_back(block_type_.substr(start));
+    for (size_t comma; (comma = block_type.find(',', start)) != std::string::npos; start = comma + 1)
+        out.push_back(block_type.substr(start, comma - start));
+    out.push_back(block_type.substr(start));
     return out;
 }
+
+}  // namespace
 
 void GgufMatMul::validate_and_infer_types() {
     const auto& xs = get_input_partial_shape(0);
     const size_t n = get_input_size() - 1;
-    const std::vector<std::string> block_types = types();
+    const std::vector<std::string> block_types = split_types(block_type_);
     NODE_VALIDATION_CHECK(this, n >= 1, "GgufMatMul: activations and at least one tensor's blocks");
     NODE_VALIDATION_CHECK(this, block_types.size() == n, "GgufMatMul: ", n, " tensors but ", block_types.size(),
                           " block types in '", block_type_, "'");
     NODE_VALIDATION_CHECK(this, xs.rank().is_static() && xs.rank().get_length() >= 1, "GgufMatMul: activations [..., K]");
+    formats_.clear();
     for (size_t i = 0; i < n; ++i) {
         const auto& ws = get_input_partial_shape(i + 1);
         NODE_VALIDATION_CHECK(this, ws.rank().is_static() && ws.rank().get_length() == 2, "GgufMatMul: blocks [N, bytes]");
@@ -33,6 +38,7 @@ void GgufMatMul::validate_and_infer_types() {
         ov::PartialShape out = xs;
         out[out.size() - 1] = ws[0];
         set_output_type(i, ov::element::f32, out);
+        formats_.push_back(format_by_name(block_types[i].c_str()));
     }
 }
 
@@ -51,14 +57,16 @@ bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
     const ov::Shape xs = x.get_shape();
     const int64_t K = int64_t(xs.back());
     const int64_t M = int64_t(ov::shape_size(xs)) / std::max<int64_t>(K, 1);
-    const std::vector<std::string> block_types = types();
-    const size_t n = block_types.size();
+    const size_t n = formats_.size();
 
     // Activations in each form the tensors take (per 32, per 256, exact), prepared once: thread_local, so reused
     // across calls with no allocation per decode step.
     thread_local Activations forms[3];
     bool prepared[3] = {false, false, false};
-    std::vector<Product> products(n);
+    // A step's products without allocating: a layer's ops have 1-3 tensors.
+    Product few[4];
+    std::vector<Product> many(n > 4 ? n : 0);
+    Product* products = n > 4 ? many.data() : few;
     for (size_t i = 0; i < n; ++i) {
         const ov::Tensor& w = inputs[i + 1];
         const int64_t N = int64_t(w.get_shape()[0]);
@@ -66,7 +74,7 @@ bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
         ys.back() = size_t(N);
         outputs[i].set_shape(ys);
         Product& p = products[i];
-        p.fmt = format_by_name(block_types[i].c_str());
+        p.fmt = formats_[i];
         p.w = static_cast<const uint8_t*>(w.data());
         p.row_bytes = w.get_shape()[1];
         p.K = K;
@@ -82,7 +90,7 @@ bool GgufMatMul::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
         }
         p.a = &forms[form];
     }
-    if (M > 0) run_products(products.data(), products.size());
+    if (M > 0) run_products(products, n);
     return true;
 }
 

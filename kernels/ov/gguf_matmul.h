@@ -31,7 +31,7 @@ public:
 private:
     std::string block_type_;
     std::string precision_ = "int8";
-    std::vector<std::string> types() const;  // block_type_ split at commas
+    std::vector<const Format*> formats_;  // block_type_'s, parsed once by validate_and_infer_types (not per step)
 };
 
 }  // namespace fleet
