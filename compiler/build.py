@@ -31,7 +31,8 @@ from .export import StageSpec, linear_weights, stage_tensors
 from .plan import balanced_split, decode_weights, parse_layers
 from .save import BuildError, Progress, disk_errors, human_size, save_stage, stage_fp16_bytes
 from .source import TOKENIZER_FILES, Source, open_source
-from .sparse_ffn import check_sparse_ffn
+from .sparse_build import Limits, calibrate_on_dense, hold_to_limits
+from .sparse_ffn import SparseFfn, check_sparse_ffn
 from .weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ def build(
     progress: bool = False,
     devices: tuple[str, ...] | None = None,
     sparse_ffn: bool = False,
+    ffn_sparsity: float | None = None,
+    calibration_text: Path | None = None,
+    limits: Limits = Limits(),
 ) -> Manifest:
     """Build ``src`` as ``shards`` stages (or the explicit ``layers`` spec) into ``out``.
 
@@ -149,7 +153,10 @@ def build(
     blocks as they lie in the file with fleet's kernels (fleet_common/kernels.py), an HF folder's fp16 CPU stages
     its matrices as stored (F16, BF16, F32); GPU/NPU stages keep OpenVINO's own forms (the GPU plugin runs no
     CPU extension op). ``sparse_ffn`` (a ReLU-family model, every stage on the kernels): each dense MLP computes
-    only the neurons whose gate fires (compiler/sparse_ffn.py; ``SparseFfnError`` where it cannot).
+    only the neurons whose gate fires (compiler/sparse_ffn.py; ``SparseFfnError`` where it cannot);
+    ``ffn_sparsity`` S (a SwiGLU model): each skips the neurons under its layer's threshold, calibrated to S on
+    ``calibration_text`` (compiler/calibrate.py), the build refused (``BuildError``) when it loses more than
+    ``limits`` against the dense build (compiler/sparse_build.py).
     Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
     for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
     file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
@@ -167,8 +174,13 @@ def build(
         # fleet's kernels on the CPU: a GGUF's own blocks, an HF folder's matrices as stored (fp16 format)
         kernels = [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16")
                    for i in range(len(ranges))]
-        if sparse_ffn:
-            check_sparse_ffn(cfg.mlp_act, all(kernels))
+        if sparse_ffn or ffn_sparsity is not None:
+            check_sparse_ffn(cfg.mlp_act, all(kernels), ffn_sparsity)
+        calibration = None if ffn_sparsity is None else calibrate_on_dense(
+            lambda dense: build(src, dense, shards, layers, kv_cache_precision, weights=weights,
+                                stage_weights=stage_weights, devices=devices, **overrides),
+            Path(tmp) / "dense", ffn_sparsity, calibration_text)
+        sparse = SparseFfn(calibration.thresholds) if calibration else SparseFfn() if sparse_ffn else None
         staging = _staging_dir(out)
         try:
             need, free = estimated_bytes(cfg, ranges, len(drafts)), shutil.disk_usage(staging).free
@@ -180,7 +192,7 @@ def build(
                 draft_entries = [export_draft(spec, source, staging, kv_cache_precision, Path(tmp), bar,
                                               draft_weights, **overrides) for spec in drafts]
                 stages = [_write_stage(source, StageSpec(i, a, b, cfg.num_layers), specs[i], keep_stage[i],
-                                       kernels[i], staging, kv_cache_precision, bar, sparse_ffn)
+                                       kernels[i], staging, kv_cache_precision, bar, sparse)
                           for i, (a, b) in enumerate(ranges)]
             with disk_errors(staging / MANIFEST_NAME):
                 for name in TOKENIZER_FILES:
@@ -188,6 +200,8 @@ def build(
                         shutil.copy2(source.folder / name, staging / name)
                 manifest = _manifest(staging, cfg, src, model_id, stages, draft_entries, kv_cache_precision,
                                      eos_ids(source.folder, cfg))
+            if calibration is not None:
+                manifest = hold_to_limits(staging, Path(tmp) / "dense", calibration, manifest, limits)
             _install(staging, out)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -241,7 +255,8 @@ def _stage_specs(source: Source, stages: int, weights: str | None, stage_weights
 
 
 def _write_stage(source: Source, stage: StageSpec, spec: WeightSpec, keep_blocks: bool, kernels: bool,
-                 staging: Path, kv_cache_precision: str, bar: Progress, sparse_ffn: bool = False) -> StageEntry:
+                 staging: Path, kv_cache_precision: str, bar: Progress,
+                 sparse_ffn: SparseFfn | None = None) -> StageEntry:
     """Build ``stage`` into ``staging/stage_<i>/`` (``save_stage``; ``kernels``: its linear weights for fleet's
     kernels); return its manifest entry, which names the kernels' version when the stage holds their op."""
     rel = f"stage_{stage.index}/openvino_model"

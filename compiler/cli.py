@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .sparse_build import MAX_PPL_INCREASE, MIN_AGREEMENT, Limits
+
 
 def _cmd_fetch_demo(args: argparse.Namespace) -> int:
     from .source import fetch_demo
@@ -73,9 +75,17 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
     if bool(planned.dims.ffn_sparsity) != bool(args.sparse_ffn):
         raise ValueError("the plan was made for a sparse FFN build: add --sparse-ffn" if planned.dims.ffn_sparsity
                          else "--sparse-ffn: the plan was made for a dense build: plan again with --sparse-ffn S")
+    if not isinstance(args.sparse_ffn, bool) and args.sparse_ffn != planned.dims.ffn_sparsity:
+        raise ValueError(f"--sparse-ffn {args.sparse_ffn} differs from the plan's {planned.dims.ffn_sparsity} (its "
+                         f"speed was counted for that): plan again with --sparse-ffn {args.sparse_ffn}")
     check_source(planned, args.src)
     args.layers, args.weights, args.kv_cache_precision = planned.layers, planned.weights, planned.kv_cache_precision
     return planned.devices
+
+
+def _sparsity(value: bool | float) -> float | None:
+    """``--sparse-ffn``'s fraction S, or None (absent, or given without a value: exact ReLU masks)."""
+    return None if isinstance(value, bool) else value
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -95,7 +105,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
                      kv_cache_precision=args.kv_cache_precision, drafts=tuple(args.draft), weights=args.weights,
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
                      ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(), devices=devices,
-                     sparse_ffn=args.sparse_ffn)
+                     sparse_ffn=args.sparse_ffn is True, ffn_sparsity=_sparsity(args.sparse_ffn),
+                     calibration_text=args.calibration_text,
+                     limits=Limits(args.max_ppl_increase, args.min_agreement))
     if devices is not None:
         from fleet_common.manifest import load_manifest
 
@@ -235,9 +247,20 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                         "self-int8 (NNCF INT4/INT8 copy of the target) or an HF folder / .gguf sharing the "
                         "target's tokenizer")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
-    p.add_argument("--sparse-ffn", action="store_true",
-                   help="a ReLU-family model (hidden_act relu): each MLP computes only the neurons whose gate fires, "
-                        "reading their rows of up and of a transposed down projection (docs/models.md)")
+    p.add_argument("--sparse-ffn", nargs="?", const=True, default=False, type=float, metavar="S",
+                   help="each MLP computes only the neurons whose gate fires, reading their rows of up and of a "
+                        "transposed down projection: a ReLU-family model (hidden_act relu) exactly, with no value; "
+                        "a SwiGLU model skipping a fraction S of each layer's neurons (e.g. 0.3), its thresholds "
+                        "calibrated and its loss measured against the dense build (docs/sparse-ffn.md)")
+    p.add_argument("--calibration-text", type=Path, metavar="FILE",
+                   help="--sparse-ffn S: calibrate the thresholds on this UTF-8 text (default: Python's own "
+                        "documentation topics)")
+    p.add_argument("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE, metavar="F",
+                   help="--sparse-ffn S: refuse the build when its perplexity exceeds the dense build's by more than "
+                        "this fraction (default %(default)s)")
+    p.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT, metavar="F",
+                   help="--sparse-ffn S: refuse the build when it ranks first less than this share of the dense "
+                        "build's greedy tokens (default %(default)s)")
     p.add_argument("--precompile", action="append", default=[], metavar="DEVICE",
                    help="also compile every stage for DEVICE (CPU, GPU; repeatable) on this machine and save the "
                         "blob a worker with the same device, OpenVINO and settings imports instead of compiling "

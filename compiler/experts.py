@@ -70,7 +70,7 @@ def feed_forward(x: ov.Output, w: dict[str, ov.Output], names: dict[str, str], w
     (gpt-oss's biased ``gate_up``/``down``, or ``gate``/``up``/``down``)."""
     if layer not in cfg.moe_layers:
         if weights.sparse_ffn:
-            return sparse_mlp(x, w, weights.down_t(names["down"]), cfg.mlp_act)
+            return sparse_mlp(x, w, weights.down_t(names["down"]), cfg.mlp_act, weights.sparse_ffn.threshold(layer))
         return mlp(x, w, cfg.mlp_act)
     if cfg.gpt_oss:  # a GGUF's gate and up are two tensors (compiler/gguf_gpt_oss.py names them apart)
         p = f"model.layers.{layer}.mlp.experts."

@@ -61,6 +61,7 @@ from .layers import (
     visibility_mask,
     window_mask,
 )
+from .sparse_ffn import SparseFfn
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class _Weights:
 
     def __init__(self, source, on_read: Callable[[str, int], None] | None, int8=None,  # noqa: ANN001
                  keep_blocks: bool = False, int4: dict[str, tuple[str, int]] | None = None,
-                 kernels: bool = False, sparse_ffn: bool = False) -> None:
+                 kernels: bool = False, sparse_ffn: SparseFfn | None = None) -> None:
         self.source, self.on_read, self.int8, self.keep_blocks = source, on_read, int8, keep_blocks
         self.int4, self.kernels, self.sparse_ffn = int4, kernels, sparse_ffn
         self.nodes: dict[str, ov.Output] = {}
@@ -515,7 +516,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
                  logits_index_input: bool = True, on_read: Callable[[str, int], None] | None = None,
                  int8=None, keep_blocks: bool = False,
                  int4: dict[str, tuple[str, int]] | None = None, kernels: bool = False,
-                 sparse_ffn: bool = False) -> ov.Model:  # noqa: ANN001
+                 sparse_ffn: SparseFfn | None = None) -> ov.Model:  # noqa: ANN001
     """The stateful ``ov.Model`` of layers ``[stage.start, stage.end)`` of ``cfg``, weights from ``source``
     (``compiler.weights.SafetensorsWeights`` or any object with its ``tensor``/``shape``/``check``), with
     the input/output contract in this module's docstring.
@@ -534,7 +535,7 @@ def export_stage(cfg: ModelConfig, source, stage: StageSpec, kv_cache_precision:
     run (``fleet_common.kernels.BLOCK_TYPES``) is its tensor's bytes as they lie in the file, multiplied by
     ``GgufMatMul`` (``_Weights._blocks``), its embedding rows too (``_embedding``), its experts by ``GgufMoeMatMul``
     where all of a layer's are of such a type (compiler/experts.py); with ``sparse_ffn`` each dense MLP is one
-    ``GgufSparseFfn`` (compiler/sparse_ffn.py). Raises ``WeightsError`` for a missing or misshapen tensor."""
+    ``GgufSparseFfn`` (compiler/sparse_ffn.py: its masks or thresholds). Raises ``WeightsError`` for a missing or misshapen tensor."""
     source.check(stage_tensors(cfg, stage))
     weights = _Weights(source, on_read, int8, keep_blocks, int4, kernels, sparse_ffn)
     if stage.first:

@@ -80,9 +80,14 @@ FLOORS = {
 _ORDER = ("fp16", "gguf", "int8", "int4")
 
 
-def floor_for(formats: list[str]) -> Floor:
-    """The floor of a build whose stages store ``formats`` (the loosest one's)."""
-    return FLOORS[max(formats, key=_ORDER.index)]
+def floor_for(formats: list[str], sparse_ffn=None) -> Floor:  # noqa: ANN001 - a manifest SparseFfnEntry
+    """The floor of a build whose stages store ``formats`` (the loosest one's), loosened by the loss a calibrated
+    sparse FFN build states in its manifest (``sparse_ffn``: its perplexity limit added, the lower agreement)."""
+    floor = FLOORS[max(formats, key=_ORDER.index)]
+    if sparse_ffn is None:
+        return floor
+    return Floor(floor.max_ppl_increase + sparse_ffn.max_ppl_increase,
+                 min(floor.min_agreement, sparse_ffn.min_agreement))
 
 
 @dataclass(frozen=True)
@@ -283,7 +288,7 @@ def compare(model_dir: Path, reference_dir: Path, threads: int = 0, tokens: int 
     if loaded.manifest.files.get("tokenizer.json") != ref_loaded.manifest.files.get("tokenizer.json"):
         raise ValueError(f"{reference_dir} has another tokenizer than {model_dir}: its greedy tokens would not compare")
     ref = measure(reference_dir, threads, tokens=tokens)
-    floor = floor_for([s.weights for s in loaded.manifest.stages])
+    floor = floor_for([s.weights for s in loaded.manifest.stages], loaded.manifest.sparse_ffn)
     report = _read(model_dir / REPORT_NAME)
     try:
         mine = Measurement(**report["measurement"])

@@ -18,6 +18,7 @@ from .arch import ModelConfig, hf_weight_names
 from .compress import WeightSpec, int4_plan, sensitivity, weight_order
 from .experts import expert_rows, stacked_name
 from .export import StageSpec, export_stage, stage_tensors
+from .sparse_ffn import SparseFfn
 
 
 class BuildError(ValueError):
@@ -55,7 +56,7 @@ class Progress:
 
 def save_stage(cfg: ModelConfig, weights, stage: StageSpec, path: Path, spec: WeightSpec,  # noqa: ANN001
                kv_cache_precision: str, progress: Progress, label: str, logits_index_input: bool = True,
-               keep_blocks: bool = False, kernels: bool = False, sparse_ffn: bool = False) -> None:
+               keep_blocks: bool = False, kernels: bool = False, sparse_ffn: SparseFfn | None = None) -> None:
     """Build ``stage`` and write it to ``path`` (``.xml`` + ``.bin``) with ``spec``'s weights.
 
     fp16, int8 and int4 go straight from the source to the file, one tensor at a time, by NNCF's own lowering

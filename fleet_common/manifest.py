@@ -91,6 +91,23 @@ class BlobEntry:
 
 
 @dataclass(frozen=True)
+class SparseFfnEntry:
+    """A SwiGLU build's calibrated sparse FFN (``fleet-compiler build --sparse-ffn S``, compiler/calibrate.py): what it
+    skips, what that was measured to cost against the dense build of the same weights, and the loss it was held to."""
+
+    activation: str  # "silu": a neuron is skipped where |silu(gate)| <= its layer's threshold
+    sparsity: float  # the fraction of each layer's neurons at or under its threshold on the calibration text
+    thresholds: tuple[float, ...]  # per layer of the model, in order
+    calibration: str  # the calibration text
+    calibration_tokens: int
+    quality_tokens: int  # evaluation-text tokens the perplexity was measured on (compiler/quality.py)
+    ppl_increase: float  # perplexity / the dense build's - 1
+    agreement: float  # teacher-forced greedy agreement with the dense build, 0..1
+    max_ppl_increase: float  # the stated loss the build was held to
+    min_agreement: float
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The whole build: architecture, stages, tokenizer and the sha256 of every file."""
 
@@ -106,6 +123,7 @@ class Manifest:
     drafts: tuple[DraftEntry, ...] = ()
     blobs: tuple[BlobEntry, ...] = ()  # not part of the build's identity (see ``build_identity``)
     format: int = FORMAT_VERSION
+    sparse_ffn: SparseFfnEntry | None = None  # written only by a calibrated sparse build
 
     @property
     def num_stages(self) -> int:
@@ -142,6 +160,8 @@ class Manifest:
         raw = asdict(self)
         if not raw["blobs"]:
             del raw["blobs"]
+        if raw["sparse_ffn"] is None:
+            del raw["sparse_ffn"]
         if not raw["architecture"]["sliding_window"]:  # a model without local layers reads as before
             del raw["architecture"]["sliding_window"], raw["architecture"]["sliding_layers"]
         for stage in raw["stages"]:
@@ -175,9 +195,14 @@ class Manifest:
                 drafts=tuple(DraftEntry(**d) for d in raw.get("drafts", ())),
                 blobs=tuple(BlobEntry(**b) for b in raw.get("blobs", ())),
                 format=int(raw["format"]),
+                sparse_ffn=_sparse_ffn(raw.get("sparse_ffn")),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc
+
+
+def _sparse_ffn(raw: dict | None) -> SparseFfnEntry | None:
+    return None if raw is None else SparseFfnEntry(**raw | {"thresholds": tuple(float(t) for t in raw["thresholds"])})
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -74,8 +74,13 @@ def test_what_cannot_be_sparse_is_refused_by_name(zoo, tmp_path):
     from compiler.build import build
     from compiler.sparse_ffn import SparseFfnError
 
-    with pytest.raises(SparseFfnError, match="activation is silu; the sparse FFN is exact for ReLU-family"):
+    with pytest.raises(SparseFfnError, match="a SwiGLU model, whose neurons are rarely exactly zero: give the fraction"):
         build(zoo.sources("llama")["bf16"], tmp_path / "silu", shards=1, sparse_ffn=True)
+    with pytest.raises(SparseFfnError, match="ReLU masks are exact"):
+        build(zoo.sources(ARCH)["bf16"], tmp_path / "silu", shards=1, ffn_sparsity=0.5)
+    for bad in (0.0, 1.0):
+        with pytest.raises(SparseFfnError, match="between 0 and 1"):
+            build(zoo.sources("llama")["bf16"], tmp_path / "silu", shards=1, ffn_sparsity=bad)
     with pytest.raises(SparseFfnError, match="every stage must run on fleet's kernels"):
         build(zoo.sources(ARCH)["bf16"], tmp_path / "int8", shards=1, weights="int8", sparse_ffn=True)
     assert not (tmp_path / "silu").exists() and not (tmp_path / "int8").exists()

@@ -50,8 +50,9 @@ def test_a_sparse_plan_holds_the_dense_bytes_and_predicts_the_reads_it_saves():
 
 
 def test_refused_by_name():
-    with pytest.raises(ValueError, match="hidden_act 'silu'"):
-        DENSE.with_sparse_ffn(0.5, "silu")
+    assert DENSE.with_sparse_ffn(0.3, "silu").ffn_sparsity == 0.3  # SwiGLU: calibrated (build --sparse-ffn 0.3)
+    with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh'"):
+        DENSE.with_sparse_ffn(0.5, "gelu_pytorch_tanh")
     for bad in (1.0, -0.1):
         with pytest.raises(ValueError, match="0 <= s < 1"):
             DENSE.with_sparse_ffn(bad, "relu")
@@ -75,6 +76,12 @@ def test_plan_and_build_commands(tmp_path, capsys):
     assert compiler_main(argv + ["-o", str(dense_out)]) == 0
     assert compiler_main(["build", str(hf), "--plan", str(dense_out), "--sparse-ffn", "-o", str(tmp_path / "b2")]) == 2
     assert "plan again with --sparse-ffn S" in capsys.readouterr().err
-    (hf / "config.json").write_text(json.dumps({**PROSPARSE, "hidden_act": "silu"}))
+    (hf / "config.json").write_text(json.dumps({**PROSPARSE, "hidden_act": "gelu_pytorch_tanh"}))
     assert compiler_main(argv + ["--sparse-ffn", "0.5"]) == 2
-    assert "hidden_act 'silu'" in capsys.readouterr().err
+    assert "hidden_act 'gelu_pytorch_tanh'" in capsys.readouterr().err
+    # a SwiGLU model's plan at S: its build must skip that S
+    (hf / "config.json").write_text(json.dumps({**PROSPARSE, "hidden_act": "silu"}))
+    assert compiler_main(argv + ["--sparse-ffn", "0.3", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert compiler_main(["build", str(hf), "--plan", str(out), "--sparse-ffn", "0.5", "-o", str(tmp_path / "b3")]) == 2
+    assert "--sparse-ffn 0.5 differs from the plan's 0.3" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""A SwiGLU model's calibrated sparse FFN build (``fleet-compiler build --sparse-ffn S``): the dense build of the same
+weights first (in a temporary folder), its per-layer thresholds measured on a calibration text
+(compiler/calibrate.py), the sparse build made with them, and its quality measured against the dense one
+(compiler/quality.py: perplexity on the evaluation text's first ``QUALITY_TOKENS`` tokens, teacher-forced greedy
+agreement on its prompts). Light to import (the CLI's defaults): OpenVINO is imported where it runs. A build that loses more than it is allowed is refused, saying what it measured; one
+that keeps within states the measurement and the limits in its manifest (``SparseFfnEntry``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleet_common.manifest import Manifest
+
+    from .calibrate import Calibration
+
+log = logging.getLogger(__name__)
+
+MAX_PPL_INCREASE = 0.05  # the default loss a sparse build may take: perplexity at most 1.05x the dense build's
+MIN_AGREEMENT = 0.85  # and at least this share of the dense build's greedy tokens ranked first
+QUALITY_TOKENS = 1024  # evaluation-text tokens the build-time perplexity is measured on
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The loss a calibrated sparse build is held to (``--max-ppl-increase``, ``--min-agreement``)."""
+
+    max_ppl_increase: float = MAX_PPL_INCREASE
+    min_agreement: float = MIN_AGREEMENT
+
+
+def calibrate_on_dense(build_dense: Callable[[Path], object], dense_dir: Path, sparsity: float,
+                       text_file: Path | None) -> Calibration:
+    """``build_dense(dense_dir)`` (the same model, layers and weights without the sparse FFN), then the thresholds
+    for ``sparsity`` measured on it over the calibration text (``text_file``, or compiler/calibrate.py's default).
+    ``CalibrationError`` for a text too short; the dense build's own errors as they are."""
+    from .calibrate import calibrate, calibration_ids  # OpenVINO: not for fleet-compiler --help
+
+    build_dense(dense_dir)
+    ids, text = calibration_ids(dense_dir, text_file)
+    calibration = calibrate(dense_dir, sparsity, ids, text)
+    log.info("calibrated the sparse FFN at %.0f%% on %d tokens of %s", 100 * sparsity, len(ids), text)
+    return calibration
+
+
+def hold_to_limits(staging: Path, dense_dir: Path, calibration: Calibration, manifest: Manifest,
+                   limits: Limits) -> Manifest:
+    """Measure the sparse build in ``staging`` against ``dense_dir`` and write its ``SparseFfnEntry`` into
+    ``staging``'s manifest (returned). ``BuildError`` naming the measurement and what to change when it loses more
+    than ``limits`` allow."""
+    from fleet_common.manifest import MANIFEST_NAME, SparseFfnEntry
+
+    from .quality import compare
+    from .save import BuildError
+
+    _, c = compare(staging, dense_dir, tokens=QUALITY_TOKENS)
+    for folder in (staging, dense_dir):  # the measurement's cache: not part of the build
+        (folder / "quality.json").unlink(missing_ok=True)
+    measured = (f"perplexity {c.ppl_increase:+.2%} against the dense build over {QUALITY_TOKENS} tokens, greedy "
+                f"agreement {c.agreement:.3f}")
+    if c.ppl_increase > limits.max_ppl_increase or c.agreement < limits.min_agreement:
+        raise BuildError(f"--sparse-ffn {calibration.sparsity}: {measured}, past the stated loss (perplexity at most "
+                         f"{limits.max_ppl_increase:+.1%}, agreement at least {limits.min_agreement}): skip fewer "
+                         "neurons (a smaller --sparse-ffn), or allow more loss (--max-ppl-increase, --min-agreement)")
+    log.info("sparse FFN at %.0f%%: %s", 100 * calibration.sparsity, measured)
+    layers = manifest.architecture.num_layers
+    entry = SparseFfnEntry(activation="silu", sparsity=calibration.sparsity,
+                           thresholds=tuple(calibration.thresholds.get(i, 0.0) for i in range(layers)),
+                           calibration=calibration.text, calibration_tokens=calibration.tokens,
+                           quality_tokens=QUALITY_TOKENS, ppl_increase=round(c.ppl_increase, 6),
+                           agreement=round(c.agreement, 6), max_ppl_increase=limits.max_ppl_increase,
+                           min_agreement=limits.min_agreement)
+    manifest = dataclasses.replace(manifest, sparse_ffn=entry)
+    (staging / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
