@@ -25,6 +25,7 @@ from fleet_common.manifest import (FORMAT_VERSION, KERNELS_FORMAT, MANIFEST_NAME
                                    sha256_file)
 
 from .arch import ModelConfig
+from .calibrate import Calibration
 from .compress import WeightSpec, parse_stage_weights, resolve
 from .draft import check_self_draft, draft_name, export_draft
 from .export import StageSpec, linear_weights, stage_tensors
@@ -170,23 +171,14 @@ def build(
         ranges = _checked_ranges(source, shards, layers, drafts)
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         specs, keep_stage = _stage_specs(source, len(ranges), weights, stage_weights, overrides)
-        on_cpu = [True] * len(ranges) if devices is None else [d.split(".")[0].upper() == "CPU" for d in devices]
-        # fleet's kernels on the CPU: a GGUF's own blocks, an HF folder's matrices as stored (fp16 format)
-        kernels = [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16")
-                   for i in range(len(ranges))]
-        if sparse_ffn or ffn_sparsity is not None:
-            check_sparse_ffn(cfg.mlp_act, all(kernels), ffn_sparsity)
-        calibration = None if ffn_sparsity is None else calibrate_on_dense(
-            lambda dense: build(src, dense, shards, layers, kv_cache_precision, weights=weights,
-                                stage_weights=stage_weights, devices=devices, **overrides),
-            Path(tmp) / "dense", ffn_sparsity, calibration_text)
-        sparse = SparseFfn(calibration.thresholds) if calibration else SparseFfn() if sparse_ffn else None
+        kernels = _on_kernels(source, specs, keep_stage, devices)
+        sparse, calibration = _sparse_ffn(
+            cfg.mlp_act, all(kernels), sparse_ffn, ffn_sparsity, calibration_text, Path(tmp) / "dense",
+            lambda d: build(src, d, shards, layers, kv_cache_precision, weights=weights, stage_weights=stage_weights,
+                            devices=devices, **overrides))
         staging = _staging_dir(out)
         try:
-            need, free = estimated_bytes(cfg, ranges, len(drafts)), shutil.disk_usage(staging).free
-            if need > free:
-                raise BuildError(f"{out.parent} has {human_size(free)} free, the build needs about {human_size(need)}: "
-                                 "free space or choose another -o folder")
+            _check_space(estimated_bytes(cfg, ranges, len(drafts)), staging, out)
             with Progress(progress) as bar:
                 # drafts first: a draft with another vocabulary fails the build before the long part
                 draft_entries = [export_draft(spec, source, staging, kv_cache_precision, Path(tmp), bar,
@@ -195,9 +187,7 @@ def build(
                                        kernels[i], staging, kv_cache_precision, bar, sparse)
                           for i, (a, b) in enumerate(ranges)]
             with disk_errors(staging / MANIFEST_NAME):
-                for name in TOKENIZER_FILES:
-                    if (source.folder / name).is_file():
-                        shutil.copy2(source.folder / name, staging / name)
+                _copy_tokenizer(source.folder, staging)
                 manifest = _manifest(staging, cfg, src, model_id, stages, draft_entries, kv_cache_precision,
                                      eos_ids(source.folder, cfg))
             if calibration is not None:
@@ -208,6 +198,42 @@ def build(
             raise
     log.info("wrote %d stage(s) to %s", len(stages), out)
     return manifest
+
+
+def _sparse_ffn(mlp_act: str, kernels_everywhere: bool, exact: bool, sparsity: float | None, text: Path | None,
+                dense_dir: Path, build_dense) -> tuple[SparseFfn | None, Calibration | None]:  # noqa: ANN001
+    """The build's sparse FFN, checked (``check_sparse_ffn``): exact ReLU masks (``exact``), thresholds calibrated for
+    ``sparsity`` on ``text`` over ``build_dense(dense_dir)`` (compiler/sparse_build.py), or None (dense)."""
+    if not exact and sparsity is None:
+        return None, None
+    check_sparse_ffn(mlp_act, kernels_everywhere, sparsity)
+    if sparsity is None:
+        return SparseFfn(), None
+    calibration = calibrate_on_dense(build_dense, dense_dir, sparsity, text)
+    return SparseFfn(calibration.thresholds), calibration
+
+
+def _on_kernels(source: Source, specs: dict[int, WeightSpec], keep_stage: dict[int, bool],
+                devices: tuple[str, ...] | None) -> list[bool]:
+    """Per stage, whether fleet's kernels multiply its matrices: a CPU stage of a GGUF's own blocks or of an HF
+    folder's matrices as stored (fp16 format)."""
+    on_cpu = [True] * len(specs) if devices is None else [d.split(".")[0].upper() == "CPU" for d in devices]
+    return [on_cpu[i] and (keep_stage[i] or not source.gguf and specs[i].format == "fp16") for i in range(len(specs))]
+
+
+def _check_space(need: int, staging: Path, out: Path) -> None:
+    """``BuildError`` when ``staging``'s disk has less than ``need`` bytes free."""
+    free = shutil.disk_usage(staging).free
+    if need > free:
+        raise BuildError(f"{out.parent} has {human_size(free)} free, the build needs about {human_size(need)}: "
+                         "free space or choose another -o folder")
+
+
+def _copy_tokenizer(folder: Path, staging: Path) -> None:
+    """The source's tokenizer files (``TOKENIZER_FILES`` it has) into the build."""
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copy2(folder / name, staging / name)
 
 
 def _check_output(out: Path, drafts: tuple[str, ...]) -> None:

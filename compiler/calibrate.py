@@ -3,7 +3,7 @@
 A SwiGLU neuron's activation a = silu(g) is rarely exactly zero, so which neurons a token may skip is a choice:
 those with |a| at most a threshold t. The compiler sets one t per layer so that on a calibration text a fraction S
 of the layer's (token, neuron) activations fall at or under it (the training-free magnitude thresholds of CATS, Lee
-et al. 2024, and TEAL, Liu et al. 2024, on SwiGLU's gate: ``../shared/research/sparsity.md``): t is the S-quantile
+et al. 2024, and TEAL, Liu et al. 2024, on SwiGLU's gate): t is the S-quantile
 of |silu(g)| over the calibration tokens and the layer's neurons, measured on the dense build of the same weights
 at f32, each stage fed the one before's hidden states as a fleet runs them.
 

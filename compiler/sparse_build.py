@@ -2,8 +2,9 @@
 weights first (in a temporary folder), its per-layer thresholds measured on a calibration text
 (compiler/calibrate.py), the sparse build made with them, and its quality measured against the dense one
 (compiler/quality.py: perplexity on the evaluation text's first ``QUALITY_TOKENS`` tokens, teacher-forced greedy
-agreement on its prompts). Light to import (the CLI's defaults): OpenVINO is imported where it runs. A build that loses more than it is allowed is refused, saying what it measured; one
-that keeps within states the measurement and the limits in its manifest (``SparseFfnEntry``)."""
+agreement on its prompts). A build that loses more than it is allowed is refused, saying what it measured; one
+that keeps within states the measurement and the limits in its manifest (``SparseFfnEntry``). Light to import (the
+CLI's defaults): OpenVINO is imported where it runs."""
 
 from __future__ import annotations
 
