@@ -63,6 +63,11 @@ SHAPES = {  # the models' own config.json values; the vocabulary is the demo's
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, 128, False, 1000000.0, 1e-6, 128, 8),
     # the dense model of Qwen3-30B-A3B's active parameters: its attention, one SwiGLU as wide as its 8 chosen experts
     "qwen3-30b-a3b-dense": Shape("qwen3", 2048, 48, 32, 4, 8 * 768, 128, False, 1000000.0, 1e-6),
+    # ReLU-family models' shapes (issue 47; their activation is the sparse model bench's, not this table's):
+    # ProSparse-Llama-2-7B is Llama-2-7B's (no grouped KV heads); MiniCPM-S-1B, published in a llama format, as
+    # MiniCPM-1B's model card gives it (not fetched here: no model hub is reachable)
+    "prosparse-7b": Shape("llama", 4096, 32, 32, 32, 11008, 128, False, 10000.0, 1e-5),
+    "minicpm-s-1b": Shape("llama", 1536, 52, 24, 8, 3840, 64, True, 10000.0, 1e-5),
 }
 
 

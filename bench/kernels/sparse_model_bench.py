@@ -3,7 +3,8 @@ build of the same folder and llama.cpp on a GGUF of the same weights (which it r
 prefill and peak RSS at 1 and 2 threads, table + JSON. Issue 47's goal: at 88% sparsity, decode >= 1.5x the dense
 kernels and >= 1.5x llama.cpp.
 
-The model (nothing downloaded): Llama-3.2-1B's dimensions (``real_gguf.SHAPES``, ``--layers`` of them) with a ReLU
+The model (nothing downloaded): Llama-3.2-1B's dimensions (or ``--shape``'s: ``real_gguf.SHAPES``, such as
+ProSparse-7B's and MiniCPM-S-1B's; ``--layers`` of them) with a ReLU
 MLP (``hidden_act: relu``, a ReGLU as ReluLLaMA and ProSparse), random weights, written once into ``--cache`` as an
 HF folder (F16 safetensors, the demo's tokenizer) and as an F16 GGUF of the same values (q and k permuted as
 llama.cpp's converter does; llama.cpp's llama architecture computes SiLU there, so its answers differ while its
@@ -72,9 +73,12 @@ def rms_normed(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
 
 
-def model_tensors(layers: int, vocab: int, sparsity: float, seed: int = 0) -> dict[str, np.ndarray]:
-    """The model's tensors by HF name (f16 matrices [rows, cols], f32 norms), built as the module docstring says."""
-    s, rng = real_gguf.SHAPES[SHAPE], np.random.default_rng(seed)
+def model_tensors(layers: int, vocab: int, sparsity: float, seed: int = 0, shape: str = SHAPE,
+                  update_std: float = UPDATE_STD) -> dict[str, np.ndarray]:
+    """The model's tensors by HF name (f16 matrices [rows, cols], f32 norms), built as the module docstring says
+    (``shape``: a ``real_gguf.SHAPES`` name; an untied one has an ``lm_head`` of its own; ``update_std``: larger
+    makes the layers move the answer, and the later layers' sparsity drift from the set one)."""
+    s, rng = real_gguf.SHAPES[shape], np.random.default_rng(seed)
     h, q, kv, f = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -84,14 +88,16 @@ def model_tensors(layers: int, vocab: int, sparsity: float, seed: int = 0) -> di
     embed[:, 0] = ANCHOR
     x = rms_normed(embed[rng.integers(0, vocab, CALIBRATION)].astype(np.float32), s.eps)  # FFN inputs, [T, H]
     out = {"model.embed_tokens.weight": embed, "model.norm.weight": np.ones(h, np.float32)}
+    if not s.tied:
+        out["lm_head.weight"] = normal((vocab, h), real_gguf.STD)
     for i in range(layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
         out[p + "self_attn.q_proj.weight"] = normal((q, h), real_gguf.STD)
         out[p + "self_attn.k_proj.weight"] = normal((kv, h), real_gguf.STD)
         out[p + "self_attn.v_proj.weight"] = normal((kv, h), real_gguf.STD)
-        for name, shape in (("self_attn.o_proj.weight", (h, q)), ("mlp.down_proj.weight", (h, f))):
-            w = normal(shape, UPDATE_STD)
+        for name, dims in (("self_attn.o_proj.weight", (h, q)), ("mlp.down_proj.weight", (h, f))):
+            w = normal(dims, update_std)
             w[0] = 0  # coordinate 0 stays ANCHOR
             out[p + name] = w
         gate = normal((f, h), real_gguf.STD)
@@ -105,9 +111,9 @@ def model_tensors(layers: int, vocab: int, sparsity: float, seed: int = 0) -> di
     return out
 
 
-def hf_config(layers: int, vocab: int) -> dict:
+def hf_config(layers: int, vocab: int, shape: str = SHAPE) -> dict:
     """config.json of the ReLU model (transformers' LlamaConfig fields)."""
-    s = real_gguf.SHAPES[SHAPE]
+    s = real_gguf.SHAPES[shape]
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s.hidden,
             "intermediate_size": s.ffn, "num_hidden_layers": layers, "num_attention_heads": s.heads,
             "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim, "hidden_act": "relu",
@@ -126,6 +132,8 @@ def hf_name(gguf_name: str) -> str:
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
     _, layer, role, _ = gguf_name.split(".")
     return f"model.layers.{layer}.{next(k for k, v in GGUF_NAMES.items() if v == role)}.weight"
 
@@ -135,27 +143,29 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def ensure_model(layers: int, sparsity: float, cache: Path) -> tuple[Path, Path]:
-    """(HF folder, F16 GGUF) of the ReLU model at ``sparsity`` with ``layers`` layers, made once in ``cache``."""
+def ensure_model(layers: int, sparsity: float, cache: Path, shape: str = SHAPE,
+                 with_gguf: bool = True, update_std: float = UPDATE_STD) -> tuple[Path, Path]:
+    """(HF folder, F16 GGUF) of the ReLU model of ``shape`` at ``sparsity`` with ``layers`` layers, made once in
+    ``cache`` (the GGUF only ``with_gguf``; ``update_std`` as ``model_tensors``)."""
     from safetensors.numpy import save_file
 
-    stem = f"relu-{SHAPE}-L{layers}-s{round(sparsity * 100)}"
+    stem = f"relu-{shape}-L{layers}-s{round(sparsity * 100)}" + (f"-u{update_std:g}" if update_std != UPDATE_STD else "")
     folder, gguf = cache / stem, cache / f"{stem}.F16.gguf"
-    if (folder / "model.safetensors").is_file() and gguf.is_file():
+    if (folder / "model.safetensors").is_file() and (gguf.is_file() or not with_gguf):
         return folder, gguf
     demo = harness.demo_hf()
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
-    print(f"writing {folder} and {gguf.name} ...", flush=True)
-    weights = model_tensors(layers, vocab, sparsity)
+    print(f"writing {folder}{f' and {gguf.name}' if with_gguf else ''} ...", flush=True)
+    weights = model_tensors(layers, vocab, sparsity, shape=shape, update_std=update_std)
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (demo / name).is_file():
             shutil.copy2(demo / name, tmp / name)
-    (tmp / "config.json").write_text(json.dumps(hf_config(layers, vocab), indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config(layers, vocab, shape), indent=2))
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    s = real_gguf.SHAPES[SHAPE]
+    s = real_gguf.SHAPES[shape]
 
     def values(name: str, dims: tuple[int, ...]) -> np.ndarray:
         w = weights[hf_name(name)]
@@ -164,7 +174,8 @@ def ensure_model(layers: int, sparsity: float, cache: Path) -> tuple[Path, Path]
         assert w.shape == dims, (name, w.shape, dims)
         return w
 
-    real_gguf.write_f16(SHAPE, layers, gguf, values)
+    if with_gguf:
+        real_gguf.write_f16(shape, layers, gguf, values)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder, gguf
@@ -242,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     """Make the model, build it dense and sparse, run the rounds per thread count; print the table, write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sparsity", type=float, default=0.88, help="the fraction of a token's neurons at zero")
-    parser.add_argument("--layers", type=int, default=real_gguf.SHAPES[SHAPE].layers)
+    parser.add_argument("--shape", default=SHAPE, choices=[n for n, s in real_gguf.SHAPES.items() if s.arch == "llama"],
+                        help="the model's dimensions (real_gguf.SHAPES)")
+    parser.add_argument("--layers", type=int, help="layers of the shape (default: all of them)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=8, help="context tokens before the timed decode")
@@ -254,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 <= args.sparsity < 1.0:
         parser.error(f"--sparsity {args.sparsity}: must be in [0, 1)")
-    folder, gguf = ensure_model(args.layers, args.sparsity, args.cache)
+    args.layers = args.layers or real_gguf.SHAPES[args.shape].layers
+    folder, gguf = ensure_model(args.layers, args.sparsity, args.cache, args.shape)
     measured = measured_sparsity(folder)
     builds = {"dense": harness.ensure_build(folder, args.cache / "builds", 1),
               "sparse": harness.ensure_build(folder, args.cache / "builds", 1, options=("--sparse-ffn",))}
@@ -262,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     for n in map(int, args.threads.split(",")):
         rows.append({"threads": n, **rounds(builds, None if args.no_llama_cpp else gguf, n, args)})
         print("\n".join(table(rows[-1:]).splitlines()[2:]), flush=True)
-    print(f"\nsparse model bench: {SHAPE} dims, {args.layers} layers, F16, ReLU; sparsity set {args.sparsity:.2f}, "
+    print(f"\nsparse model bench: {args.shape} dims, {args.layers} layers, F16, ReLU; sparsity set {args.sparsity:.2f}, "
           f"measured {np.mean(measured):.3f} (layers {min(measured):.3f}-{max(measured):.3f}); {args.tokens} greedy "
           f"tokens after {args.prompt}; goal sparse >= {GOAL}x dense and llama.cpp at 0.88")
     print(table(rows))
     harness.write_json(args.json, "sparse_model_bench", {
-        "shape": SHAPE, "layers": args.layers, "sparsity": args.sparsity, "measured_sparsity": measured,
+        "shape": args.shape, "layers": args.layers, "sparsity": args.sparsity, "measured_sparsity": measured,
         "folder": str(folder), "gguf": str(gguf), "builds": {k: str(v) for k, v in builds.items()}, "rows": rows})
     return 0
 
