@@ -153,11 +153,9 @@ def build(
     ``devices`` (one per stage, e.g. a plan's; None: every stage on the CPU): a GGUF's CPU stages multiply its
     blocks as they lie in the file with fleet's kernels (fleet_common/kernels.py), an HF folder's fp16 CPU stages
     its matrices as stored (F16, BF16, F32); GPU/NPU stages keep OpenVINO's own forms (the GPU plugin runs no
-    CPU extension op). ``sparse_ffn`` (a ReLU-family model, every stage on the kernels): each dense MLP computes
-    only the neurons whose gate fires (compiler/sparse_ffn.py; ``SparseFfnError`` where it cannot);
-    ``ffn_sparsity`` S (a SwiGLU model): each skips the neurons under its layer's threshold, calibrated to S on
-    ``calibration_text`` (compiler/calibrate.py), the build refused (``BuildError``) when it loses more than
-    ``limits`` against the dense build (compiler/sparse_build.py).
+    CPU extension op). ``sparse_ffn`` (ReLU) or ``ffn_sparsity`` S (SwiGLU; thresholds calibrated on
+    ``calibration_text``, the build held to ``limits``): each dense MLP computes only the neurons that fire
+    (compiler/sparse_ffn.py, compiler/sparse_build.py; ``SparseFfnError``, ``BuildError`` where it cannot).
     Raises ``ValueError`` (``UnsupportedModel``, ``WeightsError``, ``BuildError``, ``VocabularyMismatch``)
     for a bad layer or weights spec, an unsupported architecture, a corrupt, truncated or missing weights
     file, weights that do not match the config, a full disk or a draft with another vocabulary; ``out``
@@ -172,12 +170,13 @@ def build(
         overrides = {"symmetric": symmetric, "group_size": group_size, "ratio": ratio}
         specs, keep_stage = _stage_specs(source, len(ranges), weights, stage_weights, overrides)
         kernels = _on_kernels(source, specs, keep_stage, devices)
-        sparse, calibration = _sparse_ffn(
-            cfg.mlp_act, all(kernels), sparse_ffn, ffn_sparsity, calibration_text, Path(tmp) / "dense",
-            lambda d: build(src, d, shards, layers, kv_cache_precision, weights=weights, stage_weights=stage_weights,
-                            devices=devices, **overrides))
         staging = _staging_dir(out)
+        dense = staging.with_name(staging.name.replace(".partial-", ".dense-"))  # a sparse build's reference
         try:
+            sparse, calibration = _sparse_ffn(
+                cfg.mlp_act, all(kernels), sparse_ffn, ffn_sparsity, calibration_text, dense,
+                lambda d: build(src, d, shards, layers, kv_cache_precision, weights=weights,
+                                stage_weights=stage_weights, devices=devices, **overrides))
             _check_space(estimated_bytes(cfg, ranges, len(drafts)), staging, out)
             with Progress(progress) as bar:
                 # drafts first: a draft with another vocabulary fails the build before the long part
@@ -191,11 +190,13 @@ def build(
                 manifest = _manifest(staging, cfg, src, model_id, stages, draft_entries, kv_cache_precision,
                                      eos_ids(source.folder, cfg))
             if calibration is not None:
-                manifest = hold_to_limits(staging, Path(tmp) / "dense", calibration, manifest, limits)
+                manifest = hold_to_limits(staging, dense, calibration, manifest, limits)
             _install(staging, out)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        finally:
+            shutil.rmtree(dense, ignore_errors=True)
     log.info("wrote %d stage(s) to %s", len(stages), out)
     return manifest
 

@@ -14,7 +14,10 @@ code, and not the text the quality check scores, compiler/quality.py).
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +27,8 @@ from fleet_common.manifest import load_manifest
 from fleet_common.runtime import KVSession, compile_config, kernels_at, run_chunk, stage_core
 
 CALIBRATION_TOKENS = 2048
-CHUNK = 256  # tokens per infer call, as the quality check feeds them
+CHUNK = 256  # tokens per infer call, as the quality check feeds them; the least a calibration text must give
+MAX_TEXT_BYTES = 1 << 20  # read of a calibration file: 2,048 tokens of any language take far less
 DEFAULT_TEXT = "Python's documentation topics (pydoc_data.topics, sorted by topic)"
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -34,12 +38,21 @@ class CalibrationError(ValueError):
 
 
 @dataclass(frozen=True)
+class CalibrationText:
+    """A calibration text: its name (the file's, or ``DEFAULT_TEXT``), the sha256 of its UTF-8 bytes, the text."""
+
+    name: str
+    sha256: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Per-layer thresholds on |silu(gate)|, and what they were measured on."""
 
     sparsity: float  # the fraction of each layer's activations at or under its threshold on the text
     thresholds: dict[int, float]  # layer index (the model's) -> t
-    text: str  # what the text was
+    text: CalibrationText
     tokens: int  # how many of its tokens
 
 
@@ -50,17 +63,37 @@ def default_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def calibration_ids(build_dir: Path, text_file: Path | None, tokens: int = CALIBRATION_TOKENS) -> tuple[list[int], str]:
-    """The first ``tokens`` token ids of ``text_file`` (UTF-8) or of ``default_text``, in ``build_dir``'s tokenizer,
-    and the text's description. ``CalibrationError`` when the text has fewer than ``CHUNK`` tokens; ``OSError`` /
-    ``UnicodeDecodeError`` for an unreadable file."""
+def calibration_text(path: Path | None) -> CalibrationText:
+    """The text ``path`` names (``--calibration-text``; None: ``default_text``): the first ``MAX_TEXT_BYTES`` of a
+    regular file, UTF-8 (a character cut at that end dropped). ``CalibrationError`` naming the file for one that is
+    missing, not a regular file (a folder, a pipe, a device), unreadable, or not UTF-8."""
+    if path is None:
+        text = default_text()
+        return CalibrationText(DEFAULT_TEXT, hashlib.sha256(text.encode()).hexdigest(), text)
+    what = f"--calibration-text {path}"
+    try:
+        if not stat.S_ISREG(Path(path).stat().st_mode):
+            raise CalibrationError(f"{what}: not a regular file; give a UTF-8 text file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES)
+    except OSError as exc:
+        raise CalibrationError(f"{what}: {exc.strerror or exc}") from None
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=False)  # a cut last character waits
+    except UnicodeDecodeError as exc:
+        raise CalibrationError(f"{what}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    return CalibrationText(Path(path).name, hashlib.sha256(text.encode()).hexdigest(), text)
+
+
+def calibration_ids(build_dir: Path, text: CalibrationText, tokens: int = CALIBRATION_TOKENS) -> list[int]:
+    """The first ``tokens`` token ids of ``text`` in ``build_dir``'s tokenizer. ``CalibrationError`` when it has
+    fewer than ``CHUNK``."""
     from coordinator.tokenizer import ChatTokenizer
 
-    text = default_text() if text_file is None else Path(text_file).read_text(encoding="utf-8")
-    ids = ChatTokenizer(build_dir).encode(text)[:tokens]
+    ids = ChatTokenizer(build_dir).encode(text.text)[:tokens]
     if len(ids) < CHUNK:
-        raise CalibrationError(f"the calibration text {text_file} has {len(ids)} tokens; give one of at least {CHUNK}")
-    return ids, DEFAULT_TEXT if text_file is None else Path(text_file).name
+        raise CalibrationError(f"the calibration text {text.name} has {len(ids)} tokens; give one of at least {CHUNK}")
+    return ids
 
 
 def _gate_outputs(model) -> dict[int, object]:  # noqa: ANN001 - ov.Model -> {layer: Swish output}
@@ -77,7 +110,7 @@ def _gate_outputs(model) -> dict[int, object]:  # noqa: ANN001 - ov.Model -> {la
     return found
 
 
-def calibrate(dense_dir: Path, sparsity: float, ids: list[int], text: str, threads: int = 0) -> Calibration:
+def calibrate(dense_dir: Path, sparsity: float, ids: list[int], text: CalibrationText, threads: int = 0) -> Calibration:
     """Thresholds for ``sparsity`` (0 < S < 1) from the dense build in ``dense_dir``: its stages run ``ids`` in
     chunks of ``CHUNK`` at f32 and each layer's t is the S-quantile of |silu(gate)| over [tokens x neurons].
     ``CalibrationError`` when a stage has a layer without a SwiGLU gate to measure."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .sparse_build import MAX_PPL_INCREASE, MIN_AGREEMENT, Limits
@@ -73,7 +75,9 @@ def _follow_plan(args: argparse.Namespace) -> tuple[str, ...] | None:
             raise ValueError(f"{option} {mine} differs from the plan's {theirs} (its memory was counted for "
                              f"that): plan again with {option} {mine}")
     if bool(planned.dims.ffn_sparsity) != bool(args.sparse_ffn):
-        raise ValueError("the plan was made for a sparse FFN build: add --sparse-ffn" if planned.dims.ffn_sparsity
+        raise ValueError(f"the plan was made for a sparse FFN build at {planned.dims.ffn_sparsity:g}: add --sparse-ffn "
+                         f"(a ReLU model) or --sparse-ffn {planned.dims.ffn_sparsity:g} (a SwiGLU model)"
+                         if planned.dims.ffn_sparsity
                          else "--sparse-ffn: the plan was made for a dense build: plan again with --sparse-ffn S")
     if not isinstance(args.sparse_ffn, bool) and args.sparse_ffn != planned.dims.ffn_sparsity:
         raise ValueError(f"--sparse-ffn {args.sparse_ffn} differs from the plan's {planned.dims.ffn_sparsity} (its "
@@ -88,10 +92,23 @@ def _sparsity(value: bool | float) -> float | None:
     return None if isinstance(value, bool) else value
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    """The loss a ``--sparse-ffn S`` build is held to. ``ValueError`` for the calibration's options without
+    ``--sparse-ffn S`` (they would change nothing) and for limits no build could meet (``Limits``)."""
+    options = (("--calibration-text", args.calibration_text), ("--max-ppl-increase", args.max_ppl_increase),
+               ("--min-agreement", args.min_agreement))
+    given = [option for option, value in options if value is not None]
+    if given and _sparsity(args.sparse_ffn) is None:
+        raise ValueError(f"{', '.join(given)}: for a calibrated sparse FFN build only (--sparse-ffn S, a SwiGLU model)")
+    return Limits(MAX_PPL_INCREASE if args.max_ppl_increase is None else args.max_ppl_increase,
+                  MIN_AGREEMENT if args.min_agreement is None else args.min_agreement)
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from .locate import locate
 
     _check_weights_args(args)  # bad options fail before the model is even looked for
+    _limits(args)
     located = locate(args.src)  # a path, an Ollama name or an LM Studio model (compiler/locate.py)
     if located.origin != "path":
         print(f"{located.origin} model {args.src}: {located.path}")
@@ -106,8 +123,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
                      ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(), devices=devices,
                      sparse_ffn=args.sparse_ffn is True, ffn_sparsity=_sparsity(args.sparse_ffn),
-                     calibration_text=args.calibration_text,
-                     limits=Limits(args.max_ppl_increase, args.min_agreement))
+                     calibration_text=args.calibration_text, limits=_limits(args))
     if devices is not None:
         from fleet_common.manifest import load_manifest
 
@@ -150,11 +166,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   kv_cache_precision=args.kv_cache_precision or source.kv_cache_precision,
                   max_context=args.max_context, max_sessions=args.max_sessions)
     print("\n".join(report_lines(result)))
+    sparse = "" if args.sparse_ffn is None else " --sparse-ffn" + (
+        "" if source.hidden_act == "relu" else f" {args.sparse_ffn:g}")  # a SwiGLU model's build names its S
     if args.out:
         args.out.write_text(result.to_json())
-        print(f"plan written to {args.out}: fleet-compiler build SRC --plan {args.out} -o BUILD, then on each node:")
+        print(f"plan written to {args.out}: fleet-compiler build SRC --plan {args.out}{sparse} -o BUILD, then on each "
+              "node:")
     else:
-        print("(give -o PLAN.json to build it: fleet-compiler build SRC --plan PLAN.json -o BUILD), then on each node:")
+        print(f"(give -o PLAN.json to build it: fleet-compiler build SRC --plan PLAN.json{sparse} -o BUILD), then on "
+              "each node:")
     for s in result.stages:
         budget = -(-s.kv_bytes // (1 << 20))
         print(f"  {s.node.name}: fleet-worker --shard {s.index} --model BUILD --device {s.node.device} "
@@ -199,6 +219,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _quality(args: argparse.Namespace) -> bool | None:
     """Print the quality table (compiler/quality.py); False when the build misses its floor."""
+    from fleet_common.manifest import load_manifest
+
     from . import quality
 
     if args.reference:
@@ -206,7 +228,7 @@ def _quality(args: argparse.Namespace) -> bool | None:
     else:
         mine, comparison = quality.measure(args.model, args.threads, tokens=args.tokens), None
     lines, passed = quality.report_lines(mine, comparison)
-    print("\n".join(lines))
+    print("\n".join(quality.sparse_lines(load_manifest(args.model)) + lines))
     if passed is None:
         print("quality: floor not checked (give --reference FP16_BUILD)")
     else:
@@ -250,17 +272,17 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparse-ffn", nargs="?", const=True, default=False, type=float, metavar="S",
                    help="each MLP computes only the neurons whose gate fires, reading their rows of up and of a "
                         "transposed down projection: a ReLU-family model (hidden_act relu) exactly, with no value; "
-                        "a SwiGLU model skipping a fraction S of each layer's neurons (e.g. 0.3), its thresholds "
+                        "a SwiGLU model skipping a fraction S of each layer's neurons (e.g. 0.2), its thresholds "
                         "calibrated and its loss measured against the dense build (docs/sparse-ffn.md)")
     p.add_argument("--calibration-text", type=Path, metavar="FILE",
-                   help="--sparse-ffn S: calibrate the thresholds on this UTF-8 text (default: Python's own "
-                        "documentation topics)")
-    p.add_argument("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE, metavar="F",
-                   help="--sparse-ffn S: refuse the build when its perplexity exceeds the dense build's by more than "
-                        "this fraction (default %(default)s)")
-    p.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT, metavar="F",
-                   help="--sparse-ffn S: refuse the build when it ranks first less than this share of the dense "
-                        "build's greedy tokens (default %(default)s)")
+                   help="--sparse-ffn S: calibrate the thresholds on this UTF-8 text file, its first 2,048 tokens "
+                        "(at least 256; default: Python's own documentation topics)")
+    p.add_argument("--max-ppl-increase", type=float, metavar="F",
+                   help=f"--sparse-ffn S: refuse the build when its perplexity exceeds the dense build's by more than "
+                        f"this fraction (default {MAX_PPL_INCREASE})")
+    p.add_argument("--min-agreement", type=float, metavar="F",
+                   help=f"--sparse-ffn S: refuse the build when it ranks first less than this share of the dense "
+                        f"build's greedy tokens (default {MIN_AGREEMENT})")
     p.add_argument("--precompile", action="append", default=[], metavar="DEVICE",
                    help="also compile every stage for DEVICE (CPU, GPU; repeatable) on this machine and save the "
                         "blob a worker with the same device, OpenVINO and settings imports instead of compiling "
@@ -296,8 +318,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="KV bytes per value (default: the build's, f16 for an HF folder; workers run with "
                         "--inference-precision f32 keep f32)")
     p.add_argument("--sparse-ffn", type=float, metavar="S",
-                   help="plan a sparse FFN build (build --sparse-ffn) of a ReLU-family model where a fraction S of a "
-                        "token's FFN neurons are zero (e.g. 0.88): its layers read less per token (docs/sparse-ffn.md)")
+                   help="plan a sparse FFN build where a fraction S of a token's FFN neurons are skipped: a ReLU-family "
+                        "model's measured zeros (e.g. 0.88; build --sparse-ffn), a SwiGLU model's calibrated S (e.g. "
+                        "0.2; build --sparse-ffn 0.2): its layers read less per token (docs/sparse-ffn.md)")
     p.add_argument("-o", "--out", type=Path, metavar="PLAN.json", help="write the plan for build --plan")
     p.set_defaults(func=_cmd_plan)
 
@@ -351,10 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (timeout, systemd, CI) cleans up as Ctrl-C does: nothing half-written is left
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fleet-compiler`` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as exc:
@@ -363,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fleet-compiler: interrupted; nothing was changed", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

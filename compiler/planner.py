@@ -145,12 +145,12 @@ class ModelDims:
 
     def with_sparse_ffn(self, sparsity: float, hidden_act: str) -> ModelDims:
         """These dims for a sparse FFN build at ``sparsity`` (the fraction of a token's FFN neurons that are zero,
-        0 <= s < 1: a ReLU model's measured share, a SwiGLU model's calibrated one, as ``build --sparse-ffn S``).
+        0 < s < 1: a ReLU model's measured share, a SwiGLU model's calibrated one, as ``build --sparse-ffn S``).
         Raises ``ValueError`` for a model whose MLP is neither ReLU-family nor SwiGLU (``hidden_act``, as
         ``fleet-compiler build --sparse-ffn`` refuses it), a Mixture-of-Experts, or a sparsity out of range."""
-        if not 0.0 <= sparsity < 1.0:
+        if not 0.0 < sparsity < 1.0:  # 0: the dense plan (a build refuses --sparse-ffn 0 too)
             raise ValueError(f"--sparse-ffn {sparsity}: give the fraction of a token's FFN neurons that are zero, "
-                             "0 <= s < 1 (e.g. 0.88 for ProSparse)")
+                             "0 < s < 1 (e.g. 0.88 for ProSparse, 0.2 for a calibrated SwiGLU model)")
         if hidden_act not in ("relu", "silu"):
             raise ValueError(f"--sparse-ffn: {self.model_id}'s MLP is hidden_act {hidden_act!r}; a sparse FFN build "
                              "takes a ReLU-family model (relu) or a SwiGLU one (silu), so its plan does too")

@@ -281,12 +281,16 @@ def compare(model_dir: Path, reference_dir: Path, threads: int = 0, tokens: int 
     ``measure``), compute agreement and check the floor; the whole report goes to ``model_dir/quality.json`` (and
     is reused from there).
 
-    Raises ``ValueError`` when the two builds' tokenizers differ (token ids would not compare).
+    Raises ``ValueError`` when the two builds' tokenizers differ (token ids would not compare) or the reference is a
+    sparse FFN build (it is measured against a dense one).
     """
     model_dir, reference_dir = Path(model_dir), Path(reference_dir)
     loaded, ref_loaded = load_manifest(model_dir), load_manifest(reference_dir)
     if loaded.manifest.files.get("tokenizer.json") != ref_loaded.manifest.files.get("tokenizer.json"):
         raise ValueError(f"{reference_dir} has another tokenizer than {model_dir}: its greedy tokens would not compare")
+    if ref_loaded.manifest.sparse_ffn is not None:
+        raise ValueError(f"{reference_dir} is a sparse FFN build (--sparse-ffn {ref_loaded.manifest.sparse_ffn.sparsity:g})"
+                         ": give a dense build as the reference")
     ref = measure(reference_dir, threads, tokens=tokens)
     floor = floor_for([s.weights for s in loaded.manifest.stages], loaded.manifest.sparse_ffn)
     report = _read(model_dir / REPORT_NAME)
@@ -325,6 +329,17 @@ def _write(path: Path, report: dict) -> None:
 def weights_label(weights: list[str]) -> str:
     """One label when every stage stores the same, else ``0: ..., 1: ...``."""
     return weights[0] if len(set(weights)) == 1 else ", ".join(f"{i}: {w}" for i, w in enumerate(weights))
+
+
+def sparse_lines(loaded: LoadedManifest) -> list[str]:
+    """What a calibrated sparse FFN build states in its manifest (none for another build)."""
+    e = loaded.manifest.sparse_ffn
+    if e is None:
+        return []
+    return [f"sparse FFN: S = {e.sparsity:g} (|silu(gate)| thresholds calibrated on {e.calibration_tokens} tokens of "
+            f"{e.calibration}); as built: perplexity {e.ppl_increase:+.2%} over {e.quality_tokens} tokens, agreement "
+            f"{e.agreement:.3f} against its dense build; held to <= {e.max_ppl_increase:+.1%}, >= {e.min_agreement:.2f} "
+            "(the floor below adds these to its weights' own)"]
 
 
 def report_lines(mine: Measurement, comparison: Comparison | None) -> tuple[list[str], bool | None]:

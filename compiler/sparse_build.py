@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,18 +35,30 @@ class Limits:
     max_ppl_increase: float = MAX_PPL_INCREASE
     min_agreement: float = MIN_AGREEMENT
 
+    def __post_init__(self) -> None:
+        """``ValueError`` for a limit no build could be held to: not a finite perplexity increase >= 0, not an
+        agreement in [0, 1]."""
+        if not (math.isfinite(self.max_ppl_increase) and self.max_ppl_increase >= 0):
+            raise ValueError(f"--max-ppl-increase {self.max_ppl_increase}: give the fraction perplexity may rise over "
+                             "the dense build's, 0 or more (e.g. 0.05)")
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise ValueError(f"--min-agreement {self.min_agreement}: give the share of the dense build's greedy tokens "
+                             "to keep, between 0 and 1 (e.g. 0.85)")
+
 
 def calibrate_on_dense(build_dense: Callable[[Path], object], dense_dir: Path, sparsity: float,
                        text_file: Path | None) -> Calibration:
     """``build_dense(dense_dir)`` (the same model, layers and weights without the sparse FFN), then the thresholds
-    for ``sparsity`` measured on it over the calibration text (``text_file``, or compiler/calibrate.py's default).
-    ``CalibrationError`` for a text too short; the dense build's own errors as they are."""
-    from .calibrate import calibrate, calibration_ids  # OpenVINO: not for fleet-compiler --help
+    for ``sparsity`` measured on it over the calibration text (``text_file``, or compiler/calibrate.py's default;
+    read and checked first, so that a bad one fails before the dense build). ``CalibrationError`` for a text that
+    cannot be read or is too short; the dense build's own errors as they are."""
+    from .calibrate import calibrate, calibration_ids, calibration_text  # OpenVINO: not for fleet-compiler --help
 
+    text = calibration_text(text_file)
     build_dense(dense_dir)
-    ids, text = calibration_ids(dense_dir, text_file)
+    ids = calibration_ids(dense_dir, text)
     calibration = calibrate(dense_dir, sparsity, ids, text)
-    log.info("calibrated the sparse FFN at %.0f%% on %d tokens of %s", 100 * sparsity, len(ids), text)
+    log.info("calibrated the sparse FFN at S = %g on %d tokens of %s", sparsity, len(ids), text.name)
     return calibration
 
 
@@ -72,7 +85,8 @@ def hold_to_limits(staging: Path, dense_dir: Path, calibration: Calibration, man
     layers = manifest.architecture.num_layers
     entry = SparseFfnEntry(activation="silu", sparsity=calibration.sparsity,
                            thresholds=tuple(calibration.thresholds.get(i, 0.0) for i in range(layers)),
-                           calibration=calibration.text, calibration_tokens=calibration.tokens,
+                           calibration=calibration.text.name, calibration_sha256=calibration.text.sha256,
+                           calibration_tokens=calibration.tokens,
                            quality_tokens=QUALITY_TOKENS, ppl_increase=round(c.ppl_increase, 6),
                            agreement=round(c.agreement, 6), max_ppl_increase=limits.max_ppl_increase,
                            min_agreement=limits.min_agreement)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -98,7 +99,8 @@ class SparseFfnEntry:
     activation: str  # "silu": a neuron is skipped where |silu(gate)| <= its layer's threshold
     sparsity: float  # the fraction of each layer's neurons at or under its threshold on the calibration text
     thresholds: tuple[float, ...]  # per layer of the model, in order
-    calibration: str  # the calibration text
+    calibration: str  # the calibration text's name
+    calibration_sha256: str  # of its UTF-8 bytes
     calibration_tokens: int
     quality_tokens: int  # evaluation-text tokens the perplexity was measured on (compiler/quality.py)
     ppl_increase: float  # perplexity / the dense build's - 1
@@ -195,14 +197,26 @@ class Manifest:
                 drafts=tuple(DraftEntry(**d) for d in raw.get("drafts", ())),
                 blobs=tuple(BlobEntry(**b) for b in raw.get("blobs", ())),
                 format=int(raw["format"]),
-                sparse_ffn=_sparse_ffn(raw.get("sparse_ffn")),
+                sparse_ffn=_sparse_ffn(raw.get("sparse_ffn"), int(raw["architecture"]["num_layers"])),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc
 
 
-def _sparse_ffn(raw: dict | None) -> SparseFfnEntry | None:
-    return None if raw is None else SparseFfnEntry(**raw | {"thresholds": tuple(float(t) for t in raw["thresholds"])})
+def _sparse_ffn(raw: dict | None, layers: int) -> SparseFfnEntry | None:
+    """The manifest's ``sparse_ffn`` entry, checked field by field (``ManifestError`` naming the first bad one)."""
+    if raw is None:
+        return None
+    entry = SparseFfnEntry(**raw | {"thresholds": tuple(raw["thresholds"])})
+    numbers = {"sparsity": entry.sparsity, "ppl_increase": entry.ppl_increase, "agreement": entry.agreement,
+               "max_ppl_increase": entry.max_ppl_increase, "min_agreement": entry.min_agreement}
+    for name, value in (numbers | {f"thresholds[{i}]": t for i, t in enumerate(entry.thresholds)}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ManifestError(f"malformed manifest: sparse_ffn.{name} is {value!r}, not a finite number")
+    if entry.activation != "silu" or len(entry.thresholds) != layers:
+        raise ManifestError(f"malformed manifest: sparse_ffn holds {len(entry.thresholds)} {entry.activation!r} "
+                            f"thresholds; this fleet reads {layers} 'silu' ones, a layer each")
+    return entry
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -57,11 +57,13 @@ def log_softmax(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
 
 
 def test_each_layer_skips_s_of_its_activations_on_the_calibration_text(sparse_build, demo_hf):
-    from compiler.calibrate import CALIBRATION_TOKENS, calibration_ids
+    from compiler.calibrate import CALIBRATION_TOKENS, calibration_ids, calibration_text
 
     entry = load_manifest(sparse_build).manifest.sparse_ffn
-    ids, text = calibration_ids(sparse_build, None)
-    assert (entry.calibration, entry.calibration_tokens, len(ids)) == (text, CALIBRATION_TOKENS, CALIBRATION_TOKENS)
+    text = calibration_text(None)
+    ids = calibration_ids(sparse_build, text)
+    assert (entry.calibration, entry.calibration_sha256) == (text.name, text.sha256)
+    assert entry.calibration_tokens == len(ids) == CALIBRATION_TOKENS
     model = masked_reference(demo_hf, None)
     log_softmax(model, ids)
     for layer, t in enumerate(entry.thresholds):
@@ -120,6 +122,10 @@ def test_the_manifest_states_the_measured_loss_and_inspect_holds_it(sparse_build
                           "--tokens", str(QUALITY_TOKENS)]) == 0
     out = capsys.readouterr().out
     assert "quality: OK" in out and f"<= {0.001 + MAX_PPL_INCREASE:+.1%}, >= {MIN_AGREEMENT:.2f}" in out, out
+    assert f"as built: perplexity {entry.ppl_increase:+.2%} over {QUALITY_TOKENS} tokens" in out  # the manifest's
+    # a sparse build is measured against a dense one, never the other way round
+    assert compiler_main(["inspect", str(build_1), "--quality", "--reference", str(sparse_build)]) == 2
+    assert "is a sparse FFN build (--sparse-ffn 0.2): give a dense build as the reference" in capsys.readouterr().err
 
 
 def test_a_build_past_its_stated_loss_is_refused_with_nothing_written(tmp_path, demo_hf):
@@ -130,15 +136,47 @@ def test_a_build_past_its_stated_loss_is_refused_with_nothing_written(tmp_path, 
     with pytest.raises(BuildError, match=r"--sparse-ffn 0.5: perplexity \+\d+\.\d\d% against the dense build over "
                                          r"1024 tokens, greedy agreement 0\.\d+, past the stated loss"):
         build(demo_hf, tmp_path / "lossy", shards=1, ffn_sparsity=0.5, limits=Limits(max_ppl_increase=0.1))
-    assert not (tmp_path / "lossy").exists()
+    assert list(tmp_path.iterdir()) == []  # nor the dense reference it was measured against, nor a partial build
 
 
-def test_a_calibration_text_too_short_is_refused(sparse_build, tmp_path):
-    from compiler.calibrate import CalibrationError, calibration_ids
+def test_a_calibration_text_that_cannot_serve_is_refused_before_the_dense_build(sparse_build, tmp_path, demo_hf):
+    import os
+
+    from compiler.build import build
+    from compiler.calibrate import MAX_TEXT_BYTES, CalibrationError, calibration_ids, calibration_text
 
     short = tmp_path / "short.txt"
     short.write_text("Only a few words to calibrate on.")
-    with pytest.raises(CalibrationError, match="has 9 tokens; give one of at least 256"):
-        calibration_ids(sparse_build, short)
-    ids, text = calibration_ids(sparse_build, EVAL_TEXT, tokens=300)
-    assert (len(ids), text) == (300, EVAL_TEXT.name)
+    with pytest.raises(CalibrationError, match="short.txt has 9 tokens; give one of at least 256"):
+        calibration_ids(sparse_build, calibration_text(short))
+    binary, fifo, huge = tmp_path / "model.bin", tmp_path / "fifo", tmp_path / "huge.txt"
+    binary.write_bytes(b"\x00\xc6\xff" * 100)
+    os.mkfifo(fifo)
+    for path, says in ((tmp_path / "missing.txt", "No such file"), (tmp_path, "not a regular file"),
+                       (fifo, "not a regular file"), (binary, "not UTF-8 text")):
+        with pytest.raises(CalibrationError, match=f"--calibration-text {path}: {says}"):
+            build(demo_hf, tmp_path / "out", shards=1, ffn_sparsity=0.2, calibration_text=path)
+        assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+    huge.write_text("é" * MAX_TEXT_BYTES)  # 2 MiB: only the first MiB is read, and its cut last character dropped
+    text = calibration_text(huge)
+    assert text.text == "é" * (MAX_TEXT_BYTES // 2) and text.name == "huge.txt"
+    assert len(calibration_ids(sparse_build, calibration_text(EVAL_TEXT), tokens=300)) == 300
+
+
+def test_a_hand_edited_sparse_entry_is_refused_by_name(sparse_build, tmp_path):
+    import json
+    import shutil
+
+    from fleet_common.manifest import ManifestError
+
+    copy = tmp_path / "edited"
+    shutil.copytree(sparse_build, copy)
+    raw = json.loads((copy / "manifest.json").read_text())
+    for field, value, says in (("max_ppl_increase", "0.05", "sparse_ffn.max_ppl_increase is '0.05', not a finite"),
+                               ("agreement", None, "sparse_ffn.agreement is None"),
+                               ("thresholds", "abc", "sparse_ffn.thresholds\\[0\\] is 'a'"),
+                               ("thresholds", [0.1, 0.2], "holds 2 'silu' thresholds; this fleet reads 30"),
+                               ("activation", "gelu", "holds 30 'gelu' thresholds")):
+        (copy / "manifest.json").write_text(json.dumps({**raw, "sparse_ffn": {**raw["sparse_ffn"], field: value}}))
+        with pytest.raises(ManifestError, match=says):
+            load_manifest(copy)

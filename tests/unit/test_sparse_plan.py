@@ -23,7 +23,7 @@ def test_a_sparse_layer_reads_gate_and_the_kept_rows_of_up_and_down_t():
     attention = 4096 * 4096 * 4  # q, k, v, o (32 KV heads)
     ffn = 4096 * 11008
     assert DENSE.layer_params == attention + 3 * ffn and DENSE.read_fraction == 1.0
-    for sparsity in (0.0, 0.5, 0.88):
+    for sparsity in (0.01, 0.5, 0.88):
         dims = DENSE.with_sparse_ffn(sparsity, "relu")
         expected = (attention + ffn + 2 * (1 - sparsity) * ffn) / (attention + 3 * ffn)
         assert dims.read_fraction == pytest.approx(expected, rel=1e-12)
@@ -53,8 +53,8 @@ def test_refused_by_name():
     assert DENSE.with_sparse_ffn(0.3, "silu").ffn_sparsity == 0.3  # SwiGLU: calibrated (build --sparse-ffn 0.3)
     with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh'"):
         DENSE.with_sparse_ffn(0.5, "gelu_pytorch_tanh")
-    for bad in (1.0, -0.1):
-        with pytest.raises(ValueError, match="0 <= s < 1"):
+    for bad in (0.0, 1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="0 < s < 1"):
             DENSE.with_sparse_ffn(bad, "relu")
     with pytest.raises(ValueError, match="--weights int8"):
         plan(DENSE.with_sparse_ffn(0.5, "relu"), nodes("a:12GiB", "b:12GiB"), weights="int8", max_context=2048)
@@ -71,7 +71,7 @@ def test_plan_and_build_commands(tmp_path, capsys):
     assert read_plan(out).dims.ffn_sparsity == 0.88
     # build --plan: the plan's choice must be the build's, both ways
     assert compiler_main(["build", str(hf), "--plan", str(out), "-o", str(tmp_path / "b1")]) == 2
-    assert "the plan was made for a sparse FFN build: add --sparse-ffn" in capsys.readouterr().err
+    assert "the plan was made for a sparse FFN build at 0.88: add --sparse-ffn (a ReLU model)" in capsys.readouterr().err
     dense_out = tmp_path / "dense.json"
     assert compiler_main(argv + ["-o", str(dense_out)]) == 0
     assert compiler_main(["build", str(hf), "--plan", str(dense_out), "--sparse-ffn", "-o", str(tmp_path / "b2")]) == 2
@@ -82,6 +82,15 @@ def test_plan_and_build_commands(tmp_path, capsys):
     # a SwiGLU model's plan at S: its build must skip that S
     (hf / "config.json").write_text(json.dumps({**PROSPARSE, "hidden_act": "silu"}))
     assert compiler_main(argv + ["--sparse-ffn", "0.3", "-o", str(out)]) == 0
-    capsys.readouterr()
+    assert f"fleet-compiler build SRC --plan {out} --sparse-ffn 0.3 -o BUILD" in capsys.readouterr().out
     assert compiler_main(["build", str(hf), "--plan", str(out), "--sparse-ffn", "0.5", "-o", str(tmp_path / "b3")]) == 2
     assert "--sparse-ffn 0.5 differs from the plan's 0.3" in capsys.readouterr().err
+    assert compiler_main(["build", str(hf), "--plan", str(out), "-o", str(tmp_path / "b4")]) == 2
+    assert "or --sparse-ffn 0.3 (a SwiGLU model)" in capsys.readouterr().err
+    # the calibration's options mean nothing without --sparse-ffn S, and impossible limits are refused first
+    for extra, says in ((["--min-agreement", "0.9"], "--min-agreement: for a calibrated sparse FFN build only"),
+                        (["--sparse-ffn", "0.2", "--max-ppl-increase", "nan"], "--max-ppl-increase nan: give"),
+                        (["--sparse-ffn", "0.2", "--min-agreement", "1.5"], "--min-agreement 1.5: give")):
+        assert compiler_main(["build", str(hf), "-o", str(tmp_path / "b5"), *extra]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "b5").exists()
