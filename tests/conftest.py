@@ -283,8 +283,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # The slowest test files, slowest first (wall seconds of each, fixtures included, in the serial rehearsal of
 # 2026-12-06): xdist starts them first, so that neither worker is left running a long one alone at the end.
 RUN_FIRST = (
+    "tests/integration/test_sparse_swiglu.py",  # 275 s in the rehearsal of 2026-12-07 (three files at a time)
     "tests/unit/test_kernels_sanitized.py",
     "tests/integration/test_speculative_equivalence.py",
+    "tests/integration/test_sparse_shapes.py",  # 125 s
     "tests/integration/test_fleet_replan.py",
     "tests/integration/test_prefix_cache.py",
     "tests/lan/test_empty_fleet.py",

@@ -129,13 +129,18 @@ def add_status_routes(app: FastAPI, engine: Engine, health: Callable[[], dict]) 
 
 
 def model_card(engine: Engine) -> dict:
-    """The model entry of ``/v1/models``, with two fleet extensions: ``generation_defaults`` (what requests
-    silent on a field get from the model's generation_config.json) and ``fallback_sampling`` (what a chat
+    """The model entry of ``/v1/models``, with fleet extensions: ``generation_defaults`` (what requests
+    silent on a field get from the model's generation_config.json), ``fallback_sampling`` (what a chat
     client sends when its user sets no sampling field: ``sampling.fallback_sampling``, {} when the model
-    has defaults of its own)."""
+    has defaults of its own) and, for a calibrated sparse FFN build, ``sparse_ffn`` (its S and the loss its
+    manifest states against the dense build)."""
     defaults = engine.generation_defaults
-    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "fleet",
+    card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "fleet",
             "generation_defaults": defaults, "fallback_sampling": fallback_sampling(defaults)}
+    if (sparse := engine.manifest.sparse_ffn) is not None:
+        card["sparse_ffn"] = {"sparsity": sparse.sparsity, "ppl_increase": sparse.ppl_increase,
+                              "agreement": sparse.agreement, "quality_tokens": sparse.quality_tokens}
+    return card
 
 
 def add_model_routes(app: FastAPI, engine: Engine) -> None:

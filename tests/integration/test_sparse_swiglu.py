@@ -180,3 +180,21 @@ def test_a_hand_edited_sparse_entry_is_refused_by_name(sparse_build, tmp_path):
         (copy / "manifest.json").write_text(json.dumps({**raw, "sparse_ffn": {**raw["sparse_ffn"], field: value}}))
         with pytest.raises(ManifestError, match=says):
             load_manifest(copy)
+
+
+def test_a_fleet_serves_the_sparse_build_and_says_so(sparse_build, tmp_path):
+    import httpx
+
+    from tests.conftest import Fleet, chat
+
+    entry = load_manifest(sparse_build).manifest.sparse_ffn
+    fleet = Fleet(sparse_build, tmp_path, peers=True)
+    try:
+        card = httpx.get(f"{fleet.url}/v1/models", timeout=30).json()["data"][0]
+        r = chat(fleet.url, "What is the capital of France?", max_tokens=16)
+    finally:
+        fleet.stop()
+    assert card["sparse_ffn"] == {"sparsity": SPARSITY, "ppl_increase": entry.ppl_increase,
+                                  "agreement": entry.agreement, "quality_tokens": entry.quality_tokens}
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]  # greedy, its int8 kernels: still the answer
