@@ -73,8 +73,7 @@ def hold_to_limits(staging: Path, dense_dir: Path, calibration: Calibration, man
     from .save import BuildError
 
     _, c = compare(staging, dense_dir, tokens=QUALITY_TOKENS)
-    for folder in (staging, dense_dir):  # the measurement's cache: not part of the build
-        (folder / "quality.json").unlink(missing_ok=True)
+    (staging / "quality.json").unlink(missing_ok=True)  # the measurement's cache: not part of the build
     measured = (f"perplexity {c.ppl_increase:+.2%} against the dense build over {QUALITY_TOKENS} tokens, greedy "
                 f"agreement {c.agreement:.3f}")
     if c.ppl_increase > limits.max_ppl_increase or c.agreement < limits.min_agreement:

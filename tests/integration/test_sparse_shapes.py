@@ -1,5 +1,5 @@
 """The sparse FFN on ReLU models of real models' shapes (issue 47): MiniCPM-S-1B's and ProSparse-Llama-2-7B's
-dimensions, a few of their layers, random weights whose sparsity is set to 88% (the ProSparse models' measured
+dimensions, a few of their layers (3 and 1: the suite's time), random weights whose sparsity is set to 88% (the ProSparse models' measured
 share) by bench/kernels/sparse_model_bench.py's construction (a per-neuron gate bias over a constant residual
 coordinate, neurons hot and cold by a power law), its layers' updates (``update_std``) large enough that the MLPs
 move the logits by far more than rounding, small enough that each layer's sparsity stays within 0.03 of the set. transformers measures the zeros of every layer's ReLU and gives the
@@ -34,7 +34,7 @@ def transformers_log_probs(folder, ids: list[int], mlp: bool = True) -> np.ndarr
         return torch.log_softmax(model(torch.tensor([ids])).logits[0], -1).numpy()
 
 
-@pytest.mark.parametrize("shape, layers, update_std", [("minicpm-s-1b", 4, 2e-4), ("prosparse-7b", 2, 5e-5)])
+@pytest.mark.parametrize("shape, layers, update_std", [("minicpm-s-1b", 3, 2e-4), ("prosparse-7b", 1, 5e-5)])
 def test_a_relu_model_of_real_shape_at_88_percent_computes_what_its_dense_build_does(shape, layers, update_std, tmp_path,
                                                                                       demo_hf):
     from compiler.build import build

@@ -128,15 +128,27 @@ def test_the_manifest_states_the_measured_loss_and_inspect_holds_it(sparse_build
     assert "is a sparse FFN build (--sparse-ffn 0.2): give a dense build as the reference" in capsys.readouterr().err
 
 
-def test_a_build_past_its_stated_loss_is_refused_with_nothing_written(tmp_path, demo_hf):
-    from compiler.build import build
-    from compiler.save import BuildError
-    from compiler.sparse_build import Limits
+def test_a_build_past_its_stated_loss_is_refused(sparse_build, build_1, tmp_path):
+    """The build's last step (compiler/sparse_build.py ``hold_to_limits``) on a copy of the sparse build, held to a
+    stricter limit than it meets: refused with the measurement, its manifest untouched (``build`` then removes its
+    staging folder and the dense reference, as for any error: the calibration-text test below checks that)."""
+    import shutil
 
-    with pytest.raises(BuildError, match=r"--sparse-ffn 0.5: perplexity \+\d+\.\d\d% against the dense build over "
-                                         r"1024 tokens, greedy agreement 0\.\d+, past the stated loss"):
-        build(demo_hf, tmp_path / "lossy", shards=1, ffn_sparsity=0.5, limits=Limits(max_ppl_increase=0.1))
-    assert list(tmp_path.iterdir()) == []  # nor the dense reference it was measured against, nor a partial build
+    from compiler.calibrate import Calibration, CalibrationText
+    from compiler.save import BuildError
+    from compiler.sparse_build import Limits, hold_to_limits
+
+    copy = tmp_path / "staging"
+    shutil.copytree(sparse_build, copy)
+    before = (copy / "manifest.json").read_bytes()
+    e = load_manifest(copy).manifest.sparse_ffn
+    calibration = Calibration(e.sparsity, dict(enumerate(e.thresholds)), CalibrationText(e.calibration, "", ""),
+                              e.calibration_tokens)
+    with pytest.raises(BuildError, match=r"--sparse-ffn 0.2: perplexity \+\d\.\d\d% against the dense build over "
+                                         r"1024 tokens, greedy agreement 0\.\d+, past the stated loss \(perplexity at "
+                                         r"most \+1\.0%, agreement at least 0.85\): skip fewer neurons"):
+        hold_to_limits(copy, build_1, calibration, load_manifest(copy).manifest, Limits(max_ppl_increase=0.01))
+    assert (copy / "manifest.json").read_bytes() == before and not (copy / "quality.json").exists()
 
 
 def test_a_calibration_text_that_cannot_serve_is_refused_before_the_dense_build(sparse_build, tmp_path, demo_hf):

@@ -37,7 +37,8 @@ class StandInEngine:
         self.settings = CoordinatorSettings(model=model, **settings)
         self.tokenizer = ChatTokenizer(model)
         vocab_size = self.tokenizer.tokenizer.get_vocab_size()
-        self.manifest = SimpleNamespace(architecture=SimpleNamespace(vocab_size=vocab_size, model_type="llama"))
+        self.manifest = SimpleNamespace(architecture=SimpleNamespace(vocab_size=vocab_size, model_type="llama"),
+                                        sparse_ffn=None)
         self.metrics = SimpleNamespace(registry=CollectorRegistry())
         self.generation_defaults = generation_defaults or {}
         self.requests: list[tuple[Request, str, str]] = []
