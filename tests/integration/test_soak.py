@@ -63,7 +63,10 @@ SCHEMA_EVERY = 4  # the hostile client's rounds per hostile schema
 ON_TIME_S = 60  # a request answered at its first attempt took at most this (about 1-6 s here with 6 clients;
 # 20.9 s and 31.8 s (12 greedy tokens at 0.4 tok/s, drafting) while the parallel suite shared the 2 cores with
 # other work on a slow host: a hang is minutes)
-STALL_S, STALL_EVERY_S = 1.5, 8.0  # stage 0's worker is paused this long this often
+# stage 0's worker is paused this long this often: as long as a health check's deadline (1 s). At 1.5 s, one
+# rehearsal of 2026-12-07 in three saw the worker, busy after the pause on a loaded machine, miss three checks in a
+# row (the coordinator's limit, about 3 s) and be declared lost
+STALL_S, STALL_EVERY_S = 1.0, 8.0
 
 
 def body_for(rng: random.Random) -> tuple[dict, str | None]:
