@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from fleet_common.manifest import load_manifest
-from fleet_common.runtime import KVSession, compile_config, kernels_at, run_chunk, stage_core
+from fleet_common.runtime import compile_config, kernels_at, stage_core
+
+from .quality import CHUNK, StageChain  # CHUNK: tokens per infer call; the least a calibration text must give
 
 CALIBRATION_TOKENS = 2048
-CHUNK = 256  # tokens per infer call, as the quality check feeds them; the least a calibration text must give
 MAX_TEXT_BYTES = 1 << 20  # read of a calibration file: 2,048 tokens of any language take far less
 DEFAULT_TEXT = "Python's documentation topics (pydoc_data.topics, sorted by topic)"
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -111,8 +112,9 @@ def _gate_outputs(model) -> dict[int, object]:  # noqa: ANN001 - ov.Model -> {la
 
 
 def calibrate(dense_dir: Path, sparsity: float, ids: list[int], text: CalibrationText, threads: int = 0) -> Calibration:
-    """Thresholds for ``sparsity`` (0 < S < 1) from the dense build in ``dense_dir``: its stages run ``ids`` in
-    chunks of ``CHUNK`` at f32 and each layer's t is the S-quantile of |silu(gate)| over [tokens x neurons].
+    """Thresholds for ``sparsity`` (0 < S < 1) from the dense build in ``dense_dir``: its stages, each with its
+    layers' silu(gate) as more outputs, run ``ids`` in chunks of ``CHUNK`` at f32 (compiler/quality.py
+    ``StageChain``) and each layer's t is the S-quantile of |silu(gate)| over [tokens x neurons].
     ``CalibrationError`` when a stage has a layer without a SwiGLU gate to measure."""
     loaded = load_manifest(dense_dir)
     core = stage_core()
@@ -129,15 +131,12 @@ def calibrate(dense_dir: Path, sparsity: float, ids: list[int], text: Calibratio
         model.add_outputs([gates[i] for i in layers])
         stages.append((core.compile_model(model, "CPU", config), layers, first))
     magnitudes: dict[int, list[np.ndarray]] = {}
-    sessions = [KVSession(f"calibrate-{i}", c.create_infer_request(), len(ids)) for i, (c, _, _) in enumerate(stages)]
-    for session in sessions:
-        session.reset()
+    chain = StageChain(loaded, compiled=[c for c, _, _ in stages])
+    chain.start(len(ids))
     for c0 in range(0, len(ids), CHUNK):
-        x: np.ndarray = np.asarray([ids[c0:c0 + CHUNK]], dtype=np.int64)
-        for i, (session, (_, layers, first)) in enumerate(zip(sessions, stages)):
-            last = i == len(stages) - 1
-            index = np.array([x.shape[1] - 1], dtype=np.int64) if last else None
-            x, _ = run_chunk(session, "input_ids" if i == 0 else "hidden_states", x, session.length, c0, [], index)
+        chunk = ids[c0:c0 + CHUNK]
+        chain.forward(chunk, c0, np.array([len(chunk) - 1], dtype=np.int64))
+        for session, (_, layers, first) in zip(chain.sessions, stages):
             for k, layer in enumerate(layers):
                 a = session.request.get_output_tensor(first + k).data
                 magnitudes.setdefault(layer, []).append(np.abs(a.reshape(-1, a.shape[-1])).astype(np.float16))

@@ -108,7 +108,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from .locate import locate
 
     _check_weights_args(args)  # bad options fail before the model is even looked for
-    _limits(args)
+    limits = _limits(args)
     located = locate(args.src)  # a path, an Ollama name or an LM Studio model (compiler/locate.py)
     if located.origin != "path":
         print(f"{located.origin} model {args.src}: {located.path}")
@@ -123,7 +123,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
                      stage_weights=args.stage_weights, symmetric=args.symmetric, group_size=args.group_size,
                      ratio=args.ratio, draft_weights=args.draft_weights, progress=sys.stderr.isatty(), devices=devices,
                      sparse_ffn=args.sparse_ffn is True, ffn_sparsity=_sparsity(args.sparse_ffn),
-                     calibration_text=args.calibration_text, limits=_limits(args))
+                     calibration_text=args.calibration_text, limits=limits)
     if devices is not None:
         from fleet_common.manifest import load_manifest
 

@@ -33,11 +33,15 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fleet_common.manifest import LoadedManifest, load_manifest
 from fleet_common.runtime import KVSession, compile_ir, run_chunk
+
+if TYPE_CHECKING:
+    import openvino as ov
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +128,14 @@ class Comparison:
 
 class StageChain:
     """Every stage of a build compiled in this process; a sequence runs through them in order with
-    one KV session per stage (the fleet's pipeline without the network)."""
+    one KV session per stage (the fleet's pipeline without the network). ``compiled``: the stages as the caller
+    compiled them (compiler/calibrate.py: with more outputs), instead of ``compile_ir`` of each."""
 
     def __init__(self, loaded: LoadedManifest, threads: int = 0, precision: str = PRECISION,
-                 kernels: str | None = None) -> None:
+                 kernels: str | None = None, compiled: list[ov.CompiledModel] | None = None) -> None:
         m = loaded.manifest
-        self.compiled = [compile_ir(loaded.directory / s.xml, "CPU", threads, precision, m.kv_cache_precision,
-                                    kernels=kernels)[0] for s in m.stages]
+        self.compiled = compiled or [compile_ir(loaded.directory / s.xml, "CPU", threads, precision,
+                                                m.kv_cache_precision, kernels=kernels)[0] for s in m.stages]
         self.requests = [c.create_infer_request() for c in self.compiled]
         self.sessions: list[KVSession] = []
 

@@ -1,5 +1,5 @@
 """A SwiGLU model's calibrated sparse FFN build (``fleet-compiler build --sparse-ffn S``): the dense build of the same
-weights first (in a temporary folder), its per-layer thresholds measured on a calibration text
+weights first (beside ``-o``, removed after), its per-layer thresholds measured on a calibration text
 (compiler/calibrate.py), the sparse build made with them, and its quality measured against the dense one
 (compiler/quality.py: perplexity on the evaluation text's first ``QUALITY_TOKENS`` tokens, teacher-forced greedy
 agreement on its prompts). A build that loses more than it is allowed is refused, saying what it measured; one
@@ -13,7 +13,6 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -80,7 +79,7 @@ def hold_to_limits(staging: Path, dense_dir: Path, calibration: Calibration, man
         raise BuildError(f"--sparse-ffn {calibration.sparsity}: {measured}, past the stated loss (perplexity at most "
                          f"{limits.max_ppl_increase:+.1%}, agreement at least {limits.min_agreement}): skip fewer "
                          "neurons (a smaller --sparse-ffn), or allow more loss (--max-ppl-increase, --min-agreement)")
-    log.info("sparse FFN at %.0f%%: %s", 100 * calibration.sparsity, measured)
+    log.info("sparse FFN at S = %g: %s", calibration.sparsity, measured)
     layers = manifest.architecture.num_layers
     entry = SparseFfnEntry(activation="silu", sparsity=calibration.sparsity,
                            thresholds=tuple(calibration.thresholds.get(i, 0.0) for i in range(layers)),
